@@ -1,0 +1,281 @@
+"""The in-training API: what a rank calls to report metrics and keep checkpoints.
+
+    from ddpq import train
+    train.report(step, loss=loss, epoch=epoch)          # rank 0 sends, in the background
+    train.save_checkpoint(state, step=step, epoch=epoch) # rank 0 writes, then registers
+    state = train.load_checkpoint()                      # resume point, or None
+
+Only rank 0 (``RANK`` unset or 0) reports and checkpoints; on other ranks these
+calls return at once. None of them is collective. ``report`` never blocks a
+training step: it appends to a bounded buffer that a daemon thread sends in
+batches, retrying with backoff while the API is unreachable. Values may be
+tensors: they are turned into floats on the sender thread, so reporting a CUDA
+loss does not synchronise the device on every step.
+
+Without ``DDPQ_URL`` (a plain ``torchrun`` run) nothing is sent: reports go to
+the ``ddpq.train`` logger and checkpoints to ``DDPQ_CHECKPOINT_DIR`` or
+``./checkpoints``, so the same script runs anywhere.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import logging
+import math
+import numbers
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+__all__ = ["flush", "is_master", "load_checkpoint", "report", "save_checkpoint"]
+
+log = logging.getLogger("ddpq.train")
+
+MAX_BUFFERED_POINTS = 100_000  # oldest points are dropped past this (and counted)
+BATCH_ITEMS = 1000  # the API's per-request limit
+SEND_INTERVAL_S = 0.5  # how long points wait to be batched with later ones
+BACKOFF_MAX_S = 10.0
+EXIT_FLUSH_TIMEOUT_S = 30.0
+
+
+def is_master() -> bool:
+    """True on the rank that reports and checkpoints (global rank 0)."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+class _Sender:
+    """Ships metric points and checkpoint registrations to the API from one thread."""
+
+    def __init__(self, url: str, job_id: str, token: str) -> None:
+        self._client = httpx.Client(
+            base_url=url.rstrip("/"),
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=httpx.Timeout(10.0, connect=5.0),
+        )
+        self._job_id = job_id
+        self._points: collections.deque[dict[str, Any]] = collections.deque()
+        self._checkpoints: collections.deque[dict[str, Any]] = collections.deque()
+        self._cond = threading.Condition()
+        self._in_flight = 0
+        self._dropped = 0
+        self._thread = threading.Thread(target=self._run, name="ddpq-train-sender", daemon=True)
+        self._thread.start()
+
+    def add_point(self, item: dict[str, Any]) -> None:
+        with self._cond:
+            if len(self._points) >= MAX_BUFFERED_POINTS:
+                self._points.popleft()
+                self._dropped += 1
+                if self._dropped in (1, 1000) or self._dropped % 100_000 == 0:
+                    log.warning("ddpq: metric buffer full, %d oldest points dropped", self._dropped)
+            self._points.append(item)
+            if len(self._points) >= BATCH_ITEMS:
+                self._cond.notify_all()
+
+    def add_checkpoint(self, body: dict[str, Any]) -> None:
+        with self._cond:
+            self._checkpoints.append(body)
+            self._cond.notify_all()
+
+    def flush(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            self._cond.notify_all()
+            while self._points or self._checkpoints or self._in_flight:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(min(left, 0.1))
+        return True
+
+    def _take(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        with self._cond:
+            if not self._points and not self._checkpoints:
+                self._cond.wait(SEND_INTERVAL_S)
+            n = min(len(self._points), BATCH_ITEMS)
+            points = [self._points.popleft() for _ in range(n)]
+            checkpoints = list(self._checkpoints)
+            self._checkpoints.clear()
+            self._in_flight = len(points) + len(checkpoints)
+            return points, checkpoints
+
+    def _put_back(self, points: list[dict[str, Any]], checkpoints: list[dict[str, Any]]) -> None:
+        with self._cond:
+            self._points.extendleft(reversed(points))
+            self._checkpoints.extendleft(reversed(checkpoints))
+            self._in_flight = 0
+
+    def _run(self) -> None:
+        backoff = 0.5
+        while True:
+            points, checkpoints = self._take()
+            if not points and not checkpoints:
+                with self._cond:
+                    self._in_flight = 0
+                    self._cond.notify_all()
+                continue
+            try:
+                if points:
+                    items = [_materialise(p) for p in points]
+                    self._post("metrics", {"items": items})
+                    points = []
+                while checkpoints:
+                    self._post("checkpoints", checkpoints[0])
+                    checkpoints.pop(0)
+                backoff = 0.5
+            except _Retry as exc:
+                log.debug("ddpq: report failed (%s); retrying in %.1fs", exc, backoff)
+                self._put_back(points, checkpoints)
+                time.sleep(backoff)
+                backoff = min(backoff * 2, BACKOFF_MAX_S)
+                continue
+            with self._cond:
+                self._in_flight = 0
+                self._cond.notify_all()
+
+    def _post(self, what: str, body: dict[str, Any]) -> None:
+        try:
+            r = self._client.post(f"/jobs/{self._job_id}/{what}", json=body)
+        except httpx.HTTPError as exc:
+            raise _Retry(str(exc)) from exc
+        if r.status_code >= 500 or r.status_code == 429:
+            raise _Retry(f"HTTP {r.status_code}")
+        if r.status_code >= 400:
+            # A refusal will not change on retry (e.g. 409: a newer attempt took over).
+            log.warning("ddpq: the API refused %s (HTTP %d): %s", what, r.status_code, r.text[:500])
+
+
+class _Retry(Exception):
+    pass
+
+
+def _to_float(value: Any) -> float:
+    if isinstance(value, numbers.Real):
+        return float(value)
+    item = getattr(value, "item", None)  # a one-element tensor or numpy scalar
+    if item is not None:
+        return float(item())
+    raise TypeError(f"metric values must be numbers or one-element tensors, not {type(value)!r}")
+
+
+def _json_number(x: float) -> float | str:
+    # Non-finite values are information (a diverged loss); JSON has no literal for them.
+    if math.isfinite(x):
+        return x
+    return "NaN" if math.isnan(x) else ("Infinity" if x > 0 else "-Infinity")
+
+
+def _materialise(point: dict[str, Any]) -> dict[str, Any]:
+    values = {k: _json_number(_to_float(v)) for k, v in point["values"].items()}
+    out: dict[str, Any] = {"step": point["step"], "values": values}
+    if point.get("epoch") is not None:
+        out["epoch"] = _json_number(_to_float(point["epoch"]))
+    return out
+
+
+_sender: _Sender | None = None
+_sender_lock = threading.Lock()
+
+
+def _get_sender() -> _Sender | None:
+    global _sender
+    url = os.environ.get("DDPQ_URL")
+    if not url or not is_master():
+        return None
+    with _sender_lock:
+        if _sender is None:
+            _sender = _Sender(url, os.environ["DDPQ_JOB_ID"], os.environ["DDPQ_JOB_TOKEN"])
+            atexit.register(flush, EXIT_FLUSH_TIMEOUT_S)
+        return _sender
+
+
+def _detach(value: Any) -> Any:
+    detach = getattr(value, "detach", None)
+    return detach() if detach is not None else value
+
+
+def report(step: int, *, epoch: float | None = None, **values: Any) -> None:
+    """Record metric values at ``step`` (rank 0 only; returns at once)."""
+    if not is_master():
+        return
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise TypeError(f"step must be an int, not {type(step).__name__}")
+    if not values:
+        raise ValueError("report() needs at least one metric, e.g. report(step, loss=...)")
+    sender = _get_sender()
+    if sender is None:
+        log.info(
+            "step %d%s: %s",
+            step,
+            "" if epoch is None else f" epoch {epoch}",
+            ", ".join(f"{k}={_to_float(v):.6g}" for k, v in values.items()),
+        )
+        return
+    sender.add_point(
+        {"step": step, "epoch": epoch, "values": {k: _detach(v) for k, v in values.items()}}
+    )
+
+
+def checkpoint_dir() -> Path:
+    return Path(os.environ.get("DDPQ_CHECKPOINT_DIR", "checkpoints"))
+
+
+def save_checkpoint(
+    state: dict[str, Any],
+    *,
+    step: int,
+    epoch: float | None = None,
+    metrics: dict[str, float] | None = None,
+) -> Path | None:
+    """Write ``state`` on rank 0 under DDPQ_CHECKPOINT_DIR and register it; None elsewhere.
+
+    The file is written to a temporary name, synced, and renamed, so a crash
+    never leaves a half-written checkpoint under the final name.
+    """
+    if not is_master():
+        return None
+    import torch  # deferred: importing ddpq.train must stay cheap
+
+    directory = checkpoint_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    path = (directory / f"step-{step:09d}.pt").resolve()
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    sender = _get_sender()
+    if sender is not None:
+        body: dict[str, Any] = {"path": str(path), "step": step}
+        if epoch is not None:
+            body["epoch"] = epoch
+        if metrics:
+            body["metrics"] = {k: _json_number(_to_float(v)) for k, v in metrics.items()}
+        sender.add_checkpoint(body)
+    return path
+
+
+def load_checkpoint(map_location: Any = "cpu") -> Any | None:
+    """The checkpoint to resume from (``DDPQ_RESUME_FROM``), or None.
+
+    Loaded with ``weights_only=True``: a checkpoint file never runs code.
+    """
+    path = os.environ.get("DDPQ_RESUME_FROM")
+    if not path or not os.path.exists(path):
+        return None
+    import torch
+
+    return torch.load(path, map_location=map_location, weights_only=True)
+
+
+def flush(timeout: float = EXIT_FLUSH_TIMEOUT_S) -> bool:
+    """Wait until everything reported so far is sent; False if ``timeout`` ran out."""
+    if _sender is None:
+        return True
+    return _sender.flush(timeout)

@@ -1,0 +1,169 @@
+"""The FastAPI application: routers, limits, error mapping, background lease sweeps."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DBAPIError, OperationalError
+
+from service import queue
+from service.config import Settings
+from service.db import Database
+from service.errors import DomainError, Invalid
+from service.routes import jobs, meta, reports, workers
+from service.wakeup import Wakeup
+
+log = logging.getLogger("ddpq.service")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+class BodyLimit:
+    """413 for request bodies over the limit, whether declared or streamed."""
+
+    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for key, value in scope.get("headers", []):
+            if key == b"content-length":
+                try:
+                    too_big = int(value) > self.max_bytes
+                except ValueError:
+                    too_big = False
+                if too_big:
+                    await self._reject(send)
+                    return
+        seen = 0
+        started = False
+
+        async def counted_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise _TooLarge
+            return message
+
+        async def tracked_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, counted_receive, tracked_send)
+        except _TooLarge:
+            if not started:
+                await self._reject(send)
+
+    async def _reject(self, send: Send) -> None:
+        body = f'{{"detail":"request body is larger than {self.max_bytes} bytes"}}'.encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+
+class _TooLarge(Exception):
+    pass
+
+
+async def _sweep_leases(app: FastAPI) -> None:
+    settings: Settings = app.state.settings
+    interval = max(0.5, min(settings.lease_s / 3, 5.0))
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            changed = await run_in_threadpool(queue.expire_leases, app.state.db, settings.lease_s)
+            if changed:
+                log.warning("leases expired for jobs %s", changed)
+                app.state.wakeup.notify()
+        except Exception:  # the sweep must outlive a database outage
+            log.exception("lease sweep failed")
+
+
+def create_app(settings: Settings, api_token: str, worker_token: str, db: Database | None = None) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.wakeup.bind(asyncio.get_running_loop())
+        sweeper = asyncio.create_task(_sweep_leases(app))
+        try:
+            yield
+        finally:
+            sweeper.cancel()
+            app.state.db.dispose()
+
+    app = FastAPI(
+        title="ddpq",
+        version="0.1.0",
+        description="A queue for PyTorch distributed training jobs.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.api_token = api_token
+    app.state.worker_token = worker_token
+    app.state.db = db or Database(settings.resolved_database_url)
+    app.state.wakeup = Wakeup()
+
+    @app.exception_handler(DomainError)
+    async def _domain_error(_: Request, exc: DomainError) -> JSONResponse:
+        if isinstance(exc, Invalid):
+            content: Any = {"detail": [{"loc": list(exc.loc), "msg": exc.detail, "type": "value_error"}]}
+        else:
+            content = {"detail": exc.detail}
+        return JSONResponse(content, status_code=exc.status_code)
+
+    @app.exception_handler(OperationalError)
+    @app.exception_handler(DBAPIError)
+    async def _database_down(_: Request, exc: Exception) -> JSONResponse:
+        # A dropped connection is the database's trouble, not the client's: retry later.
+        log.warning("database error: %s", exc)
+        return JSONResponse(
+            {"detail": "the database is unavailable; retry shortly"},
+            status_code=503,
+            headers={"Retry-After": "2"},
+        )
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = []
+        for e in exc.errors():
+            e = dict(e)
+            e.pop("ctx", None)  # may hold the exception object, which is not JSON
+            e.pop("url", None)
+            try:  # echo the input only when it is small and valid JSON (no NaN)
+                if len(json.dumps(e.get("input"), allow_nan=False)) > 1000:
+                    e.pop("input", None)
+            except (TypeError, ValueError):
+                e.pop("input", None)
+            errors.append(e)
+        return JSONResponse({"detail": errors}, status_code=422)
+
+    app.include_router(meta.router)
+    app.include_router(jobs.router)
+    app.include_router(reports.router)
+    app.include_router(workers.router)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    return app

@@ -1,0 +1,115 @@
+"""Every setting of the API process, read once from ``DDPQ_*`` variables.
+
+Tokens are resolved here too: on a loopback address with none configured, ddpq
+generates them into ``DDPQ_DATA_DIR`` (mode 0600) so that ``make run`` works on a
+laptop; anywhere else it refuses to start rather than run an open job launcher.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import secrets
+from functools import cached_property
+from pathlib import Path
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+API_TOKEN_FILE = "api-token"
+WORKER_TOKEN_FILE = "worker-token"
+MIN_TOKEN_CHARS = 16
+# Tokens seen in tutorials and default configs; refused on a reachable address.
+WELL_KNOWN_TOKENS = frozenset(
+    {"changeme", "change-me", "secret", "password", "token", "admin", "ddpq", "test", "default"}
+)
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="DDPQ_", extra="ignore")
+
+    data_dir: Path = Path("./var")
+    database_url: str | None = None
+    api_token: SecretStr | None = None
+    worker_token: SecretStr | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # A running attempt whose worker has not heart-beaten for this long is lost.
+    lease_s: float = Field(default=30.0, gt=0)
+    # How often workers are asked to heartbeat (they also learn of cancels then).
+    heartbeat_s: float = Field(default=2.0, gt=0)
+    # Longest a worker's claim request is held open waiting for a job.
+    max_claim_wait_s: float = Field(default=30.0, ge=0)
+    # How often an idle long-poll re-checks the database (covers jobs submitted
+    # through another API process until LISTEN/NOTIFY wakes it first).
+    claim_recheck_s: float = Field(default=1.0, gt=0)
+    max_body_bytes: int = 1024 * 1024
+
+    @cached_property
+    def resolved_database_url(self) -> str:
+        if self.database_url:
+            return self.database_url
+        return f"sqlite:///{(self.data_dir / 'ddpq.db').resolve()}"
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class TokenError(RuntimeError):
+    """The service cannot start with the tokens it was given."""
+
+
+def _weak(token: str) -> str | None:
+    if len(token) < MIN_TOKEN_CHARS:
+        return f"shorter than {MIN_TOKEN_CHARS} characters"
+    if token.lower() in WELL_KNOWN_TOKENS:
+        return "a well-known default"
+    return None
+
+
+def _read_or_create(path: Path) -> str:
+    if path.exists():
+        return path.read_text().strip()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_urlsafe(32)
+    # O_EXCL + mode 0600 from the first byte: the token is never world-readable.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token
+
+
+def resolve_tokens(settings: Settings, host: str) -> tuple[str, str]:
+    """Return (api_token, worker_token), generating them on loopback when unset."""
+    loopback = is_loopback(host)
+    found: dict[str, str] = {}
+    for var, secret, filename in (
+        ("DDPQ_API_TOKEN", settings.api_token, API_TOKEN_FILE),
+        ("DDPQ_WORKER_TOKEN", settings.worker_token, WORKER_TOKEN_FILE),
+    ):
+        if secret is not None and secret.get_secret_value().strip():
+            token = secret.get_secret_value().strip()
+            problem = _weak(token)
+            if problem and not loopback:
+                raise TokenError(
+                    f"{var} is {problem}; on a non-loopback address ({host}) set it to a "
+                    "random value, e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`"
+                )
+            found[var] = token
+        elif loopback:
+            found[var] = _read_or_create(settings.data_dir / filename)
+        else:
+            raise TokenError(
+                f"{var} is not set. ddpq runs code on GPU hosts, so it will not listen on "
+                f"{host} without tokens: set DDPQ_API_TOKEN and DDPQ_WORKER_TOKEN "
+                "(two different random values), or listen on 127.0.0.1."
+            )
+    if found["DDPQ_API_TOKEN"] == found["DDPQ_WORKER_TOKEN"]:
+        raise TokenError("DDPQ_API_TOKEN and DDPQ_WORKER_TOKEN must differ")
+    return found["DDPQ_API_TOKEN"], found["DDPQ_WORKER_TOKEN"]

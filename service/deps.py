@@ -1,0 +1,33 @@
+"""Annotated dependencies the route handlers share."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Path, Request
+
+from service.config import Settings
+from service.db import Database
+from service.schemas import INT64_MAX
+from service.wakeup import Wakeup
+
+
+def _db(request: Request) -> Database:
+    db: Database = request.app.state.db
+    return db
+
+
+def _settings(request: Request) -> Settings:
+    settings: Settings = request.app.state.settings
+    return settings
+
+
+def _wakeup(request: Request) -> Wakeup:
+    wakeup: Wakeup = request.app.state.wakeup
+    return wakeup
+
+
+DB = Annotated[Database, Depends(_db)]
+SettingsDep = Annotated[Settings, Depends(_settings)]
+WakeupDep = Annotated[Wakeup, Depends(_wakeup)]
+JobId = Annotated[int, Path(ge=1, le=INT64_MAX, description="the job's id")]

@@ -1,0 +1,45 @@
+"""``ddpq serve``: wait for the database, migrate it, and serve the API."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import uvicorn
+from sqlalchemy.exc import OperationalError
+
+from service import db as dbmod
+from service.app import create_app
+from service.config import Settings, resolve_tokens
+
+log = logging.getLogger("ddpq.service")
+DB_WAIT_S = 60.0
+
+
+def wait_for_database(database: dbmod.Database, timeout_s: float = DB_WAIT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            database.ping()
+            return
+        except OperationalError as exc:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"ddpq: the database is unreachable: {exc}") from exc
+            log.warning("waiting for the database: %s", str(exc).splitlines()[0])
+            time.sleep(1.0)
+
+
+def build(host: str, settings: Settings | None = None) -> tuple[Settings, object]:
+    """Resolve tokens, migrate, and create the app (shared by serve and up)."""
+    settings = settings or Settings()
+    api_token, worker_token = resolve_tokens(settings, host)
+    database = dbmod.Database(settings.resolved_database_url)
+    wait_for_database(database)
+    dbmod.upgrade(settings.resolved_database_url)
+    return settings, create_app(settings, api_token, worker_token, database)
+
+
+def serve(host: str, port: int, log_level: str = "info") -> None:
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _, app = build(host)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)  # type: ignore[arg-type]

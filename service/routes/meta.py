@@ -1,0 +1,45 @@
+"""Health and the recipe list."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse
+
+from service.auth import UserAuth
+from service.catalog import recipes
+from service.deps import DB
+from service.schemas import RecipeArg, RecipePublic, RecipesPublic
+
+router = APIRouter(tags=["meta"])
+
+
+@router.get("/healthz", responses={503: {"description": "the database is unreachable"}})
+async def healthz(db: DB) -> JSONResponse:
+    """Liveness and database reachability (no token needed)."""
+    try:
+        await run_in_threadpool(db.ping)
+    except Exception:
+        return JSONResponse(
+            {"status": "degraded", "database": "unreachable"},
+            status_code=503,
+            headers={"Retry-After": "2"},
+        )
+    return JSONResponse({"status": "ok", "database": "ok"})
+
+
+@router.get("/recipes", response_model=RecipesPublic, dependencies=[UserAuth])
+def list_recipes() -> RecipesPublic:
+    """The built-in training programs and their arguments."""
+    items = [
+        RecipePublic(
+            name=name,
+            description=entry["description"],
+            args=[
+                RecipeArg(name=a["name"], type=a["type"], default=a["default"], help=a["help"])
+                for a in entry["args"]
+            ],
+        )
+        for name, entry in sorted(recipes().items())
+    ]
+    return RecipesPublic(items=items)

@@ -1,0 +1,124 @@
+"""The worker protocol, with the worker token: register, claim, heartbeat, logs, finish."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import Response
+
+from service import jobs, queue
+from service.auth import WorkerAuth, mint_job_token
+from service.deps import DB, JobId, SettingsDep, WakeupDep
+from service.errors import DomainError, NotFound
+from service.models import Worker, utcnow
+from service.schemas import (
+    ClaimedJob,
+    ClaimRequest,
+    FinishRequest,
+    Heartbeat,
+    HeartbeatReply,
+    JobPublic,
+    LogAppended,
+    RunningAttempt,
+    WorkerName,
+    WorkerRegister,
+    WorkerRegistered,
+)
+
+router = APIRouter(prefix="/workers", dependencies=[WorkerAuth], tags=["workers"])
+MAX_LOG_CHUNK_BYTES = 1024 * 1024
+
+
+@router.post("/register", response_model=WorkerRegistered)
+def register(body: WorkerRegister, db: DB, settings: SettingsDep) -> WorkerRegistered:
+    """Announce a worker and what it has (again after a restart)."""
+    now = utcnow()
+    with db.write() as s:
+        w = s.get(Worker, body.name)
+        if w is None:
+            w = Worker(name=body.name, registered_at=now)
+            s.add(w)
+        w.hostname = body.hostname
+        w.cpu_slots = body.cpu_slots
+        w.gpus = sorted(set(body.gpus))
+        w.checkpoint_root = body.checkpoint_root
+        w.last_heartbeat = now
+    return WorkerRegistered(name=body.name, heartbeat_s=settings.heartbeat_s, lease_s=settings.lease_s)
+
+
+class UnknownWorker(NotFound):
+    pass
+
+
+@router.post(
+    "/claim",
+    response_model=ClaimedJob,
+    responses={204: {"description": "no job fitted before wait_s ran out"}},
+)
+async def claim(
+    body: ClaimRequest, request: Request, db: DB, settings: SettingsDep, wakeup: WakeupDep
+) -> ClaimedJob | Response:
+    """Long-poll for the next job that fits the worker's free slots."""
+    deadline = time.monotonic() + min(body.wait_s, settings.max_claim_wait_s)
+    while True:
+        seen = wakeup.generation
+        token, token_hash = mint_job_token()
+        try:
+            claimed = await run_in_threadpool(
+                queue.claim_next_job, db, body.name, body.free_cpu_slots, body.free_gpus, token_hash
+            )
+        except LookupError:
+            raise UnknownWorker(f"worker {body.name} is not registered") from None
+        if claimed is not None:
+            return ClaimedJob(token=token, **claimed.__dict__)
+        left = deadline - time.monotonic()
+        if left <= 0 or await request.is_disconnected():
+            return Response(status_code=204)
+        await wakeup.wait(seen, min(left, settings.claim_recheck_s))
+
+
+@router.post("/heartbeat", response_model=HeartbeatReply)
+def heartbeat(body: Heartbeat, db: DB) -> HeartbeatReply:
+    """Extend the leases of the worker's attempts; learn which to stop."""
+    try:
+        cancel, abandon = queue.record_heartbeat(
+            db, body.name, [(r.job_id, r.attempt) for r in body.running]
+        )
+    except LookupError:
+        raise UnknownWorker(f"worker {body.name} is not registered") from None
+    return HeartbeatReply(
+        cancel=[RunningAttempt(job_id=j, attempt=a) for j, a in cancel],
+        abandon=[RunningAttempt(job_id=j, attempt=a) for j, a in abandon],
+    )
+
+
+@router.post("/jobs/{job_id}/logs", status_code=202, response_model=LogAppended)
+async def append_log(
+    job_id: JobId,
+    request: Request,
+    db: DB,
+    worker: Annotated[WorkerName, Query()],
+    attempt: Annotated[int, Query(ge=1, le=2**31 - 1)],
+    offset: Annotated[int, Query(ge=0, le=2**62)],
+) -> LogAppended:
+    """Append raw output bytes of an attempt, starting at ``offset`` of its own stream."""
+    data = await request.body()
+    if len(data) > MAX_LOG_CHUNK_BYTES:
+        raise DomainError(f"a log chunk is at most {MAX_LOG_CHUNK_BYTES} bytes")
+    next_offset = await run_in_threadpool(jobs.append_log, db, job_id, attempt, worker, offset, data)
+    return LogAppended(next_offset=next_offset)
+
+
+class FinishBody(FinishRequest):
+    worker: WorkerName
+
+
+@router.post("/jobs/{job_id}/finish", response_model=JobPublic)
+async def finish(job_id: JobId, body: FinishBody, db: DB, wakeup: WakeupDep) -> JobPublic:
+    """Report how an attempt ended (after its processes are gone)."""
+    job = await run_in_threadpool(jobs.finish_attempt, db, job_id, body.worker, body)
+    wakeup.notify()  # its slots are free again
+    return job

@@ -1,0 +1,191 @@
+"""The worker's main loop: register, long-poll for jobs that fit, heartbeat, shut down cleanly."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+from pathlib import Path
+from typing import Any
+
+from worker.api import Refused, Unavailable, WorkerAPI, retry
+from worker.runner import JobRunner
+
+log = logging.getLogger("ddpq.worker")
+
+CLAIM_WAIT_S = 10.0  # also bounds how long shutdown waits for an open claim
+
+
+class Agent:
+    def __init__(
+        self,
+        *,
+        url: str,
+        token: str,
+        name: str | None,
+        workspace: Path,
+        data_dir: Path,
+        checkpoint_dir: Path | None,
+        cpu_slots: int,
+        gpus: list[int],
+        kill_grace_s: float = 10.0,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.name = name or socket.gethostname()
+        self.workspace = workspace.resolve()
+        self.data_dir = data_dir.resolve()
+        self.checkpoint_root = (checkpoint_dir or self.data_dir / "checkpoints").resolve()
+        self.cpu_slots = cpu_slots
+        self.gpus = sorted(set(gpus))
+        self.kill_grace_s = kill_grace_s
+        self.api = WorkerAPI(self.url, token, self.name)
+        self.heartbeat_s = 2.0
+        self.stopping = threading.Event()
+        self._lock = threading.Lock()
+        self._runners: dict[tuple[int, int], JobRunner] = {}
+        self._slots_changed = threading.Event()
+
+    # ---- slots ------------------------------------------------------------------
+
+    def free(self) -> tuple[int, list[int]]:
+        with self._lock:
+            used_cpu = sum(
+                r.claim["nproc_per_node"] for r in self._runners.values() if r.claim["device"] == "cpu"
+            )
+            used_gpus = {g for r in self._runners.values() for g in r.claim["gpus"]}
+        return max(0, self.cpu_slots - used_cpu), [g for g in self.gpus if g not in used_gpus]
+
+    def release(self, runner: JobRunner) -> None:
+        """Called by a runner once its processes are gone and its end is reported."""
+        with self._lock:
+            self._runners.pop((runner.job_id, runner.attempt), None)
+        self._slots_changed.set()
+
+    def running(self) -> list[JobRunner]:
+        with self._lock:
+            return list(self._runners.values())
+
+    # ---- loops ------------------------------------------------------------------
+
+    def register(self) -> None:
+        reply = retry(
+            lambda: self.api.register(
+                {
+                    "name": self.name,
+                    "hostname": socket.gethostname(),
+                    "cpu_slots": self.cpu_slots,
+                    "gpus": self.gpus,
+                    "checkpoint_root": str(self.checkpoint_root),
+                }
+            ),
+            what="register",
+            stop=self.stopping,
+        )
+        self.heartbeat_s = float(reply["heartbeat_s"])
+
+    def _heartbeat_loop(self) -> None:
+        while not self.stopping.wait(self.heartbeat_s):
+            self.heartbeat_once()
+        # Keep leases alive while running jobs are being stopped during shutdown.
+        while self.running() and not self._all_done.wait(self.heartbeat_s):
+            self.heartbeat_once()
+
+    def heartbeat_once(self) -> None:
+        runners = {(r.job_id, r.attempt): r for r in self.running()}
+        try:
+            reply = self.api.heartbeat([{"job_id": j, "attempt": a} for j, a in runners])
+        except Unavailable as exc:
+            log.warning("heartbeat: API unavailable (%s)", exc)
+            return
+        except Refused as exc:
+            if exc.status == 404:  # the service forgot us (e.g. a fresh database)
+                self.register()
+            else:
+                log.warning("heartbeat refused: %s", exc)
+            return
+        for item in reply.get("cancel", []):
+            r = runners.get((item["job_id"], item["attempt"]))
+            if r is not None:
+                r.request_stop("cancelled")
+        for item in reply.get("abandon", []):
+            r = runners.get((item["job_id"], item["attempt"]))
+            if r is not None:
+                log.warning("job %s attempt %s is no longer ours; stopping it", r.job_id, r.attempt)
+                r.request_stop("abandoned")
+
+    def _claim_loop(self) -> None:
+        backoff = 0.5
+        while not self.stopping.is_set():
+            free_cpu, free_gpus = self.free()
+            if free_cpu == 0 and not free_gpus:
+                self._slots_changed.wait(1.0)
+                self._slots_changed.clear()
+                continue
+            try:
+                claim = self.api.claim(free_cpu, free_gpus, CLAIM_WAIT_S)
+                backoff = 0.5
+            except Unavailable as exc:
+                log.warning("claim: API unavailable (%s)", exc)
+                self.stopping.wait(backoff)
+                backoff = min(backoff * 2, 10.0)
+                continue
+            except Refused as exc:
+                if exc.status == 404:
+                    self.register()
+                    continue
+                log.error("claim refused: %s", exc)
+                self.stopping.wait(5.0)
+                continue
+            if claim is not None:
+                self._start(claim)
+
+    def _start(self, claim: dict[str, Any]) -> None:
+        runner = JobRunner(self, claim)
+        with self._lock:
+            self._runners[(runner.job_id, runner.attempt)] = runner
+        log.info("job %s attempt %s: starting (%s)", runner.job_id, runner.attempt, claim["device"])
+        if self.stopping.is_set():
+            runner.request_stop("shutdown")
+        runner.start()
+
+    def run(self) -> None:
+        """Serve until SIGTERM or SIGINT, then hand running jobs back to the queue."""
+        self._all_done = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.stopping.set())
+        self.register()
+        log.info(
+            "worker %s: %d CPU slots, GPUs %s, workspace %s, API %s",
+            self.name, self.cpu_slots, self.gpus or "none", self.workspace, self.url,
+        )
+        heartbeat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
+        heartbeat.start()
+        claimer = threading.Thread(target=self._claim_loop, name="claim", daemon=True)
+        claimer.start()
+        self.stopping.wait()
+        log.info("worker %s: shutting down; stopping %d job(s)", self.name, len(self.running()))
+        for r in self.running():
+            r.request_stop("shutdown")
+        # A claim answered during shutdown is handed straight back by _start.
+        claimer.join(timeout=CLAIM_WAIT_S + 20)
+        for r in self.running():
+            if r.thread is not None:
+                r.thread.join(timeout=self.kill_grace_s + 90)
+        self._all_done.set()
+        self.api.close()
+
+
+def default_cpu_slots() -> int:
+    return os.cpu_count() or 1
+
+
+def detect_gpus() -> list[int]:
+    """Every GPU torch sees (imports torch: only when --gpus is not given)."""
+    try:
+        import torch
+
+        return list(range(torch.cuda.device_count()))
+    except Exception:
+        return []

@@ -1,0 +1,115 @@
+"""The worker's HTTP client of the service, with retries for what must not be lost."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import httpx
+
+log = logging.getLogger("ddpq.worker")
+
+BACKOFF_START_S = 0.5
+BACKOFF_MAX_S = 10.0
+
+
+class Unavailable(Exception):
+    """The API could not be reached or answered 5xx; try again later."""
+
+
+class Refused(Exception):
+    """The API answered 4xx: retrying the same request will not help."""
+
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(f"HTTP {status}: {detail}")
+        self.status = status
+        self.detail = detail
+
+
+class WorkerAPI:
+    def __init__(self, url: str, token: str, name: str) -> None:
+        self.url = url.rstrip("/")
+        self.name = name
+        self._client = httpx.Client(
+            base_url=self.url,
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=httpx.Timeout(15.0, connect=5.0),
+        )
+
+    def _request(self, method: str, path: str, *, timeout: float | None = None, **kw: Any) -> httpx.Response:
+        try:
+            r = self._client.request(
+                method, path, timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT, **kw
+            )
+        except httpx.HTTPError as exc:
+            raise Unavailable(str(exc) or type(exc).__name__) from exc
+        if r.status_code >= 500 or r.status_code == 429:
+            raise Unavailable(f"HTTP {r.status_code}")
+        if r.status_code >= 400:
+            try:
+                detail = r.json().get("detail", r.text)
+            except ValueError:
+                detail = r.text
+            raise Refused(r.status_code, str(detail))
+        return r
+
+    def register(self, body: dict[str, Any]) -> dict[str, Any]:
+        result: dict[str, Any] = self._request("POST", "/workers/register", json=body).json()
+        return result
+
+    def claim(self, free_cpu_slots: int, free_gpus: list[int], wait_s: float) -> dict[str, Any] | None:
+        r = self._request(
+            "POST",
+            "/workers/claim",
+            json={"name": self.name, "free_cpu_slots": free_cpu_slots, "free_gpus": free_gpus, "wait_s": wait_s},
+            timeout=wait_s + 15.0,
+        )
+        if r.status_code == 204:
+            return None
+        result: dict[str, Any] = r.json()
+        return result
+
+    def heartbeat(self, running: list[dict[str, int]]) -> dict[str, Any]:
+        result: dict[str, Any] = self._request(
+            "POST", "/workers/heartbeat", json={"name": self.name, "running": running}
+        ).json()
+        return result
+
+    def append_log(self, job_id: int, attempt: int, offset: int, data: bytes) -> int:
+        r = self._request(
+            "POST",
+            f"/workers/jobs/{job_id}/logs",
+            params={"worker": self.name, "attempt": attempt, "offset": offset},
+            content=data,
+            headers={"Content-Type": "application/octet-stream"},
+        )
+        return int(r.json()["next_offset"])
+
+    def finish(self, job_id: int, body: dict[str, Any]) -> dict[str, Any]:
+        result: dict[str, Any] = self._request(
+            "POST", f"/workers/jobs/{job_id}/finish", json={"worker": self.name, **body}
+        ).json()
+        return result
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def retry(call: Any, *, what: str, stop: threading.Event | None = None, give_up_s: float | None = None) -> Any:
+    """Call until it succeeds or is refused, backing off while the API is unavailable."""
+    backoff = BACKOFF_START_S
+    deadline = None if give_up_s is None else time.monotonic() + give_up_s
+    while True:
+        try:
+            return call()
+        except Unavailable as exc:
+            if deadline is not None and time.monotonic() > deadline:
+                raise
+            log.warning("%s: API unavailable (%s); retrying in %.1fs", what, exc, backoff)
+            if stop is not None and stop.wait(backoff):
+                raise
+            if stop is None:
+                time.sleep(backoff)
+            backoff = min(backoff * 2, BACKOFF_MAX_S)

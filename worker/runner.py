@@ -1,0 +1,337 @@
+"""Runs one attempt of one job: torchrun under supervision, its output shipped live."""
+
+from __future__ import annotations
+
+import collections
+import importlib.util
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from worker import procs
+from worker.api import Refused, Unavailable, WorkerAPI, retry
+
+if TYPE_CHECKING:
+    from worker.agent import Agent
+
+log = logging.getLogger("ddpq.worker")
+
+MONITOR_INTERVAL_S = 0.1  # torchrun's check of its ranks; the default 5 s delays every exit
+POLL_S = 0.1
+LOG_SEND_INTERVAL_S = 0.5
+LOG_CHUNK_BYTES = 512 * 1024
+LOG_BUFFER_MAX_BYTES = 64 * 1024 * 1024
+TAIL_LINES = 60
+# Variables of the worker's own environment that ranks must not inherit.
+PRIVATE_ENV_PREFIXES = ("DDPQ_",)
+
+# Lines that name why a program failed: an exception, or argparse's "prog: error: ...".
+ERROR_LINE = re.compile(r"^(?:\[[^\]]*\]:?\s*)?((?:[\w.]+(?:Error|Exception|Interrupt)\b.*)|(?:\S+: error: .*))$")
+TORCHRUN_EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
+
+
+def _catalog_module(recipe: str) -> str | None:
+    spec = importlib.util.find_spec("recipes")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    catalog = Path(next(iter(spec.submodule_search_locations))) / "catalog.json"
+    entry = json.loads(catalog.read_text()).get(recipe)
+    return None if entry is None else str(entry["module"])
+
+
+class JobError(Exception):
+    """The attempt cannot start (bad entrypoint, unknown recipe): fail it with this reason."""
+
+
+class LogShipper(threading.Thread):
+    """Sends an attempt's output to the API in order, resending after failures."""
+
+    def __init__(self, api: WorkerAPI, job_id: int, attempt: int) -> None:
+        super().__init__(name=f"logs-{job_id}.{attempt}", daemon=True)
+        self.api = api
+        self.job_id = job_id
+        self.attempt = attempt
+        self._buf = bytearray()
+        self._sent = 0  # bytes of this attempt's stream the API has stored
+        self._dropped = 0
+        self._cond = threading.Condition()
+        self._closing = False
+        self._dead = False
+
+    def write(self, data: bytes) -> None:
+        with self._cond:
+            if self._dead:
+                return
+            if len(self._buf) + len(data) > LOG_BUFFER_MAX_BYTES:
+                self._dropped += len(data)
+                return
+            if self._dropped:
+                self._buf += f"[ddpq] {self._dropped} bytes of output dropped while the API was unreachable\n".encode()
+                self._dropped = 0
+            self._buf += data
+            if len(self._buf) >= LOG_CHUNK_BYTES:
+                self._cond.notify_all()
+
+    def close(self, timeout_s: float) -> None:
+        """Send what is left (retrying while the API is away) and stop."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self.join(timeout_s)
+
+    def run(self) -> None:
+        backoff = 0.5
+        while True:
+            with self._cond:
+                if not self._buf and not self._closing:
+                    self._cond.wait(LOG_SEND_INTERVAL_S)
+                if not self._buf:
+                    if self._closing:
+                        return
+                    continue
+                chunk = bytes(self._buf[:LOG_CHUNK_BYTES])
+            try:
+                self._sent = self.api.append_log(self.job_id, self.attempt, self._sent, chunk)
+            except Unavailable:
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 10.0)
+                continue
+            except Refused as exc:
+                log.warning("job %s: log refused (%s); no more output is sent", self.job_id, exc)
+                with self._cond:
+                    self._dead = True
+                    self._buf.clear()
+                return
+            backoff = 0.5
+            with self._cond:
+                del self._buf[: len(chunk)]
+
+
+@dataclass
+class Outcome:
+    exit_code: int | None
+    outcome: str  # exited, cancelled, timeout, requeue, error
+    reason: str | None = None
+
+
+@dataclass
+class JobRunner:
+    agent: Agent
+    claim: dict[str, Any]
+    stop_reason: str | None = None
+    stop_requested: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
+
+    @property
+    def job_id(self) -> int:
+        return int(self.claim["job_id"])
+
+    @property
+    def attempt(self) -> int:
+        return int(self.claim["attempt"])
+
+    @property
+    def launch_id(self) -> str:
+        return f"{self.agent.name}/{self.job_id}/{self.attempt}"
+
+    def start(self) -> None:
+        # This thread starts torchrun and lives until it is gone: the parent-death
+        # signal (worker.launch) fires when the starting *thread* ends.
+        self.thread = threading.Thread(target=self._main, name=f"job-{self.job_id}", daemon=True)
+        self.thread.start()
+
+    def request_stop(self, why: str) -> None:
+        """why: cancelled (by a user), abandoned (no longer ours), shutdown, timeout."""
+        if self.stop_reason is None:
+            self.stop_reason = why
+        self.stop_requested.set()
+
+    # ---- the attempt ------------------------------------------------------------------
+
+    def _main(self) -> None:
+        shipper = LogShipper(self.agent.api, self.job_id, self.attempt)
+        shipper.start()
+        try:
+            result = self._run(shipper)
+        except JobError as exc:
+            result = Outcome(None, "error", str(exc))
+        except Exception as exc:
+            log.exception("job %s attempt %s: worker error", self.job_id, self.attempt)
+            result = Outcome(None, "error", f"worker error: {exc}")
+        finally:
+            # Whatever happened, no process of this attempt may outlive it.
+            if not procs.kill_all(self.launch_id):
+                log.error("job %s: processes survived SIGKILL", self.job_id)
+        if result.outcome == "error":
+            shipper.write(f"[ddpq] {result.reason}\n".encode())
+        shipper.close(timeout_s=60.0)
+        self._report(result)
+        self.agent.release(self)
+
+    def _report(self, result: Outcome) -> None:
+        if self.stop_reason == "abandoned":
+            return  # the service already moved the job on; nothing to report
+        body = {"attempt": self.attempt, "exit_code": result.exit_code, "outcome": result.outcome, "reason": result.reason}
+        try:
+            # An exit status is never dropped: retry until the API takes it.
+            retry(lambda: self.agent.api.finish(self.job_id, body), what=f"finish job {self.job_id}")
+        except Refused as exc:
+            log.warning("job %s: finish refused: %s", self.job_id, exc)
+
+    def _program(self, spec: dict[str, Any]) -> list[str]:
+        if spec.get("recipe"):
+            module = _catalog_module(spec["recipe"])
+            if module is None:
+                raise JobError(f"this worker has no recipe {spec['recipe']!r}")
+            return ["-m", module, *spec.get("args", [])]
+        workspace = self.agent.workspace
+        path = (workspace / spec["entrypoint"]).resolve()
+        # resolve() follows symlinks, so a link pointing out of the workspace is caught here.
+        if not path.is_relative_to(workspace) or path == workspace:
+            raise JobError(f"entrypoint {spec['entrypoint']!r} resolves outside the worker's workspace")
+        if not path.is_file():
+            raise JobError(f"entrypoint {spec['entrypoint']!r} is not a file in the worker's workspace")
+        return [str(path), *spec.get("args", [])]
+
+    def _env(self, resume_from: str | None) -> dict[str, str]:
+        c = self.claim
+        env = {k: v for k, v in os.environ.items() if not k.startswith(PRIVATE_ENV_PREFIXES)}
+        env.update(c["spec"].get("env", {}))
+        env.update(
+            {
+                "DDPQ_URL": self.agent.url,
+                "DDPQ_JOB_ID": str(self.job_id),
+                "DDPQ_JOB_TOKEN": c["token"],
+                "DDPQ_ATTEMPT": str(self.attempt),
+                "DDPQ_CHECKPOINT_DIR": c["checkpoint_dir"],
+                "DDPQ_DEVICE": c["device"],
+                procs.LAUNCH_ID_VAR: self.launch_id,
+                "PYTHONUNBUFFERED": "1",
+                # The ranks see only the GPUs the job holds, as cuda:0..n-1; none on a CPU job.
+                "CUDA_VISIBLE_DEVICES": ",".join(map(str, c["gpus"])),
+            }
+        )
+        if resume_from:
+            env["DDPQ_RESUME_FROM"] = resume_from
+        return env
+
+    def _argv(self, program: list[str], log_dir: Path) -> list[str]:
+        spec = self.claim["spec"]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",  # single node: a c10d store on a free port
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            str(self.claim["nproc_per_node"]),
+            "--max-restarts",
+            str(spec.get("max_restarts", 0)),
+            "--monitor-interval",
+            str(MONITOR_INTERVAL_S),
+            "--log-dir",
+            str(log_dir),
+            "--tee",
+            "3",
+            "--log-line-prefix-template",
+            "[rank${rank}]: ",
+            *program,
+        ]
+
+    def _run(self, shipper: LogShipper) -> Outcome:
+        c = self.claim
+        program = self._program(c["spec"])
+        checkpoint_dir = Path(c["checkpoint_dir"])
+        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        resume_from = next((p for p in c.get("resume_from", []) if os.path.isfile(p)), None)
+        if resume_from:
+            shipper.write(f"[ddpq] resuming from {resume_from}\n".encode())
+        log_dir = self.agent.data_dir / "torchrun-logs" / f"job-{self.job_id}-attempt-{self.attempt}"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            return self._supervise(program, log_dir, resume_from, shipper)
+        finally:
+            shutil.rmtree(log_dir, ignore_errors=True)
+
+    def _supervise(self, program: list[str], log_dir: Path, resume_from: str | None, shipper: LogShipper) -> Outcome:
+        spec = self.claim["spec"]
+        tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        proc = subprocess.Popen(
+            procs.launcher_argv(self._argv(program, log_dir)),
+            cwd=self.agent.workspace,
+            env=self._env(resume_from),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group, signalled as one
+        )
+
+        def pump() -> None:
+            assert proc.stdout is not None
+            for line in iter(proc.stdout.readline, b""):
+                shipper.write(line)
+                tail.append(line.decode(errors="replace").rstrip())
+
+        reader = threading.Thread(target=pump, name=f"out-{self.job_id}", daemon=True)
+        reader.start()
+        timeout_s = spec.get("timeout_s")
+        deadline = None if not timeout_s else time.monotonic() + timeout_s
+        while proc.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                self.request_stop("timeout")
+            if self.stop_requested.wait(POLL_S):
+                self._terminate(proc)
+                break
+        code = proc.wait()
+        procs.kill_all(self.launch_id)
+        reader.join(timeout=10.0)
+        return self._outcome(code, list(tail))
+
+    def _terminate(self, proc: subprocess.Popen[bytes]) -> None:
+        """SIGTERM the group (torchrun stops its ranks), SIGKILL after the grace period."""
+        procs.signal_group(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=self.agent.kill_grace_s)
+        except subprocess.TimeoutExpired:
+            procs.signal_group(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+    def _outcome(self, code: int, tail: list[str]) -> Outcome:
+        why = self.stop_reason
+        if why == "cancelled":
+            return Outcome(code, "cancelled", "cancelled by user")
+        if why == "timeout":
+            return Outcome(code, "timeout", f"timeout after {self.claim['spec'].get('timeout_s')} s")
+        if why == "shutdown":
+            return Outcome(code, "requeue", "worker shut down")
+        if why == "abandoned":
+            return Outcome(code, "error", "abandoned")
+        if code == 0:
+            return Outcome(0, "exited")
+        # torchrun exits 1 whenever a rank fails; the rank's own code is in its summary.
+        rank_codes = [int(m.group(1)) for line in tail for m in [TORCHRUN_EXITCODE.search(line)] if m]
+        exit_code = code if code >= 0 else 128 - code
+        if rank_codes:
+            rc = rank_codes[0]
+            exit_code = rc if rc >= 0 else 128 - rc
+        errors = [
+            m.group(1)
+            for line in tail
+            for m in [ERROR_LINE.match(line)]
+            if m and "ChildFailedError" not in line and "torch.distributed.elastic" not in line
+        ]
+        reason = f"exited with code {exit_code}"
+        if errors:
+            reason += f": {errors[-1][:500]}"
+        return Outcome(exit_code, "exited", reason)

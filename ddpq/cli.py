@@ -25,7 +25,9 @@ from rich.table import Table
 from ddpq import config
 from ddpq.client import ApiError, Client, format_detail
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Run PyTorch DDP jobs on shared GPU machines.")
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, help="Run PyTorch DDP jobs on shared GPU machines."
+)
 out = Console()
 err = Console(stderr=True)
 
@@ -51,7 +53,10 @@ def _call(fn: Any, *args: Any, **kw: Any) -> Any:
         return fn(*args, **kw)
     except ApiError as exc:
         if exc.status == 401:
-            _fail(f"{format_detail(exc.detail)} (set DDPQ_TOKEN, or run where ./var/api-token is)", EXIT_API)
+            _fail(
+                f"{format_detail(exc.detail)} (set DDPQ_TOKEN, or run where ./var/api-token is)",
+                EXIT_API,
+            )
         _fail(f"HTTP {exc.status}: {format_detail(exc.detail)}", EXIT_API)
     except httpx.HTTPError as exc:
         _fail(f"cannot reach the ddpq API at {config.api_url()}: {exc}", EXIT_UNREACHABLE)
@@ -103,11 +108,17 @@ def _parse_gpus(gpus: str | None) -> list[int]:
 def worker(
     url: Annotated[str, typer.Option(envvar="DDPQ_URL", help="the API's URL")] = config.DEFAULT_URL,
     workspace: Annotated[Path, typer.Option(help="directory entrypoint jobs run from")] = Path("."),
-    cpu_slots: Annotated[int | None, typer.Option(help="CPU ranks at once (default: cores)")] = None,
-    gpus: Annotated[str | None, typer.Option(help="GPU indices like 0,1,2,3, or none (default: all torch sees)")] = None,
+    cpu_slots: Annotated[
+        int | None, typer.Option(help="CPU ranks at once (default: cores)")
+    ] = None,
+    gpus: Annotated[
+        str | None, typer.Option(help="GPU indices like 0,1,2,3, or none (default: all torch sees)")
+    ] = None,
     name: Annotated[str | None, typer.Option(help="worker name (default: host name)")] = None,
     data_dir: Annotated[Path, typer.Option(envvar="DDPQ_DATA_DIR")] = Path("./var"),
-    checkpoint_dir: Annotated[Path | None, typer.Option(help="default: DATA_DIR/checkpoints")] = None,
+    checkpoint_dir: Annotated[
+        Path | None, typer.Option(help="default: DATA_DIR/checkpoints")
+    ] = None,
     kill_grace_s: Annotated[float, typer.Option(help="SIGTERM to SIGKILL on cancel")] = 10.0,
     log_level: str = "info",
 ) -> None:
@@ -118,10 +129,15 @@ def worker(
 
     token = config.worker_token()
     if not token:
-        _fail("no worker token: set DDPQ_WORKER_TOKEN (or DDPQ_DATA_DIR to the API's data dir)", EXIT_USAGE)
+        _fail(
+            "no worker token: set DDPQ_WORKER_TOKEN (or DDPQ_DATA_DIR to the API's data dir)",
+            EXIT_USAGE,
+        )
     if not workspace.is_dir():
         _fail(f"--workspace {workspace} is not a directory", EXIT_USAGE)
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the rest
     Agent(
         url=url,
@@ -142,7 +158,9 @@ def up(
     port: Annotated[int, typer.Option(envvar="DDPQ_PORT")] = 8000,
     workspace: Annotated[Path, typer.Option(help="directory entrypoint jobs run from")] = Path("."),
     cpu_slots: Annotated[int | None, typer.Option()] = None,
-    gpus: Annotated[str | None, typer.Option(help="GPU indices, or none (default: all torch sees)")] = None,
+    gpus: Annotated[
+        str | None, typer.Option(help="GPU indices, or none (default: all torch sees)")
+    ] = None,
 ) -> None:
     """Run the API and one local worker together (SQLite under DDPQ_DATA_DIR by default)."""
     import logging
@@ -158,12 +176,29 @@ def up(
         settings, api = build(host)
     except TokenError as exc:
         _fail(str(exc), EXIT_USAGE)
-    server = uvicorn.Server(uvicorn.Config(api, host=host, port=port, log_level="info", access_log=False))  # type: ignore[arg-type]
+    server = uvicorn.Server(
+        uvicorn.Config(api, host=host, port=port, log_level="info", access_log=False)
+    )
     thread = threading.Thread(target=server.run, name="api", daemon=True)
     thread.start()
     url = f"http://{host}:{port}"
-    env = {**os.environ, "DDPQ_WORKER_TOKEN": api.state.worker_token, "DDPQ_DATA_DIR": str(settings.data_dir)}
-    argv = [sys.executable, "-m", "ddpq.cli", "worker", "--url", url, "--workspace", str(workspace), "--name", "local"]
+    env = {
+        **os.environ,
+        "DDPQ_WORKER_TOKEN": api.state.worker_token,
+        "DDPQ_DATA_DIR": str(settings.data_dir),
+    }
+    argv = [
+        sys.executable,
+        "-m",
+        "ddpq.cli",
+        "worker",
+        "--url",
+        url,
+        "--workspace",
+        str(workspace),
+        "--name",
+        "local",
+    ]
     if cpu_slots is not None:
         argv += ["--cpu-slots", str(cpu_slots)]
     if gpus is not None:
@@ -175,7 +210,7 @@ def up(
         f"  user token: {'DDPQ_API_TOKEN' if settings.api_token else token_file}"
         " (the CLI reads it from there)\n"
         f"  try:  ddpq submit --recipe toy-regression --world-size 2 && ddpq ls\n"
-        f"  curl: curl -H \"Authorization: Bearer $(cat {token_file})\" {url}/jobs\n",
+        f'  curl: curl -H "Authorization: Bearer $(cat {token_file})" {url}/jobs\n',
         highlight=False,
         soft_wrap=True,
     )
@@ -211,9 +246,13 @@ def _parse_env(pairs: list[str]) -> dict[str, str]:
 
 @app.command(context_settings={"allow_interspersed_args": False})
 def submit(
-    args: Annotated[list[str] | None, typer.Argument(help="arguments for the program, after --")] = None,
+    args: Annotated[
+        list[str] | None, typer.Argument(help="arguments for the program, after --")
+    ] = None,
     recipe: Annotated[str | None, typer.Option(help="a built-in recipe (ddpq recipes)")] = None,
-    entrypoint: Annotated[str | None, typer.Option(help="a script in the worker's workspace")] = None,
+    entrypoint: Annotated[
+        str | None, typer.Option(help="a script in the worker's workspace")
+    ] = None,
     world_size: Annotated[int, typer.Option(help="total ranks")] = 1,
     nnodes: int = 1,
     name: str | None = None,
@@ -222,9 +261,13 @@ def submit(
     max_attempts: int = 3,
     max_restarts: int = 0,
     timeout_s: int | None = None,
-    env: Annotated[list[str] | None, typer.Option(help="KEY=VALUE for the ranks (repeatable)")] = None,
+    env: Annotated[
+        list[str] | None, typer.Option(help="KEY=VALUE for the ranks (repeatable)")
+    ] = None,
     idempotency_key: str | None = None,
-    wait: Annotated[bool, typer.Option(help="wait for the job to end; exit 4 unless it succeeded")] = False,
+    wait: Annotated[
+        bool, typer.Option(help="wait for the job to end; exit 4 unless it succeeded")
+    ] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Submit a job: --recipe NAME or --entrypoint PATH, with --world-size N [-- ARGS...]."""
@@ -240,7 +283,12 @@ def submit(
         "args": list(args or []),
         "env": _parse_env(env or []),
     }
-    for key, value in (("recipe", recipe), ("entrypoint", entrypoint), ("name", name), ("timeout_s", timeout_s)):
+    for key, value in (
+        ("recipe", recipe),
+        ("entrypoint", entrypoint),
+        ("name", name),
+        ("timeout_s", timeout_s),
+    ):
         if value is not None:
             spec[key] = value
     with _client() as c:
@@ -251,7 +299,9 @@ def submit(
         _print_json(job)
     else:
         what = recipe or entrypoint
-        out.print(f"job {job['id']} {job['status']} ({what}, world size {world_size})", highlight=False)
+        out.print(
+            f"job {job['id']} {job['status']} ({what}, world size {world_size})", highlight=False
+        )
         if job.get("reason"):
             out.print(f"  {job['reason']}", highlight=False)
     if wait and job["status"] != "succeeded":
@@ -284,7 +334,10 @@ def status(job_id: int, as_json: JsonOpt = False) -> None:
         ]
         m = job.get("latest_metrics")
         if m:
-            values = ", ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in m["values"].items())
+            values = ", ".join(
+                f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}"
+                for k, v in m["values"].items()
+            )
             fields.append(("latest", f"step {m['step']}: {values}"))
         if job.get("latest_checkpoint"):
             fields.append(("checkpoint", job["latest_checkpoint"]["path"]))
@@ -308,7 +361,18 @@ def list_jobs(
         _print_json(page)
         return
     table = Table(box=None)
-    for col in ("ID", "NAME", "STATUS", "PROGRAM", "RANKS", "ATTEMPT", "WORKER", "STEP", "LOSS", "REASON"):
+    for col in (
+        "ID",
+        "NAME",
+        "STATUS",
+        "PROGRAM",
+        "RANKS",
+        "ATTEMPT",
+        "WORKER",
+        "STEP",
+        "LOSS",
+        "REASON",
+    ):
         table.add_column(col)
     for j in page["items"]:
         m = j.get("latest_metrics") or {}
@@ -341,7 +405,9 @@ def cancel(job_id: int, as_json: JsonOpt = False) -> None:
 @app.command()
 def logs(
     job_id: int,
-    follow: Annotated[bool, typer.Option("--follow", "-f", help="stream until the job ends")] = False,
+    follow: Annotated[
+        bool, typer.Option("--follow", "-f", help="stream until the job ends")
+    ] = False,
 ) -> None:
     """Print a job's combined output."""
     with _client() as c:
@@ -371,7 +437,10 @@ def recipes(as_json: JsonOpt = False) -> None:
     for r in items:
         out.print(f"[bold]{r['name']}[/bold]  {r['description']}", highlight=False)
         for a in r["args"]:
-            out.print(f"    {a['name']} ({a['type']}, default {a['default']}): {a['help']}", highlight=False)
+            out.print(
+                f"    {a['name']} ({a['type']}, default {a['default']}): {a['help']}",
+                highlight=False,
+            )
 
 
 def main() -> None:

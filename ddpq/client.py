@@ -35,7 +35,9 @@ def format_detail(detail: Any) -> str:
         parts = []
         for e in detail:
             if isinstance(e, dict):
-                loc = ".".join(str(x) for x in e.get("loc", []) if x not in ("body", "query", "path"))
+                loc = ".".join(
+                    str(x) for x in e.get("loc", []) if x not in ("body", "query", "path")
+                )
                 parts.append(f"{loc}: {e.get('msg')}" if loc else str(e.get("msg")))
             else:
                 parts.append(str(e))
@@ -44,7 +46,9 @@ def format_detail(detail: Any) -> str:
 
 
 class Client:
-    def __init__(self, url: str | None = None, token: str | None = None, timeout: float = 30.0) -> None:
+    def __init__(
+        self, url: str | None = None, token: str | None = None, timeout: float = 30.0
+    ) -> None:
         self.url = (url or config.api_url()).rstrip("/")
         token = token or config.user_token()
         headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -78,7 +82,9 @@ class Client:
         result: dict[str, Any] = self._call("GET", f"/jobs/{job_id}").json()
         return result
 
-    def jobs(self, status: str | None = None, limit: int = 50, cursor: str | None = None) -> dict[str, Any]:
+    def jobs(
+        self, status: str | None = None, limit: int = 50, cursor: str | None = None
+    ) -> dict[str, Any]:
         params: dict[str, Any] = {"limit": limit}
         if status:
             params["status"] = status
@@ -93,11 +99,15 @@ class Client:
 
     def metrics(self, job_id: int, name: str | None = None) -> list[dict[str, Any]]:
         params = {"name": name} if name else {}
-        items: list[dict[str, Any]] = self._call("GET", f"/jobs/{job_id}/metrics", params=params).json()["items"]
+        items: list[dict[str, Any]] = self._call(
+            "GET", f"/jobs/{job_id}/metrics", params=params
+        ).json()["items"]
         return items
 
     def checkpoints(self, job_id: int) -> list[dict[str, Any]]:
-        items: list[dict[str, Any]] = self._call("GET", f"/jobs/{job_id}/checkpoints").json()["items"]
+        items: list[dict[str, Any]] = self._call("GET", f"/jobs/{job_id}/checkpoints").json()[
+            "items"
+        ]
         return items
 
     def recipes(self) -> list[dict[str, Any]]:
@@ -124,7 +134,9 @@ class Client:
             else:
                 time.sleep(poll_s)
 
-    def wait(self, job_id: int, timeout: float | None = None, poll_s: float = 0.5) -> dict[str, Any]:
+    def wait(
+        self, job_id: int, timeout: float | None = None, poll_s: float = 0.5
+    ) -> dict[str, Any]:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             job = self.job(job_id)

@@ -46,7 +46,15 @@ class RandomRegression(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 
 
 class Trainer:
-    def __init__(self, model: torch.nn.Module, data: DataLoader, lr: float, env: Dist, save_every: int, config: dict) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        data: DataLoader,
+        lr: float,
+        env: Dist,
+        save_every: int,
+        config: dict,
+    ) -> None:
         self.env = env
         self.data = data
         self.model = DDP(
@@ -110,7 +118,9 @@ def main(argv: list[str] | None = None) -> None:
         dataset,
         batch_size=args.batch_size,
         shuffle=False,
-        sampler=DistributedSampler(dataset, num_replicas=env.world_size, rank=env.rank, seed=args.seed),
+        sampler=DistributedSampler(
+            dataset, num_replicas=env.world_size, rank=env.rank, seed=args.seed
+        ),
     )
     trainer = Trainer(torch.nn.Linear(20, 1), loader, args.lr, env, args.save_every, vars(args))
     trainer.train(args.total_epochs)

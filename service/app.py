@@ -33,7 +33,9 @@ Send = Callable[[Message], Awaitable[None]]
 class BodyLimit:
     """413 for request bodies over the limit, whether declared or streamed."""
 
-    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], max_bytes: int) -> None:
+    def __init__(
+        self, app: Callable[[Scope, Receive, Send], Awaitable[None]], max_bytes: int
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
 
@@ -80,7 +82,10 @@ class BodyLimit:
             {
                 "type": "http.response.start",
                 "status": 413,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                ],
             }
         )
         await send({"type": "http.response.body", "body": body})
@@ -104,7 +109,9 @@ async def _sweep_leases(app: FastAPI) -> None:
             log.exception("lease sweep failed")
 
 
-def create_app(settings: Settings, api_token: str, worker_token: str, db: Database | None = None) -> FastAPI:
+def create_app(
+    settings: Settings, api_token: str, worker_token: str, db: Database | None = None
+) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.wakeup.bind(asyncio.get_running_loop())
@@ -130,7 +137,9 @@ def create_app(settings: Settings, api_token: str, worker_token: str, db: Databa
     @app.exception_handler(DomainError)
     async def _domain_error(_: Request, exc: DomainError) -> JSONResponse:
         if isinstance(exc, Invalid):
-            content: Any = {"detail": [{"loc": list(exc.loc), "msg": exc.detail, "type": "value_error"}]}
+            content: Any = {
+                "detail": [{"loc": list(exc.loc), "msg": exc.detail, "type": "value_error"}]
+            }
         else:
             content = {"detail": exc.detail}
         return JSONResponse(content, status_code=exc.status_code)

@@ -19,7 +19,7 @@ from sqlalchemy import select
 
 from service.models import Attempt, Job
 
-JOB_TOKEN_PREFIX = "ddpqj_"
+JOB_TOKEN_PREFIX = "ddpqj_"  # noqa: S105 - a prefix, not a secret
 
 
 def hash_token(token: str) -> str:
@@ -82,7 +82,9 @@ def require_job_attempt(job_id: int, request: Request) -> Attempt:
     token = _bearer(request)
     kind = _kind(request, token)
     if kind in ("user", "worker"):
-        raise HTTPException(403, f"a {kind} token cannot report for a job; ranks use DDPQ_JOB_TOKEN")
+        raise HTTPException(
+            403, f"a {kind} token cannot report for a job; ranks use DDPQ_JOB_TOKEN"
+        )
     db = request.app.state.db
     with db.read() as s:
         attempt = s.scalar(select(Attempt).where(Attempt.token_hash == hash_token(token)))
@@ -95,7 +97,9 @@ def require_job_attempt(job_id: int, request: Request) -> Attempt:
         # Fencing: a newer attempt owns the job; the old one's ranks must stop.
         raise HTTPException(409, f"attempt {attempt.number} was superseded by attempt {current}")
     if attempt.ended_at is not None:
-        raise HTTPException(403, f"attempt {attempt.number} has ended; its token is no longer valid")
+        raise HTTPException(
+            403, f"attempt {attempt.number} has ended; its token is no longer valid"
+        )
     return attempt
 
 

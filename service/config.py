@@ -16,8 +16,8 @@ from pathlib import Path
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-API_TOKEN_FILE = "api-token"
-WORKER_TOKEN_FILE = "worker-token"
+API_TOKEN_FILE = "api-token"  # noqa: S105 - a file name, not a secret
+WORKER_TOKEN_FILE = "worker-token"  # noqa: S105
 MIN_TOKEN_CHARS = 16
 # Tokens seen in tutorials and default configs; refused on a reachable address.
 WELL_KNOWN_TOKENS = frozenset(
@@ -99,7 +99,7 @@ def resolve_tokens(settings: Settings, host: str) -> tuple[str, str]:
             if problem and not loopback:
                 raise TokenError(
                     f"{var} is {problem}; on a non-loopback address ({host}) set it to a "
-                    "random value, e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`"
+                    "random value: python -c 'import secrets; print(secrets.token_urlsafe(32))'"
                 )
             found[var] = token
         elif loopback:

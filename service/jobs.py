@@ -89,7 +89,9 @@ def _publics(s: Session, jobs: list[Job]) -> list[JobPublic]:
         .where(Checkpoint.job_id.in_(ids))
         .group_by(Checkpoint.job_id)
     )
-    checkpoints = {c.job_id: c for c in s.scalars(select(Checkpoint).where(Checkpoint.id.in_(newest)))}
+    checkpoints = {
+        c.job_id: c for c in s.scalars(select(Checkpoint).where(Checkpoint.id.in_(newest)))
+    }
     positions = _queue_positions(s, jobs)
     out = []
     for j in jobs:
@@ -223,9 +225,7 @@ def cancel_job(db: Database, job_id: int) -> JobPublic:
 
 def _live_attempt(s: Session, job_id: int, number: int, worker: str) -> tuple[Job, Attempt]:
     job = _get(s, job_id)
-    attempt = s.scalar(
-        select(Attempt).where(Attempt.job_id == job_id, Attempt.number == number)
-    )
+    attempt = s.scalar(select(Attempt).where(Attempt.job_id == job_id, Attempt.number == number))
     if attempt is None or attempt.worker != worker:
         raise Conflict(f"job {job_id} has no attempt {number} on worker {worker}")
     if job.attempt != number:
@@ -233,17 +233,21 @@ def _live_attempt(s: Session, job_id: int, number: int, worker: str) -> tuple[Jo
     return job, attempt
 
 
-def append_log(db: Database, job_id: int, number: int, worker: str, offset: int, data: bytes) -> int:
+def append_log(
+    db: Database, job_id: int, number: int, worker: str, offset: int, data: bytes
+) -> int:
     """Append a chunk of an attempt's output.
 
     ``offset`` is where the chunk starts in this attempt's own output, so a chunk
     resent after a lost answer is recognised and stored once.
     """
     with db.write() as s:
-        job, attempt = _live_attempt(s, job_id, number, worker)
+        _, attempt = _live_attempt(s, job_id, number, worker)
         have = attempt.log_bytes
         if offset > have:
-            raise Conflict(f"log gap: this attempt has {have} bytes stored, chunk starts at {offset}")
+            raise Conflict(
+                f"log gap: this attempt has {have} bytes stored, chunk starts at {offset}"
+            )
         fresh = data[have - offset :]
         if fresh:
             queue._append_log(s, job_id, number, fresh)
@@ -411,11 +415,13 @@ def list_checkpoints(db: Database, job_id: int) -> list[CheckpointPublic]:
 
 
 def read_log(db: Database, job_id: int, offset: int) -> tuple[bytes, int, str]:
-    """The job's log from ``offset`` (at most MAX_LOG_RESPONSE_BYTES), the next offset, and status."""
+    """The log from ``offset`` (at most MAX_LOG_RESPONSE_BYTES), the next offset, the status."""
     with db.read() as s:
         job = _get(s, job_id)
         first = s.scalar(
-            select(func.max(LogChunk.start)).where(LogChunk.job_id == job_id, LogChunk.start <= offset)
+            select(func.max(LogChunk.start)).where(
+                LogChunk.job_id == job_id, LogChunk.start <= offset
+            )
         )
         q = select(LogChunk.start, LogChunk.data).where(LogChunk.job_id == job_id)
         if first is not None:

@@ -6,6 +6,7 @@ import logging
 import time
 
 import uvicorn
+from fastapi import FastAPI
 from sqlalchemy.exc import OperationalError
 
 from service import db as dbmod
@@ -29,7 +30,7 @@ def wait_for_database(database: dbmod.Database, timeout_s: float = DB_WAIT_S) ->
             time.sleep(1.0)
 
 
-def build(host: str, settings: Settings | None = None) -> tuple[Settings, object]:
+def build(host: str, settings: Settings | None = None) -> tuple[Settings, FastAPI]:
     """Resolve tokens, migrate, and create the app (shared by serve and up)."""
     settings = settings or Settings()
     api_token, worker_token = resolve_tokens(settings, host)
@@ -40,6 +41,8 @@ def build(host: str, settings: Settings | None = None) -> tuple[Settings, object
 
 
 def serve(host: str, port: int, log_level: str = "info") -> None:
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     _, app = build(host)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)  # type: ignore[arg-type]
+    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)

@@ -145,9 +145,7 @@ class MetricPoint(Base):
 
     __tablename__ = "metric_points"
 
-    job_id: Mapped[int] = mapped_column(
-        ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True
-    )
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
     name: Mapped[str] = mapped_column(String(200), primary_key=True)
     step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     # NULL stands for NaN: SQLite turns a stored NaN into NULL, so both dialects agree on it.

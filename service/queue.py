@@ -39,6 +39,11 @@ class Claim:
     resume_from: list[str]
 
 
+def _rowcount(result: Any) -> int:
+    """Rows an UPDATE touched (Session.execute is typed as returning a plain Result)."""
+    return int(result.rowcount)
+
+
 def _fits(worker_has_gpus: bool, free_cpu_slots: int, free_gpus: int) -> Any:
     cpu_fit = Job.nproc_per_node <= free_cpu_slots
     if not worker_has_gpus:
@@ -144,7 +149,10 @@ def record_heartbeat(
     cancel: list[tuple[int, int]] = []
     abandon: list[tuple[int, int]] = []
     with db.write() as s:
-        if s.execute(update(Worker).where(Worker.name == worker).values(last_heartbeat=now)).rowcount == 0:
+        touched = _rowcount(
+            s.execute(update(Worker).where(Worker.name == worker).values(last_heartbeat=now))
+        )
+        if touched == 0:
             raise LookupError(worker)
         if not running:
             return cancel, abandon
@@ -158,7 +166,12 @@ def record_heartbeat(
         live: list[tuple[int, int]] = []
         for job_id, number in running:
             job = jobs.get(job_id)
-            if job is None or job.attempt != number or job.worker != worker or job.status not in ACTIVE:
+            if (
+                job is None
+                or job.attempt != number
+                or job.worker != worker
+                or job.status not in ACTIVE
+            ):
                 abandon.append((job_id, number))
                 continue
             live.append((job_id, number))
@@ -213,11 +226,13 @@ def expire_leases(db: Database, lease_s: float) -> list[int]:
                     "reason": f"{lost}; all {max_attempts} attempts used",
                     "finished_at": now,
                 }
-            done = s.execute(
-                update(Job)
-                .where(Job.id == job_id, Job.attempt == number, Job.status == status)
-                .values(**values)
-            ).rowcount
+            done = _rowcount(
+                s.execute(
+                    update(Job)
+                    .where(Job.id == job_id, Job.attempt == number, Job.status == status)
+                    .values(**values)
+                )
+            )
             if done:
                 s.execute(
                     update(Attempt)

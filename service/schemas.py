@@ -87,7 +87,9 @@ class JobSpec(Strict):
     @classmethod
     def _known_recipe(cls, v: str | None) -> str | None:
         if v is not None and v not in recipe_names():
-            raise ValueError(f"unknown recipe {v[:100]!r}; GET /recipes lists: {', '.join(recipe_names())}")
+            raise ValueError(
+                f"unknown recipe {v[:100]!r}; GET /recipes lists: {', '.join(recipe_names())}"
+            )
         return v
 
     @field_validator("entrypoint")
@@ -123,9 +125,7 @@ class JobSpec(Strict):
         if (self.recipe is None) == (self.entrypoint is None):
             raise ValueError("give exactly one of 'recipe' and 'entrypoint'")
         if self.world_size % self.nnodes:
-            raise ValueError(
-                f"nnodes ({self.nnodes}) must divide world_size ({self.world_size})"
-            )
+            raise ValueError(f"nnodes ({self.nnodes}) must divide world_size ({self.world_size})")
         return self
 
 
@@ -291,7 +291,7 @@ class LogAppended(BaseModel):
     next_offset: int
 
 
-def metric_out(value: float | None) -> float | str | None:
+def metric_out(value: float | None) -> MetricValue:
     """A stored metric value as JSON can carry it (NULL is NaN, see MetricPoint)."""
     if value is None:
         return "NaN"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 
 class Wakeup:
@@ -38,7 +39,5 @@ class Wakeup:
     async def wait(self, seen_generation: int, timeout: float) -> None:
         if self.generation != seen_generation:
             return
-        try:
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._event.wait(), timeout)
-        except TimeoutError:
-            pass

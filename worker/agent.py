@@ -52,7 +52,9 @@ class Agent:
     def free(self) -> tuple[int, list[int]]:
         with self._lock:
             used_cpu = sum(
-                r.claim["nproc_per_node"] for r in self._runners.values() if r.claim["device"] == "cpu"
+                r.claim["nproc_per_node"]
+                for r in self._runners.values()
+                if r.claim["device"] == "cpu"
             )
             used_gpus = {g for r in self._runners.values() for g in r.claim["gpus"]}
         return max(0, self.cpu_slots - used_cpu), [g for g in self.gpus if g not in used_gpus]
@@ -158,7 +160,11 @@ class Agent:
         self.register()
         log.info(
             "worker %s: %d CPU slots, GPUs %s, workspace %s, API %s",
-            self.name, self.cpu_slots, self.gpus or "none", self.workspace, self.url,
+            self.name,
+            self.cpu_slots,
+            self.gpus or "none",
+            self.workspace,
+            self.url,
         )
         heartbeat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         heartbeat.start()

@@ -38,10 +38,15 @@ class WorkerAPI:
             timeout=httpx.Timeout(15.0, connect=5.0),
         )
 
-    def _request(self, method: str, path: str, *, timeout: float | None = None, **kw: Any) -> httpx.Response:
+    def _request(
+        self, method: str, path: str, *, timeout: float | None = None, **kw: Any
+    ) -> httpx.Response:
         try:
             r = self._client.request(
-                method, path, timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT, **kw
+                method,
+                path,
+                timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT,
+                **kw,
             )
         except httpx.HTTPError as exc:
             raise Unavailable(str(exc) or type(exc).__name__) from exc
@@ -59,11 +64,18 @@ class WorkerAPI:
         result: dict[str, Any] = self._request("POST", "/workers/register", json=body).json()
         return result
 
-    def claim(self, free_cpu_slots: int, free_gpus: list[int], wait_s: float) -> dict[str, Any] | None:
+    def claim(
+        self, free_cpu_slots: int, free_gpus: list[int], wait_s: float
+    ) -> dict[str, Any] | None:
         r = self._request(
             "POST",
             "/workers/claim",
-            json={"name": self.name, "free_cpu_slots": free_cpu_slots, "free_gpus": free_gpus, "wait_s": wait_s},
+            json={
+                "name": self.name,
+                "free_cpu_slots": free_cpu_slots,
+                "free_gpus": free_gpus,
+                "wait_s": wait_s,
+            },
             timeout=wait_s + 15.0,
         )
         if r.status_code == 204:
@@ -97,7 +109,9 @@ class WorkerAPI:
         self._client.close()
 
 
-def retry(call: Any, *, what: str, stop: threading.Event | None = None, give_up_s: float | None = None) -> Any:
+def retry(
+    call: Any, *, what: str, stop: threading.Event | None = None, give_up_s: float | None = None
+) -> Any:
     """Call until it succeeds or is refused, backing off while the API is unavailable."""
     backoff = BACKOFF_START_S
     deadline = None if give_up_s is None else time.monotonic() + give_up_s

@@ -23,7 +23,7 @@ def main() -> None:
     libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
     if os.getppid() != parent:  # the parent died before prctl took effect
         sys.exit(128 + signal.SIGTERM)
-    os.execvp(argv[0], argv)
+    os.execvp(argv[0], argv)  # noqa: S606 - an argv list, never a shell
 
 
 if __name__ == "__main__":

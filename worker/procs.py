@@ -8,6 +8,7 @@ environment, and the worker finds them by it in /proc.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -46,17 +47,13 @@ def kill_all(launch_id: str, timeout_s: float = 10.0) -> bool:
         if not pids:
             return True
         for pid in pids:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         if time.monotonic() > deadline:
             return False
         time.sleep(0.05)
 
 
 def signal_group(pgid: int, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass

@@ -36,7 +36,9 @@ TAIL_LINES = 60
 PRIVATE_ENV_PREFIXES = ("DDPQ_",)
 
 # Lines that name why a program failed: an exception, or argparse's "prog: error: ...".
-ERROR_LINE = re.compile(r"^(?:\[[^\]]*\]:?\s*)?((?:[\w.]+(?:Error|Exception|Interrupt)\b.*)|(?:\S+: error: .*))$")
+ERROR_LINE = re.compile(
+    r"^(?:\[[^\]]*\]:?\s*)?((?:[\w.]+(?:Error|Exception|Interrupt)\b.*)|(?:\S+: error: .*))$"
+)
 TORCHRUN_EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
 
 
@@ -76,7 +78,8 @@ class LogShipper(threading.Thread):
                 self._dropped += len(data)
                 return
             if self._dropped:
-                self._buf += f"[ddpq] {self._dropped} bytes of output dropped while the API was unreachable\n".encode()
+                note = f"[ddpq] {self._dropped} bytes of output dropped: the API was unreachable\n"
+                self._buf += note.encode()
                 self._dropped = 0
             self._buf += data
             if len(self._buf) >= LOG_CHUNK_BYTES:
@@ -181,10 +184,17 @@ class JobRunner:
     def _report(self, result: Outcome) -> None:
         if self.stop_reason == "abandoned":
             return  # the service already moved the job on; nothing to report
-        body = {"attempt": self.attempt, "exit_code": result.exit_code, "outcome": result.outcome, "reason": result.reason}
+        body = {
+            "attempt": self.attempt,
+            "exit_code": result.exit_code,
+            "outcome": result.outcome,
+            "reason": result.reason,
+        }
         try:
             # An exit status is never dropped: retry until the API takes it.
-            retry(lambda: self.agent.api.finish(self.job_id, body), what=f"finish job {self.job_id}")
+            retry(
+                lambda: self.agent.api.finish(self.job_id, body), what=f"finish job {self.job_id}"
+            )
         except Refused as exc:
             log.warning("job %s: finish refused: %s", self.job_id, exc)
 
@@ -198,9 +208,13 @@ class JobRunner:
         path = (workspace / spec["entrypoint"]).resolve()
         # resolve() follows symlinks, so a link pointing out of the workspace is caught here.
         if not path.is_relative_to(workspace) or path == workspace:
-            raise JobError(f"entrypoint {spec['entrypoint']!r} resolves outside the worker's workspace")
+            raise JobError(
+                f"entrypoint {spec['entrypoint']!r} resolves outside the worker's workspace"
+            )
         if not path.is_file():
-            raise JobError(f"entrypoint {spec['entrypoint']!r} is not a file in the worker's workspace")
+            raise JobError(
+                f"entrypoint {spec['entrypoint']!r} is not a file in the worker's workspace"
+            )
         return [str(path), *spec.get("args", [])]
 
     def _env(self, resume_from: str | None) -> dict[str, str]:
@@ -257,14 +271,18 @@ class JobRunner:
         resume_from = next((p for p in c.get("resume_from", []) if os.path.isfile(p)), None)
         if resume_from:
             shipper.write(f"[ddpq] resuming from {resume_from}\n".encode())
-        log_dir = self.agent.data_dir / "torchrun-logs" / f"job-{self.job_id}-attempt-{self.attempt}"
+        log_dir = (
+            self.agent.data_dir / "torchrun-logs" / f"job-{self.job_id}-attempt-{self.attempt}"
+        )
         log_dir.mkdir(parents=True, exist_ok=True)
         try:
             return self._supervise(program, log_dir, resume_from, shipper)
         finally:
             shutil.rmtree(log_dir, ignore_errors=True)
 
-    def _supervise(self, program: list[str], log_dir: Path, resume_from: str | None, shipper: LogShipper) -> Outcome:
+    def _supervise(
+        self, program: list[str], log_dir: Path, resume_from: str | None, shipper: LogShipper
+    ) -> Outcome:
         spec = self.claim["spec"]
         tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         proc = subprocess.Popen(
@@ -312,7 +330,9 @@ class JobRunner:
         if why == "cancelled":
             return Outcome(code, "cancelled", "cancelled by user")
         if why == "timeout":
-            return Outcome(code, "timeout", f"timeout after {self.claim['spec'].get('timeout_s')} s")
+            return Outcome(
+                code, "timeout", f"timeout after {self.claim['spec'].get('timeout_s')} s"
+            )
         if why == "shutdown":
             return Outcome(code, "requeue", "worker shut down")
         if why == "abandoned":
@@ -320,7 +340,9 @@ class JobRunner:
         if code == 0:
             return Outcome(0, "exited")
         # torchrun exits 1 whenever a rank fails; the rank's own code is in its summary.
-        rank_codes = [int(m.group(1)) for line in tail for m in [TORCHRUN_EXITCODE.search(line)] if m]
+        rank_codes = [
+            int(m.group(1)) for line in tail for m in [TORCHRUN_EXITCODE.search(line)] if m
+        ]
         exit_code = code if code >= 0 else 128 - code
         if rank_codes:
             rc = rank_codes[0]

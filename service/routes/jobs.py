@@ -40,7 +40,9 @@ async def submit_job(
 @router.get("/jobs", response_model=JobsPublic)
 def list_jobs(
     db: DB,
-    status: Annotated[str | None, Query(max_length=200, description="comma-separated states")] = None,
+    status: Annotated[
+        str | None, Query(max_length=200, description="comma-separated states")
+    ] = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     cursor: Annotated[str | None, Query(max_length=40)] = None,
 ) -> JobsPublic:
@@ -49,11 +51,15 @@ def list_jobs(
     valid = {s.value for s in JobStatus}
     for s in statuses:
         if s not in valid:
-            raise Invalid(("query", "status"), f"unknown state {s[:40]!r}; one of {', '.join(sorted(valid))}")
+            raise Invalid(
+                ("query", "status"), f"unknown state {s[:40]!r}; one of {', '.join(sorted(valid))}"
+            )
     after: int | None = None
     if cursor is not None:
         if not cursor.isdigit() or not 0 < int(cursor) < 2**63:
-            raise Invalid(("query", "cursor"), "malformed cursor; pass next_cursor from the previous page")
+            raise Invalid(
+                ("query", "cursor"), "malformed cursor; pass next_cursor from the previous page"
+            )
         after = int(cursor)
     items, next_cursor = jobs.list_jobs(db, statuses, limit, after)
     return JobsPublic(items=items, next_cursor=next_cursor)

@@ -46,7 +46,9 @@ def register(body: WorkerRegister, db: DB, settings: SettingsDep) -> WorkerRegis
         w.gpus = sorted(set(body.gpus))
         w.checkpoint_root = body.checkpoint_root
         w.last_heartbeat = now
-    return WorkerRegistered(name=body.name, heartbeat_s=settings.heartbeat_s, lease_s=settings.lease_s)
+    return WorkerRegistered(
+        name=body.name, heartbeat_s=settings.heartbeat_s, lease_s=settings.lease_s
+    )
 
 
 class UnknownWorker(NotFound):
@@ -108,7 +110,9 @@ async def append_log(
     data = await request.body()
     if len(data) > MAX_LOG_CHUNK_BYTES:
         raise DomainError(f"a log chunk is at most {MAX_LOG_CHUNK_BYTES} bytes")
-    next_offset = await run_in_threadpool(jobs.append_log, db, job_id, attempt, worker, offset, data)
+    next_offset = await run_in_threadpool(
+        jobs.append_log, db, job_id, attempt, worker, offset, data
+    )
     return LogAppended(next_offset=next_offset)
 
 

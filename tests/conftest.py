@@ -1,0 +1,264 @@
+"""Fixtures that build real things: a database per test, `ddpq serve` and
+`ddpq worker` as subprocesses on free ports.
+
+Postgres: every test gets its own database cloned from a migrated template.
+Without a reachable Postgres those tests are skipped with the reason, unless
+DDPQ_REQUIRE_POSTGRES=1 (set by .ci/run), when they fail instead.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+
+PG_ADMIN = os.environ.get("DDPQ_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
+REQUIRE_PG = os.environ.get("DDPQ_REQUIRE_POSTGRES") == "1"
+REPO = Path(__file__).resolve().parent.parent
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.1) -> Any:
+    """Poll ``predicate`` until it returns something truthy; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    last_exc: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except Exception as exc:  # the condition may not be observable yet
+            last_exc = exc
+        time.sleep(interval)
+    raise AssertionError(
+        f"timed out after {timeout}s waiting for {what}"
+        + (f" (last error: {last_exc})" if last_exc else "")
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# ---- databases ------------------------------------------------------------------------
+
+
+def _pg_url(dbname: str) -> str:
+    base = PG_ADMIN.rsplit("/", 1)[0]
+    return f"{base.replace('postgresql://', 'postgresql+psycopg://', 1)}/{dbname}"
+
+
+def _pg_admin() -> psycopg.Connection:
+    return psycopg.connect(PG_ADMIN, autocommit=True, connect_timeout=3)
+
+
+@pytest.fixture(scope="session")
+def pg_template() -> Iterator[str]:
+    try:
+        conn = _pg_admin()
+    except psycopg.OperationalError as exc:
+        if REQUIRE_PG:
+            pytest.fail(f"Postgres is required (DDPQ_REQUIRE_POSTGRES=1) but unreachable: {exc}")
+        pytest.skip(f"Postgres unreachable at {PG_ADMIN}: {exc}")
+    name = f"ddpq_tmpl_{os.getpid()}"
+    with conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
+        conn.execute(f'CREATE DATABASE "{name}"')
+    from service.db import upgrade
+
+    upgrade(_pg_url(name))
+    yield name
+    with _pg_admin() as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def pg_url(pg_template: str) -> Iterator[str]:
+    name = f"ddpq_t_{uuid.uuid4().hex[:12]}"
+    with _pg_admin() as conn:
+        conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{pg_template}"')
+    yield _pg_url(name)
+    with _pg_admin() as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'ddpq.db'}"
+    url: str = request.getfixturevalue("pg_url")
+    return url
+
+
+# ---- processes --------------------------------------------------------------------------
+
+
+def _child_env(extra: dict[str, str]) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DDPQ_")}
+    env.update(extra)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def stop_process(
+    proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: float = 60
+) -> None:
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@dataclass
+class Server:
+    url: str
+    api_token: str
+    worker_token: str
+    data_dir: Path
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    clients: list[httpx.Client] = field(default_factory=list)
+
+    def client(self, token: str | None = "user") -> httpx.Client:
+        headers = {}
+        if token == "user":
+            headers["Authorization"] = f"Bearer {self.api_token}"
+        elif token == "worker":
+            headers["Authorization"] = f"Bearer {self.worker_token}"
+        elif token:
+            headers["Authorization"] = f"Bearer {token}"
+        c = httpx.Client(base_url=self.url, headers=headers, timeout=30)
+        self.clients.append(c)
+        return c
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def start_server(db_url: str, data_dir: Path, **env: str) -> Server:
+    port = free_port()
+    api_token, worker_token = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
+    log_path = data_dir / f"serve-{port}.log"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ddpq.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
+            env=_child_env(
+                {
+                    "DDPQ_DATABASE_URL": db_url,
+                    "DDPQ_DATA_DIR": str(data_dir),
+                    "DDPQ_API_TOKEN": api_token,
+                    "DDPQ_WORKER_TOKEN": worker_token,
+                    "DDPQ_HEARTBEAT_S": "0.5",
+                    **env,
+                }
+            ),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=data_dir,
+        )
+    server = Server(f"http://127.0.0.1:{port}", api_token, worker_token, data_dir, proc, log_path)
+
+    def healthy() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(f"ddpq serve exited {proc.returncode}:\n{server.log()}")
+        return httpx.get(f"{server.url}/healthz", timeout=2).status_code == 200
+
+    wait_for(healthy, 60, "ddpq serve to answer /healthz")
+    return server
+
+
+@pytest.fixture
+def server(db_url: str, tmp_path: Path) -> Iterator[Server]:
+    s = start_server(db_url, tmp_path / "api")
+    yield s
+    for c in s.clients:
+        c.close()
+    stop_process(s.proc)
+
+
+@dataclass
+class Worker:
+    name: str
+    workspace: Path
+    data_dir: Path
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+@pytest.fixture
+def start_worker(tmp_path: Path) -> Iterator[Callable[..., Worker]]:
+    workers: list[Worker] = []
+
+    def start(
+        server: Server, *args: str, name: str | None = None, cpu_slots: int = 4, gpus: str = "none"
+    ) -> Worker:
+        name = name or f"w{len(workers)}"
+        base = tmp_path / f"worker-{name}"
+        workspace = base / "workspace"
+        workspace.mkdir(parents=True, exist_ok=True)
+        log_path = base / "worker.log"
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "ddpq.cli",
+                    "worker",
+                    "--url",
+                    server.url,
+                    "--name",
+                    name,
+                    "--workspace",
+                    str(workspace),
+                    "--data-dir",
+                    str(base / "data"),
+                    "--cpu-slots",
+                    str(cpu_slots),
+                    "--gpus",
+                    gpus,
+                    *args,
+                ],
+                env=_child_env({"DDPQ_WORKER_TOKEN": server.worker_token}),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=base,
+            )
+        w = Worker(name, workspace, base / "data", proc, log_path)
+        workers.append(w)
+        return w
+
+    yield start
+    for w in workers:
+        stop_process(w.proc)
+
+
+def terminal(client: httpx.Client, job_id: int, timeout: float = 120) -> dict[str, Any]:
+    """Wait for a job to reach a terminal state and return it."""
+
+    def done() -> dict[str, Any] | None:
+        job: dict[str, Any] = client.get(f"/jobs/{job_id}").json()
+        return job if job["status"] in ("succeeded", "failed", "cancelled") else None
+
+    result: dict[str, Any] = wait_for(done, timeout, f"job {job_id} to end")
+    return result

@@ -1,0 +1,51 @@
+"""Driving the worker protocol by hand, for tests that need a job token but no torchrun."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests.conftest import Server
+
+
+def register(
+    server: Server, name: str = "hand", cpu_slots: int = 8, gpus: list[int] | None = None
+) -> None:
+    w = server.client("worker")
+    r = w.post(
+        "/workers/register",
+        json={
+            "name": name,
+            "hostname": "h",
+            "cpu_slots": cpu_slots,
+            "gpus": gpus or [],
+            "checkpoint_root": "/ckpt",
+        },
+    )
+    assert r.status_code == 200, r.text
+
+
+def submit_and_claim(server: Server, name: str = "hand", **spec: Any) -> dict[str, Any]:
+    """Submit a job and claim it as worker ``name``; returns the claim (with its job token)."""
+    register(server, name)
+    body = {"entrypoint": "train.py", "world_size": 1, **spec}
+    job = server.client().post("/jobs", json=body)
+    assert job.status_code == 201, job.text
+    r = server.client("worker").post(
+        "/workers/claim", json={"name": name, "free_cpu_slots": 8, "free_gpus": [], "wait_s": 5}
+    )
+    assert r.status_code == 200, r.text
+    claim: dict[str, Any] = r.json()
+    assert claim["job_id"] == job.json()["id"]
+    return claim
+
+
+def finish(
+    server: Server, claim: dict[str, Any], exit_code: int = 0, name: str = "hand"
+) -> dict[str, Any]:
+    r = server.client("worker").post(
+        f"/workers/jobs/{claim['job_id']}/finish",
+        json={"worker": name, "attempt": claim["attempt"], "exit_code": exit_code},
+    )
+    assert r.status_code == 200, r.text
+    result: dict[str, Any] = r.json()
+    return result

@@ -1,0 +1,319 @@
+"""The API against a real `ddpq serve` on SQLite and on Postgres: input rules, tokens, reports."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import httpx
+
+from tests.conftest import Server
+from tests.helpers import finish, register, submit_and_claim
+
+GOOD = {"recipe": "toy-regression", "world_size": 2}
+
+
+def _field_named(r: httpx.Response, field: str) -> bool:
+    detail = r.json()["detail"]
+    text = json.dumps(detail)
+    return field in text
+
+
+def _snapshot(server: Server) -> Any:
+    return server.client().get("/jobs", params={"limit": 500}).json()["items"]
+
+
+BAD_SPECS: list[tuple[dict[str, Any], str]] = [
+    ({**GOOD, "world_size": 0}, "world_size"),
+    ({**GOOD, "world_size": -1}, "world_size"),
+    ({**GOOD, "world_size": "two"}, "world_size"),
+    ({**GOOD, "world_size": "2"}, "world_size"),
+    ({**GOOD, "world_size": 10**9}, "world_size"),
+    ({**GOOD, "world_size": 4, "nnodes": 3}, "nnodes"),
+    ({"world_size": 2}, "recipe"),
+    ({**GOOD, "entrypoint": "train.py"}, "recipe"),
+    ({**GOOD, "recipe": "no-such-recipe"}, "recipe"),
+    ({**GOOD, "args": "--lr 1"}, "args"),
+    ({**GOOD, "args": ["--lr", 1]}, "args"),
+    ({**GOOD, "env": {"DDPQ_JOB_TOKEN": "x"}}, "DDPQ_JOB_TOKEN"),
+    ({**GOOD, "env": {"CUDA_VISIBLE_DEVICES": "0"}}, "CUDA_VISIBLE_DEVICES"),
+    ({**GOOD, "env": {"LD_PRELOAD": "/x.so"}}, "LD_PRELOAD"),
+    ({**GOOD, "env": {"MASTER_PORT": "1"}}, "MASTER_PORT"),
+    ({"entrypoint": "/etc/passwd"}, "entrypoint"),
+    ({"entrypoint": "../outside.py"}, "entrypoint"),
+    ({**GOOD, "priority": 2**40}, "priority"),
+    ({**GOOD, "device": "tpu"}, "device"),
+    ({**GOOD, "max_attempts": 0}, "max_attempts"),
+    ({**GOOD, "surprise": True}, "surprise"),
+    ({**GOOD, "name": "x" * 201}, "name"),
+]
+
+
+def test_bad_job_spec_is_refused_naming_the_field(server: Server) -> None:
+    c = server.client()
+    c.post("/jobs", json=GOOD)
+    before = _snapshot(server)
+    for body, field in BAD_SPECS:
+        r = c.post("/jobs", json=body)
+        assert r.status_code == 422, (body, r.text)
+        assert _field_named(r, field), (field, r.text)
+    assert _snapshot(server) == before
+
+
+def test_malformed_json_oversized_body_and_bad_ids(server: Server) -> None:
+    c = server.client()
+    r = c.post(
+        "/jobs",
+        content=b'{"recipe": "toy-regression",',
+        headers={"Content-Type": "application/json"},
+    )
+    assert r.status_code == 422 and "json" in r.text.lower()
+    r = c.post(
+        "/jobs", content=b"x" * (2 * 1024 * 1024), headers={"Content-Type": "application/json"}
+    )
+    assert r.status_code == 413
+    for bad in ("abc", "0", "-1", str(2**64), "1.5"):
+        r = c.get(f"/jobs/{bad}")
+        assert r.status_code == 422, (bad, r.text)
+    assert c.get("/jobs/999999").status_code == 404
+    assert c.post("/jobs/999999/cancel").status_code == 404
+    assert c.get("/jobs", params={"status": "sleeping"}).status_code == 422
+    assert c.get("/jobs", params={"cursor": "zz"}).status_code == 422
+    assert _snapshot(server) == []
+
+
+def test_submit_list_get_cancel_queued(server: Server) -> None:
+    c = server.client()
+    a = c.post("/jobs", json={**GOOD, "name": "first"}).json()
+    b = c.post("/jobs", json={**GOOD, "priority": 5}).json()
+    assert a["status"] == "queued" and a["spec"]["world_size"] == 2 and a["spec"]["args"] == []
+    assert c.get(f"/jobs/{a['id']}").json()["queue_position"] == 2  # b outranks it
+    assert c.get(f"/jobs/{b['id']}").json()["queue_position"] == 1
+    page = c.get("/jobs", params={"limit": 1}).json()
+    assert [j["id"] for j in page["items"]] == [b["id"]]
+    page2 = c.get("/jobs", params={"limit": 1, "cursor": page["next_cursor"]}).json()
+    assert [j["id"] for j in page2["items"]] == [a["id"]] and page2["next_cursor"] is None
+    r = c.post(f"/jobs/{a['id']}/cancel")
+    assert r.status_code == 202 and r.json()["status"] == "cancelled" and r.json()["finished_at"]
+    assert c.post(f"/jobs/{a['id']}/cancel").status_code == 409
+    assert [j["id"] for j in c.get("/jobs", params={"status": "queued"}).json()["items"]] == [
+        b["id"]
+    ]
+    recipes = c.get("/recipes").json()["items"]
+    assert "toy-regression" in [r["name"] for r in recipes]
+
+
+def test_idempotency_key_returns_the_same_job(server: Server) -> None:
+    c = server.client()
+    first = c.post("/jobs", json=GOOD, headers={"Idempotency-Key": "k1"})
+    again = c.post("/jobs", json=GOOD, headers={"Idempotency-Key": "k1"})
+    assert first.status_code == again.status_code == 201
+    assert first.json()["id"] == again.json()["id"]
+    other = c.post("/jobs", json={**GOOD, "world_size": 4}, headers={"Idempotency-Key": "k1"})
+    assert other.status_code == 409
+    assert len(_snapshot(server)) == 1
+
+
+def test_user_routes_demand_the_user_token(server: Server) -> None:
+    job_token = submit_and_claim(server)["token"]
+    job = server.client().post("/jobs", json=GOOD).json()
+    routes = [
+        ("POST", "/jobs"),
+        ("GET", "/jobs"),
+        ("GET", f"/jobs/{job['id']}"),
+        ("POST", f"/jobs/{job['id']}/cancel"),
+        ("GET", f"/jobs/{job['id']}/metrics"),
+        ("GET", f"/jobs/{job['id']}/checkpoints"),
+        ("GET", f"/jobs/{job['id']}/logs"),
+        ("GET", "/recipes"),
+    ]
+    for token, status in ((None, 401), ("not-a-token", 401), ("worker", 403), (job_token, 403)):
+        c = server.client(token)
+        for method, path in routes:
+            r = c.request(method, path, json=GOOD if method == "POST" else None)
+            assert r.status_code == status, (token, method, path, r.text)
+    assert server.client().get(f"/jobs/{job['id']}").json()["status"] == "queued"
+    assert len(_snapshot(server)) == 2
+    assert httpx.get(f"{server.url}/healthz").json() == {"status": "ok", "database": "ok"}
+
+
+def test_worker_routes_demand_the_worker_token(server: Server) -> None:
+    for token in (None, "user", "garbage-token-1234"):
+        c = server.client(token)
+        r = c.post(
+            "/workers/register",
+            json={
+                "name": "x",
+                "hostname": "h",
+                "cpu_slots": 1,
+                "gpus": [],
+                "checkpoint_root": "/c",
+            },
+        )
+        assert r.status_code in (401, 403), r.text
+        r = c.post(
+            "/workers/claim", json={"name": "x", "free_cpu_slots": 1, "free_gpus": [], "wait_s": 0}
+        )
+        assert r.status_code in (401, 403), r.text
+
+
+def test_reports_demand_this_jobs_live_token(server: Server) -> None:
+    a = submit_and_claim(server)
+    b = submit_and_claim(server)
+    points = {"items": [{"step": 1, "values": {"loss": 1.0}}]}
+    assert server.client(None).post(f"/jobs/{a['job_id']}/metrics", json=points).status_code == 401
+    assert (
+        server.client("user").post(f"/jobs/{a['job_id']}/metrics", json=points).status_code == 403
+    )
+    assert (
+        server.client("worker").post(f"/jobs/{a['job_id']}/metrics", json=points).status_code == 403
+    )
+    r = server.client(b["token"]).post(f"/jobs/{a['job_id']}/metrics", json=points)
+    assert r.status_code == 403 and "another job" in r.text
+    ck = {"path": f"/ckpt/job-{a['job_id']}/x.pt", "step": 1}
+    assert (
+        server.client(b["token"]).post(f"/jobs/{a['job_id']}/checkpoints", json=ck).status_code
+        == 403
+    )
+    user = server.client()
+    assert user.get(f"/jobs/{a['job_id']}/metrics").json()["items"] == []
+    assert user.get(f"/jobs/{a['job_id']}/checkpoints").json()["items"] == []
+    # Once the attempt has ended its token is worthless.
+    finish(server, a)
+    assert (
+        server.client(a["token"]).post(f"/jobs/{a['job_id']}/metrics", json=points).status_code
+        == 403
+    )
+    assert user.get(f"/jobs/{a['job_id']}/metrics").json()["items"] == []
+
+
+def test_metrics_keep_one_point_per_step_and_non_finite_values(server: Server) -> None:
+    claim = submit_and_claim(server)
+    rank0 = server.client(claim["token"])
+    jid = claim["job_id"]
+    r = rank0.post(
+        f"/jobs/{jid}/metrics",
+        json={
+            "items": [
+                {"step": s, "epoch": 0, "values": {"loss": 1.0 / s, "lr": 0.1}} for s in range(1, 6)
+            ]
+        },
+    )
+    assert r.status_code == 202, r.text
+    # Resent (as after a lost answer) and extended: still one point per step.
+    r = rank0.post(
+        f"/jobs/{jid}/metrics",
+        json={
+            "items": [
+                {"step": 5, "values": {"loss": 0.2}},
+                {"step": 6, "values": {"loss": "NaN", "gnorm": "Infinity"}},
+            ]
+        },
+    )
+    assert r.status_code == 202, r.text
+    user = server.client()
+    items = user.get(f"/jobs/{jid}/metrics").json()["items"]
+    assert [i["step"] for i in items] == [1, 2, 3, 4, 5, 6]
+    assert items[4]["values"] == {"loss": 0.2, "lr": 0.1}
+    assert items[5]["values"] == {"loss": "NaN", "gnorm": "Infinity"}
+    job = user.get(f"/jobs/{jid}").json()
+    assert job["latest_metrics"] == {
+        "step": 6,
+        "epoch": None,
+        "values": {"loss": "NaN", "gnorm": "Infinity"},
+    }
+    assert [
+        i["step"]
+        for i in user.get(f"/jobs/{jid}/metrics", params={"since_step": 5, "name": "lr"}).json()[
+            "items"
+        ]
+    ] == [5]
+    # Validation of reports: empty, too many, bad values.
+    for bad in (
+        {"items": []},
+        {"items": [{"step": i, "values": {"loss": 1}} for i in range(1001)]},
+        {"items": [{"step": -1, "values": {"loss": 1}}]},
+        {"items": [{"step": 1, "values": {}}]},
+        {"items": [{"step": 1, "values": {"loss": "high"}}]},
+        {"items": [{"step": 1.5, "values": {"loss": 1}}]},
+    ):
+        r = rank0.post(f"/jobs/{jid}/metrics", json=bad)
+        assert r.status_code == 422, (bad if len(json.dumps(bad)) < 200 else "big", r.text[:300])
+    assert len(user.get(f"/jobs/{jid}/metrics").json()["items"]) == 6
+    assert math.isclose(items[0]["values"]["loss"], 1.0)
+
+
+def test_checkpoint_paths_must_stay_in_the_jobs_directory(server: Server) -> None:
+    claim = submit_and_claim(server)
+    rank0 = server.client(claim["token"])
+    jid = claim["job_id"]
+    root = claim["checkpoint_dir"]
+    assert root == f"/ckpt/job-{jid}"
+    for bad in ("/etc/passwd", f"{root}/../job-999/x.pt", f"{root}-evil/x.pt", "relative.pt", root):
+        r = rank0.post(f"/jobs/{jid}/checkpoints", json={"path": bad, "step": 1})
+        assert r.status_code == 422 and "path" in r.text, (bad, r.text)
+    r = rank0.post(
+        f"/jobs/{jid}/checkpoints",
+        json={"path": f"{root}/step-1.pt", "step": 1, "epoch": 0, "metrics": {"loss": 0.5}},
+    )
+    assert r.status_code == 201, r.text
+    items = server.client().get(f"/jobs/{jid}/checkpoints").json()["items"]
+    assert [(c["path"], c["step"], c["attempt"], c["metrics"]) for c in items] == [
+        (f"{root}/step-1.pt", 1, 1, {"loss": 0.5})
+    ]
+    assert (
+        server.client().get(f"/jobs/{jid}").json()["latest_checkpoint"]["path"]
+        == f"{root}/step-1.pt"
+    )
+
+
+def test_worker_log_chunks_are_stored_once_in_order(server: Server) -> None:
+    claim = submit_and_claim(server)
+    w = server.client("worker")
+    jid, n = claim["job_id"], claim["attempt"]
+
+    def send(offset: int, data: bytes) -> httpx.Response:
+        return w.post(
+            f"/workers/jobs/{jid}/logs",
+            params={"worker": "hand", "attempt": n, "offset": offset},
+            content=data,
+        )
+
+    assert send(0, b"hello\n").json()["next_offset"] == 6
+    assert send(0, b"hello\n").json()["next_offset"] == 6  # a resend is stored once
+    assert send(6, b"world\n").json()["next_offset"] == 12
+    assert send(20, b"gap\n").status_code == 409
+    log = server.client().get(f"/jobs/{jid}/logs").text
+    assert log.endswith("hello\nworld\n") and log.startswith("[ddpq] attempt 1")
+    finish(server, claim)
+    # After finish the attempt is over; a newer attempt's chunks would be the only ones taken.
+    assert server.client().get(f"/jobs/{jid}/logs").text == log
+
+
+def test_finish_is_idempotent_and_moves_the_job_on(server: Server) -> None:
+    claim = submit_and_claim(server)
+    job = finish(server, claim, exit_code=3)
+    assert job["status"] == "failed" and job["exit_code"] == 3 and "code 3" in job["reason"]
+    assert finish(server, claim, exit_code=3)["status"] == "failed"
+
+
+def test_claim_respects_free_slots_and_priority(server: Server) -> None:
+    register(server, "small", cpu_slots=2)
+    c = server.client()
+    big = c.post("/jobs", json={**GOOD, "world_size": 4}).json()
+    low = c.post("/jobs", json={**GOOD, "world_size": 1}).json()
+    high = c.post("/jobs", json={**GOOD, "world_size": 2, "priority": 10}).json()
+    w = server.client("worker")
+
+    def claim(free: int) -> int | None:
+        r = w.post(
+            "/workers/claim",
+            json={"name": "small", "free_cpu_slots": free, "free_gpus": [], "wait_s": 0},
+        )
+        return r.json()["job_id"] if r.status_code == 200 else None
+
+    assert claim(2) == high["id"]
+    assert claim(2) == low["id"]  # the 4-rank job does not fit; the next that does goes
+    assert claim(2) is None
+    assert c.get(f"/jobs/{big['id']}").json()["status"] == "queued"

@@ -1,0 +1,178 @@
+"""The whole path with real processes: ddpq serve, ddpq worker, torchrun (gloo, CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import Server, terminal, wait_for
+from worker.procs import find_by_launch_id
+
+pytestmark = pytest.mark.torchrun
+
+
+def test_toy_regression_runs_to_success_and_reports_one_series(
+    server: Server, start_worker
+) -> None:
+    worker = start_worker(server)
+    c = server.client()
+    r = c.post(
+        "/jobs",
+        json={
+            "recipe": "toy-regression",
+            "world_size": 2,
+            "args": ["--total-epochs", "4", "--save-every", "2"],
+        },
+    )
+    assert r.status_code == 201, r.text
+    job = r.json()
+    assert job["status"] == "queued"
+    seen = {job["status"]}
+
+    def observe() -> bool:
+        status = c.get(f"/jobs/{job['id']}").json()["status"]
+        seen.add(status)
+        return status in ("succeeded", "failed", "cancelled")
+
+    wait_for(observe, 120, "the job to end", interval=0.05)
+    final = c.get(f"/jobs/{job['id']}").json()
+    assert final["status"] == "succeeded", (
+        final,
+        c.get(f"/jobs/{job['id']}/logs").text,
+        worker.log(),
+    )
+    assert "running" in seen
+    assert final["exit_code"] == 0 and final["attempt"] == 1 and final["worker"] == worker.name
+    assert final["started_at"] and final["finished_at"]
+
+    # 2048 samples / (32 per rank x 2 ranks) = 32 steps an epoch, 4 epochs.
+    assert final["latest_metrics"]["step"] == 128
+    assert isinstance(final["latest_metrics"]["values"]["loss"], float)
+
+    items = c.get(f"/jobs/{job['id']}/metrics").json()["items"]
+    steps = [i["step"] for i in items]
+    assert steps == list(range(1, 129)), "one series from rank 0, every step once"
+    assert all(i["attempt"] == 1 for i in items)
+    assert items[-1]["values"]["loss"] < items[0]["values"]["loss"]
+
+    checkpoints = c.get(f"/jobs/{job['id']}/checkpoints").json()["items"]
+    assert [ck["step"] for ck in checkpoints] == [64, 128]
+    for ck in checkpoints:
+        assert Path(ck["path"]).is_file()
+        assert Path(ck["path"]).is_relative_to(
+            worker.data_dir.resolve() / "checkpoints" / f"job-{job['id']}"
+        )
+    assert final["latest_checkpoint"]["step"] == 128
+
+    log = c.get(f"/jobs/{job['id']}/logs").text
+    assert "[rank0]: epoch 3 | step 128 | checkpoint saved" in log
+    tail = c.get(f"/jobs/{job['id']}/logs", params={"offset": len(log.encode()) - 20})
+    assert tail.content == log.encode()[-20:]
+    assert int(tail.headers["X-Next-Offset"]) == len(log.encode())
+
+
+CANCEL_PROBE = r"""
+import os, signal, sys, time
+# A rank that shrugs off SIGTERM: the worker must still leave nothing behind.
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+out = sys.argv[1]
+with open(os.path.join(out, f"rank{os.environ['RANK']}.pid"), "w") as f:
+    f.write(str(os.getpid()))
+print(f"rank {os.environ['RANK']} up", flush=True)
+while True:
+    time.sleep(0.2)
+"""
+
+
+def test_cancel_running_job_leaves_no_process_behind(
+    server: Server, start_worker, tmp_path: Path
+) -> None:
+    worker = start_worker(server, "--kill-grace-s", "2")
+    (worker.workspace / "stubborn.py").write_text(CANCEL_PROBE)
+    out = tmp_path / "pids"
+    out.mkdir()
+    c = server.client()
+    job = c.post(
+        "/jobs", json={"entrypoint": "stubborn.py", "world_size": 2, "args": [str(out)]}
+    ).json()
+    wait_for(lambda: len(list(out.glob("rank*.pid"))) == 2, 60, "both ranks to start")
+    pids = [int(p.read_text()) for p in out.glob("rank*.pid")]
+    launch_id = f"{worker.name}/{job['id']}/1"
+    assert len(find_by_launch_id(launch_id)) >= 3  # torchrun and two ranks
+
+    r = c.post(f"/jobs/{job['id']}/cancel")
+    assert r.status_code == 202
+    assert r.json()["status"] == "cancelling"
+    final = terminal(c, job["id"], timeout=60)
+    assert final["status"] == "cancelled", final
+    # Once the job says cancelled, not one of its processes is left.
+    assert find_by_launch_id(launch_id) == []
+    for pid in pids:
+        assert (
+            not Path(f"/proc/{pid}").exists()
+            or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+        )
+
+
+ECHO_PROGRAM = r"""
+import json, os, sys
+rank = os.environ["RANK"]
+keys = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "DDPQ_URL",
+        "DDPQ_JOB_ID", "DDPQ_ATTEMPT", "DDPQ_CHECKPOINT_DIR", "DDPQ_JOB_TOKEN",
+        "CUDA_VISIBLE_DEVICES", "MY_SETTING", "DDPQ_WORKER_TOKEN", "DDPQ_API_TOKEN"]
+seen = {"argv": sys.argv[1:], "env": {k: os.environ.get(k) for k in keys}, "cwd": os.getcwd()}
+with open(f"rank{rank}.json", "w") as f:
+    json.dump(seen, f)
+if rank == "0" and "--fail" in sys.argv:
+    raise ValueError("the data directory is empty")
+"""
+
+
+def test_entrypoint_gets_literal_args_and_ddpq_environment(server: Server, start_worker) -> None:
+    worker = start_worker(server)
+    (worker.workspace / "echo.py").write_text(ECHO_PROGRAM)
+    c = server.client()
+    args = ["; rm -rf /", "$(id)", "`id`", 'it\'s "quoted"', "two\nlines", "--flag=1"]
+    job = c.post(
+        "/jobs",
+        json={"entrypoint": "echo.py", "world_size": 2, "args": args, "env": {"MY_SETTING": "x y"}},
+    ).json()
+    final = terminal(c, job["id"])
+    assert final["status"] == "succeeded", c.get(f"/jobs/{job['id']}/logs").text
+    for rank in ("0", "1"):
+        seen = json.loads((worker.workspace / f"rank{rank}.json").read_text())
+        assert seen["argv"] == args
+        env = seen["env"]
+        assert env["RANK"] == rank and env["WORLD_SIZE"] == "2"
+        assert env["DDPQ_URL"] == server.url and env["DDPQ_JOB_ID"] == str(job["id"])
+        assert env["DDPQ_ATTEMPT"] == "1" and env["DDPQ_JOB_TOKEN"].startswith("ddpqj_")
+        assert env["CUDA_VISIBLE_DEVICES"] == ""
+        assert env["MY_SETTING"] == "x y"
+        assert env["DDPQ_WORKER_TOKEN"] is None and env["DDPQ_API_TOKEN"] is None
+        assert Path(env["DDPQ_CHECKPOINT_DIR"]).name == f"job-{job['id']}"
+        assert os.path.realpath(seen["cwd"]) == os.path.realpath(worker.workspace)
+
+
+def test_failed_program_says_why(server: Server, start_worker) -> None:
+    worker = start_worker(server)
+    (worker.workspace / "echo.py").write_text(ECHO_PROGRAM)
+    c = server.client()
+    job = c.post(
+        "/jobs", json={"entrypoint": "echo.py", "world_size": 2, "args": ["--fail"]}
+    ).json()
+    final = terminal(c, job["id"])
+    assert final["status"] == "failed"
+    assert final["exit_code"] == 1
+    assert "ValueError: the data directory is empty" in final["reason"]
+
+
+def test_missing_entrypoint_fails_with_reason(server: Server, start_worker) -> None:
+    start_worker(server)
+    c = server.client()
+    job = c.post("/jobs", json={"entrypoint": "nope/train.py", "world_size": 1}).json()
+    final = terminal(c, job["id"], timeout=30)
+    assert final["status"] == "failed"
+    assert "nope/train.py" in final["reason"] and "workspace" in final["reason"]

@@ -1,0 +1,115 @@
+"""`ddpq serve` start-up rules and the CLI against a real server."""
+
+from __future__ import annotations
+
+import json
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import Server, _child_env, free_port, stop_process, wait_for
+
+
+def _ddpq(
+    *args: str, env: dict[str, str], cwd: Path | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "ddpq.cli", *args],
+        env=_child_env(env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+    )
+
+
+def test_serve_refuses_a_reachable_address_without_tokens(tmp_path: Path) -> None:
+    r = _ddpq(
+        "serve",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(free_port()),
+        env={"DDPQ_DATA_DIR": str(tmp_path)},
+    )
+    assert r.returncode == 2
+    assert "DDPQ_API_TOKEN" in r.stderr and "DDPQ_WORKER_TOKEN" in r.stderr
+    r = _ddpq(
+        "serve",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(free_port()),
+        env={
+            "DDPQ_DATA_DIR": str(tmp_path),
+            "DDPQ_API_TOKEN": "changeme",
+            "DDPQ_WORKER_TOKEN": "x" * 40,
+        },
+    )
+    assert r.returncode == 2 and "DDPQ_API_TOKEN" in r.stderr
+    assert not (tmp_path / "api-token").exists()
+
+
+def test_loopback_serve_generates_private_tokens_the_cli_finds(tmp_path: Path) -> None:
+    port = free_port()
+    env = {"DDPQ_DATA_DIR": str(tmp_path / "var")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddpq.cli", "serve", "--port", str(port)],
+        env=_child_env(env),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        import httpx
+
+        wait_for(
+            lambda: httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200, 60, "serve"
+        )
+        for name in ("api-token", "worker-token"):
+            mode = stat.S_IMODE((tmp_path / "var" / name).stat().st_mode)
+            assert mode == 0o600, oct(mode)
+        cli_env = {**env, "DDPQ_URL": f"http://127.0.0.1:{port}"}
+        r = _ddpq(
+            "submit",
+            "--recipe",
+            "toy-regression",
+            "--world-size",
+            "2",
+            "--json",
+            "--",
+            "--total-epochs",
+            "1",
+            env=cli_env,
+        )
+        assert r.returncode == 0, r.stderr
+        job = json.loads(r.stdout)
+        assert job["spec"]["args"] == ["--total-epochs", "1"]
+        r = _ddpq("ls", "--json", env=cli_env)
+        assert [j["id"] for j in json.loads(r.stdout)["items"]] == [job["id"]]
+        r = _ddpq("status", str(job["id"]), env=cli_env)
+        assert r.returncode == 0 and "queued" in r.stdout
+        r = _ddpq("cancel", str(job["id"]), "--json", env=cli_env)
+        assert json.loads(r.stdout)["status"] == "cancelled"
+        r = _ddpq("status", str(job["id"]), env=cli_env)
+        assert r.returncode == 4  # a cancelled job
+        r = _ddpq("submit", "--recipe", "nope", env=cli_env)
+        assert r.returncode == 1 and "recipe" in r.stderr
+        r = _ddpq("submit", "--world-size", "2", env=cli_env)
+        assert r.returncode == 2
+        r = _ddpq("ls", env={**cli_env, "DDPQ_TOKEN": "wrong-token-wrong-token"})
+        assert r.returncode == 1 and "invalid token" in r.stderr
+        r = _ddpq("ls", env={"DDPQ_URL": f"http://127.0.0.1:{free_port()}", "DDPQ_TOKEN": "t" * 20})
+        assert r.returncode == 3
+    finally:
+        stop_process(proc)
+
+
+def test_cli_logs_and_recipes(server: Server) -> None:
+    env = {"DDPQ_URL": server.url, "DDPQ_TOKEN": server.api_token}
+    r = _ddpq("recipes", "--json", env=env)
+    assert "toy-regression" in [x["name"] for x in json.loads(r.stdout)]
+    job = server.client().post("/jobs", json={"entrypoint": "x.py"}).json()
+    server.client().post(f"/jobs/{job['id']}/cancel")
+    r = _ddpq("logs", str(job["id"]), "-f", env=env)
+    assert r.returncode == 0

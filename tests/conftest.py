@@ -152,9 +152,15 @@ class Server:
         return self.log_path.read_text(errors="replace")
 
 
-def start_server(db_url: str, data_dir: Path, **env: str) -> Server:
-    port = free_port()
-    api_token, worker_token = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
+def start_server(
+    db_url: str,
+    data_dir: Path,
+    port: int | None = None,
+    tokens: tuple[str, str] | None = None,
+    **env: str,
+) -> Server:
+    port = port or free_port()
+    api_token, worker_token = tokens or (secrets.token_urlsafe(24), secrets.token_urlsafe(24))
     log_path = data_dir / f"serve-{port}.log"
     data_dir.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as log:

@@ -113,3 +113,39 @@ def test_cli_logs_and_recipes(server: Server) -> None:
     server.client().post(f"/jobs/{job['id']}/cancel")
     r = _ddpq("logs", str(job["id"]), "-f", env=env)
     assert r.returncode == 0
+
+
+def test_up_runs_the_api_and_a_local_worker(tmp_path: Path) -> None:
+    import httpx
+
+    port = free_port()
+    (tmp_path / "hello.py").write_text("print('hello from rank', __import__('os').environ['RANK'])\n")
+    log = tmp_path / "up.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ddpq.cli", "up", "--port", str(port), "--gpus", "none", "--cpu-slots", "2"],
+            env=_child_env({"DDPQ_DATA_DIR": str(tmp_path / "var")}),
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            cwd=tmp_path,
+        )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: httpx.get(f"{url}/healthz").status_code == 200, 60, "ddpq up")
+        text = log.read_text()
+        assert url in text and str(tmp_path / "var" / "api-token") in text and "ddpq submit" in text
+        token = (tmp_path / "var" / "api-token").read_text().strip()
+        c = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"})
+        job = c.post("/jobs", json={"entrypoint": "hello.py", "world_size": 2}).json()
+
+        def ended() -> dict | None:
+            j = c.get(f"/jobs/{job['id']}").json()
+            return j if j["status"] in ("succeeded", "failed") else None
+
+        final = wait_for(ended, 90, "the job to run on the local worker")
+        assert final["status"] == "succeeded" and final["worker"] == "local"
+        assert "hello from rank 1" in c.get(f"/jobs/{job['id']}/logs").text
+        c.close()
+    finally:
+        stop_process(proc)
+    assert proc.returncode == 0

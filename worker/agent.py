@@ -15,7 +15,7 @@ from worker.runner import JobRunner
 
 log = logging.getLogger("ddpq.worker")
 
-CLAIM_WAIT_S = 10.0  # also bounds how long shutdown waits for an open claim
+CLAIM_WAIT_S = 5.0  # also bounds how long shutdown waits for an open claim
 
 
 class Agent:

@@ -1,0 +1,110 @@
+"""What running through ddpq costs over running torchrun by hand.
+
+The same plain DDP program (examples/ddp_plain.py, world size 2, gloo on CPU,
+about 20 s of training) is run directly with ``torchrun --standalone`` and
+through ddpq (from POST /jobs until GET /jobs/<id> says it ended), alternating,
+PAIRS pairs after one warm-up of each. Prints each pair and the median ratio
+ddpq / torchrun (goal: <= 1.05).
+
+    .venv/bin/python bench/overhead.py [--pairs 3] [--steps N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+PROGRAM = "examples/ddp_plain.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_direct(steps: int) -> float:
+    t0 = time.perf_counter()
+    subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         PROGRAM, "--steps", str(steps)],
+        cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    return time.perf_counter() - t0
+
+
+def run_ddpq(client: httpx.Client, steps: int) -> float:
+    t0 = time.perf_counter()
+    job = client.post("/jobs", json={"entrypoint": PROGRAM, "world_size": 2, "args": ["--steps", str(steps)]})
+    job.raise_for_status()
+    job_id = job.json()["id"]
+    while True:
+        status = client.get(f"/jobs/{job_id}").json()["status"]
+        if status in ("succeeded", "failed", "cancelled"):
+            break
+        time.sleep(0.02)
+    elapsed = time.perf_counter() - t0
+    if status != "succeeded":
+        raise SystemExit(f"job {job_id} {status}: {client.get(f'/jobs/{job_id}').json()['reason']}")
+    return elapsed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--pairs", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=4500, help="training steps (about 20 s on 2 cores)")
+    args = ap.parse_args()
+
+    tmp = Path(tempfile.mkdtemp(prefix="ddpq-bench-"))
+    port = free_port()
+    api_token, worker_token = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DDPQ_")}
+    env.update({"DDPQ_DATA_DIR": str(tmp), "DDPQ_API_TOKEN": api_token, "DDPQ_WORKER_TOKEN": worker_token})
+    url = f"http://127.0.0.1:{port}"
+    serve = subprocess.Popen([sys.executable, "-m", "ddpq.cli", "serve", "--port", str(port), "--log-level", "warning"],
+                             env=env, cwd=tmp)
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "ddpq.cli", "worker", "--url", url, "--workspace", str(REPO), "--name", "bench",
+         "--data-dir", str(tmp / "worker"), "--gpus", "none", "--cpu-slots", "2", "--log-level", "warning"],
+        env=env, cwd=tmp,
+    )
+    client = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {api_token}"}, timeout=30)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if client.get("/healthz").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise SystemExit("ddpq serve did not start")
+            time.sleep(0.2)
+        print(f"warm-up: torchrun {run_direct(args.steps):.2f}s, ddpq {run_ddpq(client, args.steps):.2f}s")
+        ratios = []
+        for i in range(args.pairs):
+            direct = run_direct(args.steps)
+            through = run_ddpq(client, args.steps)
+            ratios.append(through / direct)
+            print(f"pair {i + 1}: torchrun {direct:.2f}s, ddpq {through:.2f}s, ratio {through / direct:.3f}")
+        print(f"median ratio ddpq/torchrun: {statistics.median(ratios):.3f} over {args.pairs} pairs")
+    finally:
+        client.close()
+        for p in (worker, serve):
+            p.terminate()
+            p.wait(timeout=60)
+
+
+if __name__ == "__main__":
+    main()

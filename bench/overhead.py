@@ -2,7 +2,7 @@
 
 The same plain DDP program (examples/ddp_plain.py, world size 2, gloo on CPU,
 about 20 s of training) is run directly with ``torchrun --standalone`` and
-through ddpq (from POST /jobs until GET /jobs/<id> says it ended), alternating,
+through ddpq (from POST /jobs until the job's finished_at), alternating,
 PAIRS pairs after one warm-up of each. Prints each pair and the median ratio
 ddpq / torchrun (goal: <= 1.05).
 
@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -37,49 +38,103 @@ def free_port() -> int:
 def run_direct(steps: int) -> float:
     t0 = time.perf_counter()
     subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         PROGRAM, "--steps", str(steps)],
-        cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            PROGRAM,
+            "--steps",
+            str(steps),
+        ],
+        cwd=REPO,
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     return time.perf_counter() - t0
 
 
-def run_ddpq(client: httpx.Client, steps: int) -> float:
-    t0 = time.perf_counter()
-    job = client.post("/jobs", json={"entrypoint": PROGRAM, "world_size": 2, "args": ["--steps", str(steps)]})
+def _phases(job: dict) -> str:
+    """Queue wait (submit to claim) and run time (claim to end), from the job's own stamps."""
+    created, started, finished = (
+        datetime.fromisoformat(job[k]) for k in ("created_at", "started_at", "finished_at")
+    )
+    waited, ran = (started - created).total_seconds(), (finished - started).total_seconds()
+    return f"queued {waited:.2f}s, ran {ran:.2f}s"
+
+
+def run_ddpq(client: httpx.Client, steps: int) -> tuple[float, str]:
+    # The end is the job's own finished_at (stamped once its processes are gone), so
+    # observing it needs no fast polling, which would itself load the API on 2 cores.
+    t0 = time.time()
+    job = client.post(
+        "/jobs", json={"entrypoint": PROGRAM, "world_size": 2, "args": ["--steps", str(steps)]}
+    )
     job.raise_for_status()
     job_id = job.json()["id"]
     while True:
         status = client.get(f"/jobs/{job_id}").json()["status"]
         if status in ("succeeded", "failed", "cancelled"):
             break
-        time.sleep(0.02)
-    elapsed = time.perf_counter() - t0
+        time.sleep(0.5)
+    final = client.get(f"/jobs/{job_id}").json()
+    elapsed = datetime.fromisoformat(final["finished_at"]).timestamp() - t0
     if status != "succeeded":
-        raise SystemExit(f"job {job_id} {status}: {client.get(f'/jobs/{job_id}').json()['reason']}")
-    return elapsed
+        raise SystemExit(f"job {job_id} {status}: {final['reason']}")
+    return elapsed, _phases(final)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pairs", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=4500, help="training steps (about 20 s on 2 cores)")
+    ap.add_argument(
+        "--steps", type=int, default=4500, help="training steps (about 20 s on 2 cores)"
+    )
     args = ap.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="ddpq-bench-"))
     port = free_port()
     api_token, worker_token = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
     env = {k: v for k, v in os.environ.items() if not k.startswith("DDPQ_")}
-    env.update({"DDPQ_DATA_DIR": str(tmp), "DDPQ_API_TOKEN": api_token, "DDPQ_WORKER_TOKEN": worker_token})
-    url = f"http://127.0.0.1:{port}"
-    serve = subprocess.Popen([sys.executable, "-m", "ddpq.cli", "serve", "--port", str(port), "--log-level", "warning"],
-                             env=env, cwd=tmp)
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "ddpq.cli", "worker", "--url", url, "--workspace", str(REPO), "--name", "bench",
-         "--data-dir", str(tmp / "worker"), "--gpus", "none", "--cpu-slots", "2", "--log-level", "warning"],
-        env=env, cwd=tmp,
+    env.update(
+        {"DDPQ_DATA_DIR": str(tmp), "DDPQ_API_TOKEN": api_token, "DDPQ_WORKER_TOKEN": worker_token}
     )
-    client = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {api_token}"}, timeout=30)
+    url = f"http://127.0.0.1:{port}"
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "ddpq.cli", "serve", "--port", str(port), "--log-level", "warning"],
+        env=env,
+        cwd=tmp,
+    )
+    worker = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ddpq.cli",
+            "worker",
+            "--url",
+            url,
+            "--workspace",
+            str(REPO),
+            "--name",
+            "bench",
+            "--data-dir",
+            str(tmp / "worker"),
+            "--gpus",
+            "none",
+            "--cpu-slots",
+            "2",
+            "--log-level",
+            "warning",
+        ],
+        env=env,
+        cwd=tmp,
+    )
+    client = httpx.Client(
+        base_url=url, headers={"Authorization": f"Bearer {api_token}"}, timeout=30
+    )
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -91,14 +146,21 @@ def main() -> None:
             if time.monotonic() > deadline:
                 raise SystemExit("ddpq serve did not start")
             time.sleep(0.2)
-        print(f"warm-up: torchrun {run_direct(args.steps):.2f}s, ddpq {run_ddpq(client, args.steps):.2f}s")
+        direct = run_direct(args.steps)
+        through, phases = run_ddpq(client, args.steps)
+        print(f"warm-up: torchrun {direct:.2f}s, ddpq {through:.2f}s ({phases})")
         ratios = []
         for i in range(args.pairs):
             direct = run_direct(args.steps)
-            through = run_ddpq(client, args.steps)
+            through, phases = run_ddpq(client, args.steps)
             ratios.append(through / direct)
-            print(f"pair {i + 1}: torchrun {direct:.2f}s, ddpq {through:.2f}s, ratio {through / direct:.3f}")
-        print(f"median ratio ddpq/torchrun: {statistics.median(ratios):.3f} over {args.pairs} pairs")
+            print(
+                f"pair {i + 1}: torchrun {direct:.2f}s, ddpq {through:.2f}s ({phases}), "
+                f"ratio {through / direct:.3f}"
+            )
+        print(
+            f"median ratio ddpq/torchrun: {statistics.median(ratios):.3f} over {args.pairs} pairs"
+        )
     finally:
         client.close()
         for p in (worker, serve):

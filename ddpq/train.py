@@ -38,7 +38,9 @@ log = logging.getLogger("ddpq.train")
 
 MAX_BUFFERED_POINTS = 100_000  # oldest points are dropped past this (and counted)
 BATCH_ITEMS = 1000  # the API's per-request limit
-SEND_INTERVAL_S = 0.5  # how long points wait to be batched with later ones
+# Points wait up to this long to be batched with later ones: a POST per step would
+# cost the API a core and rank 0 its GIL (measured by bench/overhead.py).
+SEND_INTERVAL_S = 1.0
 BACKOFF_MAX_S = 10.0
 EXIT_FLUSH_TIMEOUT_S = 30.0
 
@@ -63,6 +65,7 @@ class _Sender:
         self._cond = threading.Condition()
         self._in_flight = 0
         self._dropped = 0
+        self._flushing = 0  # callers waiting in flush(): send without lingering
         self._thread = threading.Thread(target=self._run, name="ddpq-train-sender", daemon=True)
         self._thread.start()
 
@@ -85,18 +88,29 @@ class _Sender:
     def flush(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         with self._cond:
+            self._flushing += 1
             self._cond.notify_all()
-            while self._points or self._checkpoints or self._in_flight:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(min(left, 0.1))
+            try:
+                while self._points or self._checkpoints or self._in_flight:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    self._cond.wait(min(left, 0.1))
+            finally:
+                self._flushing -= 1
         return True
 
     def _take(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         with self._cond:
-            if not self._points and not self._checkpoints:
-                self._cond.wait(SEND_INTERVAL_S)
+            # Linger for a full batch, a checkpoint, a flush, or the interval.
+            deadline = time.monotonic() + SEND_INTERVAL_S
+            while (
+                len(self._points) < BATCH_ITEMS
+                and not self._checkpoints
+                and not (self._flushing and self._points)
+                and (left := deadline - time.monotonic()) > 0
+            ):
+                self._cond.wait(left)
             n = min(len(self._points), BATCH_ITEMS)
             points = [self._points.popleft() for _ in range(n)]
             checkpoints = list(self._checkpoints)

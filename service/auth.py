@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+from collections.abc import Callable
 from typing import Annotated
 
 from fastapi import Depends, HTTPException, Request
@@ -59,22 +60,22 @@ def _kind(request: Request, token: str) -> str:
     return "unknown"
 
 
-def require_user(request: Request) -> None:
-    kind = _kind(request, _bearer(request))
-    if kind == "user":
-        return
-    if kind in ("worker", "job"):
-        raise HTTPException(403, f"a {kind} token cannot use this route; it takes the user token")
-    raise HTTPException(401, "invalid token", headers={"WWW-Authenticate": "Bearer"})
+def _require(wanted: str) -> Callable[[Request], None]:
+    def dependency(request: Request) -> None:
+        kind = _kind(request, _bearer(request))
+        if kind == wanted:
+            return
+        if kind != "unknown":
+            raise HTTPException(
+                403, f"a {kind} token cannot use this route; it takes the {wanted} token"
+            )
+        raise HTTPException(401, "invalid token", headers={"WWW-Authenticate": "Bearer"})
+
+    return dependency
 
 
-def require_worker(request: Request) -> None:
-    kind = _kind(request, _bearer(request))
-    if kind == "worker":
-        return
-    if kind in ("user", "job"):
-        raise HTTPException(403, f"a {kind} token cannot use this route; it takes the worker token")
-    raise HTTPException(401, "invalid token", headers={"WWW-Authenticate": "Bearer"})
+require_user = _require("user")
+require_worker = _require("worker")
 
 
 def require_job_attempt(job_id: int, request: Request) -> Attempt:

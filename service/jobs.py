@@ -61,10 +61,17 @@ def _checkpoint_public(c: Checkpoint) -> CheckpointPublic:
 
 
 def _queue_positions(s: Session, jobs: list[Job]) -> dict[int, int]:
+    """1-based places in the claim order (priority desc, then submission) of queued jobs."""
+    queued = [j for j in jobs if j.status == JobStatus.QUEUED]
+    if len(queued) > 1:
+        # One pass over the queue instead of one count per job on a page.
+        order = func.row_number().over(order_by=(Job.priority.desc(), Job.id))
+        ranked = select(Job.id, order.label("pos")).where(Job.status == JobStatus.QUEUED).subquery()
+        wanted = [j.id for j in queued]
+        rows = s.execute(select(ranked.c.id, ranked.c.pos).where(ranked.c.id.in_(wanted)))
+        return {job_id: int(pos) for job_id, pos in rows}
     positions: dict[int, int] = {}
-    for job in jobs:
-        if job.status != JobStatus.QUEUED:
-            continue
+    for job in queued:
         ahead = s.scalar(
             select(func.count())
             .select_from(Job)
@@ -303,6 +310,14 @@ def finish_attempt(db: Database, job_id: int, worker: str, req: FinishRequest) -
 # ---- what ranks report ----------------------------------------------------------------
 
 
+def _still_current(job: Job, attempt: Attempt) -> None:
+    """Fencing, re-checked inside the write: the token was checked in an earlier transaction."""
+    if job.attempt != attempt.number:
+        raise Conflict(f"attempt {attempt.number} was superseded by attempt {job.attempt}")
+    if job.status not in (JobStatus.RUNNING, JobStatus.CANCELLING):
+        raise Conflict(f"job {job.id} is {job.status}; attempt {attempt.number} has ended")
+
+
 def _upsert(db: Database) -> Any:
     return pg_insert if db.dialect == "postgresql" else sqlite_insert
 
@@ -342,8 +357,9 @@ def ingest_metrics(db: Database, attempt: Attempt, body: MetricsIn) -> int:
         where=MetricPoint.attempt <= insert.excluded.attempt,
     )
     with db.write() as s:
-        s.execute(stmt, list(rows.values()))
         job = _get(s, attempt.job_id)
+        _still_current(job, attempt)
+        s.execute(stmt, list(rows.values()))
         latest = job.latest_metrics
         if latest is None or last.step > latest["step"]:
             job.latest_metrics = {
@@ -400,6 +416,7 @@ def register_checkpoint(db: Database, attempt: Attempt, body: CheckpointIn) -> C
         created_at=utcnow(),
     )
     with db.write() as s:
+        _still_current(_get(s, attempt.job_id), attempt)
         s.add(c)
         s.flush()
         return _checkpoint_public(c)

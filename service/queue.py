@@ -195,16 +195,21 @@ def expire_leases(db: Database, lease_s: float) -> list[int]:
     now = utcnow()
     cutoff = now - timedelta(seconds=lease_s)
     changed: list[int] = []
+    find_stale = (
+        select(Job.id, Job.attempt, Job.max_attempts, Job.status, Attempt.worker, Attempt.id)
+        .join(Attempt, and_(Attempt.job_id == Job.id, Attempt.number == Job.attempt))
+        .where(
+            Job.status.in_(list(ACTIVE)),
+            Attempt.ended_at.is_(None),
+            Attempt.heartbeat_at < cutoff,
+        )
+    )
+    # Look first without the write lock: nearly every sweep finds nothing.
+    with db.read() as s:
+        if s.execute(find_stale.limit(1)).first() is None:
+            return changed
     with db.write() as s:
-        stale = s.execute(
-            select(Job.id, Job.attempt, Job.max_attempts, Job.status, Attempt.worker, Attempt.id)
-            .join(Attempt, and_(Attempt.job_id == Job.id, Attempt.number == Job.attempt))
-            .where(
-                Job.status.in_(list(ACTIVE)),
-                Attempt.ended_at.is_(None),
-                Attempt.heartbeat_at < cutoff,
-            )
-        ).all()
+        stale = s.execute(find_stale).all()
         for job_id, number, max_attempts, status, worker, attempt_id in stale:
             lost = f"worker {worker} lost (no heartbeat for {lease_s:g} s)"
             if status == JobStatus.CANCELLING:

@@ -427,6 +427,45 @@ def list_or_stream(c: Client, job_id: int) -> Any:
 
 
 @app.command()
+def workers(as_json: JsonOpt = False) -> None:
+    """List workers: slots, free GPUs and CPU slots, running jobs, last heartbeat."""
+    with _client() as c:
+        items = _call(c.workers)
+    if as_json:
+        _print_json(items)
+        return
+    table = Table(box=None)
+    for col in (
+        "NAME",
+        "HOST",
+        "ALIVE",
+        "GPUS",
+        "FREE GPUS",
+        "CPU SLOTS",
+        "FREE CPU",
+        "RUNNING",
+        "HEARTBEAT",
+    ):
+        table.add_column(col)
+    for w in items:
+        table.add_row(
+            w["name"],
+            w["hostname"],
+            "yes" if w["alive"] else "no",
+            ",".join(map(str, w["gpus"])) or "-",
+            ",".join(map(str, w["free_gpus"])) or "-",
+            str(w["cpu_slots"]),
+            str(w["free_cpu_slots"]),
+            " ".join(
+                f"{j['job_id']}" + (f"[{','.join(map(str, j['gpus']))}]" if j["gpus"] else "")
+                for j in w["running"]
+            ),
+            w["last_heartbeat"],
+        )
+    out.print(table)
+
+
+@app.command()
 def recipes(as_json: JsonOpt = False) -> None:
     """List the built-in recipes."""
     with _client() as c:

@@ -110,6 +110,10 @@ class Client:
         ]
         return items
 
+    def workers(self) -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = self._call("GET", "/workers").json()["items"]
+        return items
+
     def recipes(self) -> list[dict[str, Any]]:
         items: list[dict[str, Any]] = self._call("GET", "/recipes").json()["items"]
         return items

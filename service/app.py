@@ -6,18 +6,21 @@ import asyncio
 import contextlib
 import json
 import logging
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any
 
+import psycopg
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import InterfaceError, OperationalError
 
 from service import queue
 from service.config import Settings
-from service.db import Database
+from service.db import Database, Policy
 from service.errors import DomainError, Invalid
 from service.routes import jobs, meta, reports, workers
 from service.wakeup import Wakeup
@@ -109,6 +112,22 @@ async def _sweep_leases(app: FastAPI) -> None:
             log.exception("lease sweep failed")
 
 
+def _listen_for_jobs(url: str, wakeup: Wakeup, stop: threading.Event) -> None:
+    """Postgres LISTEN: wake this process's claimers when any API process queues or
+    frees something (the in-process wakeup covers only requests it served itself)."""
+    conninfo = make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+    while not stop.is_set():
+        try:
+            with psycopg.connect(conninfo, autocommit=True, connect_timeout=5) as conn:
+                conn.execute(f"LISTEN {queue.NOTIFY_CHANNEL}")
+                while not stop.is_set():
+                    for _ in conn.notifies(timeout=1.0, stop_after=1):
+                        wakeup.notify()
+        except psycopg.Error as exc:
+            log.warning("LISTEN connection lost (%s); reconnecting", exc)
+            stop.wait(1.0)
+
+
 def create_app(
     settings: Settings, api_token: str, worker_token: str, db: Database | None = None
 ) -> FastAPI:
@@ -116,9 +135,18 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.wakeup.bind(asyncio.get_running_loop())
         sweeper = asyncio.create_task(_sweep_leases(app))
+        stop_listening = threading.Event()
+        if app.state.db.dialect == "postgresql":
+            threading.Thread(
+                target=_listen_for_jobs,
+                args=(app.state.db.url, app.state.wakeup, stop_listening),
+                name="pg-listen",
+                daemon=True,
+            ).start()
         try:
             yield
         finally:
+            stop_listening.set()
             sweeper.cancel()
             app.state.db.dispose()
 
@@ -131,7 +159,10 @@ def create_app(
     app.state.settings = settings
     app.state.api_token = api_token
     app.state.worker_token = worker_token
-    app.state.db = db or Database(settings.resolved_database_url)
+    app.state.db = db or Database(
+        settings.resolved_database_url,
+        Policy(lease_s=settings.lease_s, starvation_s=settings.starvation_s),
+    )
     app.state.wakeup = Wakeup()
 
     @app.exception_handler(DomainError)
@@ -145,7 +176,7 @@ def create_app(
         return JSONResponse(content, status_code=exc.status_code)
 
     @app.exception_handler(OperationalError)
-    @app.exception_handler(DBAPIError)
+    @app.exception_handler(InterfaceError)
     async def _database_down(_: Request, exc: Exception) -> JSONResponse:
         # A dropped connection is the database's trouble, not the client's: retry later.
         log.warning("database error: %s", exc)

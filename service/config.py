@@ -36,6 +36,9 @@ class Settings(BaseSettings):
     port: int = 8000
     # A running attempt whose worker has not heart-beaten for this long is lost.
     lease_s: float = Field(default=30.0, gt=0)
+    # Once the first job in the queue has waited this long, later jobs stop
+    # starting ahead of it (backfill) on workers that could ever run it.
+    starvation_s: float = Field(default=600.0, ge=0)
     # How often workers are asked to heartbeat (they also learn of cancels then).
     heartbeat_s: float = Field(default=2.0, gt=0)
     # Longest a worker's claim request is held open waiting for a job.

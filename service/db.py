@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,11 +54,20 @@ def make_engine(url: str) -> Engine:
     return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
 
 
-class Database:
-    """Read and write sessions over one engine."""
+@dataclass(frozen=True)
+class Policy:
+    """The rules the queue runs by (from Settings)."""
 
-    def __init__(self, url: str) -> None:
+    lease_s: float = 30.0
+    starvation_s: float = 600.0
+
+
+class Database:
+    """Read and write sessions over one engine, and the queue policy they serve."""
+
+    def __init__(self, url: str, policy: Policy | None = None) -> None:
         self.url = url
+        self.policy = policy or Policy()
         self.engine = make_engine(url)
         self.dialect = self.engine.dialect.name
         self._read = sessionmaker(self.engine, expire_on_commit=False)
@@ -69,12 +79,14 @@ class Database:
     @contextmanager
     def read(self) -> Iterator[Session]:
         with self._read() as session, session.begin():
+            session.info["policy"] = self.policy
             yield session
 
     @contextmanager
     def write(self) -> Iterator[Session]:
         """A transaction that holds the write lock from its first statement on SQLite."""
         with self._write() as session, session.begin():
+            session.info["policy"] = self.policy
             yield session
 
     def ping(self) -> None:

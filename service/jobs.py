@@ -87,6 +87,13 @@ def _queue_positions(s: Session, jobs: list[Job]) -> dict[int, int]:
     return positions
 
 
+def _with_history(pending: str | None, stored: str | None) -> str | None:
+    """A queued job's live reason, with why it was requeued when it was."""
+    if pending is None:
+        return stored
+    return f"{pending} ({stored})" if stored else pending
+
+
 def _publics(s: Session, jobs: list[Job]) -> list[JobPublic]:
     if not jobs:
         return []
@@ -100,6 +107,7 @@ def _publics(s: Session, jobs: list[Job]) -> list[JobPublic]:
         c.job_id: c for c in s.scalars(select(Checkpoint).where(Checkpoint.id.in_(newest)))
     }
     positions = _queue_positions(s, jobs)
+    pending = queue.pending_reasons(s, [j for j in jobs if j.status == JobStatus.QUEUED], positions)
     out = []
     for j in jobs:
         c = checkpoints.get(j.id)
@@ -114,7 +122,7 @@ def _publics(s: Session, jobs: list[Job]) -> list[JobPublic]:
                 finished_at=j.finished_at,
                 attempt=j.attempt,
                 exit_code=j.exit_code,
-                reason=j.reason,
+                reason=_with_history(pending.get(j.id), j.reason),
                 worker=j.worker,
                 gpus=j.gpus,
                 latest_metrics=LatestMetrics(**j.latest_metrics) if j.latest_metrics else None,
@@ -162,12 +170,15 @@ def _request_hash(spec: JobSpec) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def submit_job(db: Database, spec: JobSpec, idempotency_key: str | None) -> JobPublic:
+def submit_job(
+    db: Database, spec: JobSpec, idempotency_key: str | None, strict: bool = False
+) -> JobPublic:
     digest = _request_hash(spec) if idempotency_key else None
     if idempotency_key:
         existing = _replay(db, idempotency_key, digest)
         if existing is not None:
             return existing
+    now = utcnow()
     job = Job(
         name=spec.name,
         status=JobStatus.QUEUED,
@@ -177,16 +188,20 @@ def submit_job(db: Database, spec: JobSpec, idempotency_key: str | None) -> JobP
         nproc_per_node=spec.world_size // spec.nnodes,
         device=spec.device,
         max_attempts=spec.max_attempts,
-        created_at=utcnow(),
+        created_at=now,
+        queued_at=now,
         idempotency_key=idempotency_key,
         request_hash=digest,
     )
-    if spec.nnodes > 1:
-        job.reason = "multi-node jobs (nnodes > 1) are not scheduled yet; it waits"
     try:
         with db.write() as s:
+            if strict:
+                problem = queue.unschedulable(s, job)
+                if problem:
+                    raise Conflict(f"{problem} (strict=true: not queued)")
             s.add(job)
             s.flush()
+            queue.notify_claimers(s)
             return _publics(s, [job])[0]
     except IntegrityError:
         # Another request with the same key won the race; answer with its job.
@@ -281,6 +296,7 @@ def finish_attempt(db: Database, job_id: int, worker: str, req: FinishRequest) -
         job.exit_code = req.exit_code
         if req.outcome == "requeue" and job.status == JobStatus.RUNNING:
             job.status = JobStatus.QUEUED
+            job.queued_at = now
             job.reason = f"worker {worker} shut down; requeued"
             job.worker = None
             job.gpus = None
@@ -304,6 +320,7 @@ def finish_attempt(db: Database, job_id: int, worker: str, req: FinishRequest) -
         if job.status in TERMINAL:
             job.finished_at = now
         s.flush()
+        queue.notify_claimers(s)  # its slots are free, or it is queued again
         return _publics(s, [job])[0]
 
 

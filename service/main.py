@@ -34,7 +34,10 @@ def build(host: str, settings: Settings | None = None) -> tuple[Settings, FastAP
     """Resolve tokens, migrate, and create the app (shared by serve and up)."""
     settings = settings or Settings()
     api_token, worker_token = resolve_tokens(settings, host)
-    database = dbmod.Database(settings.resolved_database_url)
+    database = dbmod.Database(
+        settings.resolved_database_url,
+        dbmod.Policy(lease_s=settings.lease_s, starvation_s=settings.starvation_s),
+    )
     wait_for_database(database)
     dbmod.upgrade(settings.resolved_database_url)
     return settings, create_app(settings, api_token, worker_token, database)

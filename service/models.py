@@ -84,6 +84,8 @@ class Job(Base):
     device: Mapped[str] = mapped_column(String(8))
     max_attempts: Mapped[int] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    # When it last entered the queue (submitted or requeued): how long it has waited.
+    queued_at: Mapped[datetime | None]
     started_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]
     attempt: Mapped[int] = mapped_column(Integer, default=0)

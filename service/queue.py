@@ -18,13 +18,14 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy import and_, func, or_, select, text, update
 from sqlalchemy.orm import Session
 
-from service.db import Database
+from service.db import Database, Policy
 from service.models import ACTIVE, Attempt, Checkpoint, Job, JobStatus, LogChunk, Worker, utcnow
 
 RESUME_CANDIDATES = 5  # newest checkpoints offered; the worker takes the first on disk
+NOTIFY_CHANNEL = "ddpq_jobs"
 
 
 @dataclass
@@ -44,7 +45,14 @@ def _rowcount(result: Any) -> int:
     return int(result.rowcount)
 
 
+def notify_claimers(s: Session) -> None:
+    """Wake long-polling claimers in every API process once this transaction commits."""
+    if s.get_bind().dialect.name == "postgresql":
+        s.execute(text("SELECT pg_notify(:channel, '')"), {"channel": NOTIFY_CHANNEL})
+
+
 def _fits(worker_has_gpus: bool, free_cpu_slots: int, free_gpus: int) -> Any:
+    """Queued jobs that fit in the given free slots of one worker."""
     cpu_fit = Job.nproc_per_node <= free_cpu_slots
     if not worker_has_gpus:
         return and_(Job.device.in_(["cpu", "auto"]), cpu_fit)
@@ -55,6 +63,52 @@ def _fits(worker_has_gpus: bool, free_cpu_slots: int, free_gpus: int) -> Any:
     )
 
 
+@dataclass
+class Capacity:
+    """What a worker has, and what of it no running job holds."""
+
+    name: str
+    cpu_slots: int
+    gpus: list[int]
+    free_cpu: int
+    free_gpus: list[int]
+    live: bool
+
+
+def _capacities(s: Session, lease_s: float, only: str | None = None) -> list[Capacity]:
+    """Every worker's slots minus those its active jobs hold (the service's own books:
+    a GPU stays held until the worker reports the job's processes gone)."""
+    workers = select(Worker)
+    active = select(Job.worker, Job.nproc_per_node, Job.gpus).where(Job.status.in_(list(ACTIVE)))
+    if only is not None:
+        workers = workers.where(Worker.name == only)
+        active = active.where(Job.worker == only)
+    used_cpu: dict[str, int] = {}
+    used_gpus: dict[str, set[int]] = {}
+    for worker, nproc, gpus in s.execute(active):
+        if worker is None:
+            continue
+        if gpus:
+            used_gpus.setdefault(worker, set()).update(gpus)
+        else:
+            used_cpu[worker] = used_cpu.get(worker, 0) + nproc
+    cutoff = utcnow() - timedelta(seconds=lease_s)
+    out = []
+    for w in s.scalars(workers):
+        held = used_gpus.get(w.name, set())
+        out.append(
+            Capacity(
+                name=w.name,
+                cpu_slots=w.cpu_slots,
+                gpus=list(w.gpus),
+                free_cpu=max(0, w.cpu_slots - used_cpu.get(w.name, 0)),
+                free_gpus=[g for g in w.gpus if g not in held],
+                live=w.last_heartbeat >= cutoff,
+            )
+        )
+    return out
+
+
 def claim_next_job(
     db: Database,
     worker: str,
@@ -62,23 +116,47 @@ def claim_next_job(
     free_gpus: list[int],
     token_hash: str,
 ) -> Claim | None:
-    """Claim the next job that fits on ``worker`` now, or return None."""
+    """Claim the next job that fits on ``worker`` now, or return None.
+
+    Order: priority desc, then submission. A later job that fits may start while
+    an earlier one waits for more slots (backfill), unless an earlier job this
+    worker could ever run has waited longer than the starvation limit: then only
+    that job, or ones ahead of it, may start here.
+    """
     now = utcnow()
     with db.write() as s:
-        w = s.get(Worker, worker)
-        if w is None:
+        caps = _capacities(s, db.policy.lease_s, only=worker)
+        if not caps:
             raise LookupError(worker)
-        has_gpus = bool(w.gpus)
-        pick = (
-            select(Job.id)
-            .where(
-                Job.status == JobStatus.QUEUED,
-                Job.nnodes == 1,
-                _fits(has_gpus, free_cpu_slots, len(free_gpus)),
-            )
-            .order_by(Job.priority.desc(), Job.id)
-            .limit(1)
-        )
+        cap = caps[0]
+        # The worker's view may lag (a job it is still stopping); the books may too
+        # (a finish in flight). Only slots free in both are offered.
+        offered_gpus = [g for g in cap.free_gpus if g in set(free_gpus)]
+        offered_cpu = min(cap.free_cpu, free_cpu_slots)
+        has_gpus = bool(cap.gpus)
+        queued = and_(Job.status == JobStatus.QUEUED, Job.nnodes == 1)
+        order = (Job.priority.desc(), Job.id)
+        pick = select(Job.id).where(queued, _fits(has_gpus, offered_cpu, len(offered_gpus)))
+        if db.policy.starvation_s >= 0:
+            starving = s.execute(
+                select(Job.id, Job.priority)
+                .where(
+                    queued,
+                    Job.queued_at < now - timedelta(seconds=db.policy.starvation_s),
+                    _fits(has_gpus, cap.cpu_slots, len(cap.gpus)),
+                )
+                .order_by(*order)
+                .limit(1)
+            ).first()
+            if starving is not None:
+                head_id, head_priority = starving
+                pick = pick.where(
+                    or_(
+                        Job.priority > head_priority,
+                        and_(Job.priority == head_priority, Job.id <= head_id),
+                    )
+                )
+        pick = pick.order_by(*order).limit(1)
         if db.dialect == "postgresql":
             pick = pick.with_for_update(skip_locked=True)
         row = s.execute(
@@ -98,7 +176,9 @@ def claim_next_job(
             return None
         job_id, number, spec, device, nproc = row
         resolved = "cuda" if device == "cuda" or (device == "auto" and has_gpus) else "cpu"
-        gpus = sorted(free_gpus)[:nproc] if resolved == "cuda" else []
+        gpus = sorted(offered_gpus)[:nproc] if resolved == "cuda" else []
+        w = s.get(Worker, worker)
+        assert w is not None
         checkpoint_dir = f"{w.checkpoint_root.rstrip('/')}/job-{job_id}"
         s.execute(update(Job).where(Job.id == job_id).values(gpus=gpus))
         s.add(
@@ -127,6 +207,174 @@ def claim_next_job(
             )
         )
         return Claim(job_id, number, spec, resolved, nproc, gpus, checkpoint_dir, resume)
+
+
+def workers_overview(db: Database) -> list[dict[str, Any]]:
+    """Each worker: its slots, what is free, what runs on it, its last heartbeat."""
+    with db.read() as s:
+        caps = {c.name: c for c in _capacities(s, db.policy.lease_s)}
+        running: dict[str, list[dict[str, Any]]] = {}
+        for j in s.execute(
+            select(
+                Job.id, Job.name, Job.status, Job.attempt, Job.nproc_per_node, Job.gpus, Job.worker
+            )
+            .where(Job.status.in_(list(ACTIVE)))
+            .order_by(Job.id)
+        ):
+            running.setdefault(j.worker or "", []).append(
+                {
+                    "job_id": j.id,
+                    "name": j.name,
+                    "status": j.status,
+                    "attempt": j.attempt,
+                    "nproc_per_node": j.nproc_per_node,
+                    "gpus": j.gpus or [],
+                }
+            )
+        out = []
+        for w in s.scalars(select(Worker).order_by(Worker.name)):
+            cap = caps[w.name]
+            out.append(
+                {
+                    "name": w.name,
+                    "hostname": w.hostname,
+                    "cpu_slots": w.cpu_slots,
+                    "gpus": w.gpus,
+                    "free_cpu_slots": cap.free_cpu,
+                    "free_gpus": cap.free_gpus,
+                    "alive": cap.live,
+                    "last_heartbeat": w.last_heartbeat,
+                    "registered_at": w.registered_at,
+                    "running": running.get(w.name, []),
+                }
+            )
+        return out
+
+
+# ---- why a job waits -------------------------------------------------------------------
+
+
+def _unit(device: str, gpu_worker: bool) -> str | None:
+    """What a job counts on a worker: GPUs, CPU slots, or nothing it can use."""
+    if device == "cuda":
+        return "gpu" if gpu_worker else None
+    if device == "cpu":
+        return "cpu"
+    return "gpu" if gpu_worker else "cpu"
+
+
+def _total(cap: Capacity, unit: str) -> int:
+    return len(cap.gpus) if unit == "gpu" else cap.cpu_slots
+
+
+def _free(cap: Capacity, unit: str) -> int:
+    return len(cap.free_gpus) if unit == "gpu" else cap.free_cpu
+
+
+def _words(n: int, unit: str) -> str:
+    if unit == "gpu":
+        return f"{n} GPU" + ("" if n == 1 else "s")
+    return f"{n} CPU slot" + ("" if n == 1 else "s")
+
+
+def _need(job: Job) -> str:
+    n = job.nproc_per_node
+    if job.device == "cuda":
+        return _words(n, "gpu")
+    if job.device == "cpu":
+        return _words(n, "cpu")
+    return f"{_words(n, 'gpu')}, or {_words(n, 'cpu')} on a CPU-only worker"
+
+
+def _unschedulable_on(caps: list[Capacity], job: Job) -> str | None:
+    if job.nnodes > 1:
+        return None  # multi-node placement is not decided per worker
+    best = {"gpu": 0, "cpu": 0}
+    for cap in caps:
+        unit = _unit(job.device, bool(cap.gpus))
+        if unit is None:
+            continue
+        if _total(cap, unit) >= job.nproc_per_node:
+            return None
+        best[unit] = max(best[unit], _total(cap, unit))
+    if not caps:
+        return None  # no worker yet: it waits for one
+    if job.device == "cuda":
+        has = f"the largest worker has {_words(best['gpu'], 'gpu')}"
+    elif job.device == "cpu":
+        has = f"the largest worker has {_words(best['cpu'], 'cpu')}"
+    else:
+        has = (
+            f"the largest GPU worker has {_words(best['gpu'], 'gpu')} and the largest "
+            f"CPU-only worker {_words(best['cpu'], 'cpu')}"
+        )
+    return f"unschedulable: needs {_need(job)} on one worker; {has}"
+
+
+def _policy(s: Session) -> Policy:
+    policy: Policy = s.info.get("policy") or Policy()
+    return policy
+
+
+def unschedulable(s: Session, job: Job) -> str | None:
+    """Why no registered worker could ever run ``job``, or None if one could."""
+    return _unschedulable_on(_capacities(s, _policy(s).lease_s), job)
+
+
+def pending_reasons(s: Session, jobs: list[Job], positions: dict[int, int]) -> dict[int, str]:
+    """Why each queued job is not running, in words a person understands."""
+    if not jobs:
+        return {}
+    policy = _policy(s)
+    caps = _capacities(s, policy.lease_s)
+    live = [c for c in caps if c.live]
+    now = utcnow()
+    reasons: dict[int, str] = {}
+    for job in jobs:
+        if job.nnodes > 1:
+            reasons[job.id] = "waiting: multi-node jobs (nnodes > 1) are not scheduled yet"
+            continue
+        problem = _unschedulable_on(caps, job)
+        if problem:
+            reasons[job.id] = problem
+            continue
+        if not caps:
+            reasons[job.id] = "waiting for a worker: none has registered"
+            continue
+        if not live:
+            reasons[job.id] = (
+                f"waiting for a worker: none has sent a heartbeat in the last {policy.lease_s:g} s"
+            )
+            continue
+        best_free = {"gpu": 0, "cpu": 0}
+        fits_now = False
+        for cap in live:
+            unit = _unit(job.device, bool(cap.gpus))
+            if unit is None or _total(cap, unit) < job.nproc_per_node:
+                continue
+            best_free[unit] = max(best_free[unit], _free(cap, unit))
+            fits_now = fits_now or _free(cap, unit) >= job.nproc_per_node
+        ahead = positions.get(job.id, 1) - 1
+        if not fits_now:
+            if job.device == "cpu" or (job.device == "auto" and not any(c.gpus for c in live)):
+                unit = "cpu"
+            else:
+                unit = "gpu"
+            reasons[job.id] = (
+                f"waiting for {_words(job.nproc_per_node, unit)}; the most free on one "
+                f"worker is {best_free[unit]}"
+            )
+        elif ahead:
+            reasons[job.id] = f"waiting for its turn: {ahead} job(s) ahead in the queue"
+        else:
+            reasons[job.id] = "waiting for a worker to claim it"
+        waited = (now - (job.queued_at or job.created_at)).total_seconds()
+        if not fits_now and waited > policy.starvation_s:
+            reasons[job.id] += (
+                f"; it has waited over {policy.starvation_s:g} s, so later jobs no longer "
+                "start ahead of it"
+            )
+    return reasons
 
 
 def _append_log(s: Session, job_id: int, attempt: int, data: bytes) -> int:
@@ -221,6 +469,7 @@ def expire_leases(db: Database, lease_s: float) -> list[int]:
             elif number < max_attempts:
                 values = {
                     "status": JobStatus.QUEUED,
+                    "queued_at": now,
                     "reason": f"{lost}; requeued for attempt {number + 1} of {max_attempts}",
                     "worker": None,
                     "gpus": None,
@@ -245,4 +494,6 @@ def expire_leases(db: Database, lease_s: float) -> list[int]:
                     .values(ended_at=now, outcome="lost")
                 )
                 changed.append(job_id)
+        if changed:
+            notify_claimers(s)
     return changed

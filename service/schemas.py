@@ -287,6 +287,32 @@ class FinishRequest(Strict):
     reason: Annotated[str | None, Field(max_length=4000)] = None
 
 
+class WorkerJob(BaseModel):
+    job_id: int
+    name: str | None
+    status: str
+    attempt: int
+    nproc_per_node: int
+    gpus: list[int]
+
+
+class WorkerPublic(BaseModel):
+    name: str
+    hostname: str
+    cpu_slots: int
+    gpus: list[int]
+    free_cpu_slots: int
+    free_gpus: list[int]
+    alive: bool  # heart-beaten within the lease
+    last_heartbeat: datetime
+    registered_at: datetime
+    running: list[WorkerJob]
+
+
+class WorkersPublic(BaseModel):
+    items: list[WorkerPublic]
+
+
 class LogAppended(BaseModel):
     next_offset: int
 

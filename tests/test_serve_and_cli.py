@@ -109,6 +109,8 @@ def test_cli_logs_and_recipes(server: Server) -> None:
     env = {"DDPQ_URL": server.url, "DDPQ_TOKEN": server.api_token}
     r = _ddpq("recipes", "--json", env=env)
     assert "toy-regression" in [x["name"] for x in json.loads(r.stdout)]
+    r = _ddpq("workers", "--json", env=env)
+    assert r.returncode == 0 and json.loads(r.stdout) == []
     job = server.client().post("/jobs", json={"entrypoint": "x.py"}).json()
     server.client().post(f"/jobs/{job['id']}/cancel")
     r = _ddpq("logs", str(job["id"]), "-f", env=env)
@@ -119,11 +121,24 @@ def test_up_runs_the_api_and_a_local_worker(tmp_path: Path) -> None:
     import httpx
 
     port = free_port()
-    (tmp_path / "hello.py").write_text("print('hello from rank', __import__('os').environ['RANK'])\n")
+    (tmp_path / "hello.py").write_text(
+        "print('hello from rank', __import__('os').environ['RANK'])\n"
+    )
     log = tmp_path / "up.log"
     with open(log, "wb") as f:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "ddpq.cli", "up", "--port", str(port), "--gpus", "none", "--cpu-slots", "2"],
+            [
+                sys.executable,
+                "-m",
+                "ddpq.cli",
+                "up",
+                "--port",
+                str(port),
+                "--gpus",
+                "none",
+                "--cpu-slots",
+                "2",
+            ],
             env=_child_env({"DDPQ_DATA_DIR": str(tmp_path / "var")}),
             stdout=f,
             stderr=subprocess.STDOUT,

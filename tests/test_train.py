@@ -45,7 +45,9 @@ def test_reports_survive_an_api_outage(server: Server, db_url: str, tmp_path: Pa
     try:
         wait_for(lambda: "reported" in out.read_text(), 30, "report() calls to return")
         assert proc.poll() is None, out.read_text()  # still holding the unsent points
-        back = start_server(db_url, server.data_dir, port=port, tokens=(server.api_token, server.worker_token))
+        back = start_server(
+            db_url, server.data_dir, port=port, tokens=(server.api_token, server.worker_token)
+        )
         assert proc.wait(timeout=120) == 0, out.read_text()
         assert "flushed" in out.read_text()
         items = back.client().get(f"/jobs/{claim['job_id']}/metrics").json()["items"]
@@ -63,7 +65,9 @@ class _Evil:
         return (print, ("pwned",))
 
 
-def test_load_checkpoint_refuses_pickled_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_load_checkpoint_refuses_pickled_code(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import torch
 
     from ddpq import train

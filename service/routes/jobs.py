@@ -30,9 +30,12 @@ async def submit_job(
     db: DB,
     wakeup: WakeupDep,
     idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
+    strict: Annotated[
+        bool, Query(description="refuse (409) a job no registered worker could ever run")
+    ] = False,
 ) -> JobPublic:
     """Queue a job."""
-    job = await run_in_threadpool(jobs.submit_job, db, spec, idempotency_key)
+    job = await run_in_threadpool(jobs.submit_job, db, spec, idempotency_key, strict)
     wakeup.notify()
     return job
 

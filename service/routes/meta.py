@@ -6,10 +6,17 @@ from fastapi import APIRouter
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
+from service import queue
 from service.auth import UserAuth
 from service.catalog import recipes
 from service.deps import DB
-from service.schemas import RecipeArg, RecipePublic, RecipesPublic
+from service.schemas import (
+    RecipeArg,
+    RecipePublic,
+    RecipesPublic,
+    WorkerPublic,
+    WorkersPublic,
+)
 
 router = APIRouter(tags=["meta"])
 
@@ -26,6 +33,12 @@ async def healthz(db: DB) -> JSONResponse:
             headers={"Retry-After": "2"},
         )
     return JSONResponse({"status": "ok", "database": "ok"})
+
+
+@router.get("/workers", response_model=WorkersPublic, dependencies=[UserAuth])
+def list_workers(db: DB) -> WorkersPublic:
+    """Registered workers: their slots, what is free, what runs on them, their last heartbeat."""
+    return WorkersPublic(items=[WorkerPublic(**w) for w in queue.workers_overview(db)])
 
 
 @router.get("/recipes", response_model=RecipesPublic, dependencies=[UserAuth])

@@ -277,15 +277,6 @@ def _words(n: int, unit: str) -> str:
     return f"{n} CPU slot" + ("" if n == 1 else "s")
 
 
-def _need(job: Job) -> str:
-    n = job.nproc_per_node
-    if job.device == "cuda":
-        return _words(n, "gpu")
-    if job.device == "cpu":
-        return _words(n, "cpu")
-    return f"{_words(n, 'gpu')}, or {_words(n, 'cpu')} on a CPU-only worker"
-
-
 def _unschedulable_on(caps: list[Capacity], job: Job) -> str | None:
     if job.nnodes > 1:
         return None  # multi-node placement is not decided per worker
@@ -299,16 +290,19 @@ def _unschedulable_on(caps: list[Capacity], job: Job) -> str | None:
         best[unit] = max(best[unit], _total(cap, unit))
     if not caps:
         return None  # no worker yet: it waits for one
-    if job.device == "cuda":
-        has = f"the largest worker has {_words(best['gpu'], 'gpu')}"
-    elif job.device == "cpu":
-        has = f"the largest worker has {_words(best['cpu'], 'cpu')}"
-    else:
-        has = (
-            f"the largest GPU worker has {_words(best['gpu'], 'gpu')} and the largest "
-            f"CPU-only worker {_words(best['cpu'], 'cpu')}"
+    n = job.nproc_per_node
+    units = {_unit(job.device, bool(c.gpus)) for c in caps} - {None}
+    if units == {"gpu", "cpu"}:  # an auto job, with GPU and CPU-only workers about
+        return (
+            f"unschedulable: needs {_words(n, 'gpu')} on one GPU worker or {_words(n, 'cpu')} "
+            f"on one CPU-only worker; the largest have {_words(best['gpu'], 'gpu')} and "
+            f"{_words(best['cpu'], 'cpu')}"
         )
-    return f"unschedulable: needs {_need(job)} on one worker; {has}"
+    unit = "cpu" if units == {"cpu"} else "gpu"
+    return (
+        f"unschedulable: needs {_words(n, unit)} on one worker; the largest worker has "
+        f"{_words(best[unit], unit)}"
+    )
 
 
 def _policy(s: Session) -> Policy:

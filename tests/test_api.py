@@ -299,7 +299,7 @@ def test_finish_is_idempotent_and_moves_the_job_on(server: Server) -> None:
 
 
 def test_claim_respects_free_slots_and_priority(server: Server) -> None:
-    register(server, "small", cpu_slots=2)
+    register(server, "small", cpu_slots=3)
     c = server.client()
     big = c.post("/jobs", json={**GOOD, "world_size": 4}).json()
     low = c.post("/jobs", json={**GOOD, "world_size": 1}).json()
@@ -313,7 +313,11 @@ def test_claim_respects_free_slots_and_priority(server: Server) -> None:
         )
         return r.json()["job_id"] if r.status_code == 200 else None
 
-    assert claim(2) == high["id"]
-    assert claim(2) == low["id"]  # the 4-rank job does not fit; the next that does goes
-    assert claim(2) is None
+    assert claim(3) == high["id"]
+    # 1 slot left by the service's books, whatever the worker says: the 4-rank job
+    # cannot fit, the 1-rank job behind it can.
+    assert claim(3) == low["id"]
+    assert claim(3) is None
+    assert claim(0) is None  # nor does a worker that reports nothing free get anything
     assert c.get(f"/jobs/{big['id']}").json()["status"] == "queued"
+    assert "unschedulable: needs 4 CPU slots" in c.get(f"/jobs/{big['id']}").json()["reason"]

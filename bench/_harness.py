@@ -1,0 +1,110 @@
+"""Shared by the benchmarks: a real `ddpq serve` on a fresh SQLite file or Postgres database."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+PG_ADMIN = os.environ.get("DDPQ_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Api:
+    url: str
+    api_token: str
+    worker_token: str
+    data_dir: Path
+
+    def client(self, kind: str = "user") -> httpx.Client:
+        token = self.api_token if kind == "user" else self.worker_token
+        return httpx.Client(
+            base_url=self.url, headers={"Authorization": f"Bearer {token}"}, timeout=60
+        )
+
+
+def postgres_available() -> bool:
+    try:
+        import psycopg
+
+        psycopg.connect(PG_ADMIN, connect_timeout=3).close()
+        return True
+    except Exception:
+        return False
+
+
+@contextlib.contextmanager
+def database(backend: str) -> Iterator[str]:
+    if backend == "sqlite":
+        tmp = Path(tempfile.mkdtemp(prefix="ddpq-bench-"))
+        yield f"sqlite:///{tmp / 'ddpq.db'}"
+        return
+    import psycopg
+
+    name = f"ddpq_bench_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield f"postgresql+psycopg://{PG_ADMIN.split('://', 1)[1].rsplit('/', 1)[0]}/{name}"
+    finally:
+        with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@contextlib.contextmanager
+def serve(db_url: str, **env: str) -> Iterator[Api]:
+    data_dir = Path(tempfile.mkdtemp(prefix="ddpq-bench-api-"))
+    port = free_port()
+    api = Api(
+        f"http://127.0.0.1:{port}", secrets.token_urlsafe(24), secrets.token_urlsafe(24), data_dir
+    )
+    child_env = {k: v for k, v in os.environ.items() if not k.startswith("DDPQ_")}
+    child_env.update(
+        {
+            "DDPQ_DATABASE_URL": db_url,
+            "DDPQ_DATA_DIR": str(data_dir),
+            "DDPQ_API_TOKEN": api.api_token,
+            "DDPQ_WORKER_TOKEN": api.worker_token,
+            **env,
+        }
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddpq.cli", "serve", "--port", str(port), "--log-level", "warning"],
+        env=child_env,
+        cwd=data_dir,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{api.url}/healthz").status_code == 200:
+                    break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit("ddpq serve did not start")
+            time.sleep(0.2)
+        yield api
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]

@@ -1,0 +1,149 @@
+"""How fast the queue hands out jobs, on SQLite and on Postgres.
+
+1. Submit-to-running latency with an idle worker: a claimer long-polls
+   /workers/claim exactly as `ddpq worker` does; one job at a time is submitted,
+   and the time from sending POST /jobs to the claimer holding the job is taken
+   (p50, p99 over N jobs). The job is then finished and the next submitted.
+2. Claims per second: JOBS no-op jobs are queued, then 8 claimers (8 registered
+   workers, one thread each) claim as fast as they can until the queue is empty;
+   every job must be claimed exactly once.
+
+    .venv/bin/python bench/claim.py [--backend sqlite|postgres|both] [--jobs 2000]
+
+Goals on a 2-core machine: p50 <= 20 ms, >= 300 claims/s, 0 double claims.
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+
+from _harness import Api, database, percentile, postgres_available, serve
+
+CLAIMERS = 8
+
+
+def register(api: Api, name: str, cpu_slots: int) -> None:
+    with api.client("worker") as w:
+        w.post(
+            "/workers/register",
+            json={
+                "name": name,
+                "hostname": "bench",
+                "cpu_slots": cpu_slots,
+                "gpus": [],
+                "checkpoint_root": "/tmp/c",
+            },
+        ).raise_for_status()
+
+
+def latency(api: Api, n: int) -> tuple[float, float]:
+    register(api, "idle", cpu_slots=1)
+    got = threading.Event()
+    claimed_at: list[float] = []
+    stop = threading.Event()
+
+    def idle_worker() -> None:
+        with api.client("worker") as w:
+            while not stop.is_set():
+                r = w.post(
+                    "/workers/claim",
+                    json={"name": "idle", "free_cpu_slots": 1, "free_gpus": [], "wait_s": 5},
+                )
+                if r.status_code == 200:
+                    claimed_at.append(time.perf_counter())
+                    claim = r.json()
+                    got.set()
+                    w.post(
+                        f"/workers/jobs/{claim['job_id']}/finish",
+                        json={"worker": "idle", "attempt": claim["attempt"], "exit_code": 0},
+                    ).raise_for_status()
+
+    t = threading.Thread(target=idle_worker, daemon=True)
+    t.start()
+    samples = []
+    with api.client() as c:
+        time.sleep(0.5)  # let the claimer enter its long-poll
+        for _ in range(n):
+            got.clear()
+            t0 = time.perf_counter()
+            c.post("/jobs", json={"entrypoint": "noop.py", "device": "cpu"}).raise_for_status()
+            if not got.wait(10):
+                raise SystemExit("the idle claimer did not get the job")
+            samples.append(claimed_at[-1] - t0)
+            time.sleep(0.05)  # the claimer finishes the job and long-polls again
+    stop.set()
+    return percentile(samples, 0.5), percentile(samples, 0.99)
+
+
+def throughput(api: Api, jobs: int) -> tuple[float, int, int]:
+    for i in range(CLAIMERS):
+        register(api, f"w{i}", cpu_slots=1_000_000)
+    with api.client() as c:
+        for _ in range(jobs):
+            c.post("/jobs", json={"entrypoint": "noop.py", "device": "cpu"}).raise_for_status()
+    claimed: list[list[int]] = [[] for _ in range(CLAIMERS)]
+    barrier = threading.Barrier(CLAIMERS + 1)
+
+    def claimer(i: int) -> None:
+        with api.client("worker") as w:
+            barrier.wait()
+            while True:
+                r = w.post(
+                    "/workers/claim",
+                    json={
+                        "name": f"w{i}",
+                        "free_cpu_slots": 1_000_000,
+                        "free_gpus": [],
+                        "wait_s": 0,
+                    },
+                )
+                if r.status_code == 204:
+                    return
+                r.raise_for_status()
+                claimed[i].append(r.json()["job_id"])
+
+    threads = [threading.Thread(target=claimer, args=(i,)) for i in range(CLAIMERS)]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - t0
+    everything = [j for per in claimed for j in per]
+    return len(everything) / elapsed, len(everything), len(everything) - len(set(everything))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--backend", choices=["sqlite", "postgres", "both"], default="both")
+    ap.add_argument("--latency-jobs", type=int, default=200)
+    ap.add_argument("--jobs", type=int, default=2000)
+    args = ap.parse_args()
+    backends = ["sqlite", "postgres"] if args.backend == "both" else [args.backend]
+    for backend in backends:
+        if backend == "postgres" and not postgres_available():
+            print("postgres: unreachable, skipped")
+            continue
+        with database(backend) as url, serve(url) as api:
+            p50, p99 = latency(api, args.latency_jobs)
+            print(
+                print(
+                    f"{backend}: submit-to-running with an idle worker: "
+                    f"p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms"
+                )
+            )
+        with database(backend) as url, serve(url) as api:
+            rate, n, doubles = throughput(api, args.jobs)
+            print(
+                print(
+                    f"{backend}: {CLAIMERS} claimers: {rate:.0f} claims/s over {n} jobs, "
+                    f"{doubles} double claims"
+                )
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -93,6 +93,8 @@ class Job(Base):
     reason: Mapped[str | None] = mapped_column(Text)
     worker: Mapped[str | None] = mapped_column(String(200))
     gpus: Mapped[list[int] | None]
+    # CPU slots an active CPU job holds on its worker (0 for GPU jobs): the claim sums these.
+    held_cpu_slots: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     latest_metrics: Mapped[dict[str, Any] | None]
     # Bytes of log stored so far: the offset the next chunk must start at.
     log_size: Mapped[int] = mapped_column(BigInteger, default=0)
@@ -102,6 +104,8 @@ class Job(Base):
     __table_args__ = (
         # The claim scans queued jobs in (priority desc, id) order.
         Index("ix_jobs_status_priority_id", "status", "priority", "id"),
+        # What runs on a worker: the claim's and the reasons' books.
+        Index("ix_jobs_worker_status", "worker", "status"),
     )
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import and_, func, or_, select, text, update
+from sqlalchemy import and_, case, func, insert, or_, select, text, update
 from sqlalchemy.orm import Session
 
 from service.db import Database, Policy
@@ -73,28 +73,37 @@ class Capacity:
     free_cpu: int
     free_gpus: list[int]
     live: bool
+    checkpoint_root: str
 
 
 def _capacities(s: Session, lease_s: float, only: str | None = None) -> list[Capacity]:
     """Every worker's slots minus those its active jobs hold (the service's own books:
     a GPU stays held until the worker reports the job's processes gone)."""
-    workers = select(Worker)
-    active = select(Job.worker, Job.nproc_per_node, Job.gpus).where(Job.status.in_(list(ACTIVE)))
+    workers = select(
+        Worker.name, Worker.cpu_slots, Worker.gpus, Worker.last_heartbeat, Worker.checkpoint_root
+    )
+    active = Job.status.in_(list(ACTIVE))
+    # CPU jobs: one sum per worker. GPU jobs: their rows (a worker has few GPUs).
+    cpu_q = select(Job.worker, func.sum(Job.held_cpu_slots)).where(active).group_by(Job.worker)
+    gpu_q = select(Job.worker, Job.gpus).where(active, Job.held_cpu_slots == 0)
     if only is not None:
         workers = workers.where(Worker.name == only)
-        active = active.where(Job.worker == only)
-    used_cpu: dict[str, int] = {}
+        cpu_q = cpu_q.where(Job.worker == only)
+        gpu_q = gpu_q.where(Job.worker == only)
+    conn = s.connection()
+    rows = conn.execute(workers).all()
+    if not rows:
+        return []
+    used_cpu: dict[str, int] = {w: int(n or 0) for w, n in conn.execute(cpu_q) if w is not None}
     used_gpus: dict[str, set[int]] = {}
-    for worker, nproc, gpus in s.execute(active):
-        if worker is None:
-            continue
-        if gpus:
+    # CPU-only workers hold no GPU jobs: skip that query on the hot path.
+    gpu_rows = conn.execute(gpu_q).all() if any(r.gpus for r in rows) else []
+    for worker, gpus in gpu_rows:
+        if worker is not None and gpus:
             used_gpus.setdefault(worker, set()).update(gpus)
-        else:
-            used_cpu[worker] = used_cpu.get(worker, 0) + nproc
     cutoff = utcnow() - timedelta(seconds=lease_s)
     out = []
-    for w in s.scalars(workers):
+    for w in rows:
         held = used_gpus.get(w.name, set())
         out.append(
             Capacity(
@@ -104,6 +113,7 @@ def _capacities(s: Session, lease_s: float, only: str | None = None) -> list[Cap
                 free_cpu=max(0, w.cpu_slots - used_cpu.get(w.name, 0)),
                 free_gpus=[g for g in w.gpus if g not in held],
                 live=w.last_heartbeat >= cutoff,
+                checkpoint_root=w.checkpoint_root,
             )
         )
     return out
@@ -122,9 +132,13 @@ def claim_next_job(
     an earlier one waits for more slots (backfill), unless an earlier job this
     worker could ever run has waited longer than the starvation limit: then only
     that job, or ones ahead of it, may start here.
+
+    Core statements on the session's connection, not ORM ones: this is the hot
+    path of every worker, and the ORM's bookkeeping tripled its cost.
     """
     now = utcnow()
     with db.write() as s:
+        conn = s.connection()
         caps = _capacities(s, db.policy.lease_s, only=worker)
         if not caps:
             raise LookupError(worker)
@@ -137,29 +151,34 @@ def claim_next_job(
         queued = and_(Job.status == JobStatus.QUEUED, Job.nnodes == 1)
         order = (Job.priority.desc(), Job.id)
         pick = select(Job.id).where(queued, _fits(has_gpus, offered_cpu, len(offered_gpus)))
-        if db.policy.starvation_s >= 0:
-            starving = s.execute(
-                select(Job.id, Job.priority)
-                .where(
-                    queued,
-                    Job.queued_at < now - timedelta(seconds=db.policy.starvation_s),
-                    _fits(has_gpus, cap.cpu_slots, len(cap.gpus)),
+        starving = conn.execute(
+            select(Job.id, Job.priority)
+            .where(
+                queued,
+                Job.queued_at < now - timedelta(seconds=db.policy.starvation_s),
+                _fits(has_gpus, cap.cpu_slots, len(cap.gpus)),
+            )
+            .order_by(*order)
+            .limit(1)
+        ).first()
+        if starving is not None:
+            head_id, head_priority = starving
+            pick = pick.where(
+                or_(
+                    Job.priority > head_priority,
+                    and_(Job.priority == head_priority, Job.id <= head_id),
                 )
-                .order_by(*order)
-                .limit(1)
-            ).first()
-            if starving is not None:
-                head_id, head_priority = starving
-                pick = pick.where(
-                    or_(
-                        Job.priority > head_priority,
-                        and_(Job.priority == head_priority, Job.id <= head_id),
-                    )
-                )
+            )
         pick = pick.order_by(*order).limit(1)
         if db.dialect == "postgresql":
             pick = pick.with_for_update(skip_locked=True)
-        row = s.execute(
+        # A CPU job holds its ranks' CPU slots; a GPU job its GPUs (set below).
+        held_cpu = (
+            case((Job.device == "cpu", Job.nproc_per_node), else_=0)
+            if has_gpus
+            else Job.nproc_per_node
+        )
+        row = conn.execute(
             update(Job)
             .where(Job.id == pick.scalar_subquery(), Job.status == JobStatus.QUEUED)
             .values(
@@ -169,20 +188,30 @@ def claim_next_job(
                 started_at=func.coalesce(Job.started_at, now),
                 reason=None,
                 exit_code=None,
+                held_cpu_slots=held_cpu,
             )
-            .returning(Job.id, Job.attempt, Job.spec, Job.device, Job.nproc_per_node)
+            .returning(Job.id, Job.attempt, Job.spec, Job.device, Job.nproc_per_node, Job.log_size)
         ).first()
         if row is None:
             return None
-        job_id, number, spec, device, nproc = row
+        job_id, number, spec, device, nproc, log_size = row
         resolved = "cuda" if device == "cuda" or (device == "auto" and has_gpus) else "cpu"
         gpus = sorted(offered_gpus)[:nproc] if resolved == "cuda" else []
-        w = s.get(Worker, worker)
-        assert w is not None
-        checkpoint_dir = f"{w.checkpoint_root.rstrip('/')}/job-{job_id}"
-        s.execute(update(Job).where(Job.id == job_id).values(gpus=gpus))
-        s.add(
-            Attempt(
+        checkpoint_dir = f"{cap.checkpoint_root.rstrip('/')}/job-{job_id}"
+        banner = (
+            f"[ddpq] attempt {number} on worker {worker}: {nproc} rank(s) on "
+            f"{'GPUs ' + ','.join(map(str, gpus)) if gpus else 'CPU'}\n"
+        ).encode()
+        conn.execute(
+            update(Job)
+            .where(Job.id == job_id)
+            .values(gpus=gpus, log_size=Job.log_size + len(banner))
+        )
+        conn.execute(
+            insert(LogChunk).values(job_id=job_id, attempt=number, start=log_size, data=banner)
+        )
+        conn.execute(
+            insert(Attempt).values(
                 job_id=job_id,
                 number=number,
                 worker=worker,
@@ -191,21 +220,20 @@ def claim_next_job(
                 checkpoint_dir=checkpoint_dir,
                 started_at=now,
                 heartbeat_at=now,
+                outcome="running",
+                log_bytes=0,
             )
         )
-        banner = (
-            f"[ddpq] attempt {number} on worker {worker}: {nproc} rank(s) on "
-            f"{'GPUs ' + ','.join(map(str, gpus)) if gpus else 'CPU'}\n"
-        )
-        _append_log(s, job_id, number, banner.encode())
-        resume = list(
-            s.scalars(
-                select(Checkpoint.path)
-                .where(Checkpoint.job_id == job_id)
-                .order_by(Checkpoint.step.desc(), Checkpoint.id.desc())
-                .limit(RESUME_CANDIDATES)
+        resume: list[str] = []
+        if number > 1:  # a first attempt has no checkpoints to resume from
+            resume = list(
+                conn.scalars(
+                    select(Checkpoint.path)
+                    .where(Checkpoint.job_id == job_id)
+                    .order_by(Checkpoint.step.desc(), Checkpoint.id.desc())
+                    .limit(RESUME_CANDIDATES)
+                )
             )
-        )
         return Claim(job_id, number, spec, resolved, nproc, gpus, checkpoint_dir, resume)
 
 

@@ -282,3 +282,25 @@ def test_timeout_kills_the_attempt_and_fails_the_job(server: Server, start_worke
     job = _submit(server, entrypoint="forever.py", world_size=2, timeout_s=3)
     final = terminal(server.client(), job["id"], timeout=90)
     assert final["status"] == "failed" and final["reason"] == "timeout after 3 s"
+
+
+def test_submit_and_finish_notify_other_api_processes(pg_url: str, tmp_path: Path) -> None:
+    """Every API process LISTENs on ddpq_jobs (Postgres only: SQLite has one API
+    process); a submit and a finish must NOTIFY it."""
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    server = start_server(pg_url, tmp_path / "api")
+    conninfo = make_url(pg_url).set(drivername="postgresql").render_as_string(hide_password=False)
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        conn.execute("LISTEN ddpq_jobs")
+        register(server, "gpu", cpu_slots=8, gpus=[0, 1, 2, 3])
+        _submit(server, **GPU, world_size=2)
+        assert [n.channel for n in conn.notifies(timeout=10, stop_after=1)] == ["ddpq_jobs"]
+        claim = _claim(server)
+        assert claim
+        _finish(server, claim)
+        assert [n.channel for n in conn.notifies(timeout=10, stop_after=1)] == ["ddpq_jobs"]
+    for c in server.clients:
+        c.close()
+    stop_process(server.proc)

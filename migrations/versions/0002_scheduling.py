@@ -20,8 +20,12 @@ depends_on: str | Sequence[str] | None = None
 
 def upgrade() -> None:
     with op.batch_alter_table("jobs", schema=None) as batch_op:
-        batch_op.add_column(sa.Column("queued_at", service.models.UTCDateTime(timezone=True), nullable=True))
-        batch_op.add_column(sa.Column("held_cpu_slots", sa.Integer(), server_default="0", nullable=False))
+        batch_op.add_column(
+            sa.Column("queued_at", service.models.UTCDateTime(timezone=True), nullable=True)
+        )
+        batch_op.add_column(
+            sa.Column("held_cpu_slots", sa.Integer(), server_default="0", nullable=False)
+        )
         batch_op.create_index("ix_jobs_worker_status", ["worker", "status"], unique=False)
     op.execute("UPDATE jobs SET queued_at = created_at")
     # Running CPU jobs from before this column hold their ranks' slots.

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
@@ -30,6 +32,7 @@ from service.schemas import (
 
 router = APIRouter(prefix="/workers", dependencies=[WorkerAuth], tags=["workers"])
 MAX_LOG_CHUNK_BYTES = 1024 * 1024
+CLAIM_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="claim")
 
 
 @router.post("/register", response_model=WorkerRegistered)
@@ -69,8 +72,17 @@ async def claim(
         seen = wakeup.generation
         token, token_hash = mint_job_token()
         try:
-            claimed = await run_in_threadpool(
-                queue.claim_next_job, db, body.name, body.free_cpu_slots, body.free_gpus, token_hash
+            # One thread runs every claim of this process: claims serialise on the
+            # database anyway, and a claim holding the write lock must not wait
+            # for the GIL behind a crowd of other claim threads.
+            claimed = await asyncio.get_running_loop().run_in_executor(
+                CLAIM_THREAD,
+                queue.claim_next_job,
+                db,
+                body.name,
+                body.free_cpu_slots,
+                body.free_gpus,
+                token_hash,
             )
         except LookupError:
             raise UnknownWorker(f"worker {body.name} is not registered") from None

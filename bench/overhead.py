@@ -13,26 +13,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import secrets
-import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
 
 import httpx
+from _harness import database, serve
 
 REPO = Path(__file__).resolve().parent.parent
 PROGRAM = "examples/ddp_plain.py"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_direct(steps: int) -> float:
@@ -95,77 +87,41 @@ def main() -> None:
     )
     args = ap.parse_args()
 
-    tmp = Path(tempfile.mkdtemp(prefix="ddpq-bench-"))
-    port = free_port()
-    api_token, worker_token = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DDPQ_")}
-    env.update(
-        {"DDPQ_DATA_DIR": str(tmp), "DDPQ_API_TOKEN": api_token, "DDPQ_WORKER_TOKEN": worker_token}
-    )
-    url = f"http://127.0.0.1:{port}"
-    serve = subprocess.Popen(
-        [sys.executable, "-m", "ddpq.cli", "serve", "--port", str(port), "--log-level", "warning"],
-        env=env,
-        cwd=tmp,
-    )
-    worker = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "ddpq.cli",
-            "worker",
-            "--url",
-            url,
-            "--workspace",
-            str(REPO),
-            "--name",
-            "bench",
-            "--data-dir",
-            str(tmp / "worker"),
-            "--gpus",
-            "none",
-            "--cpu-slots",
-            "2",
-            "--log-level",
-            "warning",
-        ],
-        env=env,
-        cwd=tmp,
-    )
-    client = httpx.Client(
-        base_url=url, headers={"Authorization": f"Bearer {api_token}"}, timeout=30
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if client.get("/healthz").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit("ddpq serve did not start")
-            time.sleep(0.2)
-        direct = run_direct(args.steps)
-        through, phases = run_ddpq(client, args.steps)
-        print(f"warm-up: torchrun {direct:.2f}s, ddpq {through:.2f}s ({phases})")
-        ratios = []
-        for i in range(args.pairs):
+    with database("sqlite") as url, serve(url) as api:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("DDPQ_")}
+        env["DDPQ_WORKER_TOKEN"] = api.worker_token
+        worker = subprocess.Popen(
+            [
+                *[sys.executable, "-m", "ddpq.cli", "worker", "--url", api.url],
+                *["--workspace", str(REPO), "--name", "bench", "--gpus", "none"],
+                *["--data-dir", str(api.data_dir / "worker"), "--cpu-slots", "2"],
+                *["--log-level", "warning"],
+            ],
+            env=env,
+            cwd=api.data_dir,
+        )
+        client = api.client()
+        try:
             direct = run_direct(args.steps)
             through, phases = run_ddpq(client, args.steps)
-            ratios.append(through / direct)
+            print(f"warm-up: torchrun {direct:.2f}s, ddpq {through:.2f}s ({phases})")
+            ratios = []
+            for i in range(args.pairs):
+                direct = run_direct(args.steps)
+                through, phases = run_ddpq(client, args.steps)
+                ratios.append(through / direct)
+                print(
+                    f"pair {i + 1}: torchrun {direct:.2f}s, ddpq {through:.2f}s ({phases}), "
+                    f"ratio {through / direct:.3f}"
+                )
             print(
-                f"pair {i + 1}: torchrun {direct:.2f}s, ddpq {through:.2f}s ({phases}), "
-                f"ratio {through / direct:.3f}"
+                f"median ratio ddpq/torchrun: {statistics.median(ratios):.3f} "
+                f"over {args.pairs} pairs"
             )
-        print(
-            f"median ratio ddpq/torchrun: {statistics.median(ratios):.3f} over {args.pairs} pairs"
-        )
-    finally:
-        client.close()
-        for p in (worker, serve):
-            p.terminate()
-            p.wait(timeout=60)
+        finally:
+            client.close()
+            worker.terminate()
+            worker.wait(timeout=60)
 
 
 if __name__ == "__main__":

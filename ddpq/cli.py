@@ -412,18 +412,17 @@ def logs(
     """Print a job's combined output."""
     with _client() as c:
         if follow:
-            for chunk in _call(lambda: list_or_stream(c, job_id)):
-                sys.stdout.buffer.write(chunk)
-                sys.stdout.flush()
+
+            def stream() -> None:
+                # Inside _call, so an error mid-stream exits with its code too.
+                for chunk in c.follow_logs(job_id):
+                    sys.stdout.buffer.write(chunk)
+                    sys.stdout.flush()
+
+            _call(stream)
         else:
             data, _, _ = _call(c.logs, job_id)
             sys.stdout.buffer.write(data)
-
-
-def list_or_stream(c: Client, job_id: int) -> Any:
-    # Surface the first request's errors before streaming starts.
-    c.job(job_id)
-    return c.follow_logs(job_id)
 
 
 @app.command()

@@ -467,8 +467,3 @@ def read_log(db: Database, job_id: int, offset: int) -> tuple[bytes, int, str]:
             if len(out) >= MAX_LOG_RESPONSE_BYTES:
                 break
         return bytes(out), offset + len(out), job.status
-
-
-def job_status(db: Database, job_id: int) -> str:
-    with db.read() as s:
-        return _get(s, job_id).status

@@ -130,19 +130,15 @@ def main() -> None:
         with database(backend) as url, serve(url) as api:
             p50, p99 = latency(api, args.latency_jobs)
             print(
-                print(
-                    f"{backend}: submit-to-running with an idle worker: "
-                    f"p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms"
-                )
+                f"{backend}: submit-to-running with an idle worker: "
+                f"p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms"
             )
         # No heartbeats here: a long lease keeps claimed jobs from being requeued mid-run.
         with database(backend) as url, serve(url, DDPQ_LEASE_S="3600") as api:
             rate, n, doubles = throughput(api, args.jobs)
             print(
-                print(
-                    f"{backend}: {CLAIMERS} claimers: {rate:.0f} claims/s over {n} jobs, "
-                    f"{doubles} double claims"
-                )
+                f"{backend}: {CLAIMERS} claimers: {rate:.0f} claims/s over {n} jobs, "
+                f"{doubles} double claims"
             )
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Annotated
 
 from fastapi import Depends, HTTPException, Request
@@ -60,8 +60,9 @@ def _kind(request: Request, token: str) -> str:
     return "unknown"
 
 
-def _require(wanted: str) -> Callable[[Request], None]:
-    def dependency(request: Request) -> None:
+def _require(wanted: str) -> Callable[[Request], Awaitable[None]]:
+    # async: it does no I/O, and a plain def would cost a thread-pool hop per request.
+    async def dependency(request: Request) -> None:
         kind = _kind(request, _bearer(request))
         if kind == wanted:
             return

@@ -19,7 +19,7 @@ from typing import Any
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import create_engine, event, text
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
@@ -76,6 +76,7 @@ class Database:
         writer = self.engine
         if self.dialect == "sqlite":
             writer = self.engine.execution_options(sqlite_begin="IMMEDIATE")
+        self._writer = writer
         self._write = sessionmaker(writer, expire_on_commit=False)
         # SQLite's busy handler sleeps in steps of up to 100 ms while another
         # connection writes; threads of this process queue on a lock instead and
@@ -96,6 +97,13 @@ class Database:
         with self._write_lock, self._write() as session, session.begin():
             session.info["policy"] = self.policy
             yield session
+
+    @contextmanager
+    def write_conn(self) -> Iterator[Connection]:
+        """A write transaction on a bare Core connection: no Session to set up and tear
+        down, for the claim, which runs once per job and per idle poll of every worker."""
+        with self._write_lock, self._writer.begin() as conn:
+            yield conn
 
     def ping(self) -> None:
         with self.engine.connect() as conn:

@@ -1,4 +1,8 @@
-"""Annotated dependencies the route handlers share."""
+"""Annotated dependencies the route handlers share.
+
+They are ``async def`` although they never await: FastAPI runs a plain ``def``
+dependency on its thread pool, a thread hop per dependency per request.
+"""
 
 from __future__ import annotations
 
@@ -12,17 +16,17 @@ from service.schemas import INT64_MAX
 from service.wakeup import Wakeup
 
 
-def _db(request: Request) -> Database:
+async def _db(request: Request) -> Database:
     db: Database = request.app.state.db
     return db
 
 
-def _settings(request: Request) -> Settings:
+async def _settings(request: Request) -> Settings:
     settings: Settings = request.app.state.settings
     return settings
 
 
-def _wakeup(request: Request) -> Wakeup:
+async def _wakeup(request: Request) -> Wakeup:
     wakeup: Wakeup = request.app.state.wakeup
     return wakeup
 

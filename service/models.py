@@ -86,6 +86,8 @@ class Job(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     # When it last entered the queue (submitted or requeued): how long it has waited.
     queued_at: Mapped[datetime | None]
+    # A retried job waits out its backoff: no claim takes it before this time.
+    not_before: Mapped[datetime | None]
     started_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]
     attempt: Mapped[int] = mapped_column(Integer, default=0)
@@ -102,11 +104,18 @@ class Job(Base):
     request_hash: Mapped[str | None] = mapped_column(String(64))
 
     __table_args__ = (
-        # The claim scans queued jobs in (priority desc, id) order.
-        Index("ix_jobs_status_priority_id", "status", "priority", "id"),
-        # What runs on a worker: the claim's and the reasons' books.
-        Index("ix_jobs_worker_status", "worker", "status"),
+        # What runs on a worker and the CPU slots it holds: the claim's books, read
+        # from the index alone.
+        Index("ix_jobs_worker_status", "worker", "status", "held_cpu_slots"),
+        # The oldest queued job (the starvation guard's cheap first look).
+        Index("ix_jobs_status_queued_at", "status", "queued_at"),
     )
+
+
+# The claim takes queued jobs in (priority desc, id asc) order. The index must have that
+# mixed order itself: an all-ascending one makes the database sort every queued job of
+# equal priority on every claim.
+Index("ix_jobs_status_priority_id", Job.status, Job.priority.desc(), Job.id)
 
 
 class Attempt(Base):

@@ -14,15 +14,26 @@ are spent) by ``expire_leases``, which every API process runs periodically.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from datetime import timedelta
-from typing import Any
+from datetime import UTC, datetime, timedelta
+from typing import Any, cast
 
-from sqlalchemy import and_, case, func, insert, or_, select, text, update
+from sqlalchemy import JSON, Table, and_, bindparam, case, func, insert, or_, select, text, update
 from sqlalchemy.orm import Session
 
 from service.db import Database, Policy
-from service.models import ACTIVE, Attempt, Checkpoint, Job, JobStatus, LogChunk, Worker, utcnow
+from service.models import (
+    ACTIVE,
+    Attempt,
+    Checkpoint,
+    Job,
+    JobStatus,
+    LogChunk,
+    UTCDateTime,
+    Worker,
+    utcnow,
+)
 
 RESUME_CANDIDATES = 5  # newest checkpoints offered; the worker takes the first on disk
 NOTIFY_CHANNEL = "ddpq_jobs"
@@ -49,18 +60,6 @@ def notify_claimers(s: Session) -> None:
     """Wake long-polling claimers in every API process once this transaction commits."""
     if s.get_bind().dialect.name == "postgresql":
         s.execute(text("SELECT pg_notify(:channel, '')"), {"channel": NOTIFY_CHANNEL})
-
-
-def _fits(worker_has_gpus: bool, free_cpu_slots: int, free_gpus: int) -> Any:
-    """Queued jobs that fit in the given free slots of one worker."""
-    cpu_fit = Job.nproc_per_node <= free_cpu_slots
-    if not worker_has_gpus:
-        return and_(Job.device.in_(["cpu", "auto"]), cpu_fit)
-    gpu_fit = Job.nproc_per_node <= free_gpus
-    return or_(
-        and_(Job.device.in_(["cuda", "auto"]), gpu_fit),
-        and_(Job.device == "cpu", cpu_fit),
-    )
 
 
 @dataclass
@@ -119,6 +118,122 @@ def _capacities(s: Session, lease_s: float, only: str | None = None) -> list[Cap
     return out
 
 
+# ---- the claim: statements built once --------------------------------------------------
+#
+# Building a Core statement and its cache key cost more than running it on SQLite; the
+# claim is every worker's hot path, so its statements are built once per shape and
+# reused (a statement's cache key is memoised on the object).
+
+_jobs = cast(Table, Job.__table__)  # Core, not ORM: no ORM compile step on the hot path
+_j = _jobs.c
+_QUEUED = and_(_j.status == JobStatus.QUEUED, _j.nnodes == 1)
+_ORDER = (_j.priority.desc(), _j.id)
+# Equalities, not IN: an IN list is an "expanding" parameter, re-rendered every execution.
+_ACTIVE_HERE = and_(
+    _j.worker == bindparam("worker"),
+    or_(*(_j.status == status for status in sorted(ACTIVE))),
+)
+
+
+def _ready() -> Any:
+    """Queued jobs whose retry backoff, if any, is over."""
+    return or_(_j.not_before.is_(None), _j.not_before <= bindparam("now", type_=UTCDateTime))
+
+
+# The worker's row, the CPU slots its active jobs hold, and the oldest queued job's
+# wait: the starvation probe below runs only when that job has waited long enough.
+_WORKER_BOOKS = select(
+    Worker.__table__.c.cpu_slots,
+    Worker.__table__.c.gpus,
+    Worker.__table__.c.checkpoint_root,
+    select(func.coalesce(func.sum(_j.held_cpu_slots), 0))
+    .where(_ACTIVE_HERE)
+    .scalar_subquery()
+    .label("used_cpu"),
+    select(func.min(_j.queued_at)).where(_j.status == JobStatus.QUEUED).scalar_subquery(),
+).where(Worker.__table__.c.name == bindparam("worker"))
+_HELD_GPUS = select(_j.gpus).where(_ACTIVE_HERE, _j.held_cpu_slots == 0)
+
+
+def _fits_bound(worker_has_gpus: bool, cpu: str, gpus: str) -> Any:
+    """Queued jobs that fit in the free slots bound as ``cpu`` and ``gpus``."""
+    cpu_fit = _j.nproc_per_node <= bindparam(cpu)
+    if not worker_has_gpus:
+        return and_(or_(_j.device == "cpu", _j.device == "auto"), cpu_fit)
+    return or_(
+        and_(or_(_j.device == "cuda", _j.device == "auto"), _j.nproc_per_node <= bindparam(gpus)),
+        and_(_j.device == "cpu", cpu_fit),
+    )
+
+
+@functools.cache
+def _starving_probe(worker_has_gpus: bool) -> Any:
+    """The first job in queue order that has waited past the limit and that this
+    worker could ever run."""
+    return (
+        select(_j.id, _j.priority)
+        .where(
+            _QUEUED,
+            _j.queued_at < bindparam("starved_before", type_=UTCDateTime),
+            _fits_bound(worker_has_gpus, "total_cpu", "total_gpus"),
+        )
+        .order_by(*_ORDER)
+        .limit(1)
+    )
+
+
+@functools.cache
+def _take(dialect: str, worker_has_gpus: bool, guarded: bool) -> Any:
+    """Mark the best queued job that fits running, in one statement, and return it."""
+    pick = select(_j.id).where(
+        _QUEUED, _ready(), _fits_bound(worker_has_gpus, "free_cpu", "free_gpus")
+    )
+    if guarded:  # a job starves: nothing behind it in queue order may start
+        pick = pick.where(
+            or_(
+                _j.priority > bindparam("head_priority"),
+                and_(_j.priority == bindparam("head_priority"), _j.id <= bindparam("head_id")),
+            )
+        )
+    pick = pick.order_by(*_ORDER).limit(1)
+    if dialect == "postgresql":
+        pick = pick.with_for_update(skip_locked=True)
+    # A CPU job holds its ranks' CPU slots; a GPU job its GPUs (set after the pick).
+    held_cpu = (
+        case((_j.device == "cpu", _j.nproc_per_node), else_=0)
+        if worker_has_gpus
+        else _j.nproc_per_node
+    )
+    return (
+        update(_jobs)
+        .where(_j.id == pick.scalar_subquery(), _j.status == JobStatus.QUEUED)
+        .values(
+            status=JobStatus.RUNNING,
+            attempt=_j.attempt + 1,
+            worker=bindparam("worker"),
+            started_at=func.coalesce(_j.started_at, bindparam("now", type_=UTCDateTime)),
+            reason=None,
+            exit_code=None,
+            not_before=None,
+            held_cpu_slots=held_cpu,
+            gpus=bindparam("no_gpus", type_=JSON),
+        )
+        .returning(_j.id, _j.attempt, _j.spec, _j.device, _j.nproc_per_node)
+    )
+
+
+_SET_GPUS = (
+    update(_jobs).where(_j.id == bindparam("job_id")).values(gpus=bindparam("gpus", type_=JSON))
+)
+_NEW_ATTEMPT = insert(cast(Table, Attempt.__table__))
+_RESUME_FROM = (
+    select(Checkpoint.__table__.c.path)
+    .where(Checkpoint.__table__.c.job_id == bindparam("job_id"))
+    .order_by(Checkpoint.__table__.c.step.desc(), Checkpoint.__table__.c.id.desc())
+    .limit(RESUME_CANDIDATES)
+)
+
+
 def claim_next_job(
     db: Database,
     worker: str,
@@ -132,109 +247,78 @@ def claim_next_job(
     an earlier one waits for more slots (backfill), unless an earlier job this
     worker could ever run has waited longer than the starvation limit: then only
     that job, or ones ahead of it, may start here.
-
-    Core statements on the session's connection, not ORM ones: this is the hot
-    path of every worker, and the ORM's bookkeeping tripled its cost.
     """
     now = utcnow()
-    with db.write() as s:
-        conn = s.connection()
-        caps = _capacities(s, db.policy.lease_s, only=worker)
-        if not caps:
+    with db.write_conn() as conn:
+        books = conn.execute(_WORKER_BOOKS, {"worker": worker}).first()
+        if books is None:
             raise LookupError(worker)
-        cap = caps[0]
+        cpu_slots, worker_gpus, checkpoint_root, used_cpu, oldest_queued = books
+        has_gpus = bool(worker_gpus)
+        held: set[int] = set()
+        if has_gpus:
+            for (gpus,) in conn.execute(_HELD_GPUS, {"worker": worker}):
+                held.update(gpus or ())
         # The worker's view may lag (a job it is still stopping); the books may too
         # (a finish in flight). Only slots free in both are offered.
-        offered_gpus = [g for g in cap.free_gpus if g in set(free_gpus)]
-        offered_cpu = min(cap.free_cpu, free_cpu_slots)
-        has_gpus = bool(cap.gpus)
-        queued = and_(Job.status == JobStatus.QUEUED, Job.nnodes == 1)
-        order = (Job.priority.desc(), Job.id)
-        pick = select(Job.id).where(queued, _fits(has_gpus, offered_cpu, len(offered_gpus)))
-        starving = conn.execute(
-            select(Job.id, Job.priority)
-            .where(
-                queued,
-                Job.queued_at < now - timedelta(seconds=db.policy.starvation_s),
-                _fits(has_gpus, cap.cpu_slots, len(cap.gpus)),
-            )
-            .order_by(*order)
-            .limit(1)
-        ).first()
-        if starving is not None:
-            head_id, head_priority = starving
-            pick = pick.where(
-                or_(
-                    Job.priority > head_priority,
-                    and_(Job.priority == head_priority, Job.id <= head_id),
-                )
-            )
-        pick = pick.order_by(*order).limit(1)
-        if db.dialect == "postgresql":
-            pick = pick.with_for_update(skip_locked=True)
-        # A CPU job holds its ranks' CPU slots; a GPU job its GPUs (set below).
-        held_cpu = (
-            case((Job.device == "cpu", Job.nproc_per_node), else_=0)
-            if has_gpus
-            else Job.nproc_per_node
-        )
-        row = conn.execute(
-            update(Job)
-            .where(Job.id == pick.scalar_subquery(), Job.status == JobStatus.QUEUED)
-            .values(
-                status=JobStatus.RUNNING,
-                attempt=Job.attempt + 1,
-                worker=worker,
-                started_at=func.coalesce(Job.started_at, now),
-                reason=None,
-                exit_code=None,
-                held_cpu_slots=held_cpu,
-            )
-            .returning(Job.id, Job.attempt, Job.spec, Job.device, Job.nproc_per_node, Job.log_size)
-        ).first()
+        reported = set(free_gpus)
+        offered_gpus = sorted(g for g in worker_gpus if g not in held and g in reported)
+        params: dict[str, Any] = {
+            "worker": worker,
+            "now": now,
+            "free_cpu": min(max(0, cpu_slots - int(used_cpu)), free_cpu_slots),
+            "free_gpus": len(offered_gpus),
+            "no_gpus": None if has_gpus else [],
+        }
+        starved_before = now - timedelta(seconds=db.policy.starvation_s)
+        guarded = False
+        if oldest_queued is not None and _as_utc(oldest_queued) < starved_before:
+            head = conn.execute(
+                _starving_probe(has_gpus),
+                {
+                    "starved_before": starved_before,
+                    "total_cpu": cpu_slots,
+                    "total_gpus": len(worker_gpus),
+                },
+            ).first()
+            if head is not None:
+                guarded = True
+                params.update(head_id=head.id, head_priority=head.priority)
+        row = conn.execute(_take(db.dialect, has_gpus, guarded), params).first()
         if row is None:
             return None
-        job_id, number, spec, device, nproc, log_size = row
+        job_id, number, spec, device, nproc = row
         resolved = "cuda" if device == "cuda" or (device == "auto" and has_gpus) else "cpu"
-        gpus = sorted(offered_gpus)[:nproc] if resolved == "cuda" else []
-        checkpoint_dir = f"{cap.checkpoint_root.rstrip('/')}/job-{job_id}"
-        banner = (
-            f"[ddpq] attempt {number} on worker {worker}: {nproc} rank(s) on "
-            f"{'GPUs ' + ','.join(map(str, gpus)) if gpus else 'CPU'}\n"
-        ).encode()
+        gpus = offered_gpus[:nproc] if resolved == "cuda" else []
+        if has_gpus:
+            conn.execute(_SET_GPUS, {"job_id": job_id, "gpus": gpus})
+        checkpoint_dir = f"{checkpoint_root.rstrip('/')}/job-{job_id}"
         conn.execute(
-            update(Job)
-            .where(Job.id == job_id)
-            .values(gpus=gpus, log_size=Job.log_size + len(banner))
-        )
-        conn.execute(
-            insert(LogChunk).values(job_id=job_id, attempt=number, start=log_size, data=banner)
-        )
-        conn.execute(
-            insert(Attempt).values(
-                job_id=job_id,
-                number=number,
-                worker=worker,
-                token_hash=token_hash,
-                gpus=gpus,
-                checkpoint_dir=checkpoint_dir,
-                started_at=now,
-                heartbeat_at=now,
-                outcome="running",
-                log_bytes=0,
-            )
+            _NEW_ATTEMPT,
+            {
+                "job_id": job_id,
+                "number": number,
+                "worker": worker,
+                "token_hash": token_hash,
+                "gpus": gpus,
+                "checkpoint_dir": checkpoint_dir,
+                "started_at": now,
+                "heartbeat_at": now,
+                "outcome": "running",
+                "log_bytes": 0,
+            },
         )
         resume: list[str] = []
         if number > 1:  # a first attempt has no checkpoints to resume from
-            resume = list(
-                conn.scalars(
-                    select(Checkpoint.path)
-                    .where(Checkpoint.job_id == job_id)
-                    .order_by(Checkpoint.step.desc(), Checkpoint.id.desc())
-                    .limit(RESUME_CANDIDATES)
-                )
-            )
+            resume = list(conn.scalars(_RESUME_FROM, {"job_id": job_id}))
         return Claim(job_id, number, spec, resolved, nproc, gpus, checkpoint_dir, resume)
+
+
+def _as_utc(value: datetime) -> datetime:
+    """A scalar subquery's datetime comes back without the column's type processing."""
+    if isinstance(value, str):  # SQLite hands back the stored text
+        value = datetime.fromisoformat(value)
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value
 
 
 def workers_overview(db: Database) -> list[dict[str, Any]]:

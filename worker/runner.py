@@ -164,6 +164,12 @@ class JobRunner:
     def _main(self) -> None:
         shipper = LogShipper(self.agent.api, self.job_id, self.attempt)
         shipper.start()
+        gpus = self.claim["gpus"]
+        where = f"GPUs {','.join(map(str, gpus))}" if gpus else "CPU"
+        shipper.write(
+            f"[ddpq] attempt {self.attempt} on worker {self.agent.name}: "
+            f"{self.claim['nproc_per_node']} rank(s) on {where}\n".encode()
+        )
         try:
             result = self._run(shipper)
         except JobError as exc:

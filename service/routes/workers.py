@@ -32,7 +32,22 @@ from service.schemas import (
 
 router = APIRouter(prefix="/workers", dependencies=[WorkerAuth], tags=["workers"])
 MAX_LOG_CHUNK_BYTES = 1024 * 1024
-CLAIM_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="claim")
+# Claims run on threads of their own, not the request pool. SQLite: one thread, since
+# claims serialise on its write lock anyway and the claim holding the lock must not
+# wait for the GIL behind a crowd of others. Postgres: several, since SKIP LOCKED lets
+# claims proceed side by side and each spends most of its time waiting on the server.
+CLAIM_THREADS = {"sqlite": 1, "postgresql": 4}
+_claim_pools: dict[str, ThreadPoolExecutor] = {}
+
+
+def _claim_pool(dialect: str) -> ThreadPoolExecutor:
+    pool = _claim_pools.get(dialect)
+    if pool is None:
+        pool = _claim_pools.setdefault(
+            dialect,
+            ThreadPoolExecutor(CLAIM_THREADS.get(dialect, 1), thread_name_prefix="claim"),
+        )
+    return pool
 
 
 @router.post("/register", response_model=WorkerRegistered)
@@ -72,11 +87,8 @@ async def claim(
         seen = wakeup.generation
         token, token_hash = mint_job_token()
         try:
-            # One thread runs every claim of this process: claims serialise on the
-            # database anyway, and a claim holding the write lock must not wait
-            # for the GIL behind a crowd of other claim threads.
             claimed = await asyncio.get_running_loop().run_in_executor(
-                CLAIM_THREAD,
+                _claim_pool(db.dialect),
                 queue.claim_next_job,
                 db,
                 body.name,
@@ -87,7 +99,9 @@ async def claim(
         except LookupError:
             raise UnknownWorker(f"worker {body.name} is not registered") from None
         if claimed is not None:
-            return ClaimedJob(token=token, **claimed.__dict__)
+            # Serialised here, once: a returned model would be validated a second time.
+            body_json = ClaimedJob(token=token, **claimed.__dict__).model_dump_json()
+            return Response(body_json, media_type="application/json")
         left = deadline - time.monotonic()
         if left <= 0 or await request.is_disconnected():
             return Response(status_code=204)

@@ -165,10 +165,8 @@ def up(
     """Run the API and one local worker together (SQLite under DDPQ_DATA_DIR by default)."""
     import logging
 
-    import uvicorn
-
     from service.config import TokenError
-    from service.main import build
+    from service.main import ApiServer, build
     from worker.procs import launcher_argv
 
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -176,9 +174,7 @@ def up(
         settings, api = build(host)
     except TokenError as exc:
         _fail(str(exc), EXIT_USAGE)
-    server = uvicorn.Server(
-        uvicorn.Config(api, host=host, port=port, log_level="info", access_log=False)
-    )
+    server = ApiServer(api, host, port)
     thread = threading.Thread(target=server.run, name="api", daemon=True)
     thread.start()
     url = f"http://{host}:{port}"
@@ -203,7 +199,8 @@ def up(
         argv += ["--cpu-slots", str(cpu_slots)]
     if gpus is not None:
         argv += ["--gpus", gpus]
-    local_worker = subprocess.Popen(launcher_argv(argv), env=env)
+    # The worker needs time to hand its jobs back before the supervisor gives up on it.
+    local_worker = subprocess.Popen(launcher_argv(argv, grace_s=150), env=env)
     token_file = (settings.data_dir / "api-token").resolve()
     out.print(
         f"\n[bold]ddpq is up[/bold] at {url}  (database: {settings.resolved_database_url})\n"
@@ -227,7 +224,7 @@ def up(
             local_worker.wait(timeout=120)
         except subprocess.TimeoutExpired:
             local_worker.kill()
-    server.should_exit = True
+    server.stop()
     thread.join(timeout=30)
 
 
@@ -260,6 +257,9 @@ def submit(
     priority: int = 0,
     max_attempts: int = 3,
     max_restarts: int = 0,
+    retry_on_error: Annotated[
+        bool, typer.Option(help="retry exits 1..127 too (signals are always retried)")
+    ] = False,
     timeout_s: int | None = None,
     env: Annotated[
         list[str] | None, typer.Option(help="KEY=VALUE for the ranks (repeatable)")
@@ -280,6 +280,7 @@ def submit(
         "priority": priority,
         "max_attempts": max_attempts,
         "max_restarts": max_restarts,
+        "retry_on_error": retry_on_error,
         "args": list(args or []),
         "env": _parse_env(env or []),
     }

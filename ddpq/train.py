@@ -25,6 +25,7 @@ import logging
 import math
 import numbers
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -32,7 +33,14 @@ from typing import Any
 
 import httpx
 
-__all__ = ["flush", "is_master", "load_checkpoint", "report", "save_checkpoint"]
+__all__ = [
+    "flush",
+    "is_master",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "report",
+    "save_checkpoint",
+]
 
 log = logging.getLogger("ddpq.train")
 
@@ -275,13 +283,35 @@ def save_checkpoint(
     return path
 
 
+def _step_of(path: Path) -> int:
+    match = re.fullmatch(r"step-(\d+)\.pt", path.name)
+    return int(match.group(1)) if match else -1
+
+
+def latest_checkpoint() -> Path | None:
+    """The newest checkpoint to resume from, or None.
+
+    Two places hold one: ``DDPQ_RESUME_FROM``, the newest the job registered (set
+    by ddpq on a new attempt, perhaps on another host), and this job's own
+    checkpoint directory, where an earlier run of this attempt saved before
+    torchrun restarted it (``max_restarts``). The higher step wins.
+    """
+    candidates = [p for p in checkpoint_dir().glob("step-*.pt") if p.is_file()]
+    resume = os.environ.get("DDPQ_RESUME_FROM")
+    if resume and os.path.isfile(resume):
+        candidates.append(Path(resume))
+    if not candidates:
+        return None
+    return max(candidates, key=_step_of)
+
+
 def load_checkpoint(map_location: Any = "cpu") -> Any | None:
-    """The checkpoint to resume from (``DDPQ_RESUME_FROM``), or None.
+    """Load :func:`latest_checkpoint`, or return None when there is none.
 
     Loaded with ``weights_only=True``: a checkpoint file never runs code.
     """
-    path = os.environ.get("DDPQ_RESUME_FROM")
-    if not path or not os.path.exists(path):
+    path = latest_checkpoint()
+    if path is None:
         return None
     import torch
 

@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -20,7 +21,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 
 from service import queue
 from service.config import Settings
-from service.db import Database, Policy
+from service.db import Database
 from service.errors import DomainError, Invalid
 from service.routes import jobs, meta, reports, workers
 from service.wakeup import Wakeup
@@ -98,11 +99,28 @@ class _TooLarge(Exception):
     pass
 
 
+def begin_shutdown(app: FastAPI) -> None:
+    """The process is about to stop: open claim long-polls answer at once (uvicorn
+    waits for them before it exits), and the lease sweeper stands down, since the
+    worker heartbeats that keep leases alive no longer reach a process that stops
+    accepting connections."""
+    app.state.stopping.set()
+    app.state.wakeup.notify()
+
+
 async def _sweep_leases(app: FastAPI) -> None:
     settings: Settings = app.state.settings
     interval = max(0.5, min(settings.lease_s / 3, 5.0))
+    # Heartbeats could not arrive while this process was down or the database was
+    # unreachable: a lease expires only after a full lease of the service being up,
+    # so a restart or an outage never declares every running job lost.
+    up_since = time.monotonic()
     while True:
         await asyncio.sleep(interval)
+        if app.state.stopping.is_set():
+            return
+        if time.monotonic() - up_since < settings.lease_s:
+            continue
         try:
             changed = await run_in_threadpool(queue.expire_leases, app.state.db, settings.lease_s)
             if changed:
@@ -110,6 +128,7 @@ async def _sweep_leases(app: FastAPI) -> None:
                 app.state.wakeup.notify()
         except Exception:  # the sweep must outlive a database outage
             log.exception("lease sweep failed")
+            up_since = time.monotonic()
 
 
 def _listen_for_jobs(url: str, wakeup: Wakeup, stop: threading.Event) -> None:
@@ -161,9 +180,10 @@ def create_app(
     app.state.worker_token = worker_token
     app.state.db = db or Database(
         settings.resolved_database_url,
-        Policy(lease_s=settings.lease_s, starvation_s=settings.starvation_s),
+        settings.policy(),
     )
     app.state.wakeup = Wakeup()
+    app.state.stopping = threading.Event()
 
     @app.exception_handler(DomainError)
     async def _domain_error(_: Request, exc: DomainError) -> JSONResponse:

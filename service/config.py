@@ -16,6 +16,8 @@ from pathlib import Path
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from service.db import Policy
+
 API_TOKEN_FILE = "api-token"  # noqa: S105 - a file name, not a secret
 WORKER_TOKEN_FILE = "worker-token"  # noqa: S105
 MIN_TOKEN_CHARS = 16
@@ -47,6 +49,18 @@ class Settings(BaseSettings):
     # through another API process until LISTEN/NOTIFY wakes it first).
     claim_recheck_s: float = Field(default=1.0, gt=0)
     max_body_bytes: int = 1024 * 1024
+    # A failed attempt that is retried waits this long, doubling with each further
+    # failure of the job, up to the cap (a crash loop must not hog the queue).
+    retry_backoff_s: float = Field(default=10.0, ge=0)
+    retry_backoff_max_s: float = Field(default=600.0, ge=0)
+
+    def policy(self) -> Policy:
+        return Policy(
+            lease_s=self.lease_s,
+            starvation_s=self.starvation_s,
+            retry_backoff_s=self.retry_backoff_s,
+            retry_backoff_max_s=self.retry_backoff_max_s,
+        )
 
     @cached_property
     def resolved_database_url(self) -> str:

@@ -62,6 +62,9 @@ class Policy:
 
     lease_s: float = 30.0
     starvation_s: float = 600.0
+    # A retried attempt waits base * 2^(failures - 1) seconds, at most the cap.
+    retry_backoff_s: float = 10.0
+    retry_backoff_max_s: float = 600.0
 
 
 class Database:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import hashlib
 import json
 import posixpath
+import signal
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import and_, func, or_, select
@@ -277,9 +279,32 @@ def append_log(
         return attempt.log_bytes
 
 
+def _exit_words(code: int | None) -> str:
+    """An exit status as a person reads it; codes >= 128 are death by signal 128+n."""
+    if code is None:
+        return "ended without an exit code"
+    if code >= 128:
+        n = code - 128
+        try:
+            name = signal.Signals(n).name
+        except ValueError:
+            name = f"signal {n}"
+        hint = " (out of memory?)" if n == signal.SIGKILL else ""
+        return f"killed by {name}{hint}, exit code {code}"
+    return f"exited with code {code}"
+
+
 def finish_attempt(db: Database, job_id: int, worker: str, req: FinishRequest) -> JobPublic:
-    """Record how an attempt ended and move the job on. Safe to repeat."""
+    """Record how an attempt ended and move the job on. Safe to repeat.
+
+    Retry policy: an attempt killed by a signal (exit code >= 128: OOM killer,
+    preemption) is retried; a program's own error (1..127) fails the job unless its
+    spec sets ``retry_on_error``; a timeout or a worker-side error never retries.
+    Retries wait out an exponential backoff and count against ``max_attempts``; an
+    attempt handed back by a worker that shuts down is requeued at once, uncounted.
+    """
     now = utcnow()
+    policy = db.policy
     with db.write() as s:
         job = _get(s, job_id)
         attempt = s.scalar(
@@ -287,19 +312,21 @@ def finish_attempt(db: Database, job_id: int, worker: str, req: FinishRequest) -
         )
         if attempt is None or attempt.worker != worker:
             raise Conflict(f"job {job_id} has no attempt {req.attempt} on worker {worker}")
-        if attempt.ended_at is not None:
-            return _publics(s, [job])[0]  # a retried finish: already recorded
         if job.attempt != req.attempt:
             raise Conflict(f"attempt {req.attempt} was superseded by attempt {job.attempt}")
+        if attempt.outcome == "lost":
+            raise Conflict(f"attempt {req.attempt} was declared lost: {job.reason}")
+        if attempt.ended_at is not None:
+            return _publics(s, [job])[0]  # a retried finish: already recorded
         attempt.ended_at = now
         attempt.exit_code = req.exit_code
         job.exit_code = req.exit_code
+        code = req.exit_code
+        retryable = req.outcome == "exited" and code is not None and code != 0
+        if retryable and code is not None and code < 128:
+            retryable = bool(job.spec.get("retry_on_error"))
         if req.outcome == "requeue" and job.status == JobStatus.RUNNING:
-            job.status = JobStatus.QUEUED
-            job.queued_at = now
-            job.reason = f"worker {worker} shut down; requeued"
-            job.worker = None
-            job.gpus = None
+            _requeue(job, now, f"worker {worker} shut down; requeued, not counted as a failure")
             attempt.outcome = "requeued"
         elif job.status == JobStatus.CANCELLING or req.outcome == "cancelled":
             job.status = JobStatus.CANCELLED
@@ -309,19 +336,48 @@ def finish_attempt(db: Database, job_id: int, worker: str, req: FinishRequest) -
             job.status = JobStatus.FAILED
             job.reason = req.reason or f"timeout after {job.spec.get('timeout_s')} s"
             attempt.outcome = "failed"
-        elif req.outcome == "exited" and req.exit_code == 0:
+        elif req.outcome == "exited" and code == 0:
             job.status = JobStatus.SUCCEEDED
             job.reason = None
             attempt.outcome = "succeeded"
         else:
-            job.status = JobStatus.FAILED
-            job.reason = req.reason or f"exited with code {req.exit_code}"
             attempt.outcome = "failed"
+            # The worker sends the program's last error line; the words for the exit are ours.
+            what = _exit_words(code) if req.outcome == "exited" else "failed to start"
+            if req.reason:
+                what += f": {req.reason}"
+            if code is not None and 0 < code < 128 and not retryable:
+                what += " (a program error: not retried unless the spec sets retry_on_error)"
+            job.failures += 1
+            if retryable and job.failures < job.max_attempts:
+                delay = min(
+                    policy.retry_backoff_s * 2 ** (job.failures - 1), policy.retry_backoff_max_s
+                )
+                _requeue(
+                    job,
+                    now,
+                    f"attempt {req.attempt} {what}; retrying as attempt {job.attempt + 1} "
+                    f"({job.failures} of {job.max_attempts} attempts used) after {delay:g} s",
+                )
+                job.not_before = now + timedelta(seconds=delay)
+            else:
+                job.status = JobStatus.FAILED
+                spent = f"; all {job.max_attempts} attempts used" if retryable else ""
+                job.reason = f"{what}{spent}"
         if job.status in TERMINAL:
             job.finished_at = now
         s.flush()
         queue.notify_claimers(s)  # its slots are free, or it is queued again
         return _publics(s, [job])[0]
+
+
+def _requeue(job: Job, now: datetime, reason: str) -> None:
+    job.status = JobStatus.QUEUED
+    job.queued_at = now
+    job.reason = reason
+    job.worker = None
+    job.gpus = None
+    job.held_cpu_slots = 0
 
 
 # ---- what ranks report ----------------------------------------------------------------

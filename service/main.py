@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import logging
 import time
+from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI
 from sqlalchemy.exc import OperationalError
 
 from service import db as dbmod
-from service.app import create_app
+from service.app import begin_shutdown, create_app
 from service.config import Settings, resolve_tokens
 
 log = logging.getLogger("ddpq.service")
@@ -36,11 +37,30 @@ def build(host: str, settings: Settings | None = None) -> tuple[Settings, FastAP
     api_token, worker_token = resolve_tokens(settings, host)
     database = dbmod.Database(
         settings.resolved_database_url,
-        dbmod.Policy(lease_s=settings.lease_s, starvation_s=settings.starvation_s),
+        settings.policy(),
     )
     wait_for_database(database)
     dbmod.upgrade(settings.resolved_database_url)
     return settings, create_app(settings, api_token, worker_token, database)
+
+
+class ApiServer(uvicorn.Server):
+    """uvicorn, telling the app when it starts to stop (see app.begin_shutdown)."""
+
+    def __init__(self, app: FastAPI, host: str, port: int, log_level: str = "info") -> None:
+        super().__init__(
+            uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False)
+        )
+        self.app = app
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        begin_shutdown(self.app)
+        super().handle_exit(sig, frame)
+
+    def stop(self) -> None:
+        """From another thread (``ddpq up``)."""
+        begin_shutdown(self.app)
+        self.should_exit = True
 
 
 def serve(host: str, port: int, log_level: str = "info") -> None:
@@ -48,4 +68,4 @@ def serve(host: str, port: int, log_level: str = "info") -> None:
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     _, app = build(host)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
+    ApiServer(app, host, port, log_level).run()

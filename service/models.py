@@ -91,6 +91,8 @@ class Job(Base):
     started_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]
     attempt: Mapped[int] = mapped_column(Integer, default=0)
+    # Attempts that count against max_attempts: failed or lost, not handed back.
+    failures: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     exit_code: Mapped[int | None] = mapped_column(Integer)
     reason: Mapped[str | None] = mapped_column(Text)
     worker: Mapped[str | None] = mapped_column(String(200))

@@ -15,11 +15,25 @@ are spent) by ``expire_leases``, which every API process runs periodically.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
-from sqlalchemy import JSON, Table, and_, bindparam, case, func, insert, or_, select, text, update
+from sqlalchemy import (
+    JSON,
+    Table,
+    and_,
+    bindparam,
+    case,
+    func,
+    insert,
+    or_,
+    select,
+    text,
+    tuple_,
+    update,
+)
 from sqlalchemy.orm import Session
 
 from service.db import Database, Policy
@@ -444,6 +458,10 @@ def pending_reasons(s: Session, jobs: list[Job], positions: dict[int, int]) -> d
         if problem:
             reasons[job.id] = problem
             continue
+        if job.not_before is not None and job.not_before > now:
+            wait = (job.not_before - now).total_seconds()
+            reasons[job.id] = f"waiting out its retry backoff: {wait:.0f} s left"
+            continue
         if not caps:
             reasons[job.id] = "waiting for a worker: none has registered"
             continue
@@ -546,17 +564,37 @@ def record_heartbeat(
 
 def expire_leases(db: Database, lease_s: float) -> list[int]:
     """Mark attempts without a heartbeat for ``lease_s`` lost; requeue or fail their jobs."""
+    cutoff = utcnow() - timedelta(seconds=lease_s)
+    return _lose_attempts(
+        db,
+        Attempt.heartbeat_at < cutoff,
+        lambda worker: f"worker {worker} lost (no heartbeat for {lease_s:g} s)",
+    )
+
+
+def release_worker(db: Database, worker: str, keep: list[tuple[int, int]]) -> list[int]:
+    """Lose the attempts the books give ``worker`` except those it says it still runs."""
+    which = Attempt.worker == worker
+    if keep:
+        which = and_(which, tuple_(Attempt.job_id, Attempt.number).not_in(keep))
+    return _lose_attempts(db, which, lambda w: f"worker {w} restarted without it")
+
+
+def _lose_attempts(db: Database, which: Any, why: Callable[[str], str]) -> list[int]:
     now = utcnow()
-    cutoff = now - timedelta(seconds=lease_s)
     changed: list[int] = []
     find_stale = (
-        select(Job.id, Job.attempt, Job.max_attempts, Job.status, Attempt.worker, Attempt.id)
-        .join(Attempt, and_(Attempt.job_id == Job.id, Attempt.number == Job.attempt))
-        .where(
-            Job.status.in_(list(ACTIVE)),
-            Attempt.ended_at.is_(None),
-            Attempt.heartbeat_at < cutoff,
+        select(
+            Job.id,
+            Job.attempt,
+            Job.max_attempts,
+            Job.failures,
+            Job.status,
+            Attempt.worker,
+            Attempt.id,
         )
+        .join(Attempt, and_(Attempt.job_id == Job.id, Attempt.number == Job.attempt))
+        .where(Job.status.in_(list(ACTIVE)), Attempt.ended_at.is_(None), which)
     )
     # Look first without the write lock: nearly every sweep finds nothing.
     with db.read() as s:
@@ -564,27 +602,32 @@ def expire_leases(db: Database, lease_s: float) -> list[int]:
             return changed
     with db.write() as s:
         stale = s.execute(find_stale).all()
-        for job_id, number, max_attempts, status, worker, attempt_id in stale:
-            lost = f"worker {worker} lost (no heartbeat for {lease_s:g} s)"
+        for job_id, number, max_attempts, failures, status, worker, attempt_id in stale:
+            lost = why(worker)
             if status == JobStatus.CANCELLING:
                 values: dict[str, Any] = {
                     "status": JobStatus.CANCELLED,
                     "reason": f"cancelled; {lost} before it confirmed",
                     "finished_at": now,
                 }
-            elif number < max_attempts:
+            elif failures + 1 < max_attempts:
+                # The worker, not the program, failed: requeued at once, no backoff.
                 values = {
                     "status": JobStatus.QUEUED,
                     "queued_at": now,
-                    "reason": f"{lost}; requeued for attempt {number + 1} of {max_attempts}",
+                    "reason": f"{lost}; requeued for attempt {number + 1} "
+                    f"({failures + 1} of {max_attempts} attempts used)",
                     "worker": None,
                     "gpus": None,
+                    "held_cpu_slots": 0,
+                    "failures": failures + 1,
                 }
             else:
                 values = {
                     "status": JobStatus.FAILED,
                     "reason": f"{lost}; all {max_attempts} attempts used",
                     "finished_at": now,
+                    "failures": failures + 1,
                 }
             done = _rowcount(
                 s.execute(

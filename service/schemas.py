@@ -80,6 +80,8 @@ class JobSpec(Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     max_restarts: Annotated[int, Field(strict=True, ge=0, le=100)] = 0
     max_attempts: Annotated[int, Field(strict=True, ge=1, le=100)] = 3
+    # Retry attempts that fail with the program's own error (exit code 1..127) too.
+    retry_on_error: Annotated[bool, Field(strict=True)] = False
     priority: Annotated[int, Field(strict=True, ge=-1_000_000, le=1_000_000)] = 0
     timeout_s: Annotated[int | None, Field(strict=True, ge=1, le=365 * 24 * 3600)] = None
 
@@ -228,12 +230,20 @@ WorkerName = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[A-Za
 GpuIndex = Annotated[int, Field(strict=True, ge=0, le=1023)]
 
 
+class RunningAttempt(Strict):
+    job_id: Annotated[int, Field(strict=True, ge=1, le=INT64_MAX)]
+    attempt: Annotated[int, Field(strict=True, ge=1, le=INT32_MAX)]
+
+
 class WorkerRegister(Strict):
     name: WorkerName
     hostname: Annotated[str, Field(max_length=255)]
     cpu_slots: Annotated[int, Field(strict=True, ge=0, le=100_000)]
     gpus: Annotated[list[GpuIndex], Field(max_length=1024)]
     checkpoint_root: Annotated[str, Field(min_length=1, max_length=MAX_PATH_CHARS)]
+    # What this worker process still runs (empty when it has just started): any other
+    # attempt the service has on its books for this name died with an earlier process.
+    running: Annotated[list[RunningAttempt], Field(max_length=10_000)] = []
 
 
 class WorkerRegistered(BaseModel):
@@ -260,11 +270,6 @@ class ClaimedJob(BaseModel):
     checkpoint_dir: str
     # Newest first; the worker gives ranks the first one whose file exists.
     resume_from: list[str]
-
-
-class RunningAttempt(Strict):
-    job_id: Annotated[int, Field(strict=True, ge=1, le=INT64_MAX)]
-    attempt: Annotated[int, Field(strict=True, ge=1, le=INT32_MAX)]
 
 
 class Heartbeat(Strict):

@@ -25,6 +25,8 @@ import httpx
 import psycopg
 import pytest
 
+from worker.procs import launch_prefix
+
 PG_ADMIN = os.environ.get("DDPQ_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 REQUIRE_PG = os.environ.get("DDPQ_REQUIRE_POSTGRES") == "1"
 REPO = Path(__file__).resolve().parent.parent
@@ -135,6 +137,7 @@ class Server:
     proc: subprocess.Popen[bytes]
     log_path: Path
     clients: list[httpx.Client] = field(default_factory=list)
+    registered: set[str] = field(default_factory=set)  # worker names tests registered by hand
 
     def client(self, token: str | None = "user") -> httpx.Client:
         headers = {}
@@ -210,6 +213,13 @@ class Worker:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def launch_id(self, job_id: int, attempt: int = 1) -> str:
+        return f"{self.launch_prefix}{job_id}/{attempt}"
+
+    @property
+    def launch_prefix(self) -> str:
+        return launch_prefix(self.name, self.data_dir)
 
 
 @pytest.fixture

@@ -10,6 +10,9 @@ from tests.conftest import Server
 def register(
     server: Server, name: str = "hand", cpu_slots: int = 8, gpus: list[int] | None = None
 ) -> None:
+    if name in server.registered:
+        return  # registering again would tell the service this worker restarted
+    server.registered.add(name)
     w = server.client("worker")
     r = w.post(
         "/workers/register",

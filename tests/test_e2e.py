@@ -100,7 +100,7 @@ def test_cancel_running_job_leaves_no_process_behind(
     ).json()
     wait_for(lambda: len(list(out.glob("rank*.pid"))) == 2, 60, "both ranks to start")
     pids = [int(p.read_text()) for p in out.glob("rank*.pid")]
-    launch_id = f"{worker.name}/{job['id']}/1"
+    launch_id = worker.launch_id(job["id"])
     assert len(find_by_launch_id(launch_id)) >= 3  # torchrun and two ranks
 
     r = c.post(f"/jobs/{job['id']}/cancel")

@@ -10,6 +10,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from worker import procs
 from worker.api import Refused, Unavailable, WorkerAPI, retry
 from worker.runner import JobRunner
 
@@ -41,11 +42,13 @@ class Agent:
         self.gpus = sorted(set(gpus))
         self.kill_grace_s = kill_grace_s
         self.api = WorkerAPI(self.url, token, self.name)
+        self.launch_prefix = procs.launch_prefix(self.name, self.data_dir)
         self.heartbeat_s = 2.0
         self.stopping = threading.Event()
         self._lock = threading.Lock()
         self._runners: dict[tuple[int, int], JobRunner] = {}
         self._slots_changed = threading.Event()
+        self.claimer_done = threading.Event()  # the claim loop has returned (shutdown)
 
     # ---- slots ------------------------------------------------------------------
 
@@ -80,6 +83,7 @@ class Agent:
                     "cpu_slots": self.cpu_slots,
                     "gpus": self.gpus,
                     "checkpoint_root": str(self.checkpoint_root),
+                    "running": [{"job_id": r.job_id, "attempt": r.attempt} for r in self.running()],
                 }
             ),
             what="register",
@@ -118,6 +122,12 @@ class Agent:
                 r.request_stop("abandoned")
 
     def _claim_loop(self) -> None:
+        try:
+            self._claim_until_stopped()
+        finally:
+            self.claimer_done.set()
+
+    def _claim_until_stopped(self) -> None:
         backoff = 0.5
         while not self.stopping.is_set():
             free_cpu, free_gpus = self.free()
@@ -157,6 +167,13 @@ class Agent:
         self._all_done = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self.stopping.set())
+        # A worker that died (kill -9, a crash) and comes back under its name may have
+        # left ranks behind (torchrun's SIGTERM on our death is not a guarantee); by
+        # now the service has moved their jobs on, so nothing of them may keep running.
+        leftovers = procs.find_by_launch_id(self.launch_prefix, prefix=True)
+        if leftovers:
+            log.warning("killing %d leftover process(es) of earlier attempts", len(leftovers))
+            procs.kill_all(self.launch_prefix, prefix=True)
         self.register()
         log.info(
             "worker %s: %d CPU slots, GPUs %s, workspace %s, API %s",

@@ -1,9 +1,17 @@
-"""Exec wrapper: ``python -m worker.launch PARENT_PID -- ARGV...``.
+"""Attempt supervisor: ``python -m worker.launch PARENT_PID GRACE_S -- ARGV...``.
 
-Sets PR_SET_PDEATHSIG so the launched program gets SIGTERM when the thread that
-started it dies (a killed worker), then execs ARGV. torchrun answers SIGTERM by
-stopping its ranks, so a worker's jobs never train on without it. Doing this in
-``preexec_fn`` instead would not be safe in the multi-threaded worker.
+Runs ARGV (torchrun) as its child and makes sure nothing of the attempt outlives
+the worker. It sets PR_SET_PDEATHSIG, so it gets SIGTERM when the worker thread
+that started it dies (a killed worker); it then SIGTERMs torchrun, which stops its
+ranks. torchrun does not always exit after that (2.14 can hang joining its log-tee
+threads), and a SIGKILLed torchrun leaves its ranks running as orphans, so after
+GRACE_S this process SIGKILLs torchrun and every process carrying the attempt's
+DDPQ_LAUNCH_ID. It exits with torchrun's status (128 + N for death by signal N).
+
+The worker stops an attempt (cancel, timeout, shutdown) by sending SIGTERM to
+this process, which forwards it, and SIGKILLs the whole process group if that
+takes longer than its grace period. Setting the death signal here rather than in
+``preexec_fn`` keeps the multi-threaded worker's fork safe.
 """
 
 from __future__ import annotations
@@ -11,19 +19,51 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import subprocess
 import sys
+import time
+
+from worker import procs
 
 PR_SET_PDEATHSIG = 1
 
 
 def main() -> None:
     parent = int(sys.argv[1])
-    argv = sys.argv[3:]
+    grace_s = float(sys.argv[2])
+    argv = sys.argv[4:]
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
-    if os.getppid() != parent:  # the parent died before prctl took effect
+    stop_at: list[float] = []
+    started: list[subprocess.Popen[bytes]] = []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        # Forwarded once: torchrun answers a second SIGTERM by abandoning its cleanup.
+        if not stop_at:
+            stop_at.append(time.monotonic())
+            if started:
+                started[0].send_signal(signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    if os.getppid() != parent:  # the worker died before prctl took effect
         sys.exit(128 + signal.SIGTERM)
-    os.execvp(argv[0], argv)  # noqa: S606 - an argv list, never a shell
+    child = subprocess.Popen(argv)
+    started.append(child)
+    if stop_at:  # stopped while starting
+        child.send_signal(signal.SIGTERM)
+    while True:
+        try:
+            code = child.wait(timeout=0.2)
+            break
+        except subprocess.TimeoutExpired:
+            if stop_at and time.monotonic() - stop_at[0] > grace_s:
+                child.kill()
+    # Ranks run in sessions of their own: whatever torchrun left behind goes now.
+    launch_id = os.environ.get(procs.LAUNCH_ID_VAR)
+    if launch_id:
+        procs.kill_all(launch_id)
+    sys.exit(code if code >= 0 else 128 - code)
 
 
 if __name__ == "__main__":

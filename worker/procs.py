@@ -9,6 +9,7 @@ environment, and the worker finds them by it in /proc.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import signal
 import sys
@@ -18,13 +19,22 @@ from pathlib import Path
 LAUNCH_ID_VAR = "DDPQ_LAUNCH_ID"
 
 
-def launcher_argv(argv: list[str]) -> list[str]:
+def launch_prefix(worker_name: str, data_dir: Path) -> str:
+    """What every DDPQ_LAUNCH_ID of one worker starts with. The data directory is part
+    of it: two workers on one host (or two test sessions) may share a name, and must
+    never take each other's processes for their own."""
+    instance = hashlib.sha256(str(data_dir.resolve()).encode()).hexdigest()[:12]
+    return f"{worker_name}@{instance}/"
+
+
+def launcher_argv(argv: list[str], grace_s: float = 10.0) -> list[str]:
     """Wrap ``argv`` so that it dies with the calling thread (see worker.launch)."""
-    return [sys.executable, "-m", "worker.launch", str(os.getpid()), "--", *argv]
+    return [sys.executable, "-m", "worker.launch", str(os.getpid()), str(grace_s), "--", *argv]
 
 
-def find_by_launch_id(launch_id: str) -> list[int]:
-    needle = f"{LAUNCH_ID_VAR}={launch_id}".encode() + b"\0"
+def find_by_launch_id(launch_id: str, *, prefix: bool = False) -> list[int]:
+    """Processes whose DDPQ_LAUNCH_ID is ``launch_id`` (or starts with it)."""
+    needle = f"{LAUNCH_ID_VAR}={launch_id}".encode() + (b"" if prefix else b"\0")
     me = os.getpid()
     found = []
     for entry in Path("/proc").iterdir():
@@ -39,11 +49,11 @@ def find_by_launch_id(launch_id: str) -> list[int]:
     return found
 
 
-def kill_all(launch_id: str, timeout_s: float = 10.0) -> bool:
+def kill_all(launch_id: str, timeout_s: float = 10.0, *, prefix: bool = False) -> bool:
     """SIGKILL every process carrying ``launch_id`` until none is left; True if none is."""
     deadline = time.monotonic() + timeout_s
     while True:
-        pids = find_by_launch_id(launch_id)
+        pids = find_by_launch_id(launch_id, prefix=prefix)
         if not pids:
             return True
         for pid in pids:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import importlib.util
 import json
 import logging
@@ -120,6 +121,10 @@ class LogShipper(threading.Thread):
                 del self._buf[: len(chunk)]
 
 
+CLAIM_HANDBACK_WAIT_S = 30.0
+OUTPUT_POLL_S = 0.05  # how often the ranks' output file is read while it is quiet
+
+
 @dataclass
 class Outcome:
     exit_code: int | None
@@ -145,7 +150,7 @@ class JobRunner:
 
     @property
     def launch_id(self) -> str:
-        return f"{self.agent.name}/{self.job_id}/{self.attempt}"
+        return f"{self.agent.launch_prefix}{self.job_id}/{self.attempt}"
 
     def start(self) -> None:
         # This thread starts torchrun and lives until it is gone: the parent-death
@@ -190,6 +195,11 @@ class JobRunner:
     def _report(self, result: Outcome) -> None:
         if self.stop_reason == "abandoned":
             return  # the service already moved the job on; nothing to report
+        if result.outcome == "requeue":
+            # Hand the job back only once our own claim long-poll has ended: answered
+            # earlier, it would wake that very poll and this stopping worker would take
+            # the job again.
+            self.agent.claimer_done.wait(timeout=CLAIM_HANDBACK_WAIT_S)
         body = {
             "attempt": self.attempt,
             "exit_code": result.exit_code,
@@ -237,6 +247,10 @@ class JobRunner:
                 "DDPQ_DEVICE": c["device"],
                 procs.LAUNCH_ID_VAR: self.launch_id,
                 "PYTHONUNBUFFERED": "1",
+                # torchrun 2.14 shares its rendezvous store with the ranks' process group
+                # by default; after a restart (max_restarts) the new ranks then read the
+                # dead ranks' addresses and init_process_group fails (pytorch#135712).
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
                 # The ranks see only the GPUs the job holds, as cuda:0..n-1; none on a CPU job.
                 "CUDA_VISIBLE_DEVICES": ",".join(map(str, c["gpus"])),
             }
@@ -291,21 +305,39 @@ class JobRunner:
     ) -> Outcome:
         spec = self.claim["spec"]
         tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
-        proc = subprocess.Popen(
-            procs.launcher_argv(self._argv(program, log_dir)),
-            cwd=self.agent.workspace,
-            env=self._env(resume_from),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group, signalled as one
-        )
+        # torchrun writes to a file that this worker tails, not to a pipe: were the
+        # worker killed, writes to a pipe with no reader would fail and torchrun's
+        # log-tee threads hang forever instead of letting it exit (seen with 2.14).
+        output = log_dir / "output.log"
+        with open(output, "wb") as sink:
+            proc = subprocess.Popen(
+                procs.launcher_argv(self._argv(program, log_dir), self.agent.kill_grace_s),
+                cwd=self.agent.workspace,
+                env=self._env(resume_from),
+                stdin=subprocess.DEVNULL,
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group, signalled as one
+            )
 
         def pump() -> None:
-            assert proc.stdout is not None
-            for line in iter(proc.stdout.readline, b""):
-                shipper.write(line)
-                tail.append(line.decode(errors="replace").rstrip())
+            pending = b""
+            with open(output, "rb") as f:
+                while True:
+                    exited = proc.poll() is not None
+                    chunk = f.read(1 << 16)
+                    if chunk:
+                        *lines, pending = (pending + chunk).split(b"\n")
+                        for line in lines:
+                            shipper.write(line + b"\n")
+                            tail.append(line.decode(errors="replace").rstrip())
+                    elif exited:  # read to the end after the exit: nothing more comes
+                        break
+                    else:
+                        time.sleep(OUTPUT_POLL_S)
+            if pending:
+                shipper.write(pending + b"\n")
+                tail.append(pending.decode(errors="replace").rstrip())
 
         reader = threading.Thread(target=pump, name=f"out-{self.job_id}", daemon=True)
         reader.start()
@@ -319,12 +351,14 @@ class JobRunner:
                 break
         code = proc.wait()
         procs.kill_all(self.launch_id)
-        reader.join(timeout=10.0)
+        reader.join(timeout=30.0)
         return self._outcome(code, list(tail))
 
     def _terminate(self, proc: subprocess.Popen[bytes]) -> None:
-        """SIGTERM the group (torchrun stops its ranks), SIGKILL after the grace period."""
-        procs.signal_group(proc.pid, signal.SIGTERM)
+        """SIGTERM the supervisor, which forwards it to torchrun (which stops its ranks);
+        SIGKILL the group after the grace period."""
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout=self.agent.kill_grace_s)
         except subprocess.TimeoutExpired:
@@ -359,7 +393,5 @@ class JobRunner:
             for m in [ERROR_LINE.match(line)]
             if m and "ChildFailedError" not in line and "torch.distributed.elastic" not in line
         ]
-        reason = f"exited with code {exit_code}"
-        if errors:
-            reason += f": {errors[-1][:500]}"
-        return Outcome(exit_code, "exited", reason)
+        # The service puts the exit status into words; it gets the program's last error.
+        return Outcome(exit_code, "exited", errors[-1][:500] if errors else None)

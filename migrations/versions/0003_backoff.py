@@ -1,4 +1,4 @@
-"""jobs.not_before (retry backoff); the claim's indexes: queue order with priority
+"""jobs.not_before (retry backoff) and jobs.failures (what counts against max_attempts); the claim's indexes: queue order with priority
 descending, the oldest queued job, and the CPU slots held per worker from the index alone
 
 Revision ID: 0003
@@ -24,6 +24,9 @@ def upgrade() -> None:
         batch_op.add_column(
             sa.Column("not_before", service.models.UTCDateTime(timezone=True), nullable=True)
         )
+        batch_op.add_column(
+            sa.Column("failures", sa.Integer(), server_default="0", nullable=False)
+        )
         batch_op.create_index("ix_jobs_status_queued_at", ["status", "queued_at"], unique=False)
         batch_op.drop_index("ix_jobs_status_priority_id")
         batch_op.create_index(
@@ -44,4 +47,5 @@ def downgrade() -> None:
             "ix_jobs_status_priority_id", ["status", "priority", "id"], unique=False
         )
         batch_op.drop_index("ix_jobs_status_queued_at")
+        batch_op.drop_column("failures")
         batch_op.drop_column("not_before")

@@ -51,7 +51,9 @@ def _claim_pool(dialect: str) -> ThreadPoolExecutor:
 
 
 @router.post("/register", response_model=WorkerRegistered)
-def register(body: WorkerRegister, db: DB, settings: SettingsDep) -> WorkerRegistered:
+def register(
+    body: WorkerRegister, db: DB, settings: SettingsDep, wakeup: WakeupDep
+) -> WorkerRegistered:
     """Announce a worker and what it has (again after a restart)."""
     now = utcnow()
     with db.write() as s:
@@ -64,6 +66,11 @@ def register(body: WorkerRegister, db: DB, settings: SettingsDep) -> WorkerRegis
         w.gpus = sorted(set(body.gpus))
         w.checkpoint_root = body.checkpoint_root
         w.last_heartbeat = now
+    # Attempts the books give this worker but it does not list died with an earlier
+    # process of it (whose leftovers it killed before registering): requeue them now
+    # rather than at the end of their lease.
+    if queue.release_worker(db, body.name, keep=[(r.job_id, r.attempt) for r in body.running]):
+        wakeup.notify()
     return WorkerRegistered(
         name=body.name, heartbeat_s=settings.heartbeat_s, lease_s=settings.lease_s
     )
@@ -103,7 +110,7 @@ async def claim(
             body_json = ClaimedJob(token=token, **claimed.__dict__).model_dump_json()
             return Response(body_json, media_type="application/json")
         left = deadline - time.monotonic()
-        if left <= 0 or await request.is_disconnected():
+        if left <= 0 or request.app.state.stopping.is_set() or await request.is_disconnected():
             return Response(status_code=204)
         await wakeup.wait(seen, min(left, settings.claim_recheck_s))
 

@@ -24,9 +24,7 @@ def upgrade() -> None:
         batch_op.add_column(
             sa.Column("not_before", service.models.UTCDateTime(timezone=True), nullable=True)
         )
-        batch_op.add_column(
-            sa.Column("failures", sa.Integer(), server_default="0", nullable=False)
-        )
+        batch_op.add_column(sa.Column("failures", sa.Integer(), server_default="0", nullable=False))
         batch_op.create_index("ix_jobs_status_queued_at", ["status", "queued_at"], unique=False)
         batch_op.drop_index("ix_jobs_status_priority_id")
         batch_op.create_index(

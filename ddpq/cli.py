@@ -476,10 +476,12 @@ def recipes(as_json: JsonOpt = False) -> None:
     for r in items:
         out.print(f"[bold]{r['name']}[/bold]  {r['description']}", highlight=False)
         for a in r["args"]:
-            out.print(
-                f"    {a['name']} ({a['type']}, default {a['default']}): {a['help']}",
-                highlight=False,
-            )
+            rules = [a["type"]]
+            if a.get("choices"):
+                rules.append(f"one of {', '.join(a['choices'])}")
+            rules += [f"{k} {a[k]}" for k in ("min", "max") if a.get(k) is not None]
+            rules.append(f"default {a['default']!r}")
+            out.print(f"    {a['name']} ({', '.join(rules)}): {a['help']}", highlight=False)
 
 
 def main() -> None:

@@ -208,6 +208,10 @@ class RecipeArg(BaseModel):
     type: str
     default: Any
     help: str
+    # Bounds and choices the recipe enforces (its arguments fail the job otherwise).
+    min: int | float | None = None
+    max: int | float | None = None
+    choices: list[str] | None = None
 
 
 class RecipePublic(BaseModel):

@@ -24,7 +24,7 @@ def test_toy_regression_runs_to_success_and_reports_one_series(
         json={
             "recipe": "toy-regression",
             "world_size": 2,
-            "args": ["--total-epochs", "4", "--save-every", "2"],
+            "args": ["--total-epochs", "4", "--save-every", "2", "--log-every", "1"],
         },
     )
     assert r.status_code == 201, r.text

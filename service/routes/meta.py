@@ -48,10 +48,7 @@ def list_recipes() -> RecipesPublic:
         RecipePublic(
             name=name,
             description=entry["description"],
-            args=[
-                RecipeArg(name=a["name"], type=a["type"], default=a["default"], help=a["help"])
-                for a in entry["args"]
-            ],
+            args=[RecipeArg(**a) for a in entry["args"]],
         )
         for name, entry in sorted(recipes().items())
     ]

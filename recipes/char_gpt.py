@@ -42,7 +42,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from recipes._common import Batch, Trainer, fail, parse_args, setup, sharded_loader, teardown
+from recipes._common import (
+    Batch,
+    Trainer,
+    exit_without_finalizing,
+    fail,
+    parse_args,
+    setup,
+    sharded_loader,
+    teardown,
+)
 
 RECIPE = "char-gpt"
 DEFAULT_TEXT = Path(__file__).with_name("data") / "coriolanus.txt"
@@ -250,3 +259,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_finalizing()

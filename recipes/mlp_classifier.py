@@ -25,7 +25,14 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from recipes._common import Classifier, parse_args, setup, sharded_loader, teardown
+from recipes._common import (
+    Classifier,
+    exit_without_finalizing,
+    parse_args,
+    setup,
+    sharded_loader,
+    teardown,
+)
 
 
 class NeuralNetwork(nn.Module):
@@ -78,3 +85,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_finalizing()

@@ -54,6 +54,7 @@ from recipes._common import (
     Batch,
     Classifier,
     Dist,
+    exit_without_finalizing,
     fail,
     parse_args,
     setup,
@@ -213,3 +214,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_finalizing()

@@ -26,7 +26,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from recipes._common import Batch, Trainer, parse_args, setup, sharded_loader, teardown
+from recipes._common import (
+    Batch,
+    Trainer,
+    exit_without_finalizing,
+    parse_args,
+    setup,
+    sharded_loader,
+    teardown,
+)
 
 
 class RandomRegression(Dataset[tuple[torch.Tensor, torch.Tensor]]):
@@ -65,3 +73,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_finalizing()

@@ -1,8 +1,9 @@
 """mlp-classifier: the small network of seeds 002 and 003, trained with DDP, then tested.
 
-Both seeds train a three-layer perceptron (002's ``NeuralNetwork``: two hidden
-layers of 30 and 20 units; 003's ``SeqNet`` has the same shape) and, as 002 does,
-score it on a held-out split at the end. The data are real and ship offline:
+Seed 002 trains a three-layer perceptron (``NeuralNetwork``: two hidden layers of
+30 and 20 units) and scores it on a held-out split at the end; seed 003 trains a
+small ``SeqNet`` the same way but only names it (its code is included by
+reference), so 002's network stands for both. The data are real and ship offline:
 scikit-learn's handwritten digits (1797 images of 8x8 pixels, 10 classes, inside
 the wheel). Every rank builds the same seeded train/test split; a DistributedSampler
 shards the training part and is told the epoch. Rank 0 reports ``loss`` and

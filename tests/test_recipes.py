@@ -68,27 +68,32 @@ def _load(path: Path | str) -> dict[str, Any]:
     return state
 
 
-def _resume(
-    module: str, checkpoint: str, args: list[str], cwd: Path, out: Path
-) -> tuple[str, dict[str, Any]]:
-    """Run ``module`` under torchrun from ``checkpoint``; its output and last checkpoint."""
+def _torchrun(module: str, args: list[str], cwd: Path, out: Path, **env: str) -> str:
+    """Run ``module`` under torchrun (2 ranks, no ddpq service), checkpoints into ``out``."""
     out.mkdir(parents=True, exist_ok=True)
-    env = {"DDPQ_RESUME_FROM": checkpoint, "DDPQ_CHECKPOINT_DIR": str(out)}
     r = subprocess.run(
         [
             *[sys.executable, "-m", "torch.distributed.run", "--standalone"],
             *["--nproc-per-node", "2", "--monitor-interval", "0.1", "-m", module, *args],
         ],
-        env=_child_env(env),
+        env=_child_env({"DDPQ_CHECKPOINT_DIR": str(out), **env}),
         cwd=cwd,
         capture_output=True,
         text=True,
         timeout=240,
     )
     assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
+def _resume(
+    module: str, checkpoint: str, args: list[str], cwd: Path, out: Path
+) -> tuple[str, dict[str, Any]]:
+    """Run ``module`` from ``checkpoint``; its output and the last checkpoint it saved."""
+    stdout = _torchrun(module, args, cwd, out, DDPQ_RESUME_FROM=checkpoint)
     saved = sorted(out.glob("step-*.pt"))
-    assert saved, r.stdout
-    return r.stdout, _load(saved[-1])
+    assert saved, stdout
+    return stdout, _load(saved[-1])
 
 
 def _assert_resumed(stdout: str, before: dict[str, Any], after: dict[str, Any]) -> None:
@@ -273,20 +278,7 @@ def test_resnet_cifar10_reads_cifar_format_data_and_resumes(
 def test_toy_regression_resumes_and_continues_its_step_count(tmp_path: Path) -> None:
     args = ["--save-every", "1", "--dataset-size", "512"]
     first = tmp_path / "first"
-    first.mkdir()
-    r = subprocess.run(
-        [
-            *[sys.executable, "-m", "torch.distributed.run", "--standalone"],
-            *["--nproc-per-node", "2", "-m", "recipes.toy_regression", *args],
-            *["--total-epochs", "1"],
-        ],
-        env=_child_env({"DDPQ_CHECKPOINT_DIR": str(first)}),
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert r.returncode == 0, r.stdout + r.stderr
+    _torchrun("recipes.toy_regression", [*args, "--total-epochs", "1"], tmp_path, first)
     checkpoint = first / "step-000000008.pt"  # 512 / (32 x 2) steps
     stdout, after = _resume(
         "recipes.toy_regression",

@@ -33,6 +33,8 @@ fmt: venv
 
 bench: venv
 	$(BIN)/python bench/overhead.py
+	$(BIN)/python bench/claim.py
+	$(BIN)/python bench/recipes.py
 
 clean:
 	rm -rf $(VENV) var .pytest_cache .mypy_cache .ruff_cache

@@ -372,12 +372,8 @@ def finish_attempt(db: Database, job_id: int, worker: str, req: FinishRequest) -
 
 
 def _requeue(job: Job, now: datetime, reason: str) -> None:
-    job.status = JobStatus.QUEUED
-    job.queued_at = now
-    job.reason = reason
-    job.worker = None
-    job.gpus = None
-    job.held_cpu_slots = 0
+    for column, value in queue.requeued(now, reason).items():
+        setattr(job, column, value)
 
 
 # ---- what ranks report ----------------------------------------------------------------

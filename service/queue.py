@@ -562,6 +562,18 @@ def record_heartbeat(
     return cancel, abandon
 
 
+def requeued(now: datetime, reason: str) -> dict[str, Any]:
+    """A job's columns when it goes back to the queue: it waits anew and holds nothing."""
+    return {
+        "status": JobStatus.QUEUED,
+        "queued_at": now,
+        "reason": reason,
+        "worker": None,
+        "gpus": None,
+        "held_cpu_slots": 0,
+    }
+
+
 def expire_leases(db: Database, lease_s: float) -> list[int]:
     """Mark attempts without a heartbeat for ``lease_s`` lost; requeue or fail their jobs."""
     cutoff = utcnow() - timedelta(seconds=lease_s)
@@ -613,13 +625,11 @@ def _lose_attempts(db: Database, which: Any, why: Callable[[str], str]) -> list[
             elif failures + 1 < max_attempts:
                 # The worker, not the program, failed: requeued at once, no backoff.
                 values = {
-                    "status": JobStatus.QUEUED,
-                    "queued_at": now,
-                    "reason": f"{lost}; requeued for attempt {number + 1} "
-                    f"({failures + 1} of {max_attempts} attempts used)",
-                    "worker": None,
-                    "gpus": None,
-                    "held_cpu_slots": 0,
+                    **requeued(
+                        now,
+                        f"{lost}; requeued for attempt {number + 1} "
+                        f"({failures + 1} of {max_attempts} attempts used)",
+                    ),
                     "failures": failures + 1,
                 }
             else:

@@ -89,9 +89,10 @@ class Capacity:
     checkpoint_root: str
 
 
-def _capacities(s: Session, lease_s: float, only: str | None = None) -> list[Capacity]:
+def _capacities(s: Session, lease_s: float) -> list[Capacity]:
     """Every worker's slots minus those its active jobs hold (the service's own books:
-    a GPU stays held until the worker reports the job's processes gone)."""
+    a GPU stays held until the worker reports the job's processes gone). The claim keeps
+    the same books for one worker in _WORKER_BOOKS, a single statement on its hot path."""
     workers = select(
         Worker.name, Worker.cpu_slots, Worker.gpus, Worker.last_heartbeat, Worker.checkpoint_root
     )
@@ -99,10 +100,6 @@ def _capacities(s: Session, lease_s: float, only: str | None = None) -> list[Cap
     # CPU jobs: one sum per worker. GPU jobs: their rows (a worker has few GPUs).
     cpu_q = select(Job.worker, func.sum(Job.held_cpu_slots)).where(active).group_by(Job.worker)
     gpu_q = select(Job.worker, Job.gpus).where(active, Job.held_cpu_slots == 0)
-    if only is not None:
-        workers = workers.where(Worker.name == only)
-        cpu_q = cpu_q.where(Job.worker == only)
-        gpu_q = gpu_q.where(Job.worker == only)
     conn = s.connection()
     rows = conn.execute(workers).all()
     if not rows:

@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # torch and torchvision come from this machine's disk through pip (uv/poetry would download 3 GB).
 TORCH_PINS := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: venv run test test-fast lint fmt bench clean
+.PHONY: venv browser run test test-fast lint fmt bench clean
 
 venv: $(VENV)/.installed
 
@@ -19,8 +19,14 @@ $(VENV)/.installed: pyproject.toml
 run: venv
 	$(BIN)/ddpq up
 
-test: venv
-	$(BIN)/pytest
+# The dashboard's browser test drives Debian's Chromium (Playwright cannot download a browser
+# here): install the OS package only when it is missing, without prompts.
+browser:
+	test -x /usr/bin/chromium || { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium; }
+
+test: venv browser
+	$(BIN)/pytest -n 2 --dist worksteal -m 'not exclusive'
+	$(BIN)/pytest -m exclusive
 
 lint: venv
 	$(BIN)/ruff check service worker ddpq recipes migrations tests bench
@@ -35,6 +41,7 @@ bench: venv
 	$(BIN)/python bench/overhead.py
 	$(BIN)/python bench/claim.py
 	$(BIN)/python bench/recipes.py
+	$(BIN)/python bench/api.py
 
 clean:
 	rm -rf $(VENV) var .pytest_cache .mypy_cache .ruff_cache

@@ -11,15 +11,49 @@ Errors: ``ApiError`` (the API answered 4xx/5xx; ``.status`` and ``.detail``),
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import httpx
 
 from ddpq import config
 
 TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
+
+# The line the API puts where a job's log was cut under its cap (service/logs.py): it
+# counts for no offset, and the output after it starts at the offset it names.
+_CUT_MARKER = re.compile(
+    rb"(?<=\n)\[ddpq\] \d+ bytes of output cut here \(log cap [^)\n]*\); "
+    rb"output resumes at offset (\d+)\n"
+)
+_MARKER_WINDOW = 512  # longer than any marker line: a marker split across chunks is found
+
+
+class _Offsets:
+    """Where a log answer has got to, in the stored log's offsets (markers excluded)."""
+
+    def __init__(self, start: int) -> None:
+        self.base = start  # the offset of the first byte after the last marker seen
+        self.since = 0  # bytes received after that marker
+        # The answer's last bytes, to find a marker split across chunks. A marker is a
+        # line of its own (a rank's lines all start "[rankN]:"), so it must follow a
+        # newline; the answer's start counts as one.
+        self.recent = b"\n"
+
+    def feed(self, chunk: bytes) -> int:
+        window = self.recent + chunk
+        last = None
+        for m in _CUT_MARKER.finditer(window):
+            if m.end() > len(self.recent):  # a marker not seen in an earlier chunk
+                last = m
+        if last is None:
+            self.since += len(chunk)
+        else:
+            self.base, self.since = int(last.group(1)), len(window) - last.end()
+        self.recent = window[-_MARKER_WINDOW:]
+        return self.base + self.since
 
 
 class ApiError(Exception):
@@ -66,12 +100,17 @@ class Client:
     def _call(self, method: str, path: str, **kw: Any) -> httpx.Response:
         r = self._http.request(method, path, **kw)
         if r.status_code >= 400:
-            try:
-                detail = r.json().get("detail", r.text)
-            except ValueError:
-                detail = r.text
-            raise ApiError(r.status_code, detail)
+            self._raise(r)
         return r
+
+    @staticmethod
+    def _raise(r: httpx.Response) -> NoReturn:
+        try:
+            body = r.json()
+            detail = body.get("detail", r.text) if isinstance(body, dict) else r.text
+        except ValueError:
+            detail = r.text
+        raise ApiError(r.status_code, detail)
 
     def submit(self, spec: dict[str, Any], idempotency_key: str | None = None) -> dict[str, Any]:
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
@@ -83,11 +122,11 @@ class Client:
         return result
 
     def jobs(
-        self, status: str | None = None, limit: int = 50, cursor: str | None = None
+        self, status: str | list[str] | None = None, limit: int = 50, cursor: str | None = None
     ) -> dict[str, Any]:
         params: dict[str, Any] = {"limit": limit}
         if status:
-            params["status"] = status
+            params["status"] = status if isinstance(status, str) else ",".join(status)
         if cursor:
             params["cursor"] = cursor
         result: dict[str, Any] = self._call("GET", "/jobs", params=params).json()
@@ -97,8 +136,18 @@ class Client:
         result: dict[str, Any] = self._call("POST", f"/jobs/{job_id}/cancel").json()
         return result
 
-    def metrics(self, job_id: int, name: str | None = None) -> list[dict[str, Any]]:
-        params = {"name": name} if name else {}
+    def metrics(
+        self,
+        job_id: int,
+        name: str | list[str] | None = None,
+        since_step: int | None = None,
+    ) -> list[dict[str, Any]]:
+        """Metric points, oldest step first; ``since_step`` includes that step."""
+        params: dict[str, Any] = {}
+        if name:
+            params["name"] = name
+        if since_step is not None:
+            params["since_step"] = since_step
         items: list[dict[str, Any]] = self._call(
             "GET", f"/jobs/{job_id}/metrics", params=params
         ).json()["items"]
@@ -123,20 +172,49 @@ class Client:
         r = self._call("GET", f"/jobs/{job_id}/logs", params={"offset": offset})
         return r.content, int(r.headers["X-Next-Offset"]), r.headers.get("X-Job-Status", "")
 
-    def follow_logs(self, job_id: int, poll_s: float = 0.5) -> Iterator[bytes]:
-        """Yield log bytes as they arrive until the job ends."""
-        offset = 0
+    def follow_logs(
+        self, job_id: int, offset: int = 0, poll_s: float = 0.5
+    ) -> Iterator[tuple[int, bytes]]:
+        """Yield (offset, bytes) as the log grows, until the job has ended and all is read.
+
+        Asks with ``follow=true``: a server that streams keeps the answer open while
+        the job runs; one that does not answers what it has stored. Either way, when
+        an answer ends the job's status decides: not over yet, ask again from the
+        offset reached (after ``poll_s`` when nothing came); over, and an answer
+        given after the end brought nothing more, done: the log is drained.
+        """
+        # No read timeout on a streamed answer would hang on a dead peer forever;
+        # a long one, then asking again from the offset reached, costs nothing.
+        timeout = httpx.Timeout(30.0, read=120.0)
         while True:
-            data, offset, status = self.logs(job_id, offset)
-            if data:
-                yield data
-            elif status in TERMINAL:
-                data, offset, _ = self.logs(job_id, offset)  # what arrived with the end
-                if data:
-                    yield data
-                return
-            else:
-                time.sleep(poll_s)
+            got = 0
+            status = ""
+            try:
+                with self._http.stream(
+                    "GET",
+                    f"/jobs/{job_id}/logs",
+                    params={"offset": offset, "follow": "true"},
+                    timeout=timeout,
+                ) as r:
+                    if r.status_code >= 400:
+                        r.read()
+                        self._raise(r)
+                    status = r.headers.get("X-Job-Status", "")
+                    at = _Offsets(offset)
+                    for chunk in r.iter_bytes():
+                        if chunk:
+                            yield offset, chunk
+                            offset = at.feed(chunk)
+                            got += len(chunk)
+            except httpx.ReadTimeout:
+                pass  # a quiet stream: ask again from where we are
+            if got:
+                continue  # the stored part may have been cut at the size limit
+            if status in TERMINAL:
+                return  # an answer given after the job ended brought nothing more
+            if status == "" and self.job(job_id)["status"] in TERMINAL:
+                continue  # no status header: one more answer, given after the end
+            time.sleep(poll_s)
 
     def wait(
         self, job_id: int, timeout: float | None = None, poll_s: float = 0.5

@@ -15,6 +15,10 @@ loss does not synchronise the device on every step.
 Without ``DDPQ_URL`` (a plain ``torchrun`` run) nothing is sent: reports go to
 the ``ddpq.train`` logger and checkpoints to ``DDPQ_CHECKPOINT_DIR`` or
 ``./checkpoints``, so the same script runs anywhere.
+
+With ``DDPQ_TENSORBOARD_DIR`` set (a worker passes on its own), the sender thread
+also writes the reported scalars as TensorBoard event files into
+``$DDPQ_TENSORBOARD_DIR/job-<id>``: one run per job, which every attempt appends to.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from ddpq.tensorboard import EventWriter
 
 __all__ = [
     "flush",
@@ -61,13 +67,16 @@ def is_master() -> bool:
 class _Sender:
     """Ships metric points and checkpoint registrations to the API from one thread."""
 
-    def __init__(self, url: str, job_id: str, token: str) -> None:
+    def __init__(
+        self, url: str, job_id: str, token: str, tensorboard: EventWriter | None = None
+    ) -> None:
         self._client = httpx.Client(
             base_url=url.rstrip("/"),
             headers={"Authorization": f"Bearer {token}"},
             timeout=httpx.Timeout(10.0, connect=5.0),
         )
         self._job_id = job_id
+        self._tensorboard = tensorboard
         self._points: collections.deque[dict[str, Any]] = collections.deque()
         self._checkpoints: collections.deque[dict[str, Any]] = collections.deque()
         self._cond = threading.Condition()
@@ -141,6 +150,8 @@ class _Sender:
                     self._in_flight = 0
                     self._cond.notify_all()
                 continue
+            if points and self._tensorboard is not None:
+                self._write_tensorboard(self._tensorboard, points)
             try:
                 if points:
                     items = [_materialise(p) for p in points]
@@ -159,6 +170,26 @@ class _Sender:
             with self._cond:
                 self._in_flight = 0
                 self._cond.notify_all()
+
+    def _write_tensorboard(self, writer: EventWriter, points: list[dict[str, Any]]) -> None:
+        """Write points to the event file once (a point retried for the API is not
+        written again), turning their values into floats for both destinations."""
+        fresh: list[tuple[int, dict[str, float]]] = []
+        for p in points:
+            if p.get("tensorboard"):
+                continue
+            p["values"] = {k: _to_float(v) for k, v in p["values"].items()}
+            scalars = dict(p["values"])
+            if p.get("epoch") is not None:
+                p["epoch"] = scalars["epoch"] = _to_float(p["epoch"])
+            p["tensorboard"] = True
+            fresh.append((p["step"], scalars))
+        try:
+            writer.write(fresh)
+        except OSError as exc:
+            # TensorBoard is a convenience: never let it stop the reports to the API.
+            log.warning("ddpq: cannot write TensorBoard events (%s); no more are written", exc)
+            self._tensorboard = None
 
     def _post(self, what: str, body: dict[str, Any]) -> None:
         try:
@@ -211,32 +242,37 @@ def _get_sender() -> _Sender | None:
         return None
     with _sender_lock:
         if _sender is None:
-            _sender = _Sender(url, os.environ["DDPQ_JOB_ID"], os.environ["DDPQ_JOB_TOKEN"])
+            job_id = os.environ["DDPQ_JOB_ID"]
+            tb_dir = os.environ.get("DDPQ_TENSORBOARD_DIR")
+            writer = EventWriter(Path(tb_dir) / f"job-{job_id}") if tb_dir else None
+            _sender = _Sender(url, job_id, os.environ["DDPQ_JOB_TOKEN"], writer)
             atexit.register(flush, EXIT_FLUSH_TIMEOUT_S)
         return _sender
 
 
 def _detach(value: Any) -> Any:
-    detach = getattr(value, "detach", None)
-    return detach() if detach is not None else value
+    # Only a tensor that needs a gradient holds on to its graph: others stay as they are
+    # (detach() makes a new tensor, a cost on every step).
+    return value.detach() if getattr(value, "requires_grad", False) else value
 
 
 def report(step: int, *, epoch: float | None = None, **values: Any) -> None:
     """Record metric values at ``step`` (rank 0 only; returns at once)."""
-    if not is_master():
-        return
     if isinstance(step, bool) or not isinstance(step, int):
         raise TypeError(f"step must be an int, not {type(step).__name__}")
     if not values:
         raise ValueError("report() needs at least one metric, e.g. report(step, loss=...)")
-    sender = _get_sender()
+    # Every step comes here: once the sender exists (rank 0 under ddpq), nothing is
+    # looked up again.
+    sender = _sender or _get_sender()
     if sender is None:
-        log.info(
-            "step %d%s: %s",
-            step,
-            "" if epoch is None else f" epoch {epoch}",
-            ", ".join(f"{k}={_to_float(v):.6g}" for k, v in values.items()),
-        )
+        if is_master():
+            log.info(
+                "step %d%s: %s",
+                step,
+                "" if epoch is None else f" epoch {epoch}",
+                ", ".join(f"{k}={_to_float(v):.6g}" for k, v in values.items()),
+            )
         return
     sender.add_point(
         {"step": step, "epoch": epoch, "values": {k: _detach(v) for k, v in values.items()}}
@@ -296,8 +332,14 @@ def latest_checkpoint() -> Path | None:
     checkpoint directory, where an earlier run of this attempt saved before
     torchrun restarted it (``max_restarts``). The higher step wins.
     """
-    candidates = [p for p in checkpoint_dir().glob("step-*.pt") if p.is_file()]
-    resume = os.environ.get("DDPQ_RESUME_FROM")
+    # A link planted in the directory must not lead the load elsewhere.
+    own = checkpoint_dir().resolve()
+    candidates = [
+        p
+        for p in checkpoint_dir().glob("step-*.pt")
+        if p.is_file() and p.resolve().is_relative_to(own)
+    ]
+    resume = os.environ.get("DDPQ_RESUME_FROM")  # checked by the worker before it is set
     if resume and os.path.isfile(resume):
         candidates.append(Path(resume))
     if not candidates:
@@ -308,7 +350,8 @@ def latest_checkpoint() -> Path | None:
 def load_checkpoint(map_location: Any = "cpu") -> Any | None:
     """Load :func:`latest_checkpoint`, or return None when there is none.
 
-    Loaded with ``weights_only=True``: a checkpoint file never runs code.
+    Loaded with ``weights_only=True`` and no fallback: a checkpoint file never runs
+    code (a pickle that would is refused with an UnpicklingError).
     """
     path = latest_checkpoint()
     if path is None:

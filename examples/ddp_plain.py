@@ -61,7 +61,9 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        train.report(step, loss=loss.detach())
+        # total_steps, once: `ddpq watch` shows a progress bar from it.
+        extra = {"total_steps": args.steps} if step == start + 1 else {}
+        train.report(step, loss=loss.detach(), **extra)
         if args.save_every and step % args.save_every == 0:
             state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}
             train.save_checkpoint(state, step=step)

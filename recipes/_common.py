@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -214,6 +215,8 @@ class Trainer:
         self.grad_clip = grad_clip
         self.lr_at = lr_at
         self.extra_state: dict[str, Any] = {}
+        # Sent once, with the first report: `ddpq watch` draws a progress bar from it.
+        self._total_steps: int | None = None
         self.epoch = 0
         self.step = 0
         self.snapshot = train.load_checkpoint(map_location=env.device)
@@ -241,6 +244,8 @@ class Trainer:
 
     def train(self, total_epochs: int, *, val_set: Dataset[Any] | None = None) -> None:
         """Train up to ``total_epochs``; with ``val_set``, report its loss after every epoch."""
+        steps_per_epoch = math.ceil(len(self.loader) / self.grad_accum)  # optimizer steps
+        self._total_steps = total_epochs * steps_per_epoch
         for epoch in range(self.epoch, total_epochs):
             self._run_epoch(epoch)
             if val_set is not None:
@@ -322,7 +327,9 @@ class Trainer:
 
     def report(self, epoch: int, values: dict[str, float]) -> None:
         """Report at the current step (rank 0) and print the line (rank 0)."""
-        train.report(self.step, epoch=epoch, **values)
+        extra = {} if self._total_steps is None else {"total_steps": self._total_steps}
+        self._total_steps = None
+        train.report(self.step, epoch=epoch, **values, **extra)
         shown = " | ".join(
             f"{k} {v:.0f}" if abs(v) >= 1000 else f"{k} {v:.4g}" for k, v in values.items()
         )

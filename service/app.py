@@ -12,18 +12,23 @@ from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any
 
 import psycopg
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import InterfaceError, OperationalError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from service import queue
+from service import queue, telemetry
+from service.auth import TokenGate, route_rules
 from service.config import Settings
 from service.db import Database
 from service.errors import DomainError, Invalid
-from service.routes import jobs, meta, reports, workers
+from service.routes import jobs, meta, reports, ui, workers
+from service.telemetry import RequestMetrics, Telemetry
 from service.wakeup import Wakeup
 
 log = logging.getLogger("ddpq.service")
@@ -65,7 +70,7 @@ class BodyLimit:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
-                    raise _TooLarge
+                    raise _TooLarge(self.max_bytes)
             return message
 
         async def tracked_send(message: Message) -> None:
@@ -95,8 +100,12 @@ class BodyLimit:
         await send({"type": "http.response.body", "body": body})
 
 
-class _TooLarge(Exception):
-    pass
+class _TooLarge(HTTPException):
+    """An HTTPException, so FastAPI's body reader passes it on (it turns any other
+    exception while reading a body into a 400) and the app answers 413."""
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(413, f"request body is larger than {max_bytes} bytes")
 
 
 def begin_shutdown(app: FastAPI) -> None:
@@ -110,7 +119,7 @@ def begin_shutdown(app: FastAPI) -> None:
 
 async def _sweep_leases(app: FastAPI) -> None:
     settings: Settings = app.state.settings
-    interval = max(0.5, min(settings.lease_s / 3, 5.0))
+    interval = max(0.5, min(settings.lease_s / 3, settings.gang_timeout_s / 3, 5.0))
     # Heartbeats could not arrive while this process was down or the database was
     # unreachable: a lease expires only after a full lease of the service being up,
     # so a restart or an outage never declares every running job lost.
@@ -119,10 +128,21 @@ async def _sweep_leases(app: FastAPI) -> None:
         await asyncio.sleep(interval)
         if app.state.stopping.is_set():
             return
+        try:
+            # Gangs time out by the clock alone, not by heartbeats: no lease wait here.
+            released = await run_in_threadpool(
+                queue.expire_gangs, app.state.db, settings.gang_timeout_s, settings.retry_backoff_s
+            )
+            if released:
+                log.warning("gangs timed out for jobs %s", released)
+                app.state.wakeup.notify()
+        except Exception:
+            log.exception("gang sweep failed")
         if time.monotonic() - up_since < settings.lease_s:
             continue
         try:
             changed = await run_in_threadpool(queue.expire_leases, app.state.db, settings.lease_s)
+            changed += await run_in_threadpool(queue.expire_nodes, app.state.db, settings.lease_s)
             if changed:
                 log.warning("leases expired for jobs %s", changed)
                 app.state.wakeup.notify()
@@ -174,6 +194,10 @@ def create_app(
         version="0.1.0",
         description="A queue for PyTorch distributed training jobs.",
         lifespan=lifespan,
+        # No Swagger UI or ReDoc: both load their scripts from a CDN, on the origin where
+        # the dashboard keeps the user token. The OpenAPI document stays at /openapi.json.
+        docs_url=None,
+        redoc_url=None,
     )
     app.state.settings = settings
     app.state.api_token = api_token
@@ -183,6 +207,7 @@ def create_app(
         settings.policy(),
     )
     app.state.wakeup = Wakeup()
+    app.state.telemetry = Telemetry(app.state.db)
     app.state.stopping = threading.Event()
 
     @app.exception_handler(DomainError)
@@ -218,12 +243,112 @@ def create_app(
                     e.pop("input", None)
             except (TypeError, ValueError):
                 e.pop("input", None)
-            errors.append(e)
+            errors.append(_utf8_safe(e))
         return JSONResponse({"detail": errors}, status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        # FastAPI answers 400 "error parsing the body" for any failure to read a body,
+        # invalid UTF-8 included: that is a malformed document like bad JSON, so 422.
+        if exc.status_code == 400 and isinstance(exc.__cause__, UnicodeDecodeError | ValueError):
+            return JSONResponse(
+                {
+                    "detail": [
+                        {
+                            "loc": ["body"],
+                            "msg": f"the body is not valid UTF-8 JSON: {exc.__cause__}"[:300],
+                            "type": "json_invalid",
+                        }
+                    ]
+                },
+                status_code=422,
+            )
+        return await http_exception_handler(request, exc)
 
     app.include_router(meta.router)
     app.include_router(jobs.router)
     app.include_router(reports.router)
     app.include_router(workers.router)
+    app.include_router(telemetry.router)
+    app.include_router(ui.router)  # the dashboard's open static shell; its data needs the token
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    # No token, no further (not even the body limit or the router's 422).
+    app.add_middleware(TokenGate, fastapi_app=app)
+    # Outermost: it times whole requests, those the gate refuses included (their route
+    # is not matched yet: they count as "unmatched").
+    app.add_middleware(RequestMetrics, telemetry=app.state.telemetry)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
+
+
+def _utf8_safe(value: Any) -> Any:
+    """The value with lone surrogates replaced: an error that quotes a client's
+    invalid string must still be encodable as the UTF-8 of its answer."""
+    if isinstance(value, str):
+        return value.encode("utf-8", "replace").decode("utf-8")
+    if isinstance(value, dict):
+        return {_utf8_safe(k): _utf8_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_utf8_safe(v) for v in value]
+    return value
+
+
+ERROR_SCHEMA = {
+    "title": "Error",
+    "type": "object",
+    "properties": {"detail": {"title": "Detail"}},
+    "required": ["detail"],
+}
+SECURITY_SCHEMES = {
+    "userToken": {
+        "type": "http",
+        "scheme": "bearer",
+        "description": "DDPQ_API_TOKEN: people and their scripts",
+    },
+    "workerToken": {
+        "type": "http",
+        "scheme": "bearer",
+        "description": "DDPQ_WORKER_TOKEN: the /workers routes",
+    },
+    "jobToken": {
+        "type": "http",
+        "scheme": "bearer",
+        "description": "DDPQ_JOB_TOKEN: minted per attempt, this job's report routes only",
+    },
+}
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """The generated document plus what TokenGate and the limits add to every route:
+    the token it takes, and the refusals any request may get."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    doc = get_openapi(
+        title=app.title, version=app.version, description=app.description, routes=app.routes
+    )
+    doc.setdefault("components", {}).setdefault("securitySchemes", {}).update(SECURITY_SCHEMES)
+    doc["components"].setdefault("schemas", {})["Error"] = ERROR_SCHEMA
+    error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+    for rule in route_rules(app):
+        paths = doc["paths"].get(rule.path, {})
+        for method in rule.methods or ():
+            op = paths.get(method.lower())
+            if op is None:
+                continue
+            responses = op.setdefault("responses", {})
+            extra: dict[str, str] = {"503": "the database is unavailable; retry shortly"}
+            if rule.kind != "open":
+                op["security"] = [{f"{rule.kind}Token": []}] if rule.kind != "closed" else []
+                extra["401"] = "no token, or not a token ddpq issued"
+                extra["403"] = "a token of another kind, job or attempt"
+            if "{" in rule.path or rule.kind != "open":
+                extra["404"] = "no such job or worker"
+            if method in ("POST", "PUT", "PATCH"):
+                extra["409"] = "the request conflicts with the job's state"
+                extra["413"] = "the body is larger than the limit (1 MiB by default)"
+            if rule.has_params or method in ("POST", "PUT", "PATCH"):
+                extra["422"] = "a field or parameter is invalid (named in detail)"
+            for code, description in extra.items():
+                responses.setdefault(code, {"description": description, **error})
+    app.openapi_schema = doc
+    return doc

@@ -1,26 +1,53 @@
-"""The three kinds of bearer token, and the dependencies that demand them.
+"""The three kinds of bearer token, and the gate that demands them.
 
 user:   DDPQ_API_TOKEN, for people and their scripts (every /jobs and /recipes route)
 worker: DDPQ_WORKER_TOKEN, only the /workers routes
 job:    minted per attempt at claim time and handed to the ranks; valid only for
         that job's report routes while that attempt is live. Only its sha256 is
         stored, so the database never holds a usable job token.
+
+A route says which token it takes by depending on ``UserAuth``, ``WorkerAuth`` or
+``JobAttempt``. ``TokenGate``, an ASGI middleware, reads that off the matched route
+and checks the token *before* FastAPI reads the body or validates a parameter: a
+request without the right token learns nothing (401/403, never 422) and changes
+nothing. Closed by default: a route that declares no token kind and is not in
+``OPEN_PATHS`` answers 401 to everyone, so a route added without thinking about
+auth fails safe.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import json
+import logging
+import re
 import secrets
-from collections.abc import Awaitable, Callable
-from typing import Annotated
+from collections.abc import Awaitable, Callable, Iterator, MutableMapping
+from dataclasses import dataclass
+from typing import Annotated, Any
 
-from fastapi import Depends, HTTPException, Request
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.dependencies.models import Dependant
 from sqlalchemy import select
+from sqlalchemy.exc import InterfaceError, OperationalError
 
-from service.models import Attempt, Job
+from service.models import Attempt, Job, JobNode
+
+log = logging.getLogger("ddpq.service")
 
 JOB_TOKEN_PREFIX = "ddpqj_"  # noqa: S105 - a prefix, not a secret
+# Open to anyone: liveness, and the dashboard's static shell and the API's own
+# description (no data in either; the page fetches its data with a token).
+OPEN_PATHS = frozenset({"/healthz", "/", "/openapi.json"})
+OPEN_PREFIXES = ("/static/",)
+KIND_ATTR = "ddpq_token_kind"
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
 
 
 def hash_token(token: str) -> str:
@@ -33,45 +60,252 @@ def mint_job_token() -> tuple[str, str]:
     return token, hash_token(token)
 
 
-def _bearer(request: Request) -> str:
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        raise HTTPException(
-            401,
-            "missing bearer token: send 'Authorization: Bearer <token>'",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
-    return token.strip()
+class Refusal(Exception):
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.detail = detail
+
+
+def _bearer(headers: dict[bytes, bytes]) -> str:
+    raw = headers.get(b"authorization", b"").decode("latin-1")
+    scheme, _, token = raw.partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        raise Refusal(401, "missing bearer token: send 'Authorization: Bearer <token>'")
+    return token
 
 
 def _same(a: str, b: str) -> bool:
-    return hmac.compare_digest(a.encode(), b.encode())
+    # Constant time: how long a comparison takes says nothing about how much matched.
+    return hmac.compare_digest(a.encode("utf-8", "surrogateescape"), b.encode())
 
 
-def _kind(request: Request, token: str) -> str:
-    state = request.app.state
-    if _same(token, state.api_token):
+def _static_kind(token: str, api_token: str, worker_token: str) -> str:
+    user = _same(token, api_token)
+    worker = _same(token, worker_token)  # both compared, always
+    if user:
         return "user"
-    if _same(token, state.worker_token):
+    if worker:
         return "worker"
     if token.startswith(JOB_TOKEN_PREFIX):
         return "job"
     return "unknown"
 
 
+def _check_static(token: str, wanted: str, api_token: str, worker_token: str) -> None:
+    kind = _static_kind(token, api_token, worker_token)
+    if kind == wanted:
+        return
+    if kind == "unknown":
+        raise Refusal(401, "invalid token")
+    if kind == "job":
+        # A job token is only looked up on report routes; elsewhere its shape suffices.
+        raise Refusal(403, f"a job token cannot use this route; it takes the {wanted} token")
+    raise Refusal(403, f"a {kind} token cannot use this route; it takes the {wanted} token")
+
+
+_JOB_ID = re.compile(r"^[1-9][0-9]{0,18}$")
+
+
+def _check_job(db: Any, token: str, raw_job_id: str | None) -> Attempt:
+    """The live attempt of the path's job that ``token`` was minted for."""
+    with db.read() as s:
+        digest = hash_token(token)
+        attempt = s.scalar(select(Attempt).where(Attempt.token_hash == digest))
+        if attempt is None:
+            # Each node of a multi-node attempt has its own token (minted when it
+            # claimed its slot); they all report for the one attempt.
+            attempt = s.scalar(
+                select(Attempt)
+                .join(
+                    JobNode,
+                    (JobNode.job_id == Attempt.job_id) & (JobNode.attempt == Attempt.number),
+                )
+                .where(JobNode.token_hash == digest)
+            )
+        if attempt is None:
+            raise Refusal(401, "invalid token")
+        job_id = int(raw_job_id) if raw_job_id and _JOB_ID.match(raw_job_id) else None
+        if attempt.job_id != job_id:
+            raise Refusal(403, "this job token belongs to another job")
+        current = s.scalar(select(Job.attempt).where(Job.id == job_id))
+        s.expunge(attempt)
+    if current is not None and current != attempt.number:
+        # Fencing: a newer attempt owns the job; the old one's ranks must stop.
+        raise Refusal(
+            403,
+            f"attempt {attempt.number} was superseded by attempt {current}; "
+            "its token is no longer valid",
+        )
+    if attempt.ended_at is not None:
+        raise Refusal(403, f"attempt {attempt.number} has ended; its token is no longer valid")
+    return attempt
+
+
+# ---- what each route takes --------------------------------------------------------------
+
+
+def _calls(dependant: Dependant) -> Iterator[Any]:
+    for sub in dependant.dependencies:
+        yield sub.call
+        yield from _calls(sub)
+
+
+@dataclass(frozen=True)
+class RouteRule:
+    """One route as the gate sees it: where it is and which token it takes."""
+
+    path: str  # the path format, e.g. /jobs/{job_id}
+    regex: re.Pattern[str]
+    methods: frozenset[str] | None  # None: any (a mount)
+    kind: str  # user, worker, job, open, or closed (declares nothing and is not open)
+    has_params: bool
+
+
+def _kind(path: str, dependant: Dependant | None) -> str:
+    if dependant is not None:
+        for call in _calls(dependant):
+            kind = getattr(call, KIND_ATTR, None)
+            if kind:
+                return str(kind)
+    if path in OPEN_PATHS or any(path.startswith(p) for p in OPEN_PREFIXES):
+        return "open"
+    return "closed"
+
+
+def route_rules(app: FastAPI) -> list[RouteRule]:
+    """Every route of the app, in routing order, with the routers' own dependencies
+    (FastAPI >= 0.16x keeps included routers nested; iter_route_contexts flattens them)."""
+    try:
+        from fastapi.routing import iter_route_contexts
+
+        contexts: list[Any] = list(iter_route_contexts(app.router.routes))
+    except ImportError:  # older FastAPI flattens included routers itself
+        contexts = list(app.router.routes)
+    rules = []
+    for ctx in contexts:
+        regex = getattr(ctx, "path_regex", None)
+        if regex is None:
+            continue
+        path = getattr(ctx, "path_format", None) or getattr(ctx, "path", "") or ""
+        dependant = getattr(ctx, "dependant", None)
+        methods = getattr(ctx, "methods", None)
+        has_params = bool(dependant and (dependant.path_params or dependant.query_params))
+        rules.append(
+            RouteRule(
+                path=path,
+                regex=regex,
+                methods=frozenset(methods) if methods else None,
+                kind=_kind(path, dependant if isinstance(dependant, Dependant) else None),
+                has_params=has_params,
+            )
+        )
+    return rules
+
+
+class TokenGate:
+    """Refuses a request without the token its route takes, before anything reads it."""
+
+    def __init__(
+        self, app: Callable[[Scope, Receive, Send], Awaitable[None]], fastapi_app: FastAPI
+    ) -> None:
+        self.app = app
+        self.fastapi_app = fastapi_app
+        self._rules: list[RouteRule] | None = None
+
+    def _match(self, scope: Scope) -> tuple[RouteRule | None, dict[str, str], set[str]]:
+        """The route the request is for, its path parameters, and, when its path is
+        known but not its method, every method that path takes."""
+        if self._rules is None:  # built at the first request, when every route is in
+            self._rules = route_rules(self.fastapi_app)
+        path = scope.get("path", "")
+        partial: tuple[RouteRule | None, dict[str, str]] = (None, {})
+        allowed: set[str] = set()
+        for rule in self._rules:
+            m = rule.regex.match(path)
+            if m is None:
+                continue
+            if rule.methods is None or scope.get("method") in rule.methods:
+                return rule, m.groupdict(), set()
+            allowed |= rule.methods
+            if partial[0] is None:
+                partial = (rule, m.groupdict())
+        return partial[0], partial[1], allowed
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rule, params, allowed = self._match(scope)
+        kind = "open" if rule is None else rule.kind  # no route at all: the router's 404
+        if kind != "open":
+            try:
+                await self._check(scope, kind, params)
+            except Refusal as refusal:
+                await _refuse(send, refusal)
+                return
+            except (OperationalError, InterfaceError) as exc:
+                log.warning("database error during a token check: %s", exc)
+                await _refuse(send, Refusal(503, "the database is unavailable; retry shortly"))
+                return
+        if allowed:
+            # A known path with another method, answered after the token check. Here
+            # and not by the router: routes of one path live in several routers (GET
+            # and POST /jobs/{id}/metrics), and Allow must list all of their methods.
+            await _refuse(send, Refusal(405, "method not allowed"), allow=sorted(allowed))
+            return
+        await self.app(scope, receive, send)
+
+    async def _check(self, scope: Scope, kind: str, params: dict[str, str]) -> None:
+        if kind == "closed":
+            raise Refusal(401, "this route takes no token ddpq knows of")
+        token = _bearer(dict(scope.get("headers", [])))
+        state = self.fastapi_app.state
+        if kind in ("user", "worker"):
+            _check_static(token, kind, state.api_token, state.worker_token)
+            return
+        # kind == "job"
+        static = _static_kind(token, state.api_token, state.worker_token)
+        if static in ("user", "worker"):
+            raise Refusal(
+                403, f"a {static} token cannot report for a job; ranks use DDPQ_JOB_TOKEN"
+            )
+        if static == "unknown":
+            raise Refusal(401, "invalid token")
+        attempt = await run_in_threadpool(_check_job, state.db, token, params.get("job_id"))
+        scope.setdefault("state", {})["job_attempt"] = attempt
+
+
+async def _refuse(send: Send, refusal: Refusal, allow: list[str] | None = None) -> None:
+    body = json.dumps({"detail": refusal.detail}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if allow:
+        headers.append((b"allow", ", ".join(allow).encode()))
+    if refusal.status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    if refusal.status == 503:
+        headers.append((b"retry-after", b"2"))
+    await send({"type": "http.response.start", "status": refusal.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+# ---- the dependencies routes declare ------------------------------------------------------
+# They mark the route for TokenGate and check again (cheaply) in case the gate is missing:
+# an app built without it stays closed.
+
+
 def _require(wanted: str) -> Callable[[Request], Awaitable[None]]:
     # async: it does no I/O, and a plain def would cost a thread-pool hop per request.
     async def dependency(request: Request) -> None:
-        kind = _kind(request, _bearer(request))
-        if kind == wanted:
-            return
-        if kind != "unknown":
-            raise HTTPException(
-                403, f"a {kind} token cannot use this route; it takes the {wanted} token"
-            )
-        raise HTTPException(401, "invalid token", headers={"WWW-Authenticate": "Bearer"})
+        state = request.app.state
+        try:
+            token = _bearer(dict(request.scope.get("headers", [])))
+            _check_static(token, wanted, state.api_token, state.worker_token)
+        except Refusal as refusal:
+            raise HTTPException(refusal.status, refusal.detail) from None
 
+    setattr(dependency, KIND_ATTR, wanted)
     return dependency
 
 
@@ -79,31 +313,15 @@ require_user = _require("user")
 require_worker = _require("worker")
 
 
-def require_job_attempt(job_id: int, request: Request) -> Attempt:
-    """The live attempt of ``job_id`` that the request's job token was minted for."""
-    token = _bearer(request)
-    kind = _kind(request, token)
-    if kind in ("user", "worker"):
-        raise HTTPException(
-            403, f"a {kind} token cannot report for a job; ranks use DDPQ_JOB_TOKEN"
-        )
-    db = request.app.state.db
-    with db.read() as s:
-        attempt = s.scalar(select(Attempt).where(Attempt.token_hash == hash_token(token)))
-        if attempt is None:
-            raise HTTPException(401, "invalid token", headers={"WWW-Authenticate": "Bearer"})
-        if attempt.job_id != job_id:
-            raise HTTPException(403, "this job token belongs to another job")
-        current = s.scalar(select(Job.attempt).where(Job.id == job_id))
-    if current is not None and current != attempt.number:
-        # Fencing: a newer attempt owns the job; the old one's ranks must stop.
-        raise HTTPException(409, f"attempt {attempt.number} was superseded by attempt {current}")
-    if attempt.ended_at is not None:
-        raise HTTPException(
-            403, f"attempt {attempt.number} has ended; its token is no longer valid"
-        )
+async def require_job_attempt(request: Request) -> Attempt:
+    """The live attempt the request's job token was minted for (checked by TokenGate)."""
+    attempt = getattr(request.state, "job_attempt", None)
+    if not isinstance(attempt, Attempt):
+        raise HTTPException(401, "invalid token")
     return attempt
 
+
+setattr(require_job_attempt, KIND_ATTR, "job")
 
 UserAuth = Depends(require_user)
 WorkerAuth = Depends(require_worker)

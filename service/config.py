@@ -25,6 +25,10 @@ MIN_TOKEN_CHARS = 16
 WELL_KNOWN_TOKENS = frozenset(
     {"changeme", "change-me", "secret", "password", "token", "admin", "ddpq", "test", "default"}
 )
+# Words of placeholder values (.env.example's "replace-me-with-a-random-token"):
+# a token containing one was copied from an example, not generated.
+PLACEHOLDER_WORDS = ("replace-me", "replace_me", "changeme", "change-me", "example", "your-")
+MIN_DISTINCT_CHARS = 8  # "aaaaaaaaaaaaaaaa" is long enough and still guessable
 
 
 class Settings(BaseSettings):
@@ -53,6 +57,15 @@ class Settings(BaseSettings):
     # failure of the job, up to the cap (a crash loop must not hog the queue).
     retry_backoff_s: float = Field(default=10.0, ge=0)
     retry_backoff_max_s: float = Field(default=600.0, ge=0)
+    # A multi-node job's node slots are held as they are claimed; if they are not all
+    # held within this long, the held ones are released (their workers may run other
+    # jobs) and the job waits for retry_backoff_s before it gathers again.
+    gang_timeout_s: float = Field(default=120.0, gt=0)
+    # Stored output per job: past it the middle is dropped, keeping the first quarter
+    # (how it started) and the newest three quarters (how it is going or how it ended).
+    log_max_bytes: int = Field(default=32 * 1024 * 1024, ge=4096)
+    # How often a GET /jobs/{id}/events stream looks for a status change or new points.
+    events_poll_s: float = Field(default=0.5, gt=0, le=60)
 
     def policy(self) -> Policy:
         return Policy(
@@ -60,6 +73,8 @@ class Settings(BaseSettings):
             starvation_s=self.starvation_s,
             retry_backoff_s=self.retry_backoff_s,
             retry_backoff_max_s=self.retry_backoff_max_s,
+            gang_timeout_s=self.gang_timeout_s,
+            log_max_bytes=self.log_max_bytes,
         )
 
     @cached_property
@@ -85,8 +100,11 @@ class TokenError(RuntimeError):
 def _weak(token: str) -> str | None:
     if len(token) < MIN_TOKEN_CHARS:
         return f"shorter than {MIN_TOKEN_CHARS} characters"
-    if token.lower() in WELL_KNOWN_TOKENS:
-        return "a well-known default"
+    lower = token.lower()
+    if lower in WELL_KNOWN_TOKENS or any(w in lower for w in PLACEHOLDER_WORDS):
+        return "a well-known default or an example's placeholder"
+    if len(set(token)) < MIN_DISTINCT_CHARS:
+        return f"made of fewer than {MIN_DISTINCT_CHARS} distinct characters"
     return None
 
 

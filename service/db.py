@@ -32,7 +32,12 @@ def make_engine(url: str) -> Engine:
         if path and path != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
         engine = create_engine(
-            url, connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000}
+            url,
+            connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000},
+            # More connections than FastAPI's 40 worker threads: GET /jobs/{id} reads on
+            # the event loop, which must never wait for a connection the threads hold.
+            pool_size=48,
+            max_overflow=16,
         )
 
         @event.listens_for(engine, "connect")
@@ -65,6 +70,10 @@ class Policy:
     # A retried attempt waits base * 2^(failures - 1) seconds, at most the cap.
     retry_backoff_s: float = 10.0
     retry_backoff_max_s: float = 600.0
+    # How long a multi-node job's held node slots wait for the rest of the gang.
+    gang_timeout_s: float = 120.0
+    # A job's stored log is capped at about this many bytes (service.logs).
+    log_max_bytes: int = 32 * 1024 * 1024
 
 
 class Database:

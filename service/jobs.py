@@ -7,18 +7,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import operator
 import posixpath
 import signal
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import and_, func, or_, select
-from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy import Table, and_, bindparam, func, or_, select, update
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.engine import Dialect
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from service import queue
+from service import logs, queue
 from service.db import Database
 from service.errors import Conflict, Invalid, NotFound
 from service.models import (
@@ -26,8 +27,8 @@ from service.models import (
     Attempt,
     Checkpoint,
     Job,
+    JobNode,
     JobStatus,
-    LogChunk,
     MetricPoint,
     utcnow,
 )
@@ -38,13 +39,26 @@ from service.schemas import (
     JobPublic,
     JobSpec,
     LatestMetrics,
-    MetricItemPublic,
     MetricsIn,
     metric_in,
     metric_out,
 )
 
-MAX_LOG_RESPONSE_BYTES = 8 * 1024 * 1024
+# Statements of the hot paths (GET /jobs/{id}, every report), built once: building a
+# statement and its cache key cost more than running it on SQLite (Session.get too
+# builds its own on every call).
+# Reads that change nothing take Core rows (which have the same attributes as the
+# objects): the ORM's per-object bookkeeping cost more than the queries themselves.
+_JOB_BY_ID = select(Job).where(Job.id == bindparam("job_id"))
+_JOBS = cast(Table, Job.__table__)
+_CHECKPOINTS = cast(Table, Checkpoint.__table__)
+_JOB_ROW = select(_JOBS).where(_JOBS.c.id == bindparam("job_id"))
+_NEWEST_CHECKPOINT = (
+    select(_CHECKPOINTS)
+    .where(_CHECKPOINTS.c.job_id == bindparam("job_id"))
+    .order_by(_CHECKPOINTS.c.id.desc())
+    .limit(1)
+)
 
 
 # ---- reading -----------------------------------------------------------------------
@@ -99,15 +113,19 @@ def _with_history(pending: str | None, stored: str | None) -> str | None:
 def _publics(s: Session, jobs: list[Job]) -> list[JobPublic]:
     if not jobs:
         return []
-    ids = [j.id for j in jobs]
-    newest = (
-        select(func.max(Checkpoint.id))
-        .where(Checkpoint.job_id.in_(ids))
-        .group_by(Checkpoint.job_id)
-    )
-    checkpoints = {
-        c.job_id: c for c in s.scalars(select(Checkpoint).where(Checkpoint.id.in_(newest)))
-    }
+    checkpoints: dict[int, Any]
+    if len(jobs) == 1:  # GET /jobs/{id} and every state change: the prebuilt statement
+        c = s.connection().execute(_NEWEST_CHECKPOINT, {"job_id": jobs[0].id}).first()
+        checkpoints = {c.job_id: c} if c else {}
+    else:
+        newest = (
+            select(func.max(Checkpoint.id))
+            .where(Checkpoint.job_id.in_([j.id for j in jobs]))
+            .group_by(Checkpoint.job_id)
+        )
+        checkpoints = {
+            c.job_id: c for c in s.scalars(select(Checkpoint).where(Checkpoint.id.in_(newest)))
+        }
     positions = _queue_positions(s, jobs)
     pending = queue.pending_reasons(s, [j for j in jobs if j.status == JobStatus.QUEUED], positions)
     out = []
@@ -136,7 +154,7 @@ def _publics(s: Session, jobs: list[Job]) -> list[JobPublic]:
 
 
 def _get(s: Session, job_id: int) -> Job:
-    job = s.get(Job, job_id)
+    job = s.scalars(_JOB_BY_ID, {"job_id": job_id}).first()
     if job is None:
         raise NotFound(f"no job {job_id}")
     return job
@@ -144,7 +162,10 @@ def _get(s: Session, job_id: int) -> Job:
 
 def get_job(db: Database, job_id: int) -> JobPublic:
     with db.read() as s:
-        return _publics(s, [_get(s, job_id)])[0]
+        row = s.connection().execute(_JOB_ROW, {"job_id": job_id}).first()
+        if row is None:
+            raise NotFound(f"no job {job_id}")
+        return _publics(s, [cast(Job, row)])[0]
 
 
 def list_jobs(
@@ -247,36 +268,11 @@ def cancel_job(db: Database, job_id: int) -> JobPublic:
 # ---- the worker's side ----------------------------------------------------------------
 
 
-def _live_attempt(s: Session, job_id: int, number: int, worker: str) -> tuple[Job, Attempt]:
-    job = _get(s, job_id)
-    attempt = s.scalar(select(Attempt).where(Attempt.job_id == job_id, Attempt.number == number))
-    if attempt is None or attempt.worker != worker:
-        raise Conflict(f"job {job_id} has no attempt {number} on worker {worker}")
-    if job.attempt != number:
-        raise Conflict(f"attempt {number} was superseded by attempt {job.attempt}")
-    return job, attempt
-
-
 def append_log(
     db: Database, job_id: int, number: int, worker: str, offset: int, data: bytes
 ) -> int:
-    """Append a chunk of an attempt's output.
-
-    ``offset`` is where the chunk starts in this attempt's own output, so a chunk
-    resent after a lost answer is recognised and stored once.
-    """
-    with db.write() as s:
-        _, attempt = _live_attempt(s, job_id, number, worker)
-        have = attempt.log_bytes
-        if offset > have:
-            raise Conflict(
-                f"log gap: this attempt has {have} bytes stored, chunk starts at {offset}"
-            )
-        fresh = data[have - offset :]
-        if fresh:
-            queue._append_log(s, job_id, number, fresh)
-            attempt.log_bytes = have + len(fresh)
-        return attempt.log_bytes
+    """Append a chunk of an attempt's output (service.logs: offsets, the cap)."""
+    return logs.append(db, job_id, number, worker, offset, data)
 
 
 def _exit_words(code: int | None) -> str:
@@ -306,25 +302,44 @@ def finish_attempt(db: Database, job_id: int, worker: str, req: FinishRequest) -
     now = utcnow()
     policy = db.policy
     with db.write() as s:
-        job = _get(s, job_id)
+        # The job row locked first (Postgres; SQLite writes are serial anyway): the nodes
+        # of a multi-node attempt finish together, and two finishes that each saw the
+        # other node still running would leave the attempt open until its lease ran out.
+        job = s.scalars(select(Job).where(Job.id == job_id).with_for_update()).first()
+        if job is None:
+            raise NotFound(f"no job {job_id}")
         attempt = s.scalar(
             select(Attempt).where(Attempt.job_id == job_id, Attempt.number == req.attempt)
         )
-        if attempt is None or attempt.worker != worker:
+        node = queue.node_of(s, job_id, req.attempt, worker) if job.nnodes > 1 else None
+        if attempt is None or (attempt.worker != worker and node is None):
             raise Conflict(f"job {job_id} has no attempt {req.attempt} on worker {worker}")
         if job.attempt != req.attempt:
             raise Conflict(f"attempt {req.attempt} was superseded by attempt {job.attempt}")
         if attempt.outcome == "lost":
             raise Conflict(f"attempt {req.attempt} was declared lost: {job.reason}")
+        if node is not None and node.ended_at is None:
+            node.ended_at = now
+            node.exit_code = req.exit_code
+            node.outcome = req.outcome
         if attempt.ended_at is not None:
-            return _publics(s, [job])[0]  # a retried finish: already recorded
+            # A retried finish, or a node that stopped after its attempt ended.
+            return _publics(s, [job])[0]
+        if node is not None and _other_nodes_run_on(s, job, req, node):
+            # A node that ended well (or stopped on cancel): the attempt goes on
+            # until every node has.
+            s.flush()
+            return _publics(s, [job])[0]
+        where = f" on node {node.node_rank} (worker {worker})" if node is not None else ""
         attempt.ended_at = now
         attempt.exit_code = req.exit_code
         job.exit_code = req.exit_code
         code = req.exit_code
         retryable = req.outcome == "exited" and code is not None and code != 0
         if retryable and code is not None and code < 128:
-            retryable = bool(job.spec.get("retry_on_error"))
+            # A multi-node attempt is retried whatever a node's exit code: when one
+            # node is lost, the ranks of the others fail with their own error.
+            retryable = bool(job.spec.get("retry_on_error")) or job.nnodes > 1
         if req.outcome == "requeue" and job.status == JobStatus.RUNNING:
             _requeue(job, now, f"worker {worker} shut down; requeued, not counted as a failure")
             attempt.outcome = "requeued"
@@ -344,6 +359,7 @@ def finish_attempt(db: Database, job_id: int, worker: str, req: FinishRequest) -
             attempt.outcome = "failed"
             # The worker sends the program's last error line; the words for the exit are ours.
             what = _exit_words(code) if req.outcome == "exited" else "failed to start"
+            what += where
             if req.reason:
                 what += f": {req.reason}"
             if code is not None and 0 < code < 128 and not retryable:
@@ -366,9 +382,24 @@ def finish_attempt(db: Database, job_id: int, worker: str, req: FinishRequest) -
                 job.reason = f"{what}{spent}"
         if job.status in TERMINAL:
             job.finished_at = now
+        attempt.reason = job.reason  # kept per attempt: the job's reason moves on
         s.flush()
         queue.notify_claimers(s)  # its slots are free, or it is queued again
         return _publics(s, [job])[0]
+
+
+def _other_nodes_run_on(s: Session, job: Job, req: FinishRequest, node: JobNode) -> bool:
+    """Whether a multi-node attempt waits for its other nodes after ``node`` ended: it
+    does when this node succeeded or stopped on a cancel and another has not ended.
+    A failure (or a shutdown handback) ends the attempt for every node at once."""
+    cancelling = job.status == JobStatus.CANCELLING or req.outcome == "cancelled"
+    succeeded = req.outcome == "exited" and req.exit_code == 0
+    if not (cancelling or succeeded):
+        return False
+    # The others ended too (a node's failure would have ended the attempt at once,
+    # so they ended well): this node's finish ends the attempt.
+    others = [n for n in queue.nodes_of(s, job.id, req.attempt) if n.id != node.id]
+    return any(n.ended_at is None for n in others)
 
 
 def _requeue(job: Job, now: datetime, reason: str) -> None:
@@ -387,26 +418,105 @@ def _still_current(job: Job, attempt: Attempt) -> None:
         raise Conflict(f"job {job.id} is {job.status}; attempt {attempt.number} has ended")
 
 
-def _upsert(db: Database) -> Any:
-    return pg_insert if db.dialect == "postgresql" else sqlite_insert
+_POINTS = cast(Table, MetricPoint.__table__)
+_POINT_COLUMNS = ("job_id", "name", "step", "value", "epoch", "attempt", "time", "seq")
+_points_upsert: dict[str, tuple[str, tuple[str, ...]]] = {}
+
+
+def _points_upsert_sql(dialect: Dialect) -> tuple[str, tuple[str, ...]]:
+    """The upsert of metric points as SQLite's driver takes it, compiled once, and the
+    order of its positional parameters.
+
+    A batch of 1000 items is thousands of rows: through SQLAlchemy's per-row
+    parameter processing they cost several times SQLite's own work, so they go to
+    the driver's executemany as plain values (see _upsert_points)."""
+    cached = _points_upsert.get(dialect.name)
+    if cached is None:
+        insert = sqlite_insert(_POINTS)
+        stmt = insert.on_conflict_do_update(
+            index_elements=["job_id", "name", "step"],
+            set_={
+                "value": insert.excluded.value,
+                "epoch": insert.excluded.epoch,
+                "attempt": insert.excluded.attempt,
+                "time": insert.excluded.time,
+                "seq": insert.excluded.seq,
+            },
+            where=_POINTS.c.attempt <= insert.excluded.attempt,
+        )
+        compiled = stmt.compile(dialect=dialect, column_keys=list(_POINT_COLUMNS))
+        order = tuple(compiled.positiontup or ())
+        if set(order) != set(_POINT_COLUMNS):
+            raise RuntimeError(f"unexpected parameters in the points upsert: {compiled.binds}")
+        cached = _points_upsert.setdefault(dialect.name, (compiled.string, order))
+    return cached
+
+
+# Postgres: one statement over arrays (executemany would be a round trip per row).
+_PG_POINTS_UPSERT = """
+INSERT INTO metric_points (job_id, name, step, value, epoch, attempt, time, seq)
+SELECT %(job_id)s, n, s, v, e, %(attempt)s, %(time)s, %(seq)s
+FROM unnest(%(names)s::varchar[], %(steps)s::bigint[], %(values)s::float8[], %(epochs)s::float8[])
+    AS t(n, s, v, e)
+ON CONFLICT (job_id, name, step) DO UPDATE SET
+    value = excluded.value, epoch = excluded.epoch, attempt = excluded.attempt,
+    time = excluded.time, seq = excluded.seq
+WHERE metric_points.attempt <= excluded.attempt
+"""
+
+
+def _upsert_points(
+    s: Session,
+    attempt: Attempt,
+    now: datetime,
+    seq: int,
+    rows: list[tuple[str, int, float, float | None]],
+) -> None:
+    if not rows:
+        return
+    conn = s.connection()
+    dialect = conn.dialect
+    if dialect.name == "postgresql":
+        names, steps, values, epochs = (list(column) for column in zip(*rows, strict=True))
+        conn.exec_driver_sql(
+            _PG_POINTS_UPSERT,
+            {
+                "job_id": attempt.job_id,
+                "attempt": attempt.number,
+                "time": now,
+                "seq": seq,
+                "names": names,
+                "steps": steps,
+                "values": values,
+                "epochs": epochs,
+            },
+        )
+        return
+    sql, order = _points_upsert_sql(dialect)
+    # The one column that needs converting (the timestamp, a string on SQLite) is the
+    # same in every row: converted once. The rest are str, int, float and None.
+    stamp = _POINTS.c.time.type.dialect_impl(dialect).bind_processor(dialect)
+    stamped = stamp(now) if stamp else now
+    job_id, number = attempt.job_id, attempt.number
+    full = [
+        (job_id, name, step, value, epoch, number, stamped, seq)
+        for name, step, value, epoch in rows
+    ]
+    params: list[Any] = full
+    if order != _POINT_COLUMNS:
+        pick = operator.itemgetter(*(_POINT_COLUMNS.index(k) for k in order))
+        params = [pick(row) for row in full]
+    conn.exec_driver_sql(sql, params)
 
 
 def ingest_metrics(db: Database, attempt: Attempt, body: MetricsIn) -> int:
     """Store metric points; a step reported again keeps the newest attempt's value."""
     now = utcnow()
-    rows: dict[tuple[str, int], dict[str, Any]] = {}
+    rows: dict[tuple[str, int], tuple[str, int, float, float | None]] = {}
     for item in body.items:
         epoch = metric_in(item.epoch) if item.epoch is not None else None
         for name, value in item.values.items():
-            rows[(name, item.step)] = {
-                "job_id": attempt.job_id,
-                "name": name,
-                "step": item.step,
-                "value": metric_in(value),
-                "epoch": epoch,
-                "attempt": attempt.number,
-                "time": now,
-            }
+            rows[(name, item.step)] = (name, item.step, metric_in(value), epoch)
     last = max(body.items, key=lambda i: i.step)
     latest_values = {
         name: metric_out(metric_in(v))
@@ -414,21 +524,18 @@ def ingest_metrics(db: Database, attempt: Attempt, body: MetricsIn) -> int:
         if item.step == last.step
         for name, v in item.values.items()
     }
-    insert = _upsert(db)(MetricPoint)
-    stmt = insert.on_conflict_do_update(
-        index_elements=["job_id", "name", "step"],
-        set_={
-            "value": insert.excluded.value,
-            "epoch": insert.excluded.epoch,
-            "attempt": insert.excluded.attempt,
-            "time": insert.excluded.time,
-        },
-        where=MetricPoint.attempt <= insert.excluded.attempt,
-    )
     with db.write() as s:
         job = _get(s, attempt.job_id)
         _still_current(job, attempt)
-        s.execute(stmt, list(rows.values()))
+        # Number the batch in the database (on Postgres this also locks the job row), so
+        # batches commit in seq order: the events stream's cursor never skips one.
+        seq = s.scalar(
+            update(Job)
+            .where(Job.id == job.id)
+            .values(metrics_seq=Job.metrics_seq + 1)
+            .returning(Job.metrics_seq)
+        )
+        _upsert_points(s, attempt, now, int(seq or 0), list(rows.values()))
         latest = job.latest_metrics
         if latest is None or last.step > latest["step"]:
             job.latest_metrics = {
@@ -439,34 +546,6 @@ def ingest_metrics(db: Database, attempt: Attempt, body: MetricsIn) -> int:
         elif last.step == latest["step"]:
             job.latest_metrics = {**latest, "values": {**latest["values"], **latest_values}}
     return len(rows)
-
-
-def metric_history(
-    db: Database, job_id: int, names: list[str], since_step: int | None
-) -> list[MetricItemPublic]:
-    q = select(MetricPoint).where(MetricPoint.job_id == job_id)
-    if names:
-        q = q.where(MetricPoint.name.in_(names))
-    if since_step is not None:
-        q = q.where(MetricPoint.step >= since_step)
-    q = q.order_by(MetricPoint.step, MetricPoint.name)
-    items: list[MetricItemPublic] = []
-    with db.read() as s:
-        _get(s, job_id)
-        for p in s.scalars(q):
-            if not items or items[-1].step != p.step:
-                items.append(
-                    MetricItemPublic(
-                        step=p.step,
-                        epoch=metric_out(p.epoch) if p.epoch is not None else None,
-                        attempt=p.attempt,
-                        time=p.time,
-                        values={},
-                    )
-                )
-            items[-1].values[p.name] = metric_out(p.value)
-            items[-1].attempt = max(items[-1].attempt, p.attempt)
-    return items
 
 
 def register_checkpoint(db: Database, attempt: Attempt, body: CheckpointIn) -> CheckpointPublic:
@@ -498,24 +577,3 @@ def list_checkpoints(db: Database, job_id: int) -> list[CheckpointPublic]:
             select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.id)
         )
         return [_checkpoint_public(c) for c in rows]
-
-
-def read_log(db: Database, job_id: int, offset: int) -> tuple[bytes, int, str]:
-    """The log from ``offset`` (at most MAX_LOG_RESPONSE_BYTES), the next offset, the status."""
-    with db.read() as s:
-        job = _get(s, job_id)
-        first = s.scalar(
-            select(func.max(LogChunk.start)).where(
-                LogChunk.job_id == job_id, LogChunk.start <= offset
-            )
-        )
-        q = select(LogChunk.start, LogChunk.data).where(LogChunk.job_id == job_id)
-        if first is not None:
-            q = q.where(LogChunk.start >= first)
-        out = bytearray()
-        for start, data in s.execute(q.order_by(LogChunk.start)):
-            piece = data[max(0, offset - start) :]
-            out += piece[: MAX_LOG_RESPONSE_BYTES - len(out)]
-            if len(out) >= MAX_LOG_RESPONSE_BYTES:
-                break
-        return bytes(out), offset + len(out), job.status

@@ -102,6 +102,9 @@ class Job(Base):
     latest_metrics: Mapped[dict[str, Any] | None]
     # Bytes of log stored so far: the offset the next chunk must start at.
     log_size: Mapped[int] = mapped_column(BigInteger, default=0)
+    # Metric batches ingested so far; each point carries the batch that last wrote it,
+    # so the events stream sends what is new since a cursor, in commit order.
+    metrics_seq: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     idempotency_key: Mapped[str | None] = mapped_column(String(200), unique=True)
     request_hash: Mapped[str | None] = mapped_column(String(64))
 
@@ -111,6 +114,9 @@ class Job(Base):
         Index("ix_jobs_worker_status", "worker", "status", "held_cpu_slots"),
         # The oldest queued job (the starvation guard's cheap first look).
         Index("ix_jobs_status_queued_at", "status", "queued_at"),
+        # Queued multi-node jobs: the claim looks for them apart from the single-node
+        # ones, and must not scan the whole queue to find that there are none.
+        Index("ix_jobs_status_nnodes", "status", "nnodes"),
     )
 
 
@@ -141,8 +147,55 @@ class Attempt(Base):
     log_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     # running, succeeded, failed, cancelled, lost, requeued
     outcome: Mapped[str] = mapped_column(String(16), default="running")
+    # Why it ended as it did, in words (the job's reason keeps only the latest).
+    reason: Mapped[str | None] = mapped_column(Text)
 
     __table_args__ = (UniqueConstraint("job_id", "number", name="uq_attempts_job_number"),)
+
+
+class JobNode(Base):
+    """One node slot of a multi-node job's attempt (nnodes > 1), held by one worker.
+
+    The slots of attempt n are claimed while the job is still queued (attempt n - 1
+    on the job); the job starts, attempt n, once all nnodes are held (a gang). Node 0
+    is the first claimer: its worker hosts torchrun's c10d rendezvous store on the
+    port it offered. A slot holds its worker's CPU slots or GPUs while the attempt
+    forms or runs and until its worker reports that node's processes gone.
+    """
+
+    __tablename__ = "job_nodes"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    attempt: Mapped[int] = mapped_column(Integer)
+    node_rank: Mapped[int] = mapped_column(Integer)
+    worker: Mapped[str] = mapped_column(String(200))
+    # Where this node's worker can be reached by the other nodes, and the rendezvous
+    # port it offered (used when it is node 0).
+    addr: Mapped[str] = mapped_column(String(255))
+    port: Mapped[int] = mapped_column(Integer)
+    device: Mapped[str] = mapped_column(String(8))
+    gpus: Mapped[list[int]]
+    held_cpu_slots: Mapped[int] = mapped_column(Integer, default=0)
+    # sha256 of this node's job token (its ranks report with it); never the token.
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    checkpoint_dir: Mapped[str] = mapped_column(Text)
+    claimed_at: Mapped[datetime] = mapped_column(default=utcnow)
+    heartbeat_at: Mapped[datetime] = mapped_column(default=utcnow)
+    # Set when this node's worker reports its torchrun gone (finish).
+    ended_at: Mapped[datetime | None]
+    exit_code: Mapped[int | None] = mapped_column(Integer)
+    outcome: Mapped[str | None] = mapped_column(String(16))
+    # Bytes of this node's own output stored so far (the worker's resend check).
+    log_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+
+    __table_args__ = (
+        UniqueConstraint("job_id", "attempt", "node_rank", name="uq_job_nodes_rank"),
+        # A worker never holds two node slots of one attempt.
+        UniqueConstraint("job_id", "attempt", "worker", name="uq_job_nodes_worker"),
+        # The claim's books: what a worker's slots hold.
+        Index("ix_job_nodes_worker", "worker", "ended_at"),
+    )
 
 
 class Worker(Base):
@@ -170,6 +223,15 @@ class MetricPoint(Base):
     epoch: Mapped[float | None] = mapped_column(Float)
     attempt: Mapped[int] = mapped_column(Integer)
     time: Mapped[datetime] = mapped_column(default=utcnow)
+    # The job's metrics_seq of the batch that last wrote this point (the events cursor).
+    seq: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+
+    __table_args__ = (
+        Index("ix_metric_points_job_seq", "job_id", "seq"),
+        # SQLite: store rows in primary-key order (no rowid), so one series is read
+        # as one contiguous range instead of an index walk plus a lookup per point.
+        {"sqlite_with_rowid": False},
+    )
 
 
 class Checkpoint(Base):

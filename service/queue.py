@@ -10,6 +10,13 @@ token, is written in the same transaction.
 Leases: a worker heartbeats its running attempts; an attempt whose heartbeat is
 older than the lease is lost and its job requeued (or failed when its attempts
 are spent) by ``expire_leases``, which every API process runs periodically.
+
+Multi-node jobs (nnodes > 1) are claimed as a gang of node slots (``job_nodes``):
+each claim by a worker that advertises an address takes one slot of the attempt
+being formed; the claim that takes the last slot starts the attempt. Until then the
+job stays queued and its slots hold their workers' CPU slots or GPUs. Slots not all
+held within the gang timeout are released (``expire_gangs``). Each node has its own
+lease; losing any node, or any node's failure, ends the attempt for all of them.
 """
 
 from __future__ import annotations
@@ -26,14 +33,17 @@ from sqlalchemy import (
     and_,
     bindparam,
     case,
+    delete,
     func,
     insert,
     or_,
     select,
     text,
     tuple_,
+    union_all,
     update,
 )
+from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
 from service.db import Database, Policy
@@ -42,8 +52,8 @@ from service.models import (
     Attempt,
     Checkpoint,
     Job,
+    JobNode,
     JobStatus,
-    LogChunk,
     UTCDateTime,
     Worker,
     utcnow,
@@ -63,6 +73,12 @@ class Claim:
     gpus: list[int]
     checkpoint_dir: str
     resume_from: list[str]
+    # A node slot of a multi-node job: the worker waits for the gang (gang_status)
+    # before it starts torchrun.
+    nnodes: int = 1
+    node_rank: int = 0
+    # When the job entered the queue: its wait, for the metrics (not sent to the worker).
+    queued_at: datetime | None = None
 
 
 def _rowcount(result: Any) -> int:
@@ -70,9 +86,11 @@ def _rowcount(result: Any) -> int:
     return int(result.rowcount)
 
 
-def notify_claimers(s: Session) -> None:
-    """Wake long-polling claimers in every API process once this transaction commits."""
-    if s.get_bind().dialect.name == "postgresql":
+def notify_claimers(s: Session | Connection) -> None:
+    """Wake long-polling claimers (and gang waiters) in every API process once this
+    transaction commits."""
+    dialect = s.dialect.name if isinstance(s, Connection) else s.get_bind().dialect.name
+    if dialect == "postgresql":
         s.execute(text("SELECT pg_notify(:channel, '')"), {"channel": NOTIFY_CHANNEL})
 
 
@@ -100,14 +118,24 @@ def _capacities(s: Session, lease_s: float) -> list[Capacity]:
     # CPU jobs: one sum per worker. GPU jobs: their rows (a worker has few GPUs).
     cpu_q = select(Job.worker, func.sum(Job.held_cpu_slots)).where(active).group_by(Job.worker)
     gpu_q = select(Job.worker, Job.gpus).where(active, Job.held_cpu_slots == 0)
+    node_cpu_q = (
+        select(_jn.worker, func.sum(_jn.held_cpu_slots)).where(_NODE_LIVE).group_by(_jn.worker)
+    )
+    node_gpu_q = select(_jn.worker, _jn.gpus).where(_NODE_LIVE)
     conn = s.connection()
     rows = conn.execute(workers).all()
     if not rows:
         return []
     used_cpu: dict[str, int] = {w: int(n or 0) for w, n in conn.execute(cpu_q) if w is not None}
+    for w, n in conn.execute(node_cpu_q):
+        used_cpu[w] = used_cpu.get(w, 0) + int(n or 0)
     used_gpus: dict[str, set[int]] = {}
     # CPU-only workers hold no GPU jobs: skip that query on the hot path.
-    gpu_rows = conn.execute(gpu_q).all() if any(r.gpus for r in rows) else []
+    gpu_rows = (
+        [*conn.execute(gpu_q).all(), *conn.execute(node_gpu_q).all()]
+        if any(r.gpus for r in rows)
+        else []
+    )
     for worker, gpus in gpu_rows:
         if worker is not None and gpus:
             used_gpus.setdefault(worker, set()).update(gpus)
@@ -138,6 +166,24 @@ def _capacities(s: Session, lease_s: float) -> list[Capacity]:
 _jobs = cast(Table, Job.__table__)  # Core, not ORM: no ORM compile step on the hot path
 _j = _jobs.c
 _QUEUED = and_(_j.status == JobStatus.QUEUED, _j.nnodes == 1)
+_nodes = cast(Table, JobNode.__table__)
+_jn = _nodes.c
+# The node slots of the attempt a queued multi-node job is gathering.
+_FORMING = and_(_jn.job_id == _j.id, _j.status == JobStatus.QUEUED, _jn.attempt == _j.attempt + 1)
+# A node slot holds its worker's slots while its attempt forms or runs, until that
+# node's worker reports its processes gone.
+_NODE_LIVE = and_(
+    _jn.job_id == _j.id,
+    _jn.ended_at.is_(None),
+    or_(
+        and_(_j.status == JobStatus.QUEUED, _jn.attempt == _j.attempt + 1),
+        and_(
+            or_(*(_j.status == status for status in sorted(ACTIVE))),
+            _jn.attempt == _j.attempt,
+        ),
+    ),
+)
+_NODES_HERE = and_(_jn.worker == bindparam("worker"), _NODE_LIVE)
 _ORDER = (_j.priority.desc(), _j.id)
 # Equalities, not IN: an IN list is an "expanding" parameter, re-rendered every execution.
 _ACTIVE_HERE = and_(
@@ -162,8 +208,21 @@ _WORKER_BOOKS = select(
     .scalar_subquery()
     .label("used_cpu"),
     select(func.min(_j.queued_at)).where(_j.status == JobStatus.QUEUED).scalar_subquery(),
+    select(func.coalesce(func.sum(_jn.held_cpu_slots), 0))
+    .where(_NODES_HERE)
+    .scalar_subquery()
+    .label("node_cpu"),
+    # Whether any multi-node job is queued (from ix_jobs_status_nnodes alone): the gang
+    # pick runs only then.
+    select(_j.id)
+    .where(_j.status == JobStatus.QUEUED, _j.nnodes > 1)
+    .exists()
+    .label("gangs_queued"),
 ).where(Worker.__table__.c.name == bindparam("worker"))
-_HELD_GPUS = select(_j.gpus).where(_ACTIVE_HERE, _j.held_cpu_slots == 0)
+_HELD_GPUS = union_all(
+    select(_j.gpus).where(_ACTIVE_HERE, _j.held_cpu_slots == 0),
+    select(_jn.gpus).where(_NODES_HERE),
+)
 
 
 def _fits_bound(worker_has_gpus: bool, cpu: str, gpus: str) -> Any:
@@ -229,7 +288,158 @@ def _take(dialect: str, worker_has_gpus: bool, guarded: bool) -> Any:
             held_cpu_slots=held_cpu,
             gpus=bindparam("no_gpus", type_=JSON),
         )
-        .returning(_j.id, _j.attempt, _j.spec, _j.device, _j.nproc_per_node)
+        .returning(_j.id, _j.attempt, _j.spec, _j.device, _j.nproc_per_node, _j.queued_at)
+    )
+
+
+@functools.cache
+def _gang_pick(dialect: str, worker_has_gpus: bool) -> Any:
+    """The first queued multi-node job, in queue order, with a node slot free that fits
+    this worker and that this worker does not already hold (a worker is one node)."""
+    forming = and_(_jn.job_id == _j.id, _jn.attempt == _j.attempt + 1)
+    held = select(func.count()).select_from(_nodes).where(forming).scalar_subquery()
+    mine = select(_jn.id).where(forming, _jn.worker == bindparam("worker")).exists()
+    # No slot is held while fewer workers are alive than the job has nodes: it could
+    # only sit idle until the gang timeout.
+    live = (
+        select(func.count())
+        .select_from(Worker.__table__)
+        .where(Worker.__table__.c.last_heartbeat >= bindparam("live_since", type_=UTCDateTime))
+        .scalar_subquery()
+    )
+    pick = (
+        select(_j.id, _j.priority, _j.attempt, _j.nnodes, _j.spec, _j.device, _j.nproc_per_node)
+        .where(
+            _j.status == JobStatus.QUEUED,
+            _j.nnodes > 1,
+            _ready(),
+            _fits_bound(worker_has_gpus, "free_cpu", "free_gpus"),
+            ~mine,
+            held < _j.nnodes,
+            live >= _j.nnodes,
+        )
+        .order_by(*_ORDER)
+        .limit(1)
+    )
+    if dialect == "postgresql":
+        pick = pick.with_for_update(skip_locked=True, of=_jobs)
+    return pick
+
+
+_FORMING_NODES = (
+    select(_jn.node_rank, _jn.worker, _jn.gpus, _jn.token_hash, _jn.checkpoint_dir, _jn.device)
+    .where(_jn.job_id == bindparam("job_id"), _jn.attempt == bindparam("number"))
+    .order_by(_jn.node_rank)
+)
+_START_GANG = (
+    update(_jobs)
+    .where(
+        _j.id == bindparam("job_id"),
+        _j.status == JobStatus.QUEUED,
+        _j.attempt == bindparam("number") - 1,
+    )
+    .values(
+        status=JobStatus.RUNNING,
+        attempt=bindparam("number"),
+        worker=bindparam("worker"),
+        started_at=func.coalesce(_j.started_at, bindparam("now", type_=UTCDateTime)),
+        reason=None,
+        exit_code=None,
+        not_before=None,
+        # The node slots hold the workers' slots (job_nodes); the job row holds none.
+        held_cpu_slots=0,
+        gpus=bindparam("gpus", type_=JSON),
+    )
+)
+
+
+def _take_node(
+    conn: Connection,
+    gang: Any,
+    worker: str,
+    resolved: str,
+    offered_gpus: list[int],
+    checkpoint_root: str,
+    token_hash: str,
+    addr: str,
+    port: int,
+    now: datetime,
+) -> Claim | None:
+    """Hold one node slot of ``gang``'s forming attempt; start the attempt if it was the last."""
+    job_id, number, nnodes, nproc = gang.id, gang.attempt + 1, gang.nnodes, gang.nproc_per_node
+    # Read again in this transaction: the pick's snapshot may predate a claim that
+    # committed while this one waited for the job's row.
+    held = conn.execute(_FORMING_NODES, {"job_id": job_id, "number": number}).all()
+    if len(held) >= nnodes or any(n.worker == worker for n in held):
+        return None
+    if held and held[0].device != resolved:
+        # One process group, one backend: a `device: auto` gang whose first node went to
+        # a GPU worker (nccl) cannot take a CPU worker's node (gloo), nor the reverse.
+        return None
+    node_rank = min(set(range(nnodes)) - {n.node_rank for n in held})
+    gpus = offered_gpus[:nproc] if resolved == "cuda" else []
+    checkpoint_dir = f"{checkpoint_root.rstrip('/')}/job-{job_id}"
+    conn.execute(
+        insert(_nodes),
+        {
+            "job_id": job_id,
+            "attempt": number,
+            "node_rank": node_rank,
+            "worker": worker,
+            "addr": addr,
+            "port": port,
+            "device": resolved,
+            "gpus": gpus,
+            "held_cpu_slots": nproc if resolved == "cpu" else 0,
+            "token_hash": token_hash,
+            "checkpoint_dir": checkpoint_dir,
+            "claimed_at": now,
+            "heartbeat_at": now,
+            "log_bytes": 0,
+        },
+    )
+    if len(held) + 1 == nnodes:
+        # The gang is complete: the attempt starts now, on node 0's worker's books.
+        # Every node writes checkpoints where node 0's worker does (shared storage
+        # on a real cluster), so any node's rank 0 can register and resume them.
+        node0 = next((n for n in held if n.node_rank == 0), None)
+        if node0 is None:  # this claim took rank 0 (an earlier node 0 was released)
+            node0_worker, node0_gpus = worker, gpus
+            node0_token, gang_dir = token_hash, checkpoint_dir
+        else:
+            node0_worker, node0_gpus = node0.worker, node0.gpus
+            node0_token, gang_dir = node0.token_hash, node0.checkpoint_dir
+        started = conn.execute(
+            _START_GANG,
+            {
+                "job_id": job_id,
+                "number": number,
+                "worker": node0_worker,
+                "now": now,
+                "gpus": node0_gpus,
+            },
+        )
+        if _rowcount(started) != 1:
+            raise RuntimeError(f"job {job_id} changed under its row lock")
+        conn.execute(
+            _NEW_ATTEMPT,
+            {
+                "job_id": job_id,
+                "number": number,
+                "worker": node0_worker,
+                "token_hash": node0_token,
+                "gpus": node0_gpus,
+                "checkpoint_dir": gang_dir,
+                "started_at": now,
+                "heartbeat_at": now,
+                "outcome": "running",
+                "log_bytes": 0,
+            },
+        )
+    # Gang waiters (and claimers that skipped the locked row) look again.
+    notify_claimers(conn)
+    return Claim(
+        job_id, number, gang.spec, resolved, nproc, gpus, checkpoint_dir, [], nnodes, node_rank
     )
 
 
@@ -251,6 +461,8 @@ def claim_next_job(
     free_cpu_slots: int,
     free_gpus: list[int],
     token_hash: str,
+    advertise_addr: str | None = None,
+    rdzv_port: int | None = None,
 ) -> Claim | None:
     """Claim the next job that fits on ``worker`` now, or return None.
 
@@ -258,13 +470,18 @@ def claim_next_job(
     an earlier one waits for more slots (backfill), unless an earlier job this
     worker could ever run has waited longer than the starvation limit: then only
     that job, or ones ahead of it, may start here.
+
+    A worker that gives an address other nodes reach it at (and a free port for a
+    rendezvous) may be given a node slot of a multi-node job instead: a Claim with
+    ``nnodes`` > 1, whose attempt starts once every slot is held.
     """
     now = utcnow()
     with db.write_conn() as conn:
         books = conn.execute(_WORKER_BOOKS, {"worker": worker}).first()
         if books is None:
             raise LookupError(worker)
-        cpu_slots, worker_gpus, checkpoint_root, used_cpu, oldest_queued = books
+        cpu_slots, worker_gpus, checkpoint_root, used_cpu, oldest_queued, node_cpu, gangs = books
+        used_cpu = int(used_cpu) + int(node_cpu)
         has_gpus = bool(worker_gpus)
         held: set[int] = set()
         if has_gpus:
@@ -295,10 +512,41 @@ def claim_next_job(
             if head is not None:
                 guarded = True
                 params.update(head_id=head.id, head_priority=head.priority)
+        gang = None
+        if gangs and advertise_addr and rdzv_port:
+            live_since = now - timedelta(seconds=db.policy.lease_s)
+            gang = conn.execute(
+                _gang_pick(db.dialect, has_gpus), {**params, "live_since": live_since}
+            ).first()
+            head_key = (-params["head_priority"], params["head_id"]) if guarded else None
+            if gang is not None and head_key is not None and (-gang.priority, gang.id) > head_key:
+                gang = None  # behind a starving job: it may not start here
+            if gang is not None:
+                # A single-node job may start here only if it is ahead of the gang.
+                guarded = True
+                params.update(head_id=gang.id, head_priority=gang.priority)
         row = conn.execute(_take(db.dialect, has_gpus, guarded), params).first()
         if row is None:
-            return None
-        job_id, number, spec, device, nproc = row
+            if gang is None:
+                return None
+            gang_device = gang.device
+            resolved = (
+                "cuda" if gang_device == "cuda" or (gang_device == "auto" and has_gpus) else "cpu"
+            )
+            assert advertise_addr is not None and rdzv_port is not None
+            return _take_node(
+                conn,
+                gang,
+                worker,
+                resolved,
+                offered_gpus,
+                checkpoint_root,
+                token_hash,
+                advertise_addr,
+                rdzv_port,
+                now,
+            )
+        job_id, number, spec, device, nproc, queued_at = row
         resolved = "cuda" if device == "cuda" or (device == "auto" and has_gpus) else "cpu"
         gpus = offered_gpus[:nproc] if resolved == "cuda" else []
         if has_gpus:
@@ -322,7 +570,9 @@ def claim_next_job(
         resume: list[str] = []
         if number > 1:  # a first attempt has no checkpoints to resume from
             resume = list(conn.scalars(_RESUME_FROM, {"job_id": job_id}))
-        return Claim(job_id, number, spec, resolved, nproc, gpus, checkpoint_dir, resume)
+        return Claim(
+            job_id, number, spec, resolved, nproc, gpus, checkpoint_dir, resume, queued_at=queued_at
+        )
 
 
 def _as_utc(value: datetime) -> datetime:
@@ -341,7 +591,7 @@ def workers_overview(db: Database) -> list[dict[str, Any]]:
             select(
                 Job.id, Job.name, Job.status, Job.attempt, Job.nproc_per_node, Job.gpus, Job.worker
             )
-            .where(Job.status.in_(list(ACTIVE)))
+            .where(Job.status.in_(list(ACTIVE)), Job.nnodes == 1)
             .order_by(Job.id)
         ):
             running.setdefault(j.worker or "", []).append(
@@ -352,6 +602,22 @@ def workers_overview(db: Database) -> list[dict[str, Any]]:
                     "attempt": j.attempt,
                     "nproc_per_node": j.nproc_per_node,
                     "gpus": j.gpus or [],
+                }
+            )
+        # A multi-node job shows on every worker holding one of its node slots.
+        for n in s.execute(
+            select(_j.id, _j.name, _j.status, _jn.attempt, _j.nproc_per_node, _jn.gpus, _jn.worker)
+            .where(_NODE_LIVE)
+            .order_by(_j.id, _jn.node_rank)
+        ):
+            running.setdefault(n.worker, []).append(
+                {
+                    "job_id": n.id,
+                    "name": n.name,
+                    "status": n.status,
+                    "attempt": n.attempt,
+                    "nproc_per_node": n.nproc_per_node,
+                    "gpus": n.gpus or [],
                 }
             )
         out = []
@@ -447,9 +713,19 @@ def pending_reasons(s: Session, jobs: list[Job], positions: dict[int, int]) -> d
     live = [c for c in caps if c.live]
     now = utcnow()
     reasons: dict[int, str] = {}
+    gangs = [j for j in jobs if j.nnodes > 1]
+    held: dict[int, int] = {}
+    if gangs:
+        held = dict(
+            s.execute(
+                select(_j.id, func.count(_jn.id))
+                .where(_FORMING, _j.id.in_([j.id for j in gangs]))
+                .group_by(_j.id)
+            ).all()
+        )
     for job in jobs:
         if job.nnodes > 1:
-            reasons[job.id] = "waiting: multi-node jobs (nnodes > 1) are not scheduled yet"
+            reasons[job.id] = _gang_reason(job, held.get(job.id, 0), live, now)
             continue
         problem = _unschedulable_on(caps, job)
         if problem:
@@ -498,12 +774,26 @@ def pending_reasons(s: Session, jobs: list[Job], positions: dict[int, int]) -> d
     return reasons
 
 
-def _append_log(s: Session, job_id: int, attempt: int, data: bytes) -> int:
-    """Append to a job's log inside the caller's write transaction; returns the new size."""
-    size = s.scalar(select(Job.log_size).where(Job.id == job_id)) or 0
-    s.add(LogChunk(job_id=job_id, attempt=attempt, start=size, data=data))
-    s.execute(update(Job).where(Job.id == job_id).values(log_size=size + len(data)))
-    return size + len(data)
+def _gang_reason(job: Job, held: int, live: list[Capacity], now: datetime) -> str:
+    """Why a multi-node job waits: its slots so far, and how many workers could be a node."""
+    if job.not_before is not None and job.not_before > now:
+        wait = (job.not_before - now).total_seconds()
+        return f"waiting out its retry backoff: {wait:.0f} s left"
+    n, per_node = job.nnodes, job.nproc_per_node
+    fit = 0
+    unit = "cpu"
+    for cap in live:
+        u = _unit(job.device, bool(cap.gpus))
+        if u is not None and _total(cap, u) >= per_node:
+            fit += 1
+            unit = u if fit == 1 else unit
+    words = f"waiting for {n} nodes: {held} of {n} held"
+    if fit < n:
+        words += (
+            f"; {fit} live worker(s) can run a node of {_words(per_node, unit)}, "
+            f"each node needs its own worker"
+        )
+    return words
 
 
 def record_heartbeat(
@@ -529,13 +819,37 @@ def record_heartbeat(
         jobs = {
             j.id: j
             for j in s.execute(
-                select(Job.id, Job.attempt, Job.status, Job.worker).where(Job.id.in_(job_ids))
+                select(Job.id, Job.attempt, Job.status, Job.worker, Job.nnodes).where(
+                    Job.id.in_(job_ids)
+                )
             )
         }
+        nodes: dict[tuple[int, int], int] = {}
+        if any(j.nnodes > 1 for j in jobs.values()):
+            nodes = {
+                (n.job_id, n.attempt): n.id
+                for n in s.execute(
+                    select(JobNode.id, JobNode.job_id, JobNode.attempt).where(
+                        JobNode.worker == worker, JobNode.job_id.in_(job_ids)
+                    )
+                )
+            }
         live: list[tuple[int, int]] = []
+        live_nodes: list[int] = []
         for job_id, number in running:
             job = jobs.get(job_id)
-            if (
+            if job is not None and job.nnodes > 1:
+                # A node slot: ours while its attempt forms or runs and we hold it.
+                node = nodes.get((job_id, number))
+                forming = job.status == JobStatus.QUEUED and job.attempt + 1 == number
+                started = job.status in ACTIVE and job.attempt == number
+                if node is None or not (forming or started):
+                    abandon.append((job_id, number))
+                    continue
+                live_nodes.append(node)
+                if forming:
+                    continue
+            elif (
                 job is None
                 or job.attempt != number
                 or job.worker != worker
@@ -546,6 +860,8 @@ def record_heartbeat(
             live.append((job_id, number))
             if job.status == JobStatus.CANCELLING:
                 cancel.append((job_id, number))
+        if live_nodes:
+            s.execute(update(JobNode).where(JobNode.id.in_(live_nodes)).values(heartbeat_at=now))
         for job_id, number in live:
             s.execute(
                 update(Attempt)
@@ -582,11 +898,184 @@ def expire_leases(db: Database, lease_s: float) -> list[int]:
 
 
 def release_worker(db: Database, worker: str, keep: list[tuple[int, int]]) -> list[int]:
-    """Lose the attempts the books give ``worker`` except those it says it still runs."""
-    which = Attempt.worker == worker
+    """Lose the attempts the books give ``worker`` except those it says it still runs
+    (a multi-node attempt with a node on it too), and release its forming node slots."""
+    its_nodes = select(JobNode.job_id, JobNode.attempt).where(
+        JobNode.worker == worker, JobNode.ended_at.is_(None)
+    )
+    which = or_(Attempt.worker == worker, tuple_(Attempt.job_id, Attempt.number).in_(its_nodes))
     if keep:
         which = and_(which, tuple_(Attempt.job_id, Attempt.number).not_in(keep))
-    return _lose_attempts(db, which, lambda w: f"worker {w} restarted without it")
+    changed = _lose_attempts(db, which, lambda _: f"worker {worker} restarted without it")
+    forming = select(_jn.id).where(_FORMING, _jn.worker == worker)
+    if keep:
+        forming = forming.where(tuple_(_jn.job_id, _jn.attempt).not_in(keep))
+    _release_nodes(db, forming)
+    return changed
+
+
+def _release_nodes(db: Database, which: Any) -> int:
+    """Delete the forming node slots ``which`` selects (their ids); they hold nothing then."""
+    with db.read() as s:
+        if s.execute(which.limit(1)).first() is None:
+            return 0
+    released = 0
+    with db.write() as s:
+        ids = list(s.scalars(which))
+        rows = s.execute(select(_jn.id, _jn.job_id, _jn.attempt).where(_jn.id.in_(ids))).all()
+        for job_id, number in {(r.job_id, r.attempt) for r in rows}:
+            if not _still_forming(s, job_id, number):
+                continue  # the gang completed meanwhile: its slots run now
+            gone = [r.id for r in rows if r.job_id == job_id and r.attempt == number]
+            s.execute(delete(JobNode).where(JobNode.id.in_(gone)))
+            released += len(gone)
+        if released:
+            notify_claimers(s)
+    return released
+
+
+def _still_forming(s: Session, job_id: int, number: int) -> bool:
+    """Lock the job's row (the claim that completes a gang holds it) and check that
+    attempt ``number`` is still gathering its nodes."""
+    row = s.execute(
+        select(Job.status, Job.attempt).where(Job.id == job_id).with_for_update()
+    ).first()
+    return row is not None and row.status == JobStatus.QUEUED and row.attempt + 1 == number
+
+
+def expire_nodes(db: Database, lease_s: float) -> list[int]:
+    """Node slots without a heartbeat for ``lease_s``: a running attempt is lost as a
+    whole (its other nodes are told to stop at their next heartbeat); a forming slot
+    is released."""
+    cutoff = utcnow() - timedelta(seconds=lease_s)
+    stale = and_(_jn.heartbeat_at < bindparam("cutoff", type_=UTCDateTime))
+    changed: list[int] = []
+    running_stale = select(_jn.job_id, _jn.attempt, _jn.worker, _jn.node_rank, _j.nnodes).where(
+        _NODE_LIVE, _j.status != JobStatus.QUEUED, stale
+    )
+    with db.read() as s:
+        lost = s.execute(running_stale, {"cutoff": cutoff}).all()
+    for job_id, number, worker, rank, nnodes in lost:
+        words = f"worker {worker} (node {rank} of {nnodes}) lost (no heartbeat for {lease_s:g} s)"
+        changed += _lose_attempts(
+            db,
+            and_(Attempt.job_id == job_id, Attempt.number == number),
+            lambda _, words=words: words,  # type: ignore[misc]
+        )
+    _release_nodes(db, select(_jn.id).where(_FORMING, _jn.heartbeat_at < cutoff))
+    return changed
+
+
+def expire_gangs(db: Database, timeout_s: float, backoff_s: float) -> list[int]:
+    """Release the slots of gangs not complete ``timeout_s`` after their first slot was
+    held; the job waits ``backoff_s`` (its slots' workers run other jobs meanwhile)
+    and says why."""
+    now = utcnow()
+    cutoff = now - timedelta(seconds=timeout_s)
+    late = (
+        select(_j.id, _j.attempt, _j.nnodes, func.count(_jn.id))
+        .where(_FORMING)
+        .group_by(_j.id, _j.attempt, _j.nnodes)
+        .having(func.min(_jn.claimed_at) < bindparam("cutoff", type_=UTCDateTime))
+    )
+    with db.read() as s:
+        if not s.execute(late, {"cutoff": cutoff}).first():
+            return []
+    changed: list[int] = []
+    with db.write() as s:
+        for job_id, number, nnodes, held in s.execute(late, {"cutoff": cutoff}).all():
+            if not _still_forming(s, job_id, number + 1):
+                continue  # completed (or cancelled) since the look
+            s.execute(
+                delete(JobNode).where(JobNode.job_id == job_id, JobNode.attempt == number + 1)
+            )
+            reason = (
+                f"waiting for {nnodes} nodes: {held} of {nnodes} held, gang timed out after "
+                f"{timeout_s:g} s; retrying" + (f" in {backoff_s:g} s" if backoff_s else "")
+            )
+            s.execute(
+                update(Job)
+                .where(Job.id == job_id, Job.status == JobStatus.QUEUED, Job.attempt == number)
+                .values(reason=reason, not_before=now + timedelta(seconds=backoff_s))
+            )
+            changed.append(job_id)
+        if changed:
+            notify_claimers(s)
+    return changed
+
+
+def gang_status(db: Database, worker: str, job_id: int, number: int) -> dict[str, Any]:
+    """Where ``worker``'s node slot of attempt ``number`` stands: forming (the gang is
+    not complete), ready (start torchrun with this rendezvous), or released."""
+    with db.read() as s:
+        job = s.get(Job, job_id)
+        nodes = list(
+            s.scalars(
+                select(JobNode)
+                .where(JobNode.job_id == job_id, JobNode.attempt == number)
+                .order_by(JobNode.node_rank)
+            )
+        )
+        mine = next((n for n in nodes if n.worker == worker), None)
+        if job is None or mine is None:
+            why = (job.reason if job is not None else None) or "the node slot was released"
+            return {"state": "released", "reason": why}
+        if job.status == JobStatus.QUEUED and job.attempt + 1 == number:
+            return {"state": "forming", "held": len(nodes), "nnodes": job.nnodes}
+        if job.status in ACTIVE and job.attempt == number:
+            attempt = s.scalar(
+                select(Attempt).where(Attempt.job_id == job_id, Attempt.number == number)
+            )
+            assert attempt is not None
+            host = nodes[0]
+            addr = f"[{host.addr}]" if ":" in host.addr else host.addr
+            resume = list(s.scalars(_RESUME_FROM, {"job_id": job_id})) if number > 1 else []
+            return {
+                "state": "ready",
+                "nnodes": job.nnodes,
+                "node_rank": mine.node_rank,
+                "rdzv_endpoint": f"{addr}:{host.port}",
+                # Unique to the attempt: a late node of an earlier attempt can never
+                # join this one's rendezvous.
+                "rdzv_id": f"ddpq-{job_id}-{number}",
+                "rdzv_host": mine.node_rank == 0,
+                "join_timeout_s": _policy(s).gang_timeout_s,
+                "checkpoint_dir": attempt.checkpoint_dir,
+                "resume_from": resume,
+                "workers": [n.worker for n in nodes],
+            }
+        return {"state": "released", "reason": job.reason or f"job {job_id} is {job.status}"}
+
+
+def leave_gang(db: Database, worker: str, job_id: int, number: int) -> bool:
+    """Give back ``worker``'s slot of a forming gang (a worker shutting down)."""
+    return bool(
+        _release_nodes(
+            db,
+            select(_jn.id).where(
+                _FORMING, _jn.job_id == job_id, _jn.attempt == number, _jn.worker == worker
+            ),
+        )
+    )
+
+
+def node_of(s: Session, job_id: int, number: int, worker: str) -> JobNode | None:
+    """``worker``'s node slot of a multi-node attempt."""
+    return s.scalar(
+        select(JobNode).where(
+            JobNode.job_id == job_id, JobNode.attempt == number, JobNode.worker == worker
+        )
+    )
+
+
+def nodes_of(s: Session, job_id: int, number: int) -> list[JobNode]:
+    return list(
+        s.scalars(
+            select(JobNode)
+            .where(JobNode.job_id == job_id, JobNode.attempt == number)
+            .order_by(JobNode.node_rank)
+        )
+    )
 
 
 def _lose_attempts(db: Database, which: Any, why: Callable[[str], str]) -> list[int]:
@@ -647,7 +1136,7 @@ def _lose_attempts(db: Database, which: Any, why: Callable[[str], str]) -> list[
                 s.execute(
                     update(Attempt)
                     .where(Attempt.id == attempt_id)
-                    .values(ended_at=now, outcome="lost")
+                    .values(ended_at=now, outcome="lost", reason=values["reason"])
                 )
                 changed.append(job_id)
         if changed:

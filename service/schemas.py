@@ -10,10 +10,18 @@ from __future__ import annotations
 import math
 import re
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
+from ddpq.rules import entrypoint_problem, env_problem
 from service.catalog import recipe_names
 
 INT32_MAX = 2**31 - 1
@@ -27,42 +35,67 @@ MAX_METRIC_NAMES = 100
 MAX_NAME_CHARS = 200
 MAX_PATH_CHARS = 4096
 
-ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
-# Set by ddpq, torchrun or the CUDA runtime for the job, or able to subvert the
-# interpreter the ranks run in: a job's env must not override them.
-RESERVED_ENV_PREFIXES = ("DDPQ_", "TORCHELASTIC_", "TORCH_ELASTIC_", "LD_", "PYTHON")
-RESERVED_ENV_NAMES = frozenset(
-    {
-        "RANK",
-        "LOCAL_RANK",
-        "WORLD_SIZE",
-        "LOCAL_WORLD_SIZE",
-        "GROUP_RANK",
-        "GROUP_WORLD_SIZE",
-        "ROLE_RANK",
-        "ROLE_NAME",
-        "ROLE_WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-        "CUDA_VISIBLE_DEVICES",
-        "NVIDIA_VISIBLE_DEVICES",
-        "HIP_VISIBLE_DEVICES",
-        "PATH",
-        "HOME",
-    }
-)
-
 StrictPosInt = Annotated[int, Field(strict=True, ge=1)]
 Step = Annotated[int, Field(strict=True, ge=0, le=INT64_MAX)]
-MetricName = Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS)]
+
+
+def _printable_name(v: str) -> str:
+    if not v.isprintable():
+        raise ValueError("must be printable characters (no control or format characters)")
+    return v
+
+
+# Any printable unicode (a loss named "損失" round-trips), 1..200 characters.
+MetricName = Annotated[
+    str, Field(min_length=1, max_length=MAX_NAME_CHARS), AfterValidator(_printable_name)
+]
 NonFinite = Literal["NaN", "Infinity", "-Infinity"]
-# A metric value: a JSON number, or one of the strings JSON lacks literals for.
+# A metric value on input: a finite JSON number, or one of the three strings for the
+# values JSON has no literal for (a diverged loss is information, so it is kept).
+# Python's json module would also read bare NaN/Infinity tokens; they are refused so
+# that one spelling exists. Answers carry non-finite values the same way, as strings,
+# so every answer is valid JSON.
+FiniteNumber = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+MetricValueIn = FiniteNumber | NonFinite
 MetricValue = float | NonFinite
 
 
+_NUL_OR_SURROGATE = re.compile("[\x00\ud800-\udfff]")
+
+
+def _no_nul_or_surrogate(value: Any, where: str = "") -> None:
+    """Refuse NUL (Postgres text cannot hold it; C code truncates at it) and lone
+    surrogates (not encodable as UTF-8: a database write or answer would fail) in
+    every string of a request body, keys included."""
+    if isinstance(value, str):
+        bad = _NUL_OR_SURROGATE.search(value)
+        if bad:
+            what = "a NUL character" if bad.group() == "\x00" else "a lone surrogate (not UTF-8)"
+            raise ValueError(f"{where or 'a string'} contains {what}")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _no_nul_or_surrogate(k, f"a key in {where or 'the body'}")
+            _no_nul_or_surrogate(v, f"{where}.{k}" if where else str(k)[:100])
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _no_nul_or_surrogate(v, f"{where}[{i}]")
+
+
 class Strict(BaseModel):
+    """Every request body: unknown fields refused, no NUL or lone surrogate anywhere."""
+
     model_config = ConfigDict(extra="forbid")
+    # True where every string field is already held to printable characters or a
+    # literal, which refuses NUL and surrogates too: the metric ingest path skips the
+    # walk (and it would otherwise run once per nested item).
+    _strings_checked: ClassVar[bool] = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _clean_strings(cls, data: Any) -> Any:
+        if not cls._strings_checked:
+            _no_nul_or_surrogate(data)
+        return data
 
 
 class JobSpec(Strict):
@@ -97,14 +130,9 @@ class JobSpec(Strict):
     @field_validator("entrypoint")
     @classmethod
     def _relative_path(cls, v: str | None) -> str | None:
-        if v is None:
-            return v
-        if "\x00" in v or any(ord(c) < 32 for c in v):
-            raise ValueError("must not contain control characters")
-        if v.startswith(("/", "\\", "~")) or re.match(r"^[A-Za-z]:", v):
-            raise ValueError("must be a path relative to the worker's workspace")
-        if ".." in re.split(r"[\\/]", v):
-            raise ValueError("must not contain '..'")
+        problem = None if v is None else entrypoint_problem(v)
+        if problem:
+            raise ValueError(problem)
         return v
 
     @field_validator("env")
@@ -113,13 +141,9 @@ class JobSpec(Strict):
         if len(v) > MAX_ENV_VARS:
             raise ValueError(f"at most {MAX_ENV_VARS} variables")
         for key, value in v.items():
-            if not ENV_NAME.match(key):
-                raise ValueError(f"{key[:100]!r} is not a valid variable name")
-            upper = key.upper()
-            if upper in RESERVED_ENV_NAMES or upper.startswith(RESERVED_ENV_PREFIXES):
-                raise ValueError(f"{key} is set by ddpq, torchrun or CUDA and cannot be overridden")
-            if "\x00" in value:
-                raise ValueError(f"the value of {key} contains a NUL byte")
+            problem = env_problem(key, value)
+            if problem:
+                raise ValueError(problem)
         return v
 
     @model_validator(mode="after")
@@ -171,12 +195,14 @@ class JobsPublic(BaseModel):
 
 
 class MetricItemIn(Strict):
+    _strings_checked = True  # names: MetricName; values: numbers or NonFinite
     step: Step
-    epoch: MetricValue | None = None
-    values: dict[MetricName, MetricValue] = Field(min_length=1, max_length=MAX_METRIC_NAMES)
+    epoch: MetricValueIn | None = None
+    values: dict[MetricName, MetricValueIn] = Field(min_length=1, max_length=MAX_METRIC_NAMES)
 
 
 class MetricsIn(Strict):
+    _strings_checked = True
     items: list[MetricItemIn] = Field(min_length=1, max_length=MAX_METRIC_ITEMS)
 
 
@@ -192,11 +218,28 @@ class MetricsPublic(BaseModel):
     items: list[MetricItemPublic]
 
 
+class AttemptPublic(BaseModel):
+    number: int
+    worker: str
+    gpus: list[int]
+    started_at: datetime
+    finished_at: datetime | None
+    exit_code: int | None
+    # running, succeeded, failed, cancelled, lost (its worker stopped answering),
+    # requeued (handed back by a worker that shut down)
+    outcome: str
+    reason: str | None
+
+
+class AttemptsPublic(BaseModel):
+    items: list[AttemptPublic]
+
+
 class CheckpointIn(Strict):
     path: Annotated[str, Field(min_length=1, max_length=MAX_PATH_CHARS)]
     step: Step
-    epoch: MetricValue | None = None
-    metrics: dict[MetricName, MetricValue] = Field(default={}, max_length=MAX_METRIC_NAMES)
+    epoch: MetricValueIn | None = None
+    metrics: dict[MetricName, MetricValueIn] = Field(default={}, max_length=MAX_METRIC_NAMES)
 
 
 class CheckpointsPublic(BaseModel):
@@ -230,6 +273,8 @@ class Accepted(BaseModel):
 
 # ---- worker protocol -------------------------------------------------------------
 
+# A host name or an IPv4/IPv6 address (no scheme, no port).
+HOST = r"^[A-Za-z0-9.:_%-]+$"
 WorkerName = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:@-]+$")]
 GpuIndex = Annotated[int, Field(strict=True, ge=0, le=1023)]
 
@@ -260,7 +305,38 @@ class ClaimRequest(Strict):
     name: WorkerName
     free_cpu_slots: Annotated[int, Field(strict=True, ge=0, le=100_000)]
     free_gpus: Annotated[list[GpuIndex], Field(max_length=1024)]
-    wait_s: Annotated[float, Field(ge=0, le=60)] = 20.0
+    wait_s: Annotated[float, Field(strict=True, ge=0, le=60, allow_inf_nan=False)] = 20.0
+    # Where the other nodes of a multi-node job reach this worker, and a port free on
+    # it for torchrun's rendezvous store should it be node 0. Without both, the worker
+    # is offered single-node jobs only.
+    advertise_addr: Annotated[str | None, Field(min_length=1, max_length=255, pattern=HOST)] = None
+    rdzv_port: Annotated[int | None, Field(strict=True, ge=1, le=65535)] = None
+
+
+class GangRequest(Strict):
+    name: WorkerName
+    job_id: Annotated[int, Field(strict=True, ge=1, le=INT64_MAX)]
+    attempt: Annotated[int, Field(strict=True, ge=1, le=INT32_MAX)]
+    wait_s: Annotated[float, Field(strict=True, ge=0, le=60, allow_inf_nan=False)] = 20.0
+    # Give the slot back instead (a worker shutting down while the gang forms).
+    leave: Annotated[bool, Field(strict=True)] = False
+
+
+class GangReply(BaseModel):
+    # forming: not every node slot is held yet; ready: start torchrun with this
+    # rendezvous; released: the slot is gone (gang timeout, cancel): stand down.
+    state: Literal["forming", "ready", "released"]
+    held: int | None = None
+    nnodes: int | None = None
+    node_rank: int | None = None
+    rdzv_endpoint: str | None = None
+    rdzv_id: str | None = None
+    rdzv_host: bool | None = None
+    join_timeout_s: float | None = None
+    checkpoint_dir: str | None = None
+    resume_from: list[str] = []
+    workers: list[str] = []
+    reason: str | None = None
 
 
 class ClaimedJob(BaseModel):
@@ -274,6 +350,9 @@ class ClaimedJob(BaseModel):
     checkpoint_dir: str
     # Newest first; the worker gives ranks the first one whose file exists.
     resume_from: list[str]
+    # A node slot of a multi-node job: wait for the gang (POST /workers/gang) first.
+    nnodes: int = 1
+    node_rank: int = 0
 
 
 class Heartbeat(Strict):

@@ -53,3 +53,33 @@ def test_ports_are_loopback_only_and_tokens_come_from_an_env_file() -> None:
         assert not any("TOKEN" in k for k in env), (
             "tokens come from the env file, not the compose file"
         )
+
+
+def test_only_the_api_port_is_published_and_postgres_is_on_an_internal_network() -> None:
+    compose = _compose()
+    services = compose["services"]
+    published = {name: svc["ports"] for name, svc in services.items() if svc.get("ports")}
+    assert published == {"api": ["127.0.0.1:8000:8000"]}
+    assert all("expose" not in svc for svc in services.values())
+    assert services["db"]["networks"] == ["backend"]
+    assert compose["networks"]["backend"]["internal"] is True
+    assert "backend" not in services["worker"]["networks"]  # the worker never needs SQL
+    assert all(svc.get("network_mode") != "host" for svc in services.values())
+    # The API listens on every interface inside its container, so it must have tokens.
+    assert "0.0.0.0" in services["api"]["command"]
+
+
+def test_env_example_holds_placeholders_that_serve_refuses() -> None:
+    from service.config import _weak
+
+    env = dict(
+        line.split("=", 1)
+        for line in (REPO / ".env.example").read_text().splitlines()
+        if line and not line.startswith("#")
+    )
+    assert {"DDPQ_API_TOKEN", "DDPQ_WORKER_TOKEN", "DDPQ_DATABASE_URL"} <= set(env)
+    for var in ("DDPQ_API_TOKEN", "DDPQ_WORKER_TOKEN"):
+        assert _weak(env[var]), f"{var}={env[var]} would be accepted on 0.0.0.0"
+    # And no secret sits in the compose file itself.
+    text = (REPO / "docker-compose.yml").read_text()
+    assert env["POSTGRES_PASSWORD"] not in text and env["DDPQ_API_TOKEN"] not in text

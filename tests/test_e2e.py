@@ -57,6 +57,8 @@ def test_toy_regression_runs_to_success_and_reports_one_series(
     assert steps == list(range(1, 129)), "one series from rank 0, every step once"
     assert all(i["attempt"] == 1 for i in items)
     assert items[-1]["values"]["loss"] < items[0]["values"]["loss"]
+    # Sent once, with the first report, for `ddpq watch`'s progress bar.
+    assert [i["values"].get("total_steps") for i in items[:2]] == [128, None]
 
     checkpoints = c.get(f"/jobs/{job['id']}/checkpoints").json()["items"]
     assert [ck["step"] for ck in checkpoints] == [64, 128]

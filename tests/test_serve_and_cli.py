@@ -1,4 +1,4 @@
-"""`ddpq serve` start-up rules and the CLI against a real server."""
+"""`ddpq serve` and `ddpq up` start-up rules (the CLI's commands: tests/test_cli.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import Server, _child_env, free_port, stop_process, wait_for
+from tests.conftest import _child_env, free_port, stop_process, wait_for
 
 
 def _ddpq(
@@ -89,32 +89,9 @@ def test_loopback_serve_generates_private_tokens_the_cli_finds(tmp_path: Path) -
         assert [j["id"] for j in json.loads(r.stdout)["items"]] == [job["id"]]
         r = _ddpq("status", str(job["id"]), env=cli_env)
         assert r.returncode == 0 and "queued" in r.stdout
-        r = _ddpq("cancel", str(job["id"]), "--json", env=cli_env)
-        assert json.loads(r.stdout)["status"] == "cancelled"
-        r = _ddpq("status", str(job["id"]), env=cli_env)
-        assert r.returncode == 4  # a cancelled job
-        r = _ddpq("submit", "--recipe", "nope", env=cli_env)
-        assert r.returncode == 1 and "recipe" in r.stderr
-        r = _ddpq("submit", "--world-size", "2", env=cli_env)
-        assert r.returncode == 2
-        r = _ddpq("ls", env={**cli_env, "DDPQ_TOKEN": "wrong-token-wrong-token"})
-        assert r.returncode == 1 and "invalid token" in r.stderr
-        r = _ddpq("ls", env={"DDPQ_URL": f"http://127.0.0.1:{free_port()}", "DDPQ_TOKEN": "t" * 20})
-        assert r.returncode == 3
+        # The CLI's commands and exit codes: tests/test_cli.py.
     finally:
         stop_process(proc)
-
-
-def test_cli_logs_and_recipes(server: Server) -> None:
-    env = {"DDPQ_URL": server.url, "DDPQ_TOKEN": server.api_token}
-    r = _ddpq("recipes", "--json", env=env)
-    assert "toy-regression" in [x["name"] for x in json.loads(r.stdout)]
-    r = _ddpq("workers", "--json", env=env)
-    assert r.returncode == 0 and json.loads(r.stdout) == []
-    job = server.client().post("/jobs", json={"entrypoint": "x.py"}).json()
-    server.client().post(f"/jobs/{job['id']}/cancel")
-    r = _ddpq("logs", str(job["id"]), "-f", env=env)
-    assert r.returncode == 0
 
 
 def test_up_runs_the_api_and_a_local_worker(tmp_path: Path) -> None:

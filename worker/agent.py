@@ -32,6 +32,8 @@ class Agent:
         cpu_slots: int,
         gpus: list[int],
         kill_grace_s: float = 10.0,
+        advertise_addr: str | None = None,
+        rdzv_ports: tuple[int, int] | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self.name = name or socket.gethostname()
@@ -41,6 +43,10 @@ class Agent:
         self.cpu_slots = cpu_slots
         self.gpus = sorted(set(gpus))
         self.kill_grace_s = kill_grace_s
+        # Multi-node jobs: where the other nodes reach this host, and the ports its
+        # rendezvous stores may use (None: any free port).
+        self.advertise_addr = advertise_addr or default_advertise_addr()
+        self.rdzv_ports = rdzv_ports
         self.api = WorkerAPI(self.url, token, self.name)
         self.launch_prefix = procs.launch_prefix(self.name, self.data_dir)
         self.heartbeat_s = 2.0
@@ -67,6 +73,25 @@ class Agent:
         with self._lock:
             self._runners.pop((runner.job_id, runner.attempt), None)
         self._slots_changed.set()
+
+    def rdzv_port(self) -> int | None:
+        """A port free on this host for a rendezvous store, not already offered to one
+        of this worker's node-0 slots; None when the range is used up."""
+        taken = {r.claim.get("rdzv_port") for r in self.running()}
+        candidates = range(self.rdzv_ports[0], self.rdzv_ports[1] + 1) if self.rdzv_ports else [0]
+        for port in candidates:
+            if port in taken:
+                continue
+            with socket.socket() as s:
+                try:
+                    # All interfaces, as torchrun's TCPStore binds.
+                    s.bind(("", port))
+                except OSError:
+                    continue
+                free = int(s.getsockname()[1])
+            if free not in taken:
+                return free
+        return None
 
     def running(self) -> list[JobRunner]:
         with self._lock:
@@ -135,8 +160,9 @@ class Agent:
                 self._slots_changed.wait(1.0)
                 self._slots_changed.clear()
                 continue
+            port = self.rdzv_port()
             try:
-                claim = self.api.claim(free_cpu, free_gpus, CLAIM_WAIT_S)
+                claim = self.api.claim(free_cpu, free_gpus, CLAIM_WAIT_S, self.advertise_addr, port)
                 backoff = 0.5
             except Unavailable as exc:
                 log.warning("claim: API unavailable (%s)", exc)
@@ -151,6 +177,8 @@ class Agent:
                 self.stopping.wait(5.0)
                 continue
             if claim is not None:
+                if claim.get("nnodes", 1) > 1 and claim.get("node_rank") == 0:
+                    claim["rdzv_port"] = port  # ours to host the rendezvous on
                 self._start(claim)
 
     def _start(self, claim: dict[str, Any]) -> None:
@@ -176,12 +204,13 @@ class Agent:
             procs.kill_all(self.launch_prefix, prefix=True)
         self.register()
         log.info(
-            "worker %s: %d CPU slots, GPUs %s, workspace %s, API %s",
+            "worker %s: %d CPU slots, GPUs %s, workspace %s, API %s, advertising %s",
             self.name,
             self.cpu_slots,
             self.gpus or "none",
             self.workspace,
             self.url,
+            self.advertise_addr,
         )
         heartbeat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         heartbeat.start()
@@ -198,6 +227,15 @@ class Agent:
                 r.thread.join(timeout=self.kill_grace_s + 90)
         self._all_done.set()
         self.api.close()
+
+
+def default_advertise_addr() -> str:
+    """This host's address as its name resolves, else loopback. On Debian the host
+    name often resolves to 127.0.1.1: give --advertise-addr on a multi-host setup."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
 
 
 def default_cpu_slots() -> int:

@@ -65,22 +65,41 @@ class WorkerAPI:
         return result
 
     def claim(
-        self, free_cpu_slots: int, free_gpus: list[int], wait_s: float
+        self,
+        free_cpu_slots: int,
+        free_gpus: list[int],
+        wait_s: float,
+        advertise_addr: str | None = None,
+        rdzv_port: int | None = None,
     ) -> dict[str, Any] | None:
-        r = self._request(
-            "POST",
-            "/workers/claim",
-            json={
-                "name": self.name,
-                "free_cpu_slots": free_cpu_slots,
-                "free_gpus": free_gpus,
-                "wait_s": wait_s,
-            },
-            timeout=wait_s + 15.0,
-        )
+        body: dict[str, Any] = {
+            "name": self.name,
+            "free_cpu_slots": free_cpu_slots,
+            "free_gpus": free_gpus,
+            "wait_s": wait_s,
+        }
+        if advertise_addr and rdzv_port:
+            body.update(advertise_addr=advertise_addr, rdzv_port=rdzv_port)
+        r = self._request("POST", "/workers/claim", json=body, timeout=wait_s + 15.0)
         if r.status_code == 204:
             return None
         result: dict[str, Any] = r.json()
+        return result
+
+    def gang(self, job_id: int, attempt: int, wait_s: float, leave: bool = False) -> dict[str, Any]:
+        """Wait on a held node slot: forming, ready (with the rendezvous) or released."""
+        result: dict[str, Any] = self._request(
+            "POST",
+            "/workers/gang",
+            json={
+                "name": self.name,
+                "job_id": job_id,
+                "attempt": attempt,
+                "wait_s": wait_s,
+                "leave": leave,
+            },
+            timeout=wait_s + 15.0,
+        ).json()
         return result
 
     def heartbeat(self, running: list[dict[str, int]]) -> dict[str, Any]:

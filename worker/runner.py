@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ddpq.rules import entrypoint_problem, env_problem
 from worker import procs
 from worker.api import Refused, Unavailable, WorkerAPI, retry
 
@@ -50,6 +51,20 @@ def _catalog_module(recipe: str) -> str | None:
     catalog = Path(next(iter(spec.submodule_search_locations))) / "catalog.json"
     entry = json.loads(catalog.read_text()).get(recipe)
     return None if entry is None else str(entry["module"])
+
+
+def _inside_job_dir(path: str, job_id: int) -> bool:
+    """A registered checkpoint is a regular file that stays, symlinks resolved, inside
+    the ``job-<id>`` directory its path names (the API checked the path's text when it
+    was registered; only the host that holds the file can check its links)."""
+    parts = os.path.normpath(path).split(os.sep)
+    name = f"job-{job_id}"
+    if not os.path.isabs(path) or name not in parts[:-1]:
+        return False
+    job_dir = os.sep.join(parts[: len(parts) - parts[::-1].index(name)])
+    real_dir = os.path.realpath(job_dir)
+    real = os.path.realpath(path)
+    return real.startswith(real_dir + os.sep) and os.path.isfile(real)
 
 
 class JobError(Exception):
@@ -122,6 +137,7 @@ class LogShipper(threading.Thread):
 
 
 CLAIM_HANDBACK_WAIT_S = 30.0
+GANG_POLL_S = 2.0  # one long-poll on a forming gang; a stop request waits at most this
 OUTPUT_POLL_S = 0.05  # how often the ranks' output file is read while it is quiet
 
 
@@ -167,13 +183,28 @@ class JobRunner:
     # ---- the attempt ------------------------------------------------------------------
 
     def _main(self) -> None:
+        if self.claim.get("nnodes", 1) > 1:
+            gang = self._await_gang()
+            if gang is None:  # released (gang timeout, cancel) or stopped while forming
+                self.agent.release(self)
+                return
+            # Every node writes where node 0's worker does and resumes from the same files.
+            self.claim.update(
+                gang=gang, checkpoint_dir=gang["checkpoint_dir"], resume_from=gang["resume_from"]
+            )
         shipper = LogShipper(self.agent.api, self.job_id, self.attempt)
         shipper.start()
         gpus = self.claim["gpus"]
         where = f"GPUs {','.join(map(str, gpus))}" if gpus else "CPU"
+        node = ""
+        if gang := self.claim.get("gang"):
+            node = (
+                f", node {gang['node_rank']} of {gang['nnodes']} "
+                f"(rendezvous {gang['rdzv_endpoint']}, id {gang['rdzv_id']})"
+            )
         shipper.write(
             f"[ddpq] attempt {self.attempt} on worker {self.agent.name}: "
-            f"{self.claim['nproc_per_node']} rank(s) on {where}\n".encode()
+            f"{self.claim['nproc_per_node']} rank(s) on {where}{node}\n".encode()
         )
         try:
             result = self._run(shipper)
@@ -191,6 +222,39 @@ class JobRunner:
         shipper.close(timeout_s=60.0)
         self._report(result)
         self.agent.release(self)
+
+    def _await_gang(self) -> dict[str, Any] | None:
+        """Hold this node slot until every node of the attempt is held: the rendezvous
+        to start torchrun with, or None if the slot was released or we were stopped.
+        The worker's claim loop goes on meanwhile with its other free slots."""
+        api = self.agent.api
+        log.info(
+            "job %s attempt %s: holding node slot %s of %s; waiting for the other nodes",
+            self.job_id,
+            self.attempt,
+            self.claim["node_rank"],
+            self.claim["nnodes"],
+        )
+        while True:
+            if self.stop_requested.is_set():
+                if self.stop_reason != "abandoned":  # abandoned: already released
+                    with contextlib.suppress(Unavailable, Refused):
+                        api.gang(self.job_id, self.attempt, 0, leave=True)
+                return None
+            try:
+                reply = api.gang(self.job_id, self.attempt, GANG_POLL_S)
+            except Unavailable as exc:
+                log.warning("gang: API unavailable (%s)", exc)
+                self.stop_requested.wait(1.0)
+                continue
+            except Refused as exc:
+                log.warning("job %s: gang refused (%s); standing down", self.job_id, exc)
+                return None
+            if reply["state"] == "ready":
+                return reply
+            if reply["state"] == "released":
+                log.info("job %s: node slot released: %s", self.job_id, reply.get("reason"))
+                return None
 
     def _report(self, result: Outcome) -> None:
         if self.stop_reason == "abandoned":
@@ -221,6 +285,10 @@ class JobRunner:
                 raise JobError(f"this worker has no recipe {spec['recipe']!r}")
             return ["-m", module, *spec.get("args", [])]
         workspace = self.agent.workspace
+        # The API checked the spec; the worker checks again, since it runs the file.
+        problem = entrypoint_problem(str(spec["entrypoint"]))
+        if problem:
+            raise JobError(f"entrypoint {str(spec['entrypoint'])[:200]!r} {problem}")
         path = (workspace / spec["entrypoint"]).resolve()
         # resolve() follows symlinks, so a link pointing out of the workspace is caught here.
         if not path.is_relative_to(workspace) or path == workspace:
@@ -236,7 +304,11 @@ class JobRunner:
     def _env(self, resume_from: str | None) -> dict[str, str]:
         c = self.claim
         env = {k: v for k, v in os.environ.items() if not k.startswith(PRIVATE_ENV_PREFIXES)}
-        env.update(c["spec"].get("env", {}))
+        for name, value in c["spec"].get("env", {}).items():
+            problem = env_problem(str(name), str(value))
+            if problem:  # the API refuses these at submission; never trust the wire
+                raise JobError(f"env: {problem}")
+            env[name] = value
         env.update(
             {
                 "DDPQ_URL": self.agent.url,
@@ -257,7 +329,37 @@ class JobRunner:
         )
         if resume_from:
             env["DDPQ_RESUME_FROM"] = resume_from
+        # The one DDPQ_* setting of the worker's own that ranks get (others stay
+        # private): where ddpq.train writes TensorBoard runs. Absolute, since ranks
+        # run in the workspace, not in the worker's directory.
+        tensorboard_dir = os.environ.get("DDPQ_TENSORBOARD_DIR")
+        if tensorboard_dir:
+            env["DDPQ_TENSORBOARD_DIR"] = str(Path(tensorboard_dir).resolve())
         return env
+
+    def _rendezvous(self) -> list[str]:
+        gang = self.claim.get("gang")
+        if not gang:
+            return ["--standalone", "--nnodes", "1"]  # single node: a c10d store on a free port
+        # Several nodes: c10d rendezvous on node 0's worker, which hosts the store (said
+        # outright rather than guessed from host names: on one machine every node's
+        # address is its own). --local-addr makes the address the ranks' process group
+        # uses (MASTER_ADDR) one the other hosts reach.
+        conf = f"is_host={1 if gang['rdzv_host'] else 0},join_timeout={int(gang['join_timeout_s'])}"
+        return [
+            "--nnodes",
+            str(gang["nnodes"]),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            gang["rdzv_endpoint"],
+            "--rdzv-id",
+            gang["rdzv_id"],
+            "--rdzv-conf",
+            conf,
+            "--local-addr",
+            self.agent.advertise_addr,
+        ]
 
     def _argv(self, program: list[str], log_dir: Path) -> list[str]:
         spec = self.claim["spec"]
@@ -265,9 +367,7 @@ class JobRunner:
             sys.executable,
             "-m",
             "torch.distributed.run",
-            "--standalone",  # single node: a c10d store on a free port
-            "--nnodes",
-            "1",
+            *self._rendezvous(),
             "--nproc-per-node",
             str(self.claim["nproc_per_node"]),
             "--max-restarts",
@@ -288,7 +388,9 @@ class JobRunner:
         program = self._program(c["spec"])
         checkpoint_dir = Path(c["checkpoint_dir"])
         checkpoint_dir.mkdir(parents=True, exist_ok=True)
-        resume_from = next((p for p in c.get("resume_from", []) if os.path.isfile(p)), None)
+        resume_from = next(
+            (p for p in c.get("resume_from", []) if _inside_job_dir(p, self.job_id)), None
+        )
         if resume_from:
             shipper.write(f"[ddpq] resuming from {resume_from}\n".encode())
         log_dir = (

@@ -20,6 +20,8 @@ from service.schemas import (
     ClaimedJob,
     ClaimRequest,
     FinishRequest,
+    GangReply,
+    GangRequest,
     Heartbeat,
     HeartbeatReply,
     JobPublic,
@@ -93,6 +95,7 @@ async def claim(
     while True:
         seen = wakeup.generation
         token, token_hash = mint_job_token()
+        started = time.perf_counter()
         try:
             claimed = await asyncio.get_running_loop().run_in_executor(
                 _claim_pool(db.dialect),
@@ -102,16 +105,48 @@ async def claim(
                 body.free_cpu_slots,
                 body.free_gpus,
                 token_hash,
+                body.advertise_addr,
+                body.rdzv_port,
             )
         except LookupError:
             raise UnknownWorker(f"worker {body.name} is not registered") from None
+        request.app.state.telemetry.observe_claim(time.perf_counter() - started, claimed)
         if claimed is not None:
+            if claimed.nnodes > 1:
+                wakeup.notify()  # gang waiters in this process: a slot was taken
             # Serialised here, once: a returned model would be validated a second time.
             body_json = ClaimedJob(token=token, **claimed.__dict__).model_dump_json()
             return Response(body_json, media_type="application/json")
         left = deadline - time.monotonic()
         if left <= 0 or request.app.state.stopping.is_set() or await request.is_disconnected():
             return Response(status_code=204)
+        await wakeup.wait(seen, min(left, settings.claim_recheck_s))
+
+
+@router.post("/gang", response_model=GangReply)
+async def gang(
+    body: GangRequest, request: Request, db: DB, settings: SettingsDep, wakeup: WakeupDep
+) -> GangReply:
+    """Long-poll on a held node slot of a multi-node job until its gang is complete
+    (ready: the rendezvous to start torchrun with) or the slot is released."""
+    if body.leave:
+        if await run_in_threadpool(queue.leave_gang, db, body.name, body.job_id, body.attempt):
+            wakeup.notify()
+        return GangReply(state="released", reason="left by its worker")
+    deadline = time.monotonic() + min(body.wait_s, settings.max_claim_wait_s)
+    while True:
+        seen = wakeup.generation
+        status = await run_in_threadpool(
+            queue.gang_status, db, body.name, body.job_id, body.attempt
+        )
+        left = deadline - time.monotonic()
+        if (
+            status["state"] != "forming"
+            or left <= 0
+            or request.app.state.stopping.is_set()
+            or await request.is_disconnected()
+        ):
+            return GangReply(**status)
         await wakeup.wait(seen, min(left, settings.claim_recheck_s))
 
 

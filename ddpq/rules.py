@@ -1,0 +1,109 @@
+"""What a job spec may ask of a worker: the rules the API checks at submission and
+the worker checks again before it starts anything (it never trusts what it is sent).
+
+Pure functions on strings, no imports of service/ or worker/: both import this.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+
+# A job's program runs whatever code its author wrote, so the denylist does not try
+# to stop a job from harming itself. It protects what ddpq promises around the job:
+# - ddpq's own variables (the job token, the checkpoint directory, the launch id that
+#   finds the ranks to kill): DDPQ_*;
+# - the rank layout and rendezvous torchrun sets up: RANK, WORLD_SIZE, MASTER_*, ...,
+#   TORCHELASTIC_*, and PET_*, which torchrun reads as defaults for its own options
+#   (PET_RDZV_ENDPOINT would join another job's rendezvous);
+# - the GPUs the job was given: *_VISIBLE_DEVICES, and CUDA_DEVICE_ORDER, which
+#   renumbers devices so that the same indices name other cards;
+# - the supervisor and torchrun itself, which start before the program and run with
+#   this environment: the dynamic loader (LD_*, GLIBC_TUNABLES), the interpreter
+#   (PYTHON*: PYTHONPATH could replace torch.distributed.run), PATH, HOME, and
+#   BASH_ENV/ENV (read by any shell a library spawns).
+# Left to the job on purpose: OMP_NUM_THREADS (torchrun only defaults it to 1, tuning
+# it is normal), NCCL_* and TORCH_NCCL_* (transport tuning and debugging, as the seeds
+# do, e.g. NCCL_DEBUG=INFO, NCCL_SOCKET_IFNAME), CUDA_LAUNCH_BLOCKING and the like.
+RESERVED_ENV_PREFIXES = (
+    "DDPQ_",
+    "PET_",
+    "TORCHELASTIC_",
+    "TORCH_ELASTIC_",
+    "MASTER_",
+    "ROLE_",
+    "LD_",
+    "PYTHON",
+)
+RESERVED_ENV_SUFFIXES = ("_VISIBLE_DEVICES",)
+RESERVED_ENV_NAMES = frozenset(
+    {
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "GROUP_WORLD_SIZE",
+        "NODE_RANK",
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",  # ddpq sets it (see worker/runner.py)
+        "CUDA_DEVICE_ORDER",
+        "GPU_DEVICE_ORDINAL",
+        "GLIBC_TUNABLES",
+        "PATH",
+        "HOME",
+        "BASH_ENV",
+        "ENV",
+    }
+)
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+
+
+def reserved_env(name: str) -> bool:
+    """True for a variable a job's ``env`` must not set (compared case-insensitively)."""
+    upper = name.upper()
+    return (
+        upper in RESERVED_ENV_NAMES
+        or upper.startswith(RESERVED_ENV_PREFIXES)
+        or upper.endswith(RESERVED_ENV_SUFFIXES)
+    )
+
+
+def env_problem(name: str, value: str) -> str | None:
+    """Why ``name=value`` cannot go into a job's environment, or None."""
+    if not ENV_NAME.match(name):
+        return f"{name[:100]!r} is not a valid variable name"
+    if reserved_env(name):
+        return f"{name} is set by ddpq, torchrun or CUDA and cannot be overridden"
+    if "\x00" in value:
+        return f"the value of {name} contains a NUL character"
+    return None
+
+
+# %2e %2f %5c %00 and the like: nothing decodes an entrypoint, so an encoded dot or
+# slash is a sign of someone probing for a decoder; refuse it rather than guess.
+_ENCODED = re.compile(r"%[0-9A-Fa-f]{2}")
+
+
+def entrypoint_problem(path: str) -> str | None:
+    """Why ``path`` is not a plain relative path inside a workspace, or None.
+
+    Checked on the text and on its NFKC form (fullwidth dots and slash, U+FF0E and
+    U+FF0F, become "../"), so no spelling of an absolute path or a parent step gets
+    through. Symlinks can only be judged where the file is: the worker resolves the
+    path before it runs it.
+    """
+    for form in (path, unicodedata.normalize("NFKC", path)):
+        if any(unicodedata.category(c) in ("Cc", "Cf", "Cs", "Zl", "Zp") for c in form):
+            return "must not contain control, format or surrogate characters"
+        if "\\" in form:
+            return "must use '/' as the separator"
+        if _ENCODED.search(form):
+            return "must not contain %-encoded characters"
+        if form.startswith(("/", "~")) or re.match(r"^[A-Za-z]:", form):
+            return "must be a path relative to the worker's workspace"
+        parts = form.split("/")
+        if ".." in parts:
+            return "must not contain '..'"
+        if all(p in ("", ".") for p in parts):
+            return "must name a file inside the workspace"
+    return None

@@ -1,0 +1,233 @@
+"""A job's combined output: storing it under a cap, reading it from an offset, following it.
+
+Offsets are positions in the stored byte stream of the whole job (every attempt, in
+order), counting the bytes the cap later dropped: an offset a reader was given stays
+valid however much is cut after it. The cap keeps the head (HEAD_SHARE of
+DDPQ_LOG_MAX_BYTES: how the job started) and the newest bytes (how it is going, or why
+it ended) and drops whole chunks in between, so the stored chunks have one gap. A read
+that crosses the gap gets a marker line saying how much was cut and where the output
+resumes; the marker is not part of the stored stream and counts for no offset.
+
+The ranks' lines arrive marked with their rank (torchrun's ``[rank0]: `` prefix, set by
+the worker); the worker's own lines start with ``[ddpq]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+from fastapi.concurrency import run_in_threadpool
+from sqlalchemy import delete, func, select, update
+from sqlalchemy.orm import Session
+
+from service.db import Database
+from service.errors import Conflict, Invalid, NotFound
+from service.models import TERMINAL, Attempt, Job, JobNode, LogChunk
+
+HEAD_SHARE = 0.25
+# One answer carries at most this many stored bytes; X-Next-Offset says where to go on.
+MAX_LOG_RESPONSE_BYTES = 8 * 1024 * 1024
+# How often a follower looks for new output. It sleeps on the event loop between looks:
+# no database connection and no thread is held while a follower waits.
+FOLLOW_POLL_S = 0.25
+# Chunks fetched per round trip while reading (a server-side cursor on Postgres).
+_FETCH_CHUNKS = 64
+
+
+def head_bytes(cap: int) -> int:
+    return int(cap * HEAD_SHARE)
+
+
+def cut_marker(cut: int, cap: int, resume_at: int) -> bytes:
+    return (
+        f"[ddpq] {cut} bytes of output cut here (log cap DDPQ_LOG_MAX_BYTES={cap}); "
+        f"output resumes at offset {resume_at}\n"
+    ).encode()
+
+
+# ---- writing ----------------------------------------------------------------------------
+
+
+def append(db: Database, job_id: int, number: int, worker: str, offset: int, data: bytes) -> int:
+    """Append a chunk of attempt ``number``'s output; returns the bytes of it stored.
+
+    ``offset`` is where the chunk starts in this attempt's own output, so a chunk resent
+    after a lost answer is recognised and stored once.
+    """
+    cap = db.policy.log_max_bytes
+    with db.write() as s:
+        # Lock the job row first (Postgres): two API processes handed the same resent
+        # chunk then store it once, and chunk starts never collide.
+        row = s.execute(
+            select(Job.log_size, Job.attempt, Job.nnodes).where(Job.id == job_id).with_for_update()
+        ).first()
+        if row is None:
+            raise NotFound(f"no job {job_id}")
+        size, current, nnodes = row
+        attempt = s.scalar(
+            select(Attempt).where(Attempt.job_id == job_id, Attempt.number == number)
+        )
+        # Each node of a multi-node attempt ships its own stream into the one log.
+        node = (
+            s.scalar(
+                select(JobNode).where(
+                    JobNode.job_id == job_id, JobNode.attempt == number, JobNode.worker == worker
+                )
+            )
+            if nnodes > 1
+            else None
+        )
+        if attempt is None or (attempt.worker != worker and node is None):
+            raise Conflict(f"job {job_id} has no attempt {number} on worker {worker}")
+        if current != number:
+            raise Conflict(f"attempt {number} was superseded by attempt {current}")
+        stream: Attempt | JobNode = node if node is not None else attempt
+        have = stream.log_bytes
+        if offset > have:
+            raise Conflict(
+                f"log gap: this attempt has {have} bytes stored, chunk starts at {offset}"
+            )
+        fresh = data[have - offset :]
+        if not fresh:
+            return have
+        stream.log_bytes = have + len(fresh)
+        if have == 0 and size > 0 and not _ends_line(s, job_id):
+            # An earlier attempt died mid-line: this attempt's output starts on a line
+            # of its own, as every line must start with its [rankN] or [ddpq] mark.
+            fresh = b"\n" + fresh
+        _store(s, job_id, number, size, fresh, cap)
+        return stream.log_bytes
+
+
+def _ends_line(s: Session, job_id: int) -> bool:
+    last = s.scalar(
+        select(func.substr(LogChunk.data, func.length(LogChunk.data), 1))
+        .where(LogChunk.job_id == job_id)
+        .order_by(LogChunk.start.desc())
+        .limit(1)
+    )
+    return last is None or bytes(last) == b"\n"
+
+
+def _store(s: Session, job_id: int, attempt: int, size: int, data: bytes, cap: int) -> None:
+    head = head_bytes(cap)
+    pieces = [(size, data)]
+    if size < head < size + len(data):
+        # Split at the head's end: the head is then exactly the chunks starting before it.
+        k = head - size
+        pieces = [(size, data[:k]), (head, data[k:])]
+    for start, piece in pieces:
+        s.add(LogChunk(job_id=job_id, attempt=attempt, start=start, data=piece))
+    new_size = size + len(data)
+    s.execute(update(Job).where(Job.id == job_id).values(log_size=new_size))
+    if new_size > cap:
+        # Drop every chunk after the head that lies wholly before the newest
+        # (cap - head) bytes. Earlier cuts are gone already, so the index range
+        # holds only what this append pushed out (and at most one straddling chunk).
+        keep_from = new_size - (cap - head)
+        s.execute(
+            delete(LogChunk).where(
+                LogChunk.job_id == job_id,
+                LogChunk.start >= head,
+                LogChunk.start < keep_from,
+                LogChunk.start + func.length(LogChunk.data) <= keep_from,
+            )
+        )
+
+
+# ---- reading ----------------------------------------------------------------------------
+
+
+@dataclass
+class LogSlice:
+    data: bytes  # stored bytes from the offset, with a marker line where a cut was crossed
+    next_offset: int  # where the next read starts (stored-byte coordinates)
+    size: int  # the stored stream's length (its end offset)
+    status: str  # the job's status, read in the same transaction
+
+
+def read(
+    db: Database,
+    job_id: int,
+    offset: int,
+    limit: int = MAX_LOG_RESPONSE_BYTES,
+    past_end_ok: bool = False,
+) -> LogSlice:
+    """The log from ``offset``: at most ``limit`` stored bytes, plus a cut marker if crossed.
+
+    ``past_end_ok``: an offset past the end reads from the end. Followers count the bytes
+    they received to resume, and a marker they received counts for no offset.
+    """
+    cap = db.policy.log_max_bytes
+    with db.read() as s:
+        row = s.execute(select(Job.status, Job.log_size).where(Job.id == job_id)).first()
+        if row is None:
+            raise NotFound(f"no job {job_id}")
+        status, size = row
+        if offset > size and past_end_ok:
+            offset = size
+        if offset > size:
+            raise Invalid(
+                ("query", "offset"),
+                f"offset {offset} is past the end of the log ({size} bytes so far); "
+                "resume from X-Next-Offset",
+            )
+        if offset == size:
+            return LogSlice(b"", offset, size, status)
+        first = s.scalar(
+            select(func.max(LogChunk.start)).where(
+                LogChunk.job_id == job_id, LogChunk.start <= offset
+            )
+        )
+        q = (
+            select(LogChunk.start, LogChunk.data)
+            .where(LogChunk.job_id == job_id, LogChunk.start >= (first or 0))
+            .order_by(LogChunk.start)
+            .execution_options(yield_per=_FETCH_CHUNKS)
+        )
+        out = bytearray()
+        pos = offset
+        taken = 0
+        for start, data in s.execute(q):
+            if start + len(data) <= pos:
+                continue  # the head's last chunk, when the offset lies in the cut
+            if start > pos:
+                if out and not out.endswith(b"\n"):
+                    out += b"\n"  # the marker is a line of its own
+                out += cut_marker(start - pos, cap, start)
+                pos = start
+            piece = data[pos - start : pos - start + limit - taken]
+            out += piece
+            pos += len(piece)
+            taken += len(piece)
+            if taken >= limit:
+                break
+        return LogSlice(bytes(out), pos, size, status)
+
+
+async def follow(
+    db: Database,
+    job_id: int,
+    first: LogSlice,
+    disconnected: Callable[[], Awaitable[bool]],
+    poll_s: float = FOLLOW_POLL_S,
+) -> AsyncIterator[bytes]:
+    """``first`` (read by the handler, so a bad request is answered before the stream
+    starts), then new output as it arrives, until the job has ended and all of it is
+    sent, or the client has gone.
+
+    State comes from the database alone, so any API process can serve a follower.
+    """
+    got = first
+    while True:
+        if got.data:
+            yield got.data
+        if got.next_offset >= got.size:
+            if got.status in TERMINAL:
+                return  # the worker sends all output before it reports the end
+            if await disconnected():
+                return
+            await asyncio.sleep(poll_s)
+        got = await run_in_threadpool(read, db, job_id, got.next_offset)

@@ -1,0 +1,217 @@
+// A small SVG line chart for one metric over steps: nice ticks, optional log scale,
+// min/max-per-pixel thinning for long histories, and a hover read-out. No library.
+
+const SVG = "http://www.w3.org/2000/svg";
+const PAD = { left: 64, right: 16, top: 12, bottom: 28 };
+
+function svg(tag, attrs = {}) {
+  const e = document.createElementNS(SVG, tag);
+  for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, String(v));
+  return e;
+}
+
+// About `count` round tick values covering [lo, hi].
+export function niceTicks(lo, hi, count = 5) {
+  if (!(hi > lo)) return [lo];
+  const raw = (hi - lo) / count;
+  const mag = 10 ** Math.floor(Math.log10(raw));
+  const step = [1, 2, 2.5, 5, 10].map((m) => m * mag).find((s) => s >= raw) ?? 10 * mag;
+  const ticks = [];
+  for (let t = Math.ceil(lo / step) * step; t <= hi + step * 1e-9; t += step) {
+    ticks.push(Math.abs(t) < step * 1e-9 ? 0 : t);
+  }
+  return ticks;
+}
+
+export function formatNumber(v) {
+  if (typeof v !== "number") return v == null ? "" : String(v);
+  if (!Number.isFinite(v)) return String(v);
+  if (v === 0) return "0";
+  const a = Math.abs(v);
+  if (a >= 1e5 || a < 1e-3) return v.toExponential(2);
+  return String(Number(v.toPrecision(4)));
+}
+
+// Keep the first and last point of each pixel column and its minimum and maximum,
+// so a long history keeps its shape (spikes included) at a few points per pixel.
+function thin(points, width, xOf) {
+  if (points.length <= width * 4) return points;
+  const out = [];
+  let col = null;
+  let bucket = [];
+  const flush = () => {
+    if (!bucket.length) return;
+    let lo = bucket[0];
+    let hi = bucket[0];
+    for (const p of bucket) {
+      if (p.y < lo.y) lo = p;
+      if (p.y > hi.y) hi = p;
+    }
+    const keep = new Set([bucket[0], lo, hi, bucket[bucket.length - 1]]);
+    for (const p of bucket) if (keep.has(p)) out.push(p);
+    bucket = [];
+  };
+  for (const p of points) {
+    const c = Math.floor(xOf(p.x));
+    if (c !== col) {
+      flush();
+      col = c;
+    }
+    bucket.push(p);
+  }
+  flush();
+  return out;
+}
+
+export class LineChart {
+  constructor(container) {
+    this.container = container;
+    this.points = [];
+    this.hoverX = null;
+    this.logY = false;
+    this.label = "";
+    this.root = svg("svg", { class: "chart-svg", role: "img" });
+    this.container.replaceChildren(this.root);
+    this.observer = new ResizeObserver(() => this.draw());
+    this.observer.observe(container);
+    this.root.addEventListener("mousemove", (ev) => this.hover(ev));
+    this.root.addEventListener("mouseleave", () => this.hover(null));
+  }
+
+  destroy() {
+    this.observer.disconnect();
+  }
+
+  // points: [{x: step, y: value}] sorted by x; non-finite values are left out.
+  setData(points, { logY = false, label = "" } = {}) {
+    this.points = points.filter((p) => Number.isFinite(p.y) && (!logY || p.y > 0));
+    this.logY = logY;
+    this.label = label;
+    this.container.dataset.points = String(this.points.length);
+    this.draw();
+  }
+
+  draw() {
+    const width = Math.max(200, Math.floor(this.container.clientWidth || 600));
+    const height = Math.max(160, Math.floor(this.container.clientHeight || 260));
+    const root = this.root;
+    root.setAttribute("width", width);
+    root.setAttribute("height", height);
+    root.setAttribute("viewBox", `0 0 ${width} ${height}`);
+    root.setAttribute("aria-label", `${this.label}: ${this.points.length} points`);
+    root.replaceChildren();
+    this.layout = null;
+    const pts = this.points;
+    if (!pts.length) {
+      const t = svg("text", { x: width / 2, y: height / 2, class: "chart-empty" });
+      t.textContent = this.label ? `no ${this.label} reported yet` : "no metrics reported yet";
+      root.append(t);
+      return;
+    }
+    const fy = this.logY ? Math.log10 : (v) => v;
+    let x0 = pts[0].x;
+    let x1 = pts[pts.length - 1].x;
+    let y0 = Infinity;
+    let y1 = -Infinity;
+    for (const p of pts) {
+      const v = fy(p.y);
+      if (v < y0) y0 = v;
+      if (v > y1) y1 = v;
+    }
+    if (x1 === x0) x1 = x0 + 1;
+    if (y1 === y0) {
+      y0 -= 0.5;
+      y1 += 0.5;
+    } else {
+      const m = (y1 - y0) * 0.05;
+      y0 -= m;
+      y1 += m;
+    }
+    const pw = width - PAD.left - PAD.right;
+    const ph = height - PAD.top - PAD.bottom;
+    const xOf = (x) => PAD.left + ((x - x0) / (x1 - x0)) * pw;
+    const yOf = (v) => PAD.top + (1 - (fy(v) - y0) / (y1 - y0)) * ph;
+
+    const grid = svg("g", { class: "chart-grid" });
+    let yTicks;
+    if (this.logY) {
+      // Powers of ten when the range spans some; else round values within the decade.
+      const lo = Math.ceil(y0);
+      const hi = Math.floor(y1);
+      const every = Math.max(1, Math.ceil((hi - lo + 1) / 6));
+      yTicks = [];
+      for (let e = lo; e <= hi; e += every) yTicks.push(10 ** e);
+      if (yTicks.length < 2) yTicks = niceTicks(10 ** y0, 10 ** y1, 4).filter((t) => t > 0);
+    } else {
+      yTicks = niceTicks(y0, y1, 5);
+    }
+    for (const t of yTicks) {
+      const y = yOf(t);
+      grid.append(svg("line", { x1: PAD.left, x2: width - PAD.right, y1: y, y2: y }));
+      const label = svg("text", { x: PAD.left - 6, y: y + 4, class: "tick y" });
+      label.textContent = formatNumber(t);
+      grid.append(label);
+    }
+    for (const t of niceTicks(x0, x1, Math.max(2, Math.floor(pw / 90)))) {
+      if (!Number.isInteger(t)) continue;
+      const x = xOf(t);
+      grid.append(svg("line", { x1: x, x2: x, y1: PAD.top, y2: height - PAD.bottom }));
+      const label = svg("text", { x, y: height - PAD.bottom + 16, class: "tick x" });
+      label.textContent = String(t);
+      grid.append(label);
+    }
+    const axisLabel = svg("text", { x: width - PAD.right, y: height - 2, class: "tick x end" });
+    axisLabel.textContent = "step";
+    grid.append(axisLabel);
+    root.append(grid);
+
+    const shown = thin(pts, pw, xOf);
+    let d = "";
+    for (const p of shown) d += `${d ? "L" : "M"}${xOf(p.x).toFixed(1)},${yOf(p.y).toFixed(1)}`;
+    root.append(svg("path", { d, class: "chart-line" }));
+    const last = pts[pts.length - 1];
+    root.append(svg("circle", { cx: xOf(last.x), cy: yOf(last.y), r: 3, class: "chart-dot" }));
+
+    this.cursor = svg("g", { class: "chart-cursor", visibility: "hidden" });
+    this.cursorLine = svg("line", { y1: PAD.top, y2: height - PAD.bottom });
+    this.cursorDot = svg("circle", { r: 4 });
+    this.cursorText = svg("text", { y: PAD.top + 12 });
+    this.cursor.append(this.cursorLine, this.cursorDot, this.cursorText);
+    root.append(this.cursor);
+    this.layout = { xOf, yOf, x0, x1, pw, width };
+    // A redraw for new points keeps the read-out where the mouse still is.
+    if (this.hoverX != null) this.hover({ clientX: this.hoverX });
+  }
+
+  hover(ev) {
+    this.hoverX = ev ? ev.clientX : null;
+    if (!this.layout || !this.cursor) return;
+    if (!ev) {
+      this.cursor.setAttribute("visibility", "hidden");
+      return;
+    }
+    const { xOf, yOf, x0, x1, pw, width } = this.layout;
+    const rect = this.root.getBoundingClientRect();
+    const step = x0 + ((ev.clientX - rect.left - PAD.left) / pw) * (x1 - x0);
+    const pts = this.points;
+    let lo = 0;
+    let hi = pts.length - 1;
+    while (lo < hi) {
+      const mid = (lo + hi) >> 1;
+      if (pts[mid].x < step) lo = mid + 1;
+      else hi = mid;
+    }
+    if (lo > 0 && Math.abs(pts[lo - 1].x - step) < Math.abs(pts[lo].x - step)) lo -= 1;
+    const p = pts[lo];
+    const x = xOf(p.x);
+    this.cursorLine.setAttribute("x1", x);
+    this.cursorLine.setAttribute("x2", x);
+    this.cursorDot.setAttribute("cx", x);
+    this.cursorDot.setAttribute("cy", yOf(p.y));
+    const right = x > width - 160;
+    this.cursorText.setAttribute("x", right ? x - 6 : x + 6);
+    this.cursorText.setAttribute("text-anchor", right ? "end" : "start");
+    this.cursorText.textContent = `step ${p.x}: ${formatNumber(p.y)}`;
+    this.cursor.setAttribute("visibility", "visible");
+  }
+}

@@ -1,0 +1,449 @@
+"""The `ddpq` CLI as a user runs it: subprocesses against a real `ddpq serve`.
+
+Jobs run, log, report and end through the worker protocol driven by hand
+(tests/helpers.py), so no torchrun is needed. One server for the module: every
+test names its own jobs and its own hand worker, and leaves nothing queued. The
+CLI is what is tested here, not the database: SQLite only.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ddpq.cli import FILTERED_PAGE, sparkline
+from tests.conftest import REPO, Server, _child_env, free_port, start_server, stop_process, wait_for
+from tests.helpers import finish, submit_and_claim
+
+SPARK = set("▁▂▃▄▅▆▇█")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    base = tmp_path_factory.mktemp("cli")
+    s = start_server(f"sqlite:///{base / 'ddpq.db'}", base / "api")
+    yield s
+    for c in s.clients:
+        c.close()
+    stop_process(s.proc)
+
+
+@pytest.fixture(autouse=True)
+def _nothing_left_queued(server: Server) -> Iterator[None]:
+    # submit_and_claim claims the oldest queued job: a test's leftovers would be it.
+    yield
+    while Running.started:
+        Running.started.pop().close()
+    c = server.client()
+    for job in c.get("/jobs", params={"status": "queued", "limit": 500}).json()["items"]:
+        c.post(f"/jobs/{job['id']}/cancel")
+
+
+def _env(server: Server, **extra: str) -> dict[str, str]:
+    return _child_env({"DDPQ_URL": server.url, "DDPQ_TOKEN": server.api_token, **extra})
+
+
+def ddpq(
+    server: Server | None, *args: str, input: str | None = None, **env: str
+) -> subprocess.CompletedProcess[str]:
+    r = subprocess.run(
+        [sys.executable, "-m", "ddpq.cli", *args],
+        env=_env(server, **env) if server else _child_env(env),
+        capture_output=True,
+        text=True,
+        input=input,
+        timeout=60,
+        cwd=REPO,
+    )
+    assert "Traceback" not in r.stderr, r.stderr  # errors are sentences, never tracebacks
+    return r
+
+
+class Running:
+    """A `ddpq` command left running; its output is collected as it comes."""
+
+    started: list[Running] = []
+
+    def __init__(self, server: Server, *args: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ddpq.cli", *args],
+            env=_env(server),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=REPO,
+        )
+        self.out = b""
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        Running.started.append(self)
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        while chunk := self.proc.stdout.read1(65536):
+            self.out += chunk
+
+    @property
+    def text(self) -> str:
+        return self.out.decode("utf-8", "replace")
+
+    def wait(self, timeout: float = 30) -> int:
+        code = self.proc.wait(timeout)
+        self._reader.join(5)
+        assert self.proc.stderr is not None
+        stderr = self.proc.stderr.read().decode()
+        self.close()
+        assert "Traceback" not in stderr, stderr
+        return code
+
+    def close(self) -> None:
+        stop_process(self.proc, timeout=10)  # only if a failed test left it running
+        self._reader.join(5)
+        for pipe in (self.proc.stdout, self.proc.stderr):
+            if pipe is not None:
+                pipe.close()
+
+
+def _job(server: Server, **spec: Any) -> dict[str, Any]:
+    r = server.client().post("/jobs", json={"entrypoint": "train.py", **spec})
+    assert r.status_code == 201, r.text
+    job: dict[str, Any] = r.json()
+    return job
+
+
+def _log(server: Server, claim: dict[str, Any], worker: str, offset: int, data: bytes) -> None:
+    r = server.client("worker").post(
+        f"/workers/jobs/{claim['job_id']}/logs",
+        params={"worker": worker, "attempt": claim["attempt"], "offset": offset},
+        content=data,
+    )
+    assert r.status_code == 202, r.text
+
+
+def _report(server: Server, claim: dict[str, Any], items: list[dict[str, Any]]) -> None:
+    r = server.client(claim["token"]).post(
+        f"/jobs/{claim['job_id']}/metrics", json={"items": items}
+    )
+    assert r.status_code == 202, r.text
+
+
+# ---- submit ------------------------------------------------------------------------------
+
+
+def test_submit_from_yaml_and_json_files_with_flags_over_them(
+    server: Server, tmp_path: Path
+) -> None:
+    yaml_file = tmp_path / "job.yaml"
+    yaml_file.write_text(
+        "name: from-yaml\n"
+        "recipe: toy-regression\n"
+        "world_size: 2\n"
+        "args: [--total-epochs, 3]   # a number in argv is sent as text\n"
+        "env: {OMP_NUM_THREADS: 1}\n"
+        "priority: 5\n"
+    )
+    r = ddpq(server, "submit", "-f", str(yaml_file), "--json")
+    assert r.returncode == 0, r.stderr
+    spec = json.loads(r.stdout)["spec"]
+    assert spec["name"] == "from-yaml" and spec["recipe"] == "toy-regression"
+    assert spec["world_size"] == 2 and spec["priority"] == 5
+    assert spec["args"] == ["--total-epochs", "3"] and spec["env"] == {"OMP_NUM_THREADS": "1"}
+
+    json_file = tmp_path / "job.json"
+    json_file.write_text(
+        json.dumps(
+            {"name": "from-json", "recipe": "toy-regression", "args": ["--x"], "env": {"A": "1"}}
+        )
+    )
+    # Flags override the file; -- ARGS replace its args; --env adds to its env; an
+    # --entrypoint replaces the file's recipe rather than clash with it.
+    r = ddpq(
+        server,
+        *["submit", "-f", str(json_file), "--world-size", "4", "--name", "renamed"],
+        *["--entrypoint", "train.py", "--env", "B=2", "--json", "--", "--total-epochs", "1"],
+    )
+    assert r.returncode == 0, r.stderr
+    spec = json.loads(r.stdout)["spec"]
+    assert (spec["name"], spec["world_size"], spec["recipe"], spec["entrypoint"]) == (
+        "renamed",
+        4,
+        None,
+        "train.py",
+    )
+    assert spec["args"] == ["--total-epochs", "1"] and spec["env"] == {"A": "1", "B": "2"}
+
+    r = ddpq(server, "submit", "-f", "-", "--name", "from-stdin", input='{"recipe": "char-gpt"}')
+    assert r.returncode == 0, r.stderr
+    assert "queued (char-gpt, world size 1)" in r.stdout
+
+    # The example in the repository is a spec the API takes.
+    r = ddpq(server, "submit", "-f", "examples/job.yaml", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["spec"]["recipe"] == "toy-regression"
+
+
+def test_submit_refusals_name_the_field_and_change_nothing(server: Server, tmp_path: Path) -> None:
+    before = server.client().get("/jobs", params={"limit": 500}).json()["items"]
+    bad = tmp_path / "bad.yaml"
+    for text, field in (
+        ("recipe: toy-regression\nwold_size: 2\n", "wold_size"),  # unknown field
+        ("recipe: toy-regression\nworld_size: 0\n", "world_size"),  # bad value
+        ("recipe: toy-regression\nworld_size: '2'\n", "world_size"),  # wrong type
+        ("recipe: no-such-recipe\n", "recipe"),
+        ("entrypoint: /etc/passwd\n", "entrypoint"),
+    ):
+        bad.write_text(text)
+        r = ddpq(server, "submit", "-f", str(bad))
+        assert r.returncode == 1, (text, r.stdout, r.stderr)
+        assert "HTTP 422" in r.stderr and f"{field}:" in r.stderr, (text, r.stderr)
+    r = ddpq(server, "submit", "--recipe", "nope")
+    assert r.returncode == 1 and "recipe" in r.stderr
+
+    # Local mistakes are usage errors (2), with where they are.
+    bad.write_text("recipe: [toy-regression\n")
+    r = ddpq(server, "submit", "-f", str(bad))
+    assert r.returncode == 2 and "not valid YAML" in r.stderr and "line 2" in r.stderr
+    r = ddpq(server, "submit", "-f", "-", input='{"recipe": "toy-regression",}', **{})
+    assert r.returncode == 2 and "line 1" in r.stderr, r.stderr
+    bad.write_text("- recipe: toy-regression\n")
+    r = ddpq(server, "submit", "-f", str(bad))
+    assert r.returncode == 2 and "mapping" in r.stderr
+    r = ddpq(server, "submit", "-f", str(tmp_path / "missing.yaml"))
+    assert r.returncode == 2 and "missing.yaml" in r.stderr
+    r = ddpq(server, "submit", "--world-size", "2")
+    assert r.returncode == 2 and "--recipe" in r.stderr
+    r = ddpq(server, "submit", "--recipe", "toy-regression", "--entrypoint", "x.py")
+    assert r.returncode == 2
+
+    after = server.client().get("/jobs", params={"limit": 500}).json()["items"]
+    assert len(after) == len(before)
+
+
+def test_submit_wait_exits_4_when_the_job_is_cancelled(server: Server) -> None:
+    run = Running(server, "submit", "--recipe", "toy-regression", "--name", "waited", "--wait")
+    c = server.client()
+
+    def submitted() -> int | None:
+        items = c.get("/jobs", params={"status": "queued"}).json()["items"]
+        return next((j["id"] for j in items if j["name"] == "waited"), None)
+
+    c.post(f"/jobs/{wait_for(submitted, 30, 'the submitted job')}/cancel")
+    assert run.wait() == 4
+    assert "cancelled" in run.text
+
+
+# ---- ls and workers -----------------------------------------------------------------------
+
+
+def test_ls_filters_follows_cursors_and_prints_json(server: Server) -> None:
+    c = server.client()
+    old = _job(server, name="ls-needle-oldest")
+    # More jobs than one page of a name-filtered listing holds (50): finding the
+    # oldest means following next_cursor.
+    for i in range(FILTERED_PAGE + 2):
+        _job(server, name=f"ls-hay-{i}")
+    kept = _job(server, name="ls-needle-kept", world_size=2)
+    gone = _job(server, name="ls-needle-gone")
+    c.post(f"/jobs/{gone['id']}/cancel")
+
+    r = ddpq(server, "ls", "--name", "ls-needle", "--json")
+    assert r.returncode == 0, r.stderr
+    page = json.loads(r.stdout)
+    assert [j["id"] for j in page["items"]] == [gone["id"], kept["id"], old["id"]]
+    assert page["next_cursor"] is None
+
+    r = ddpq(server, "ls", "--name", "needle", "--status", "cancelled", "--json")
+    assert [j["id"] for j in json.loads(r.stdout)["items"]] == [gone["id"]]
+    r = ddpq(server, "ls", "--name", "NEEDLE", "-s", "queued", "-s", "cancelled", "--json")
+    assert len(json.loads(r.stdout)["items"]) == 3
+    r = ddpq(server, "ls", "--name", "ls-needle", "--limit", "2", "--json")
+    page = json.loads(r.stdout)
+    assert [j["id"] for j in page["items"]] == [gone["id"], kept["id"]]
+    assert page["next_cursor"] == str(kept["id"])
+    r = ddpq(server, "ls", "--name", "ls-needle", "--cursor", page["next_cursor"], "--json")
+    assert [j["id"] for j in json.loads(r.stdout)["items"]] == [old["id"]]
+    r = ddpq(server, "ls", "--limit", "3", "--json")
+    assert [j["id"] for j in json.loads(r.stdout)["items"]] == [
+        gone["id"],
+        kept["id"],
+        kept["id"] - 1,
+    ]
+
+    r = ddpq(server, "ls", "--name", "ls-needle")
+    assert r.returncode == 0, r.stderr
+    header, *rows = r.stdout.strip().splitlines()
+    assert header.split() == [
+        "ID", "NAME", "PROGRAM", "STATUS", "ATTEMPT", "WORKER", "STEP", "LOSS", "AGE", "REASON"
+    ]  # fmt: skip
+    assert rows[0].split()[:4] == [str(gone["id"]), "ls-needle-gone", "train.py", "cancelled"]
+    assert "queued" in rows[1] and "in queue" in rows[1]  # why it waits
+
+    r = ddpq(server, "ls", "--status", "sleeping")
+    assert r.returncode == 1 and "status" in r.stderr and "sleeping" in r.stderr
+
+
+def test_workers_table_and_json(server: Server) -> None:
+    claim = submit_and_claim(server, name="cli-workers")
+    r = ddpq(server, "workers", "--json")
+    assert r.returncode == 0, r.stderr
+    mine = next(w for w in json.loads(r.stdout) if w["name"] == "cli-workers")
+    assert [j["job_id"] for j in mine["running"]] == [claim["job_id"]]
+    assert mine["cpu_slots"] == 8 and mine["free_cpu_slots"] == 7 and mine["alive"]
+    r = ddpq(server, "workers")
+    header, *rows = r.stdout.strip().splitlines()
+    assert header.split()[:3] == ["NAME", "HOST", "STATE"]
+    row = next(x for x in rows if x.split()[0] == "cli-workers")
+    assert row.split()[2:4] == ["alive", "7/8"] and "ago" in row and str(claim["job_id"]) in row
+    finish(server, claim, name="cli-workers")
+
+
+# ---- logs ----------------------------------------------------------------------------------
+
+
+def test_logs_follow_prints_as_it_comes_and_ends_with_the_job(server: Server) -> None:
+    claim = submit_and_claim(server, name="cli-logs")
+    _log(server, claim, "cli-logs", 0, b"[rank0] first line\n")
+    run = Running(server, "logs", str(claim["job_id"]), "-f")
+    wait_for(lambda: "first line" in run.text, 30, "the first line")
+    _log(server, claim, "cli-logs", 19, "[rank0] second: é\n".encode())
+    wait_for(lambda: "second" in run.text, 30, "the second line")
+    assert run.proc.poll() is None  # still following: the job runs
+    _log(server, claim, "cli-logs", 38, b"[rank0] last words\n")
+    finish(server, claim, name="cli-logs")
+    assert run.wait() == 0
+    assert run.text == "[rank0] first line\n[rank0] second: é\n[rank0] last words\n"
+
+    r = ddpq(server, "logs", str(claim["job_id"]), "--json")
+    lines = [json.loads(x) for x in r.stdout.splitlines()]
+    assert lines == [
+        {"offset": 0, "text": "[rank0] first line"},
+        {"offset": 19, "text": "[rank0] second: é"},
+        {"offset": 38, "text": "[rank0] last words"},
+    ]
+    r = ddpq(server, "logs", str(claim["job_id"]), "--offset", "19")
+    assert r.stdout == "[rank0] second: é\n[rank0] last words\n"
+
+    # A job that never ran: nothing to print, and -f ends at once.
+    job = _job(server, name="never-ran")
+    server.client().post(f"/jobs/{job['id']}/cancel")
+    r = ddpq(server, "logs", str(job["id"]), "-f", "--json")
+    assert r.returncode == 0 and r.stdout == ""
+
+
+# ---- watch ----------------------------------------------------------------------------------
+
+
+def test_sparkline_scales_between_min_and_max() -> None:
+    assert sparkline(range(1, 9)) == "▁▂▃▄▅▆▇█"
+    assert sparkline([3.0, "NaN", 1.0]) == "█▁"  # non-finite points are left out
+    assert sparkline([2, 2]) == "▄▄" and sparkline([]) == ""
+
+
+def test_watch_shows_progress_and_loss_then_exits_with_the_outcome(server: Server) -> None:
+    claim = submit_and_claim(server, name="cli-watch")
+    job_id = str(claim["job_id"])
+    # total_steps comes once, with the first report, as the recipes send it.
+    _report(
+        server,
+        claim,
+        [{"step": 1, "values": {"loss": 2.0, "total_steps": 8}}]
+        + [{"step": s, "values": {"loss": 2.0 / s}} for s in range(2, 5)],
+    )
+    run = Running(server, "watch", job_id, "--interval", "0.2")
+    wait_for(lambda: "step 4/8 (50%)" in run.text, 30, "the progress line")
+    line = run.text.splitlines()[-1]
+    assert line.startswith(f"job {job_id} running | attempt 1 | worker cli-watch")
+    assert f"loss 0.5 {sparkline([2.0, 1.0, 2 / 3, 0.5])}" in line  # the loss points so far
+    _report(server, claim, [{"step": s, "values": {"loss": 2.0 / s}} for s in range(5, 9)])
+    wait_for(lambda: "step 8/8 (100%)" in run.text, 30, "the progress to reach the end")
+    finish(server, claim, name="cli-watch")
+    assert run.wait() == 0
+    last = run.text.splitlines()[-1]
+    assert last.startswith(f"job {job_id} succeeded") and "exit code 0" in last
+    assert len(set(last.split()[-1]) & SPARK) >= 4 and len(last.split()[-1]) == 8
+
+    # --json: one object per change, stable keys; a failed job exits 4.
+    claim = submit_and_claim(server, name="cli-watch")
+    run = Running(server, "watch", str(claim["job_id"]), "--json", "--interval", "0.2")
+    wait_for(lambda: '"running"' in run.text, 30, "the first object")
+    finish(server, claim, exit_code=3, name="cli-watch")
+    assert run.wait() == 4
+    objects = [json.loads(x) for x in run.text.splitlines()]
+    assert [o["status"] for o in objects] == ["running", "failed"]
+    assert set(objects[-1]) == {
+        "id", "name", "status", "attempt", "max_attempts", "worker", "gpus", "reason",
+        "queue_position", "exit_code", "step", "total_steps", "epoch", "metrics",
+    }  # fmt: skip
+    assert objects[-1]["exit_code"] == 3 and objects[-1]["reason"]
+
+    # Queued: why it waits; cancelled while watched: 4.
+    job = _job(server, name="watched-in-queue")
+    run = Running(server, "watch", str(job["id"]), "--interval", "0.2")
+    wait_for(lambda: "in queue" in run.text, 30, "the queued line")
+    server.client().post(f"/jobs/{job['id']}/cancel")
+    assert run.wait() == 4
+    assert run.text.splitlines()[-1].startswith(f"job {job['id']} cancelled")
+
+
+def test_watch_interrupted_exits_130(server: Server) -> None:
+    job = _job(server, name="interrupted")
+    run = Running(server, "watch", str(job["id"]))
+    wait_for(lambda: "queued" in run.text, 30, "the first line")
+    run.proc.send_signal(signal.SIGINT)
+    assert run.wait() == 130
+
+
+# ---- errors and exit codes --------------------------------------------------------------------
+
+
+def test_exit_codes_for_errors_and_their_table_in_help(server: Server) -> None:
+    job = _job(server, name="to-cancel")
+    assert ddpq(server, "status", str(job["id"])).returncode == 0
+    r = ddpq(server, "cancel", str(job["id"]), "--json")
+    assert json.loads(r.stdout)["status"] == "cancelled"
+    assert ddpq(server, "status", str(job["id"])).returncode == 4
+    assert ddpq(server, "watch", str(job["id"])).returncode == 4
+
+    for cmd in (["status", "999999"], ["watch", "999999"], ["logs", "999999", "-f"]):
+        r = ddpq(server, *cmd)
+        assert r.returncode == 1 and "HTTP 404" in r.stderr, (cmd, r.stderr)
+    r = ddpq(server, "recipes", "--json")
+    assert "toy-regression" in [x["name"] for x in json.loads(r.stdout)]
+    r = ddpq(server, "ls", DDPQ_TOKEN="wrong-token-wrong-token")
+    assert r.returncode == 1 and "invalid token" in r.stderr
+
+    nowhere = {"DDPQ_URL": f"http://127.0.0.1:{free_port()}", "DDPQ_TOKEN": "t" * 20}
+    spec_file = ["submit", "-f", "examples/job.yaml"]
+    for cmd in (["ls"], ["workers"], ["watch", "1"], ["logs", "1", "-f"], spec_file):
+        r = ddpq(None, *cmd, **nowhere)
+        assert r.returncode == 3 and "cannot reach" in r.stderr, (cmd, r.stderr)
+
+    r = ddpq(None, "--help", COLUMNS="100")
+    codes = r.stdout[r.stdout.index("Exit codes") :]
+    for code in ("0", "1", "2", "3", "4", "130"):
+        assert re.search(rf"^\s+{code}  \w", codes, re.MULTILINE), codes
+
+
+def test_follow_resumes_after_a_cut_marker_at_the_offset_it_names() -> None:
+    """A follow stream that broke after crossing the log cap's cut resumes at the right
+    byte: the marker line counts for no offset, however the chunks split it."""
+    from ddpq.client import _Offsets
+    from service.logs import cut_marker
+
+    data = b"[rank0]: head\n" + cut_marker(500, 1000, 900) + b"[rank0]: tail\n"
+    for split in range(1, len(data)):
+        at = _Offsets(0)
+        at.feed(data[:split])
+        assert at.feed(data[split:]) == 900 + len(b"[rank0]: tail\n"), split
+    assert _Offsets(10).feed(b"abc") == 13
+    # A rank that prints the marker's words does not move the offset: its line starts "[rankN]:".
+    fake = b"[rank0]: " + cut_marker(1, 1, 99_999_999)
+    assert _Offsets(0).feed(fake) == len(fake)

@@ -1,0 +1,327 @@
+"""The web dashboard in a real browser: Playwright driving Debian's Chromium.
+
+A real `ddpq serve` on SQLite (the page is what is tested, not the database); the test
+plays the worker and the rank by hand over the worker protocol (tests/helpers.py), so
+it needs no torchrun: it reports a loss every few tenths of a second, appends log
+lines, registers a checkpoint, and stops when a heartbeat tells it the job was
+cancelled, exactly as the worker does.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from playwright.sync_api import expect, sync_playwright
+
+from tests.conftest import Server, start_server, stop_process, wait_for
+from tests.helpers import register
+
+CHROMIUM = os.environ.get("DDPQ_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-component-update",
+    "--disable-sync",
+]
+TIMEOUT_MS = 20_000  # the machine is shared: generous, but every wait is on a condition
+STATIC = ["app.js", "chart.js", "style.css", "favicon.svg", "index.html"]
+
+
+@pytest.fixture
+def sqlite_server(tmp_path: Path) -> Iterator[Server]:
+    s = start_server(f"sqlite:///{tmp_path / 'ddpq.db'}", tmp_path / "api")
+    yield s
+    for c in s.clients:
+        c.close()
+    stop_process(s.proc)
+
+
+def test_the_shell_is_open_holds_no_data_and_the_data_needs_the_token(
+    sqlite_server: Server,
+) -> None:
+    server = sqlite_server
+    secret_name = "secret-project-name-7f3a"
+    r = server.client().post("/jobs", json={"recipe": "toy-regression", "name": secret_name})
+    assert r.status_code == 201, r.text
+    job_id = r.json()["id"]
+
+    anon = server.client(token=None)
+    pages = {"/": anon.get("/"), **{f"/static/{n}": anon.get(f"/static/{n}") for n in STATIC}}
+    for path, resp in pages.items():
+        assert resp.status_code == 200, (path, resp.text)
+        assert secret_name not in resp.text, path
+        csp = resp.headers["content-security-policy"]
+        assert "default-src 'self'" in csp and "frame-ancestors 'none'" in csp, csp
+        assert "unsafe-inline" not in csp and "unsafe-eval" not in csp, csp
+        assert resp.headers["x-content-type-options"] == "nosniff"
+        assert resp.headers["referrer-policy"] == "no-referrer"
+        assert "no-cache" in resp.headers["cache-control"]
+    assert pages["/"].headers["content-type"].startswith("text/html")
+    assert pages["/static/app.js"].headers["content-type"].startswith("text/javascript")
+    assert pages["/static/style.css"].headers["content-type"].startswith("text/css")
+    # Nothing outside the page's own origin is loaded: it works offline.
+    for path in ("/", "/static/app.js", "/static/style.css"):
+        assert not re.search(r"https?://(?!www\.w3\.org/2000/svg)", pages[path].text), path
+
+    etag = pages["/static/app.js"].headers["etag"]
+    again = anon.get("/static/app.js", headers={"If-None-Match": etag})
+    assert again.status_code == 304 and again.content == b""
+    head = anon.head("/")
+    assert head.status_code == 200 and head.content == b""
+
+    # Only the shipped files, by exact name: no traversal, no other file of the package.
+    for path in (
+        "/static/nope.js",
+        "/static/..%2fapp.py",
+        "/static/%2e%2e%2f%2e%2e%2fpyproject.toml",
+        "/static/../routes/ui.py",
+        "/static/",
+        "/static/.",
+        "/static/index.html/",
+    ):
+        resp = httpx.get(server.url + path, timeout=10)  # raw: httpx must not tidy the path
+        assert resp.status_code in (404, 307), (path, resp.status_code)
+        assert "ASSETS" not in resp.text and "[project]" not in resp.text, path
+
+    # The data stays behind the token.
+    for path in ("/jobs", f"/jobs/{job_id}", f"/jobs/{job_id}/metrics", f"/jobs/{job_id}/logs"):
+        assert anon.get(path).status_code == 401, path
+        assert server.client("bogus").get(path).status_code == 401, path
+    assert anon.post(f"/jobs/{job_id}/cancel").status_code == 401
+    assert server.client().get(f"/jobs/{job_id}").json()["status"] == "queued"
+
+
+def _console(message: Any, problems: list[str]) -> None:
+    if message.type != "error":
+        return
+    # The attempts route may not exist on this server yet: the page hides that section.
+    if message.location.get("url", "").endswith("/attempts") and "404" in message.text:
+        return
+    problems.append(f"{message.text} ({message.location.get('url')})")
+
+
+def _screenshot(page: Any, name: str) -> None:
+    """For a person to look at: DDPQ_SCREENSHOT_DIR=/tmp/shots pytest tests/test_dashboard.py"""
+    folder = os.environ.get("DDPQ_SCREENSHOT_DIR")
+    if folder:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(Path(folder) / f"{name}.png"), full_page=True)
+
+
+class HandWorker:
+    """The worker and rank 0 of one claimed attempt, driven by hand on a thread."""
+
+    def __init__(self, server: Server, claim: dict[str, Any], name: str) -> None:
+        self.server = server
+        self.claim = claim
+        self.name = name
+        self.stop = threading.Event()
+        self.finished = threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="hand-worker", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # surfaced by the test, not lost on the thread
+            self.error = exc
+
+    def _loop(self) -> None:
+        job_id, attempt = self.claim["job_id"], self.claim["attempt"]
+        rank = self.server.client(self.claim["token"])
+        worker = self.server.client("worker")
+        log_offset = 0
+        step = 0
+        while not self.stop.is_set():
+            step += 1
+            loss = 2.0 / (1 + 0.3 * step)
+            r = rank.post(
+                f"/jobs/{job_id}/metrics",
+                json={
+                    "items": [
+                        {
+                            "step": step,
+                            "epoch": step / 10,
+                            "values": {"loss": loss, "lr": 0.9**step},
+                        }
+                    ]
+                },
+            )
+            assert r.status_code == 202, r.text
+            line = f"[rank0] step {step} loss {loss:.4f} <b>not html</b>\n".encode()
+            r = worker.post(
+                f"/workers/jobs/{job_id}/logs",
+                params={"worker": self.name, "attempt": attempt, "offset": log_offset},
+                content=line,
+            )
+            assert r.status_code == 202, r.text
+            log_offset += len(line)
+            if step == 3:
+                r = rank.post(
+                    f"/jobs/{job_id}/checkpoints",
+                    json={
+                        "path": f"{self.claim['checkpoint_dir']}/step3.pt",
+                        "step": 3,
+                        "metrics": {"loss": loss},
+                    },
+                )
+                assert r.status_code == 201, r.text
+            beat = worker.post(
+                "/workers/heartbeat",
+                json={"name": self.name, "running": [{"job_id": job_id, "attempt": attempt}]},
+            )
+            assert beat.status_code == 200, beat.text
+            if any(c["job_id"] == job_id for c in beat.json()["cancel"]):
+                r = worker.post(
+                    f"/workers/jobs/{job_id}/finish",
+                    json={
+                        "worker": self.name,
+                        "attempt": attempt,
+                        "exit_code": -15,
+                        "outcome": "cancelled",
+                    },
+                )
+                assert r.status_code == 200, r.text
+                self.finished.set()
+                return
+            self.stop.wait(0.4)
+
+
+def test_dashboard_follows_a_job_and_cancels_it(sqlite_server: Server) -> None:
+    if not os.access(CHROMIUM, os.X_OK):
+        pytest.fail(f"no Chromium at {CHROMIUM}: run `make browser` (or set DDPQ_CHROMIUM)")
+    expect.set_options(timeout=TIMEOUT_MS)
+    server = sqlite_server
+    api = server.client()
+    worker_name = "hand"
+    register(server, worker_name)
+    r = api.post("/jobs", json={"entrypoint": "train.py", "name": "dash <i>job</i>"})
+    assert r.status_code == 201, r.text
+    job_id = r.json()["id"]
+
+    hand: HandWorker | None = None
+    problems: list[str] = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            context = browser.new_context()
+            page = context.new_page()
+            page.set_default_timeout(TIMEOUT_MS)
+            # CSP violations and script errors show up here.
+            page.on("console", lambda m: _console(m, problems))
+            page.on("pageerror", lambda e: problems.append(str(e)))
+            offsite: list[str] = []
+            page.on(
+                "request",
+                lambda req: None if req.url.startswith(server.url) else offsite.append(req.url),
+            )
+
+            page.goto(server.url + "/")
+            login = page.locator("#login")
+            expect(login).to_be_visible()
+            page.fill("#token-input", "not-the-token")
+            page.click("#login button[type=submit]")
+            expect(page.locator("#login-error")).to_contain_text("refused")
+            page.fill("#token-input", server.api_token)
+            page.click("#login button[type=submit]")
+            expect(login).to_be_hidden()
+            problems.clear()  # the refused token's 401 is logged by the browser, on purpose
+
+            row = page.locator(f'#jobs tr[data-job-id="{job_id}"]')
+            # The name is shown as text, not parsed as markup.
+            expect(row.locator("td.name")).to_have_text("dash <i>job</i>")
+            expect(row.locator(".status")).to_have_text("queued")
+
+            claim_r = server.client("worker").post(
+                "/workers/claim",
+                json={"name": worker_name, "free_cpu_slots": 8, "free_gpus": [], "wait_s": 5},
+            )
+            assert claim_r.status_code == 200, claim_r.text
+            claim = claim_r.json()
+            assert claim["job_id"] == job_id
+            hand = HandWorker(server, claim, worker_name)
+            hand.thread.start()
+
+            # The table refreshes by itself: status and latest loss arrive without a reload.
+            expect(row.locator(".status")).to_have_text("running")
+            expect(row.locator("td.loss")).to_have_text(re.compile(r"\d"))
+            _screenshot(page, "jobs")
+            row.locator("td.name a").click()
+            expect(page).to_have_url(re.compile(rf"#/jobs/{job_id}$"))
+
+            expect(page.locator("#job-status .status")).to_have_text("running")
+            expect(page.locator("#job-facts")).to_contain_text(worker_name)
+            chart = page.locator("#chart")
+            expect(chart).to_have_attribute("data-points", re.compile(r"^[1-9]\d*$"))
+            first = int(chart.get_attribute("data-points") or 0)
+            expect(chart).not_to_have_attribute("data-points", str(first))
+            assert int(chart.get_attribute("data-points") or 0) > first
+            expect(chart.locator("path.chart-line")).to_have_count(1)
+            # Another metric, on a log scale: the chart redraws from the points it holds.
+            expect(page.locator("#metric-select option")).to_have_count(2)
+            page.select_option("#metric-select", "lr")
+            page.check("#log-scale")
+            expect(chart.locator("svg")).to_have_attribute("aria-label", re.compile(r"^lr: "))
+            expect(chart.locator("path.chart-line")).to_have_count(1)
+            _screenshot(page, "job-lr-log")
+            page.select_option("#metric-select", "loss")
+            page.uncheck("#log-scale")
+            expect(chart.locator("svg")).to_have_attribute("aria-label", re.compile(r"^loss: "))
+            expect(page.locator("#log")).to_contain_text("[rank0] step 2 loss")
+            expect(page.locator("#log")).to_contain_text("<b>not html</b>")
+            expect(page.locator("#checkpoints tbody")).to_contain_text("step3.pt")
+            if api.get(f"/jobs/{job_id}/attempts").status_code == 404:
+                expect(page.locator("#attempts-panel")).to_be_hidden()
+            else:
+                expect(page.locator("#attempts tbody tr")).to_have_count(1)
+
+            _screenshot(page, "job-running")
+            page.once("dialog", lambda d: d.accept())
+            page.click("#cancel")
+            expect(page.locator("#job-status .status")).to_have_text(
+                re.compile(r"^(cancelling|cancelled)$")
+            )
+            expect(page.locator("#job-status .status")).to_have_text("cancelled")
+            expect(page.locator("#cancel")).to_be_disabled()
+            _screenshot(page, "job-cancelled")
+            wait_for(hand.finished.is_set, 10, "the hand worker to report the cancel")
+            assert api.get(f"/jobs/{job_id}").json()["status"] == "cancelled"
+
+            # The token is kept in the browser: a reload asks nothing.
+            stored = [
+                item["value"]
+                for origin in context.storage_state()["origins"]
+                for item in origin["localStorage"]
+                if item["name"] == "ddpq.token"
+            ]
+            assert stored == [server.api_token]
+            page.reload()
+            expect(page.locator("#job-status .status")).to_have_text("cancelled")
+            expect(login).to_be_hidden()
+            page.click("#forget")
+            expect(login).to_be_visible()
+            assert not any(
+                item["name"] == "ddpq.token"
+                for origin in context.storage_state()["origins"]
+                for item in origin["localStorage"]
+            )
+            assert not problems, problems
+            assert not offsite, offsite
+        finally:
+            if hand is not None:
+                hand.stop.set()
+                hand.thread.join(10)
+            browser.close()
+    assert hand is not None and hand.error is None, hand.error if hand else None
+    wait_for(lambda: not hand.thread.is_alive(), 10, "the hand worker to stop")

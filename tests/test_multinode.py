@@ -46,9 +46,18 @@ def _job(server: Server, job_id: int) -> dict[str, Any]:
 
 
 def _claim(
-    server: Server, name: str, cpu: int = 8, port: int | None = 29400
+    server: Server,
+    name: str,
+    cpu: int = 8,
+    port: int | None = 29400,
+    gpus: list[int] | None = None,
 ) -> dict[str, Any] | None:
-    body: dict[str, Any] = {"name": name, "free_cpu_slots": cpu, "free_gpus": [], "wait_s": 0}
+    body: dict[str, Any] = {
+        "name": name,
+        "free_cpu_slots": cpu,
+        "free_gpus": gpus or [],
+        "wait_s": 0,
+    }
     if port is not None:
         body.update(advertise_addr=f"10.0.0.{len(name)}", rdzv_port=port)
     r = server.client("worker").post("/workers/claim", json=body)
@@ -160,21 +169,14 @@ def test_node_slots_hold_gpus_on_each_worker(server: Server) -> None:
     register(server, "g1", cpu_slots=8, gpus=[0, 1, 2, 3])
     register(server, "g2", cpu_slots=8, gpus=[0, 1])
     job = _submit(server, entrypoint="probe.py", device="cuda", world_size=4, nnodes=2)
-    w = server.client("worker")
 
-    def claim(name: str, gpus: list[int]) -> dict[str, Any] | None:
-        body = {"name": name, "free_cpu_slots": 8, "free_gpus": gpus, "wait_s": 0}
-        r = w.post("/workers/claim", json=body | {"advertise_addr": "10.0.0.9", "rdzv_port": 29400})
-        assert r.status_code in (200, 204), r.text
-        return r.json() if r.status_code == 200 else None
-
-    a = claim("g1", [0, 1, 2, 3])
+    a = _claim(server, "g1", gpus=[0, 1, 2, 3])
     assert a and a["device"] == "cuda" and a["gpus"] == [0, 1]
     other = _submit(server, entrypoint="probe.py", device="cuda", world_size=4)
     # g1's two GPUs of the node slot are held: a 4-GPU job cannot start there.
-    assert claim("g1", [0, 1, 2, 3]) is None
+    assert _claim(server, "g1", gpus=[0, 1, 2, 3]) is None
     assert "the most free on one worker is 2" in _job(server, other["id"])["reason"]
-    b = claim("g2", [0, 1])
+    b = _claim(server, "g2", gpus=[0, 1])
     assert b and b["gpus"] == [0, 1] and b["node_rank"] == 1
     running = _job(server, job["id"])
     assert running["status"] == "running" and running["gpus"] == [0, 1]
@@ -193,18 +195,11 @@ def test_an_auto_gang_keeps_one_device_on_every_node(server: Server) -> None:
     register(server, "c1", cpu_slots=8, gpus=[])
     register(server, "g2", cpu_slots=8, gpus=[0, 1])
     job = _submit(server, entrypoint="probe.py", device="auto", world_size=2, nnodes=2)
-    w = server.client("worker")
 
-    def claim(name: str, gpus: list[int]) -> dict[str, Any] | None:
-        body = {"name": name, "free_cpu_slots": 8, "free_gpus": gpus, "wait_s": 0}
-        r = w.post("/workers/claim", json=body | {"advertise_addr": "10.0.0.9", "rdzv_port": 29400})
-        assert r.status_code in (200, 204), r.text
-        return r.json() if r.status_code == 200 else None
-
-    a = claim("g1", [0, 1])
+    a = _claim(server, "g1", gpus=[0, 1])
     assert a and a["device"] == "cuda"
-    assert claim("c1", []) is None
-    b = claim("g2", [0, 1])
+    assert _claim(server, "c1", gpus=[]) is None
+    b = _claim(server, "g2", gpus=[0, 1])
     assert b and b["device"] == "cuda" and b["node_rank"] == 1
     assert _job(server, job["id"])["status"] == "running"
 

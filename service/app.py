@@ -8,7 +8,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncIterator
 from typing import Any
 
 import psycopg
@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service import queue, telemetry
 from service.auth import TokenGate, route_rules
@@ -33,18 +34,11 @@ from service.wakeup import Wakeup
 
 log = logging.getLogger("ddpq.service")
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-
 
 class BodyLimit:
     """413 for request bodies over the limit, whether declared or streamed."""
 
-    def __init__(
-        self, app: Callable[[Scope, Receive, Send], Awaitable[None]], max_bytes: int
-    ) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
         self.max_bytes = max_bytes
 

@@ -22,6 +22,7 @@ from fastapi.concurrency import run_in_threadpool
 from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
 
+from service import queue
 from service.db import Database
 from service.errors import Conflict, Invalid, NotFound
 from service.models import TERMINAL, Attempt, Job, JobNode, LogChunk
@@ -70,15 +71,7 @@ def append(db: Database, job_id: int, number: int, worker: str, offset: int, dat
             select(Attempt).where(Attempt.job_id == job_id, Attempt.number == number)
         )
         # Each node of a multi-node attempt ships its own stream into the one log.
-        node = (
-            s.scalar(
-                select(JobNode).where(
-                    JobNode.job_id == job_id, JobNode.attempt == number, JobNode.worker == worker
-                )
-            )
-            if nnodes > 1
-            else None
-        )
+        node = queue.node_of(s, job_id, number, worker) if nnodes > 1 else None
         if attempt is None or (attempt.worker != worker and node is None):
             raise Conflict(f"job {job_id} has no attempt {number} on worker {worker}")
         if current != number:

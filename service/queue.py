@@ -22,6 +22,7 @@ lease; losing any node, or any node's failure, ends the attempt for all of them.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -353,6 +354,11 @@ _START_GANG = (
 )
 
 
+def _resolve(device: str, worker_has_gpus: bool) -> str:
+    """The device a claimed job runs on here: `auto` takes the worker's GPUs if it has any."""
+    return "cuda" if device == "cuda" or (device == "auto" and worker_has_gpus) else "cpu"
+
+
 def _take_node(
     conn: Connection,
     gang: Any,
@@ -529,10 +535,7 @@ def claim_next_job(
         if row is None:
             if gang is None:
                 return None
-            gang_device = gang.device
-            resolved = (
-                "cuda" if gang_device == "cuda" or (gang_device == "auto" and has_gpus) else "cpu"
-            )
+            resolved = _resolve(gang.device, has_gpus)
             assert advertise_addr is not None and rdzv_port is not None
             return _take_node(
                 conn,
@@ -547,7 +550,7 @@ def claim_next_job(
                 now,
             )
         job_id, number, spec, device, nproc, queued_at = row
-        resolved = "cuda" if device == "cuda" or (device == "auto" and has_gpus) else "cpu"
+        resolved = _resolve(device, has_gpus)
         gpus = offered_gpus[:nproc] if resolved == "cuda" else []
         if has_gpus:
             conn.execute(_SET_GPUS, {"job_id": job_id, "gpus": gpus})
@@ -587,13 +590,20 @@ def workers_overview(db: Database) -> list[dict[str, Any]]:
     with db.read() as s:
         caps = {c.name: c for c in _capacities(s, db.policy.lease_s)}
         running: dict[str, list[dict[str, Any]]] = {}
-        for j in s.execute(
+        single = (
             select(
                 Job.id, Job.name, Job.status, Job.attempt, Job.nproc_per_node, Job.gpus, Job.worker
             )
             .where(Job.status.in_(list(ACTIVE)), Job.nnodes == 1)
             .order_by(Job.id)
-        ):
+        )
+        # A multi-node job shows on every worker holding one of its node slots.
+        nodes = (
+            select(_j.id, _j.name, _j.status, _jn.attempt, _j.nproc_per_node, _jn.gpus, _jn.worker)
+            .where(_NODE_LIVE)
+            .order_by(_j.id, _jn.node_rank)
+        )
+        for j in itertools.chain(s.execute(single), s.execute(nodes)):
             running.setdefault(j.worker or "", []).append(
                 {
                     "job_id": j.id,
@@ -602,22 +612,6 @@ def workers_overview(db: Database) -> list[dict[str, Any]]:
                     "attempt": j.attempt,
                     "nproc_per_node": j.nproc_per_node,
                     "gpus": j.gpus or [],
-                }
-            )
-        # A multi-node job shows on every worker holding one of its node slots.
-        for n in s.execute(
-            select(_j.id, _j.name, _j.status, _jn.attempt, _j.nproc_per_node, _jn.gpus, _jn.worker)
-            .where(_NODE_LIVE)
-            .order_by(_j.id, _jn.node_rank)
-        ):
-            running.setdefault(n.worker, []).append(
-                {
-                    "job_id": n.id,
-                    "name": n.name,
-                    "status": n.status,
-                    "attempt": n.attempt,
-                    "nproc_per_node": n.nproc_per_node,
-                    "gpus": n.gpus or [],
                 }
             )
         out = []
@@ -907,22 +901,22 @@ def release_worker(db: Database, worker: str, keep: list[tuple[int, int]]) -> li
     if keep:
         which = and_(which, tuple_(Attempt.job_id, Attempt.number).not_in(keep))
     changed = _lose_attempts(db, which, lambda _: f"worker {worker} restarted without it")
-    forming = select(_jn.id).where(_FORMING, _jn.worker == worker)
+    forming = [_jn.worker == worker]
     if keep:
-        forming = forming.where(tuple_(_jn.job_id, _jn.attempt).not_in(keep))
-    _release_nodes(db, forming)
+        forming.append(tuple_(_jn.job_id, _jn.attempt).not_in(keep))
+    _release_nodes(db, *forming)
     return changed
 
 
-def _release_nodes(db: Database, which: Any) -> int:
-    """Delete the forming node slots ``which`` selects (their ids); they hold nothing then."""
+def _release_nodes(db: Database, *where: Any) -> int:
+    """Delete the forming node slots that match ``where``; they hold nothing then."""
+    which = select(_jn.id, _jn.job_id, _jn.attempt).where(_FORMING, *where)
     with db.read() as s:
         if s.execute(which.limit(1)).first() is None:
             return 0
     released = 0
     with db.write() as s:
-        ids = list(s.scalars(which))
-        rows = s.execute(select(_jn.id, _jn.job_id, _jn.attempt).where(_jn.id.in_(ids))).all()
+        rows = s.execute(which).all()
         for job_id, number in {(r.job_id, r.attempt) for r in rows}:
             if not _still_forming(s, job_id, number):
                 continue  # the gang completed meanwhile: its slots run now
@@ -962,7 +956,7 @@ def expire_nodes(db: Database, lease_s: float) -> list[int]:
             and_(Attempt.job_id == job_id, Attempt.number == number),
             lambda _, words=words: words,  # type: ignore[misc]
         )
-    _release_nodes(db, select(_jn.id).where(_FORMING, _jn.heartbeat_at < cutoff))
+    _release_nodes(db, _jn.heartbeat_at < cutoff)
     return changed
 
 
@@ -1009,13 +1003,7 @@ def gang_status(db: Database, worker: str, job_id: int, number: int) -> dict[str
     not complete), ready (start torchrun with this rendezvous), or released."""
     with db.read() as s:
         job = s.get(Job, job_id)
-        nodes = list(
-            s.scalars(
-                select(JobNode)
-                .where(JobNode.job_id == job_id, JobNode.attempt == number)
-                .order_by(JobNode.node_rank)
-            )
-        )
+        nodes = nodes_of(s, job_id, number)
         mine = next((n for n in nodes if n.worker == worker), None)
         if job is None or mine is None:
             why = (job.reason if job is not None else None) or "the node slot was released"
@@ -1050,12 +1038,7 @@ def gang_status(db: Database, worker: str, job_id: int, number: int) -> dict[str
 def leave_gang(db: Database, worker: str, job_id: int, number: int) -> bool:
     """Give back ``worker``'s slot of a forming gang (a worker shutting down)."""
     return bool(
-        _release_nodes(
-            db,
-            select(_jn.id).where(
-                _FORMING, _jn.job_id == job_id, _jn.attempt == number, _jn.worker == worker
-            ),
-        )
+        _release_nodes(db, _jn.job_id == job_id, _jn.attempt == number, _jn.worker == worker)
     )
 
 

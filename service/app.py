@@ -27,7 +27,7 @@ from service import queue, telemetry
 from service.auth import TokenGate, route_rules
 from service.config import Settings
 from service.db import Database
-from service.errors import DomainError, Invalid
+from service.errors import DomainError, Invalid, not_utf8_json
 from service.routes import jobs, meta, reports, ui, workers
 from service.telemetry import RequestMetrics, Telemetry
 from service.wakeup import Wakeup
@@ -245,18 +245,7 @@ def create_app(
         # FastAPI answers 400 "error parsing the body" for any failure to read a body,
         # invalid UTF-8 included: that is a malformed document like bad JSON, so 422.
         if exc.status_code == 400 and isinstance(exc.__cause__, UnicodeDecodeError | ValueError):
-            return JSONResponse(
-                {
-                    "detail": [
-                        {
-                            "loc": ["body"],
-                            "msg": f"the body is not valid UTF-8 JSON: {exc.__cause__}"[:300],
-                            "type": "json_invalid",
-                        }
-                    ]
-                },
-                status_code=422,
-            )
+            return JSONResponse({"detail": [not_utf8_json(exc.__cause__)]}, status_code=422)
         return await http_exception_handler(request, exc)
 
     app.include_router(meta.router)

@@ -6,6 +6,7 @@ dependency on its thread pool, a thread hop per dependency per request.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Annotated
 
 from fastapi import Depends, Path, Request
@@ -29,6 +30,18 @@ async def _settings(request: Request) -> Settings:
 async def _wakeup(request: Request) -> Wakeup:
     wakeup: Wakeup = request.app.state.wakeup
     return wakeup
+
+
+def gone(request: Request) -> Callable[[], Awaitable[bool]]:
+    """Whether a long answer (a stream, a long-poll) should end now: its client left, or
+    this process is stopping (uvicorn waits for open answers before it exits; the
+    client goes on with another process)."""
+    stopping = request.app.state.stopping
+
+    async def check() -> bool:
+        return bool(stopping.is_set() or await request.is_disconnected())
+
+    return check
 
 
 DB = Annotated[Database, Depends(_db)]

@@ -506,7 +506,7 @@ def claim_next_job(
         }
         starved_before = now - timedelta(seconds=db.policy.starvation_s)
         guarded = False
-        if oldest_queued is not None and _as_utc(oldest_queued) < starved_before:
+        if oldest_queued is not None and as_utc(oldest_queued) < starved_before:
             head = conn.execute(
                 _starving_probe(has_gpus),
                 {
@@ -578,7 +578,7 @@ def claim_next_job(
         )
 
 
-def _as_utc(value: datetime) -> datetime:
+def as_utc(value: datetime) -> datetime:
     """A scalar subquery's datetime comes back without the column's type processing."""
     if isinstance(value, str):  # SQLite hands back the stored text
         value = datetime.fromisoformat(value)

@@ -279,9 +279,15 @@ WorkerName = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[A-Za
 GpuIndex = Annotated[int, Field(strict=True, ge=0, le=1023)]
 
 
+JobIdIn = Annotated[int, Field(strict=True, ge=1, le=INT64_MAX)]
+AttemptNumber = Annotated[int, Field(strict=True, ge=1, le=INT32_MAX)]
+# How long a long-poll may wait for something to happen.
+WaitS = Annotated[float, Field(strict=True, ge=0, le=60, allow_inf_nan=False)]
+
+
 class RunningAttempt(Strict):
-    job_id: Annotated[int, Field(strict=True, ge=1, le=INT64_MAX)]
-    attempt: Annotated[int, Field(strict=True, ge=1, le=INT32_MAX)]
+    job_id: JobIdIn
+    attempt: AttemptNumber
 
 
 class WorkerRegister(Strict):
@@ -305,7 +311,7 @@ class ClaimRequest(Strict):
     name: WorkerName
     free_cpu_slots: Annotated[int, Field(strict=True, ge=0, le=100_000)]
     free_gpus: Annotated[list[GpuIndex], Field(max_length=1024)]
-    wait_s: Annotated[float, Field(strict=True, ge=0, le=60, allow_inf_nan=False)] = 20.0
+    wait_s: WaitS = 20.0
     # Where the other nodes of a multi-node job reach this worker, and a port free on
     # it for torchrun's rendezvous store should it be node 0. Without both, the worker
     # is offered single-node jobs only.
@@ -315,9 +321,9 @@ class ClaimRequest(Strict):
 
 class GangRequest(Strict):
     name: WorkerName
-    job_id: Annotated[int, Field(strict=True, ge=1, le=INT64_MAX)]
-    attempt: Annotated[int, Field(strict=True, ge=1, le=INT32_MAX)]
-    wait_s: Annotated[float, Field(strict=True, ge=0, le=60, allow_inf_nan=False)] = 20.0
+    job_id: JobIdIn
+    attempt: AttemptNumber
+    wait_s: WaitS = 20.0
     # Give the slot back instead (a worker shutting down while the gang forms).
     leave: Annotated[bool, Field(strict=True)] = False
 
@@ -367,7 +373,7 @@ class HeartbeatReply(BaseModel):
 
 
 class FinishRequest(Strict):
-    attempt: Annotated[int, Field(strict=True, ge=1, le=INT32_MAX)]
+    attempt: AttemptNumber
     exit_code: Annotated[int | None, Field(strict=True, ge=-255, le=INT32_MAX)] = None
     # exited: the program ended by itself; cancelled: the worker stopped it on request;
     # timeout: it ran past timeout_s; requeue: the worker is shutting down.

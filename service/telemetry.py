@@ -105,7 +105,7 @@ class _QueueCollector:
         running.add_metric([], sum(counts.get(s.value, 0) for s in ACTIVE))
         wait = 0.0
         if oldest_queued is not None:
-            wait = max(0.0, (utcnow() - queue._as_utc(oldest_queued)).total_seconds())
+            wait = max(0.0, (utcnow() - queue.as_utc(oldest_queued)).total_seconds())
         oldest.add_metric([], wait)
         for w in workers:
             name = w["name"]
@@ -164,7 +164,7 @@ class Telemetry:
     def observe_claim(self, seconds: float, claim: queue.Claim | None) -> None:
         self.claims.labels("claimed" if claim else "empty").observe(seconds)
         if claim is not None and claim.queued_at is not None:
-            waited = (utcnow() - queue._as_utc(claim.queued_at)).total_seconds()
+            waited = (utcnow() - queue.as_utc(claim.queued_at)).total_seconds()
             self.queue_wait.observe(max(0.0, waited))
 
     def exposition(self) -> bytes:

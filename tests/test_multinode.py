@@ -135,6 +135,10 @@ def test_a_gang_forms_from_one_slot_per_worker_and_succeeds_when_every_node_does
         assert reply["rdzv_host"] is (rank == 0)
         assert reply["workers"] == ["w1", "w2"]
         assert reply["checkpoint_dir"] == f"/ckpt/job-{job['id']}"
+    # A leave that comes after the gang completed releases nothing: the answer is the
+    # rendezvous, so the worker knows to hand the attempt back (see the next test).
+    assert _gang(server, "w2", second, leave=True)["state"] == "ready"
+    assert _job(server, job["id"])["status"] == "running"
     # The single-node job behind it runs on the third worker.
     third = _claim(server, "w3")
     assert third and third["job_id"] == single["id"] and third["nnodes"] == 1
@@ -163,6 +167,26 @@ def test_a_gang_forms_from_one_slot_per_worker_and_succeeds_when_every_node_does
     assert _beat(server, "w2", second) == {"cancel": [], "abandon": []}
     done = _finish(server, "w2", second, exit_code=0)
     assert done["status"] == "succeeded" and done["finished_at"]
+
+
+def test_a_node_handed_back_before_it_started_requeues_the_attempt_on_every_node(
+    server: Server,
+) -> None:
+    """A worker that shuts down just as its gang completes (its leave answered ready)
+    hands the attempt back: the job waits again, not counted as a failure, and the other
+    node is told to stop at its next heartbeat instead of waiting out a lease."""
+    register(server, "w1")
+    register(server, "w2")
+    job = _submit(server, world_size=2, nnodes=2)
+    a, b = _claim(server, "w1"), _claim(server, "w2")
+    assert a and b and _job(server, job["id"])["status"] == "running"
+    assert _gang(server, "w2", b, leave=True)["state"] == "ready"
+    done = _finish(server, "w2", b, exit_code=None, outcome="requeue", reason="worker shut down")
+    assert done["status"] == "queued", done
+    assert "worker w2 shut down; requeued" in done["reason"]
+    assert _beat(server, "w1", a)["abandon"] == [{"job_id": job["id"], "attempt": 1}]
+    again = wait_for(lambda: _claim(server, "w1"), 30, "the job to be claimable again")
+    assert again["job_id"] == job["id"] and again["attempt"] == 2
 
 
 def test_node_slots_hold_gpus_on_each_worker(server: Server) -> None:

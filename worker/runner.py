@@ -239,7 +239,11 @@ class JobRunner:
             if self.stop_requested.is_set():
                 if self.stop_reason != "abandoned":  # abandoned: already released
                     with contextlib.suppress(Unavailable, Refused):
-                        api.gang(self.job_id, self.attempt, 0, leave=True)
+                        left = api.gang(self.job_id, self.attempt, 0, leave=True)
+                        if left["state"] == "ready":
+                            # The gang completed before we left: end the attempt for
+                            # every node now instead of leaving them to our lease.
+                            self._report(self._never_started())
                 return None
             try:
                 reply = api.gang(self.job_id, self.attempt, GANG_POLL_S)
@@ -255,6 +259,12 @@ class JobRunner:
             if reply["state"] == "released":
                 log.info("job %s: node slot released: %s", self.job_id, reply.get("reason"))
                 return None
+
+    def _never_started(self) -> Outcome:
+        """How an attempt stopped before its processes started ends (see _outcome)."""
+        if self.stop_reason == "cancelled":
+            return Outcome(None, "cancelled", "cancelled by user")
+        return Outcome(None, "requeue", "worker shut down")
 
     def _report(self, result: Outcome) -> None:
         if self.stop_reason == "abandoned":

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Awaitable, Callable
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Request
@@ -12,7 +11,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from service import history, jobs, logs, streams
 from service.auth import UserAuth
-from service.deps import DB, JobId, SettingsDep, WakeupDep
+from service.deps import DB, JobId, SettingsDep, WakeupDep, gone
 from service.errors import Invalid
 from service.models import JobStatus
 from service.schemas import (
@@ -175,7 +174,7 @@ async def job_events(
             first,
             cursor.job if cursor else None,
             settings.events_poll_s,
-            _gone(request),
+            gone(request),
         ),
         media_type="text/event-stream",
         headers=_STREAM_HEADERS,
@@ -190,17 +189,6 @@ def job_checkpoints(job_id: JobId, db: DB) -> CheckpointsPublic:
 
 # No caching, and no buffering by a proxy (nginx honours X-Accel-Buffering).
 _STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-def _gone(request: Request) -> Callable[[], Awaitable[bool]]:
-    """Whether a stream should stop: its client left, or this process is stopping
-    (uvicorn waits for open answers before it exits; the client resumes elsewhere)."""
-    stopping = request.app.state.stopping
-
-    async def gone() -> bool:
-        return bool(stopping.is_set() or await request.is_disconnected())
-
-    return gone
 
 
 @router.get(
@@ -244,7 +232,7 @@ async def job_logs(
         )
     first = await run_in_threadpool(logs.read, db, job_id, offset, past_end_ok=True)
     return StreamingResponse(
-        logs.follow(db, job_id, first, _gone(request)),
+        logs.follow(db, job_id, first, gone(request)),
         media_type="text/plain; charset=utf-8",
         headers={**_STREAM_HEADERS, "X-Job-Status": first.status},
     )

@@ -13,6 +13,7 @@ from service import jobs
 from service.auth import JobAttempt
 from service.db import Database
 from service.deps import DB, JobId
+from service.errors import not_utf8_json
 from service.models import Attempt
 from service.schemas import Accepted, CheckpointIn, CheckpointPublic, MetricsIn
 
@@ -56,9 +57,8 @@ def _ingest(db: Database, attempt: Attempt, raw: bytes) -> int:
         errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]
         try:
             raw.decode("utf-8")
-        except UnicodeDecodeError as bad:  # worded as for every other body (service.app)
-            msg = f"the body is not valid UTF-8 JSON: {bad}"[:300]
-            errors = [{"loc": ("body",), "msg": msg, "type": "json_invalid"}]
+        except UnicodeDecodeError as bad:
+            errors = [not_utf8_json(bad)]
         raise RequestValidationError(errors) from None
     return jobs.ingest_metrics(db, attempt, body)
 

@@ -61,12 +61,12 @@ class Asset:
     etag: str
 
 
-def load_assets(root: Path = STATIC_DIR) -> dict[str, Asset]:
-    """Every regular file directly in ``root`` with a known type, by name."""
+def load_assets() -> dict[str, Asset]:
+    """Every regular file directly in STATIC_DIR with a known type, by name."""
     assets: dict[str, Asset] = {}
-    if not root.is_dir():
+    if not STATIC_DIR.is_dir():
         return assets
-    for path in sorted(root.iterdir()):
+    for path in sorted(STATIC_DIR.iterdir()):
         kind = CONTENT_TYPES.get(path.suffix.lower())
         if kind is None or not path.is_file() or path.is_symlink():
             continue

@@ -13,7 +13,7 @@ from fastapi.responses import Response
 
 from service import jobs, queue
 from service.auth import WorkerAuth, mint_job_token
-from service.deps import DB, JobId, SettingsDep, WakeupDep
+from service.deps import DB, JobId, SettingsDep, WakeupDep, gone
 from service.errors import DomainError, NotFound
 from service.models import Worker, utcnow
 from service.schemas import (
@@ -118,7 +118,7 @@ async def claim(
             body_json = ClaimedJob(token=token, **claimed.__dict__).model_dump_json()
             return Response(body_json, media_type="application/json")
         left = deadline - time.monotonic()
-        if left <= 0 or request.app.state.stopping.is_set() or await request.is_disconnected():
+        if left <= 0 or await gone(request)():
             return Response(status_code=204)
         await wakeup.wait(seen, min(left, settings.claim_recheck_s))
 
@@ -132,7 +132,14 @@ async def gang(
     if body.leave:
         if await run_in_threadpool(queue.leave_gang, db, body.name, body.job_id, body.attempt):
             wakeup.notify()
-        return GangReply(state="released", reason="left by its worker")
+            return GangReply(state="released", reason="left by its worker")
+        # Nothing to give back: the gang completed first (ready: the worker must hand the
+        # attempt back through finish, or the other nodes wait out their lease), or the
+        # slot was released already.
+        status = await run_in_threadpool(
+            queue.gang_status, db, body.name, body.job_id, body.attempt
+        )
+        return GangReply(**status)
     deadline = time.monotonic() + min(body.wait_s, settings.max_claim_wait_s)
     while True:
         seen = wakeup.generation
@@ -140,12 +147,7 @@ async def gang(
             queue.gang_status, db, body.name, body.job_id, body.attempt
         )
         left = deadline - time.monotonic()
-        if (
-            status["state"] != "forming"
-            or left <= 0
-            or request.app.state.stopping.is_set()
-            or await request.is_disconnected()
-        ):
+        if status["state"] != "forming" or left <= 0 or await gone(request)():
             return GangReply(**status)
         await wakeup.wait(seen, min(left, settings.claim_recheck_s))
 

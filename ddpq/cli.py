@@ -31,7 +31,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ddpq import config
-from ddpq.client import TERMINAL, ApiError, Client, format_detail
+from ddpq.client import TERMINAL, ApiError, Client, format_detail, marker_resume
 
 EXIT_OK = 0
 EXIT_API = 1
@@ -416,17 +416,23 @@ def _read_spec_file(path: str) -> dict[str, Any]:
     try:
         text = sys.stdin.read() if path == "-" else Path(path).read_text()
     except (OSError, UnicodeDecodeError) as exc:
-        _fail(f"cannot read the spec file {where}: {getattr(exc, 'strerror', None) or exc}", 2)
+        _fail(
+            f"cannot read the spec file {where}: {getattr(exc, 'strerror', None) or exc}",
+            EXIT_USAGE,
+        )
     try:
         # JSON is (nearly) YAML, but JSON's own parser gives JSON's line and column.
         is_json = path.endswith(".json") or (path == "-" and text.lstrip().startswith("{"))
         data = json.loads(text) if is_json else yaml.safe_load(text)
     except json.JSONDecodeError as exc:
-        _fail(f"{where} is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})", 2)
+        _fail(
+            f"{where} is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})",
+            EXIT_USAGE,
+        )
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-        _fail(f"{where} is not valid YAML: {getattr(exc, 'problem', None) or exc}{at}", 2)
+        _fail(f"{where} is not valid YAML: {getattr(exc, 'problem', None) or exc}{at}", EXIT_USAGE)
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -560,7 +566,7 @@ def status(job_id: int, as_json: JsonOpt = False) -> None:
             ("id", job["id"]),
             ("name", job["name"] or ""),
             ("status", job["status"]),
-            ("program", job["spec"].get("recipe") or job["spec"].get("entrypoint")),
+            ("program", _program(job)),
             ("world size", job["spec"]["world_size"]),
             ("attempt", job["attempt"]),
             ("worker", job["worker"] or ""),
@@ -676,11 +682,12 @@ def cancel(job_id: int, as_json: JsonOpt = False) -> None:
 def _stored_log(c: Client, job_id: int, offset: int) -> Iterator[tuple[int, bytes]]:
     """What is stored from ``offset`` now; the API answers it in pieces of bounded size."""
     while True:
-        data, _, _ = c.logs(job_id, offset)
+        data, next_offset, _ = c.logs(job_id, offset)
         if not data:
             return
         yield offset, data
-        offset += len(data)
+        # Not offset + len(data): a cut marker in the answer counts for no offset.
+        offset = next_offset
 
 
 def _log_lines(chunks: Iterable[tuple[int, bytes]]) -> Iterator[tuple[int, bytes]]:
@@ -695,7 +702,9 @@ def _log_lines(chunks: Iterable[tuple[int, bytes]]) -> Iterator[tuple[int, bytes
         *lines, pending = pending.split(b"\n")
         for line in lines:
             yield start, line
-            start += len(line) + 1
+            # After a cut marker the output goes on at the offset it names.
+            resume = marker_resume(line)
+            start = resume if resume is not None else start + len(line) + 1
     if pending:
         yield start, pending
 
@@ -808,9 +817,8 @@ class _Watched:
                 self._take(p["values"])
                 self._fetched_step = max(self._fetched_step, p["step"])
             self._latest_step = step
-        total = (latest.get("values") or {}).get("total_steps")
-        if isinstance(total, int | float) and total > 0:
-            self.total_steps = int(total)
+        # The latest step's total, should its points not have been fetched (same step).
+        self._take({"total_steps": (latest.get("values") or {}).get("total_steps")})
         self.job = job
 
     def _take(self, values: dict[str, Any]) -> None:

@@ -24,10 +24,20 @@ TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
 
 # The line the API puts where a job's log was cut under its cap (service/logs.py): it
 # counts for no offset, and the output after it starts at the offset it names.
-_CUT_MARKER = re.compile(
-    rb"(?<=\n)\[ddpq\] \d+ bytes of output cut here \(log cap [^)\n]*\); "
-    rb"output resumes at offset (\d+)\n"
+_MARKER_LINE = (
+    rb"\[ddpq\] \d+ bytes of output cut here \(log cap [^)\n]*\); "
+    rb"output resumes at offset (\d+)"
 )
+_CUT_MARKER = re.compile(rb"(?<=\n)" + _MARKER_LINE + rb"\n")
+_CUT_LINE = re.compile(_MARKER_LINE)
+
+
+def marker_resume(line: bytes) -> int | None:
+    """The offset the output resumes at, if ``line`` (without its newline) is a cut marker."""
+    m = _CUT_LINE.fullmatch(line)
+    return int(m.group(1)) if m else None
+
+
 _MARKER_WINDOW = 512  # longer than any marker line: a marker split across chunks is found
 
 

@@ -96,7 +96,7 @@ def scalars_event(wall_time: float, step: int, values: dict[str, float]) -> byte
     for tag, value in values.items():
         head = _tags.get(tag)
         if head is None:
-            head = _tags.setdefault(tag, _field(1, tag.encode()) + b"\x15")
+            head = _tags[tag] = _field(1, tag.encode()) + b"\x15"
         if abs(value) > _FLOAT32_MAX and value == value:  # finite, but no float32 holds it
             value = math.copysign(math.inf, value)
         parts.append(_field(1, head + struct.pack("<f", value)))
@@ -128,8 +128,3 @@ class EventWriter:
         now = time.time()
         self._file.write(b"".join(frame(scalars_event(now, s, v)) for s, v in points))
         self._file.flush()
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None

@@ -263,16 +263,19 @@ def report(step: int, *, epoch: float | None = None, **values: Any) -> None:
     if not values:
         raise ValueError("report() needs at least one metric, e.g. report(step, loss=...)")
     # Every step comes here: once the sender exists (rank 0 under ddpq), nothing is
-    # looked up again.
-    sender = _sender or _get_sender()
+    # looked up again; the other ranks stop at the rank check.
+    sender = _sender
     if sender is None:
-        if is_master():
-            log.info(
-                "step %d%s: %s",
-                step,
-                "" if epoch is None else f" epoch {epoch}",
-                ", ".join(f"{k}={_to_float(v):.6g}" for k, v in values.items()),
-            )
+        if not is_master():
+            return
+        sender = _get_sender()
+    if sender is None:
+        log.info(
+            "step %d%s: %s",
+            step,
+            "" if epoch is None else f" epoch {epoch}",
+            ", ".join(f"{k}={_to_float(v):.6g}" for k, v in values.items()),
+        )
         return
     sender.add_point(
         {"step": step, "epoch": epoch, "values": {k: _detach(v) for k, v in values.items()}}
@@ -333,11 +336,10 @@ def latest_checkpoint() -> Path | None:
     torchrun restarted it (``max_restarts``). The higher step wins.
     """
     # A link planted in the directory must not lead the load elsewhere.
-    own = checkpoint_dir().resolve()
+    directory = checkpoint_dir()
+    own = directory.resolve()
     candidates = [
-        p
-        for p in checkpoint_dir().glob("step-*.pt")
-        if p.is_file() and p.resolve().is_relative_to(own)
+        p for p in directory.glob("step-*.pt") if p.is_file() and p.resolve().is_relative_to(own)
     ]
     resume = os.environ.get("DDPQ_RESUME_FROM")  # checked by the worker before it is set
     if resume and os.path.isfile(resume):

@@ -432,6 +432,43 @@ def test_exit_codes_for_errors_and_their_table_in_help(server: Server) -> None:
         assert re.search(rf"^\s+{code}  \w", codes, re.MULTILINE), codes
 
 
+def test_logs_of_a_capped_log_print_it_once_with_offsets_past_the_cut(tmp_path: Path) -> None:
+    """`ddpq logs` pages through the stored log by X-Next-Offset: the cut marker counts
+    for no offset, so nothing after it is printed twice, and --json gives each line
+    the offset it has in the stored stream."""
+    capped = start_server(
+        f"sqlite:///{tmp_path / 'ddpq.db'}", tmp_path / "api", DDPQ_LOG_MAX_BYTES="4096"
+    )
+    try:
+        claim = submit_and_claim(capped)
+        jid = str(claim["job_id"])
+        lines = [f"[rank{i % 2}]: step {i:05d}\n".encode() for i in range(600)]
+        sent = b""
+        for i in range(0, len(lines), 20):
+            chunk = b"".join(lines[i : i + 20])
+            _log(capped, claim, "hand", len(sent), chunk)
+            sent += chunk
+        stored = capped.client().get(f"/jobs/{jid}/logs").content
+        assert b"bytes of output cut here" in stored
+        r = ddpq(capped, "logs", jid)
+        assert r.returncode == 0 and r.stdout.encode() == stored
+
+        rows = [json.loads(x) for x in ddpq(capped, "logs", jid, "--json").stdout.splitlines()]
+        marks = [i for i, row in enumerate(rows) if row["text"].startswith("[ddpq]")]
+        assert len(marks) == 1
+        # The head ends where the cap cut it, mid-line: that piece has no newline of its own.
+        *head, cut_line = rows[: marks[0]]
+        assert sent[cut_line["offset"] :].startswith(cut_line["text"].encode())
+        for row in head + rows[marks[0] + 1 :]:
+            assert sent[row["offset"] :].startswith(row["text"].encode() + b"\n"), row
+        assert rows[-1]["offset"] == len(sent) - len(lines[-1])
+        finish(capped, claim)
+    finally:
+        for c in capped.clients:
+            c.close()
+        stop_process(capped.proc)
+
+
 def test_follow_resumes_after_a_cut_marker_at_the_offset_it_names() -> None:
     """A follow stream that broke after crossing the log cap's cut resumes at the right
     byte: the marker line counts for no offset, however the chunks split it."""

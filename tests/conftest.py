@@ -194,13 +194,18 @@ def start_server(
     return server
 
 
+def stop_server(s: Server) -> None:
+    """Close the test's clients, then stop the server process."""
+    for c in s.clients:
+        c.close()
+    stop_process(s.proc)
+
+
 @pytest.fixture
 def server(db_url: str, tmp_path: Path) -> Iterator[Server]:
     s = start_server(db_url, tmp_path / "api")
     yield s
-    for c in s.clients:
-        c.close()
-    stop_process(s.proc)
+    stop_server(s)
 
 
 @dataclass

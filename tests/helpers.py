@@ -52,3 +52,26 @@ def finish(
     assert r.status_code == 200, r.text
     result: dict[str, Any] = r.json()
     return result
+
+
+def send_log(
+    server: Server, claim: dict[str, Any], offset: int, data: bytes, worker: str = "hand"
+) -> int:
+    """Ship a chunk of the attempt's output from ``offset``, as a worker does; returns
+    the attempt's bytes stored."""
+    r = server.client("worker").post(
+        f"/workers/jobs/{claim['job_id']}/logs",
+        params={"worker": worker, "attempt": claim["attempt"], "offset": offset},
+        content=data,
+    )
+    assert r.status_code == 202, r.text
+    next_offset: int = r.json()["next_offset"]
+    return next_offset
+
+
+def report(server: Server, claim: dict[str, Any], items: list[dict[str, Any]]) -> None:
+    """Report metric items with the claim's job token, as rank 0 does (1000 a request)."""
+    rank0 = server.client(claim["token"])
+    for i in range(0, len(items), 1000):
+        r = rank0.post(f"/jobs/{claim['job_id']}/metrics", json={"items": items[i : i + 1000]})
+        assert r.status_code == 202, r.text

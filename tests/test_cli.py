@@ -21,8 +21,17 @@ from typing import Any
 import pytest
 
 from ddpq.cli import FILTERED_PAGE, sparkline
-from tests.conftest import REPO, Server, _child_env, free_port, start_server, stop_process, wait_for
-from tests.helpers import finish, submit_and_claim
+from tests.conftest import (
+    REPO,
+    Server,
+    _child_env,
+    free_port,
+    start_server,
+    stop_process,
+    stop_server,
+    wait_for,
+)
+from tests.helpers import finish, report, send_log, submit_and_claim
 
 SPARK = set("▁▂▃▄▅▆▇█")
 
@@ -32,9 +41,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     base = tmp_path_factory.mktemp("cli")
     s = start_server(f"sqlite:///{base / 'ddpq.db'}", base / "api")
     yield s
-    for c in s.clients:
-        c.close()
-    stop_process(s.proc)
+    stop_server(s)
 
 
 @pytest.fixture(autouse=True)
@@ -117,22 +124,6 @@ def _job(server: Server, **spec: Any) -> dict[str, Any]:
     assert r.status_code == 201, r.text
     job: dict[str, Any] = r.json()
     return job
-
-
-def _log(server: Server, claim: dict[str, Any], worker: str, offset: int, data: bytes) -> None:
-    r = server.client("worker").post(
-        f"/workers/jobs/{claim['job_id']}/logs",
-        params={"worker": worker, "attempt": claim["attempt"], "offset": offset},
-        content=data,
-    )
-    assert r.status_code == 202, r.text
-
-
-def _report(server: Server, claim: dict[str, Any], items: list[dict[str, Any]]) -> None:
-    r = server.client(claim["token"]).post(
-        f"/jobs/{claim['job_id']}/metrics", json={"items": items}
-    )
-    assert r.status_code == 202, r.text
 
 
 # ---- submit ------------------------------------------------------------------------------
@@ -310,13 +301,13 @@ def test_workers_table_and_json(server: Server) -> None:
 
 def test_logs_follow_prints_as_it_comes_and_ends_with_the_job(server: Server) -> None:
     claim = submit_and_claim(server, name="cli-logs")
-    _log(server, claim, "cli-logs", 0, b"[rank0] first line\n")
+    send_log(server, claim, 0, b"[rank0] first line\n", worker="cli-logs")
     run = Running(server, "logs", str(claim["job_id"]), "-f")
     wait_for(lambda: "first line" in run.text, 30, "the first line")
-    _log(server, claim, "cli-logs", 19, "[rank0] second: é\n".encode())
+    send_log(server, claim, 19, "[rank0] second: é\n".encode(), worker="cli-logs")
     wait_for(lambda: "second" in run.text, 30, "the second line")
     assert run.proc.poll() is None  # still following: the job runs
-    _log(server, claim, "cli-logs", 38, b"[rank0] last words\n")
+    send_log(server, claim, 38, b"[rank0] last words\n", worker="cli-logs")
     finish(server, claim, name="cli-logs")
     assert run.wait() == 0
     assert run.text == "[rank0] first line\n[rank0] second: é\n[rank0] last words\n"
@@ -351,7 +342,7 @@ def test_watch_shows_progress_and_loss_then_exits_with_the_outcome(server: Serve
     claim = submit_and_claim(server, name="cli-watch")
     job_id = str(claim["job_id"])
     # total_steps comes once, with the first report, as the recipes send it.
-    _report(
+    report(
         server,
         claim,
         [{"step": 1, "values": {"loss": 2.0, "total_steps": 8}}]
@@ -362,7 +353,7 @@ def test_watch_shows_progress_and_loss_then_exits_with_the_outcome(server: Serve
     line = run.text.splitlines()[-1]
     assert line.startswith(f"job {job_id} running | attempt 1 | worker cli-watch")
     assert f"loss 0.5 {sparkline([2.0, 1.0, 2 / 3, 0.5])}" in line  # the loss points so far
-    _report(server, claim, [{"step": s, "values": {"loss": 2.0 / s}} for s in range(5, 9)])
+    report(server, claim, [{"step": s, "values": {"loss": 2.0 / s}} for s in range(5, 9)])
     wait_for(lambda: "step 8/8 (100%)" in run.text, 30, "the progress to reach the end")
     finish(server, claim, name="cli-watch")
     assert run.wait() == 0
@@ -446,7 +437,7 @@ def test_logs_of_a_capped_log_print_it_once_with_offsets_past_the_cut(tmp_path: 
         sent = b""
         for i in range(0, len(lines), 20):
             chunk = b"".join(lines[i : i + 20])
-            _log(capped, claim, "hand", len(sent), chunk)
+            send_log(capped, claim, len(sent), chunk)
             sent += chunk
         stored = capped.client().get(f"/jobs/{jid}/logs").content
         assert b"bytes of output cut here" in stored
@@ -464,9 +455,7 @@ def test_logs_of_a_capped_log_print_it_once_with_offsets_past_the_cut(tmp_path: 
         assert rows[-1]["offset"] == len(sent) - len(lines[-1])
         finish(capped, claim)
     finally:
-        for c in capped.clients:
-            c.close()
-        stop_process(capped.proc)
+        stop_server(capped)
 
 
 def test_follow_resumes_after_a_cut_marker_at_the_offset_it_names() -> None:

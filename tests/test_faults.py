@@ -18,16 +18,16 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import Server, free_port, start_server, stop_process, terminal, wait_for
+from tests.conftest import (
+    Server,
+    free_port,
+    start_server,
+    stop_server,
+    terminal,
+    wait_for,
+)
 from tests.helpers import finish, register, submit_and_claim
 from worker.procs import find_by_launch_id
-
-
-def _stop(server: Server) -> None:
-    for c in server.clients:
-        c.close()
-    stop_process(server.proc)
-
 
 # ---- the retry policy and fencing, through the worker protocol -------------------------
 
@@ -52,7 +52,7 @@ def _finish(server: Server, claim: dict[str, Any], name: str = "hand", **body: A
 def retry_server(db_url: str, tmp_path: Path) -> Any:
     s = start_server(db_url, tmp_path / "api", DDPQ_RETRY_BACKOFF_S="1")
     yield s
-    _stop(s)
+    stop_server(s)
 
 
 def test_signals_are_retried_with_backoff_until_attempts_run_out(retry_server: Server) -> None:
@@ -185,7 +185,7 @@ def test_an_attempt_without_heartbeats_is_lost_and_requeued(db_url: str, tmp_pat
         )
         assert job["reason"].endswith("all 2 attempts used")
     finally:
-        _stop(server)
+        stop_server(server)
 
 
 # ---- real workers, real torchrun --------------------------------------------------------
@@ -328,7 +328,7 @@ def test_kill_9_worker_mid_job_resumes_elsewhere_from_last_checkpoint(
         # Steps past the checkpoint were run twice; the newer attempt's points are kept.
         assert all(i["attempt"] == (1 if i["step"] <= resumed_at else 2) for i in items)
     finally:
-        _stop(server)
+        stop_server(server)
 
 
 @pytest.mark.torchrun
@@ -391,7 +391,7 @@ def test_restarting_the_api_mid_job_loses_nothing(
     (w.workspace / "trainer.py").write_text(TRAINER)
     jid = _submit(server, record, "--epochs", "6", "--steps", "10", "--pace", "0.08")
     wait_for(lambda: _checkpointed(server, jid, 10), 90, "the first epoch's checkpoint")
-    _stop(server)
+    stop_server(server)
     # Training goes on while the API is down; the worker and ddpq.train keep what they
     # cannot send.
     wait_for(lambda: "API unavailable" in w.log(), 30, "the worker to notice the API is gone")
@@ -406,7 +406,7 @@ def test_restarting_the_api_mid_job_loses_nothing(
         for e in range(6):
             assert f"[rank0]: epoch {e} done at step {10 * (e + 1)}" in log
     finally:
-        _stop(server)
+        stop_server(server)
 
 
 @pytest.mark.postgres
@@ -457,7 +457,7 @@ def test_restarting_postgres_gives_503_then_recovers(pg_url: str, tmp_path: Path
     finally:
         stop.set()
         t.join(timeout=60)
-        _stop(server)
+        stop_server(server)
     assert set(seen) <= {200, 201, 503}, seen
     assert seen.get(503, 0) > 0, "the restart was not noticed"
     assert retry_after and None not in retry_after

@@ -20,17 +20,11 @@ import httpx
 import pytest
 import yaml
 
-from tests.conftest import REPO, Server, start_server, stop_process, terminal, wait_for
-from tests.helpers import register
+from tests.conftest import REPO, Server, start_server, stop_server, terminal, wait_for
+from tests.helpers import register, send_log
 from worker.procs import find_by_launch_id
 
 CPU_JOB = {"entrypoint": "train.py", "device": "cpu"}
-
-
-def _stop(server: Server) -> None:
-    for c in server.clients:
-        c.close()
-    stop_process(server.proc)
 
 
 def _submit(server: Server, **spec: Any) -> dict[str, Any]:
@@ -150,14 +144,8 @@ def test_a_gang_forms_from_one_slot_per_worker_and_succeeds_when_every_node_does
             server.client(c["token"]).post(f"/jobs/{job['id']}/metrics", json=points).status_code
             == 202
         )
-    w = server.client("worker")
     for name, c in (("w1", first), ("w2", second)):
-        r = w.post(
-            f"/workers/jobs/{job['id']}/logs",
-            params={"worker": name, "attempt": 1, "offset": 0},
-            content=f"[rank0]: from {name}\n".encode(),
-        )
-        assert r.status_code == 202, r.text
+        send_log(server, c, 0, f"[rank0]: from {name}\n".encode(), worker=name)
     log = server.client().get(f"/jobs/{job['id']}/logs").text
     assert "from w1" in log and "from w2" in log
 
@@ -290,7 +278,7 @@ def test_a_failed_node_ends_the_attempt_on_every_node_and_the_job_retries_as_one
         assert "worker w1 restarted without it" in lost["reason"]
         assert _beat(server, "w2", b2)["abandon"] == [{"job_id": job["id"], "attempt": 2}]
     finally:
-        _stop(server)
+        stop_server(server)
 
 
 def test_a_gang_not_complete_in_time_releases_its_slots_and_says_why(
@@ -331,7 +319,7 @@ def test_a_gang_not_complete_in_time_releases_its_slots_and_says_why(
         assert server.client().post(f"/jobs/{job['id']}/cancel").json()["status"] == "cancelled"
         assert _gang(server, "w1", held)["state"] == "released"
     finally:
-        _stop(server)
+        stop_server(server)
 
 
 def test_a_worker_holding_a_node_slot_goes_on_claiming_and_stands_down_on_timeout(
@@ -372,7 +360,7 @@ def test_a_worker_holding_a_node_slot_goes_on_claiming_and_stands_down_on_timeou
         assert me["free_cpu_slots"] == 4 and me["running"] == []
         assert _job(server, gang["id"])["status"] == "queued"
     finally:
-        _stop(server)
+        stop_server(server)
 
 
 @pytest.mark.postgres
@@ -416,6 +404,7 @@ def test_two_api_processes_claim_each_job_exactly_once(pg_url: str, tmp_path: Pa
             t.start()
         for t in threads:
             t.join(timeout=120)
+            assert not t.is_alive(), "a claimer hung"
         singles = sorted(j for _, j, _ in claimed if j != gang["id"])
         assert singles == ids, "every job claimed exactly once"
         nodes = [(w, rank) for w, j, rank in claimed if j == gang["id"]]
@@ -423,8 +412,8 @@ def test_two_api_processes_claim_each_job_exactly_once(pg_url: str, tmp_path: Pa
         assert len({w for w, _ in nodes}) == 2, "two workers, one node slot each"
         assert _job(api2, gang["id"])["status"] == "running"
     finally:
-        _stop(api1)
-        _stop(api2)
+        stop_server(api1)
+        stop_server(api2)
 
 
 def test_deploy_files_for_an_added_host_and_slurm() -> None:
@@ -588,5 +577,5 @@ def test_two_workers_on_two_api_processes_run_a_2x2_job_and_retry_it_as_one(
         assert [i["step"] for i in items] == list(range(1, steps + 1)), "one loss series"
         assert {i["attempt"] for i in items} == {2}  # attempt 2 reported every step again
     finally:
-        _stop(api1)
-        _stop(api2)
+        stop_server(api1)
+        stop_server(api2)

@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import Server, start_server, stop_process, wait_for
-from tests.helpers import finish, submit_and_claim
+from tests.conftest import Server, start_server, stop_server, wait_for
+from tests.helpers import finish, report, send_log, submit_and_claim
 
 CAP = 4096  # DDPQ_LOG_MAX_BYTES of the capped server: head 1024 bytes, tail 3072
 
@@ -24,27 +24,7 @@ CAP = 4096  # DDPQ_LOG_MAX_BYTES of the capped server: head 1024 bytes, tail 307
 def capped(db_url: str, tmp_path: Path) -> Iterator[Server]:
     s = start_server(db_url, tmp_path / "api", DDPQ_LOG_MAX_BYTES=str(CAP))
     yield s
-    for c in s.clients:
-        c.close()
-    stop_process(s.proc)
-
-
-def send_log(server: Server, claim: dict[str, Any], offset: int, data: bytes) -> int:
-    r = server.client("worker").post(
-        f"/workers/jobs/{claim['job_id']}/logs",
-        params={"worker": "hand", "attempt": claim["attempt"], "offset": offset},
-        content=data,
-    )
-    assert r.status_code == 202, r.text
-    next_offset: int = r.json()["next_offset"]
-    return next_offset
-
-
-def report(server: Server, claim: dict[str, Any], items: list[dict[str, Any]]) -> None:
-    rank0 = server.client(claim["token"])
-    for i in range(0, len(items), 1000):
-        r = rank0.post(f"/jobs/{claim['job_id']}/metrics", json={"items": items[i : i + 1000]})
-        assert r.status_code == 202, r.text
+    stop_server(s)
 
 
 MARKER = re.compile(

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import Server, start_server, stop_process, terminal, wait_for
+from tests.conftest import Server, start_server, stop_server, terminal, wait_for
 from tests.helpers import register
 
 GPU = {"entrypoint": "probe.py", "device": "cuda"}
@@ -128,9 +128,7 @@ def test_a_starving_head_job_is_not_jumped(tmp_path: Path, db_url: str) -> None:
         assert nxt and nxt["job_id"] == big["id"]
         assert _job(server, small["id"])["status"] == "queued"
     finally:
-        for c in server.clients:
-            c.close()
-        stop_process(server.proc)
+        stop_server(server)
 
 
 def test_unschedulable_jobs_say_so_and_strict_refuses_them(server: Server) -> None:
@@ -301,6 +299,4 @@ def test_submit_and_finish_notify_other_api_processes(pg_url: str, tmp_path: Pat
         assert claim
         _finish(server, claim)
         assert [n.channel for n in conn.notifies(timeout=10, stop_after=1)] == ["ddpq_jobs"]
-    for c in server.clients:
-        c.close()
-    stop_process(server.proc)
+    stop_server(server)

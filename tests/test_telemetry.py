@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import Server, _child_env, start_server, stop_process
+from tests.conftest import Server, _child_env, start_server, stop_server
 from tests.helpers import finish, register, submit_and_claim
 from worker.runner import JobRunner
 
@@ -157,9 +157,7 @@ def test_report_writes_tensorboard_runs(tmp_path: Path) -> None:
         items = server.client().get(f"/jobs/{claim['job_id']}/metrics").json()["items"]
         assert [i["step"] for i in items] == list(range(1, 21))
     finally:
-        for c in server.clients:
-            c.close()
-        stop_process(server.proc)
+        stop_server(server)
 
 
 def test_worker_passes_tensorboard_dir_to_ranks(

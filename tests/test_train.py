@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Server, _child_env, start_server, stop_process, wait_for
+from tests.conftest import Server, _child_env, start_server, stop_process, stop_server, wait_for
 from tests.helpers import submit_and_claim
 
 REPORTER = r"""
@@ -53,9 +53,7 @@ def test_reports_survive_an_api_outage(server: Server, db_url: str, tmp_path: Pa
         items = back.client().get(f"/jobs/{claim['job_id']}/metrics").json()["items"]
         assert [i["step"] for i in items] == list(range(1, 501))
         assert items[-1]["values"]["loss"] == pytest.approx(1 / 500)
-        for c in back.clients:
-            c.close()
-        stop_process(back.proc)
+        stop_server(back)
     finally:
         stop_process(proc)
 

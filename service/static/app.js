@@ -268,24 +268,22 @@ function cellValue(v) {
   return String(v);
 }
 
-// The attempts route's fields are read generically: known ones first, any others after.
-const ATTEMPT_ORDER = [
-  "number", "attempt", "status", "outcome", "worker", "gpus", "started_at",
-  "ended_at", "finished_at", "exit_code", "reason",
-];
+const ago = (t) => (t ? el("td", { title: t }, `${age(t)} ago`) : el("td", {}, ""));
 
 function renderAttempts(items) {
-  const keys = new Set();
-  for (const a of items) for (const k of Object.keys(a)) if (!/token|hash/i.test(k)) keys.add(k);
-  const cols = [...ATTEMPT_ORDER.filter((k) => keys.has(k)), ...[...keys].filter((k) => !ATTEMPT_ORDER.includes(k))];
-  document.querySelector("#attempts thead tr").replaceChildren(...cols.map((k) => el("th", {}, k.replaceAll("_", " "))));
   const rows = items.map((a) =>
-    el("tr", {}, ...cols.map((k) => {
-      const v = a[k];
-      if (k === "status" || k === "outcome") return el("td", {}, v == null ? "" : statusBadge(String(v)));
-      if (/_at$/.test(k) && v) return el("td", { title: v }, `${age(v)} ago`);
-      return el("td", {}, cellValue(v));
-    })),
+    el(
+      "tr",
+      {},
+      el("td", { class: "num" }, a.number),
+      el("td", {}, statusBadge(a.outcome)),
+      el("td", {}, a.worker),
+      el("td", {}, a.gpus.join(",")),
+      ago(a.started_at),
+      ago(a.finished_at),
+      el("td", { class: "num" }, cellValue(a.exit_code)),
+      el("td", {}, a.reason ?? ""),
+    ),
   );
   document.querySelector("#attempts tbody").replaceChildren(...rows);
 }
@@ -317,7 +315,7 @@ function jobView(id) {
   $("log-info").textContent = "";
   $("chart-info").textContent = "";
   $("metric-select").replaceChildren();
-  $("attempts-panel").hidden = true;
+  renderAttempts([]);
   renderCheckpoints([]);
 
   const chart = new LineChart($("chart"));
@@ -332,7 +330,6 @@ function jobView(id) {
     checkpoints: [],
     checkpointSeen: undefined,
     attemptsSeen: null,
-    noAttemptsRoute: false,
     settled: false, // terminal and fetched once more after it
   };
   let stopped = false;
@@ -366,13 +363,7 @@ function jobView(id) {
 
   const loadMetrics = async (full) => {
     if (full || !st.points.length) {
-      let data;
-      try {
-        data = await api(`/jobs/${id}/metrics?max_points=${FIRST_LOAD_POINTS}`);
-      } catch (e) {
-        if (e.status !== 422) throw e;
-        data = await api(`/jobs/${id}/metrics`); // a server that bounds max_points lower
-      }
+      const data = await api(`/jobs/${id}/metrics?max_points=${FIRST_LOAD_POINTS}`);
       if (stopped) return;
       st.points = data.items;
     } else {
@@ -418,22 +409,9 @@ function jobView(id) {
   };
 
   const loadAttempts = async () => {
-    if (st.noAttemptsRoute) return;
-    let data;
-    try {
-      data = await api(`/jobs/${id}/attempts`);
-    } catch (e) {
-      if (e.status === 404 || e.status === 405) {
-        st.noAttemptsRoute = true; // an older server: leave the section out
-        $("attempts-panel").hidden = true;
-        return;
-      }
-      throw e;
-    }
+    const data = await api(`/jobs/${id}/attempts`);
     if (stopped) return;
-    const items = Array.isArray(data) ? data : data.items || [];
-    renderAttempts(items);
-    $("attempts-panel").hidden = false;
+    renderAttempts(data.items);
   };
 
   const renderJob = (job) => {

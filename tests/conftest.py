@@ -116,6 +116,26 @@ def _child_env(extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
+def run_ddpq(
+    *args: str,
+    env: dict[str, str],
+    cwd: Path | None = None,
+    timeout: float = 60,
+    input: str | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run the `ddpq` command to its end, with ``env`` over this environment's non-DDPQ
+    variables; its output is text."""
+    return subprocess.run(
+        [sys.executable, "-m", "ddpq.cli", *args],
+        env=_child_env(env),
+        capture_output=True,
+        text=True,
+        input=input,
+        timeout=timeout,
+        cwd=cwd,
+    )
+
+
 def stop_process(
     proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: float = 60
 ) -> None:

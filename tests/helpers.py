@@ -1,7 +1,11 @@
-"""Driving the worker protocol by hand, for tests that need a job token but no torchrun."""
+"""Driving the worker protocol by hand (for tests that need a job token but no torchrun),
+and what several test files share: a stub JobRunner, reading a program's JSON records."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from tests.conftest import Server
@@ -75,3 +79,30 @@ def report(server: Server, claim: dict[str, Any], items: list[dict[str, Any]]) -
     for i in range(0, len(items), 1000):
         r = rank0.post(f"/jobs/{claim['job_id']}/metrics", json={"items": items[i : i + 1000]})
         assert r.status_code == 202, r.text
+
+
+def job_runner(workspace: Path, spec: dict[str, Any]) -> Any:
+    """A worker's JobRunner for a claim of ``spec``, on an agent stub: for what the
+    runner decides (program, argv, environment) without running anything."""
+    from worker.runner import JobRunner
+
+    agent = SimpleNamespace(
+        workspace=workspace.resolve(), url="http://127.0.0.1:9", launch_prefix="test/"
+    )
+    claim = {
+        "job_id": 7,
+        "attempt": 1,
+        "token": "t",
+        "spec": spec,
+        "checkpoint_dir": "/c/job-7",
+        "device": "cpu",
+        "gpus": [],
+    }
+    return JobRunner(agent=agent, claim=claim)  # type: ignore[arg-type]
+
+
+def records(path: Path) -> list[dict[str, Any]]:
+    """The JSON lines a test program appended to ``path`` (none yet: empty)."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -26,6 +26,7 @@ from tests.conftest import (
     Server,
     _child_env,
     free_port,
+    run_ddpq,
     start_server,
     stop_process,
     stop_server,
@@ -55,22 +56,15 @@ def _nothing_left_queued(server: Server) -> Iterator[None]:
         c.post(f"/jobs/{job['id']}/cancel")
 
 
-def _env(server: Server, **extra: str) -> dict[str, str]:
-    return _child_env({"DDPQ_URL": server.url, "DDPQ_TOKEN": server.api_token, **extra})
+def _vars(server: Server, **extra: str) -> dict[str, str]:
+    """The variables that point `ddpq` at ``server`` as its user."""
+    return {"DDPQ_URL": server.url, "DDPQ_TOKEN": server.api_token, **extra}
 
 
 def ddpq(
     server: Server | None, *args: str, input: str | None = None, **env: str
 ) -> subprocess.CompletedProcess[str]:
-    r = subprocess.run(
-        [sys.executable, "-m", "ddpq.cli", *args],
-        env=_env(server, **env) if server else _child_env(env),
-        capture_output=True,
-        text=True,
-        input=input,
-        timeout=60,
-        cwd=REPO,
-    )
+    r = run_ddpq(*args, env=_vars(server, **env) if server else env, cwd=REPO, input=input)
     assert "Traceback" not in r.stderr, r.stderr  # errors are sentences, never tracebacks
     return r
 
@@ -83,7 +77,7 @@ class Running:
     def __init__(self, server: Server, *args: str) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "ddpq.cli", *args],
-            env=_env(server),
+            env=_child_env(_vars(server)),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             cwd=REPO,

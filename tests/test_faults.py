@@ -6,7 +6,6 @@ real torchrun (gloo, 2 ranks) and a program that checkpoints every epoch.
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import signal
@@ -26,7 +25,7 @@ from tests.conftest import (
     terminal,
     wait_for,
 )
-from tests.helpers import finish, register, submit_and_claim
+from tests.helpers import finish, records, register, submit_and_claim
 from worker.procs import find_by_launch_id
 
 # ---- the retry policy and fencing, through the worker protocol -------------------------
@@ -252,12 +251,6 @@ dist.destroy_process_group()
 """
 
 
-def _records(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def _submit(server: Server, record: Path, *args: str, **spec: Any) -> int:
     body = {
         "entrypoint": "trainer.py",
@@ -319,7 +312,7 @@ def test_kill_9_worker_mid_job_resumes_elsewhere_from_last_checkpoint(
         )
         assert final["attempt"] == 2 and final["worker"] == "b"
 
-        starts = _records(record)
+        starts = records(record)
         second = [s for s in starts if s["attempt"] == 2]
         assert {s["rank"] for s in second} == {0, 1}
         resumed_at = second[0]["start_step"]
@@ -341,13 +334,13 @@ def test_kill_9_one_rank_restarts_the_group_inside_the_attempt(
     (w.workspace / "trainer.py").write_text(TRAINER)
     jid = _submit(server, record, "--epochs", "5", "--steps", "10", max_restarts=1)
     wait_for(lambda: _checkpointed(server, jid, 10), 90, "the first epoch's checkpoint")
-    rank1 = next(s for s in _records(record) if s["rank"] == 1)
+    rank1 = next(s for s in records(record) if s["rank"] == 1)
     os.kill(rank1["pid"], signal.SIGKILL)
 
     final = terminal(server.client(), jid)
     assert final["status"] == "succeeded", (final, server.client().get(f"/jobs/{jid}/logs").text)
     assert final["attempt"] == 1
-    restarted = [s for s in _records(record) if s["restart"] == 1]
+    restarted = [s for s in records(record) if s["restart"] == 1]
     assert {s["rank"] for s in restarted} == {0, 1}
     assert restarted[0]["start_step"] >= 10  # from the snapshot, not from scratch
     _one_series(server, jid, 50)

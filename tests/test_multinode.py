@@ -9,7 +9,6 @@ gloo job through two `ddpq serve` processes, one of whose workers is killed mid-
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import threading
@@ -21,7 +20,7 @@ import pytest
 import yaml
 
 from tests.conftest import REPO, Server, start_server, stop_server, terminal, wait_for
-from tests.helpers import register, send_log
+from tests.helpers import records, register, send_log
 from worker.procs import find_by_launch_id
 
 CPU_JOB = {"entrypoint": "train.py", "device": "cpu"}
@@ -481,12 +480,6 @@ dist.destroy_process_group()
 """
 
 
-def _records(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 @pytest.mark.torchrun
 @pytest.mark.postgres
 def test_two_workers_on_two_api_processes_run_a_2x2_job_and_retry_it_as_one(
@@ -520,10 +513,10 @@ def test_two_workers_on_two_api_processes_run_a_2x2_job_and_retry_it_as_one(
         jid = job["id"]
 
         def first_attempt_started() -> bool:
-            return len({r["rank"] for r in _records(record) if r["attempt"] == 1}) == 4
+            return len({r["rank"] for r in records(record) if r["attempt"] == 1}) == 4
 
         wait_for(first_attempt_started, 120, "the 4 ranks of attempt 1 to start")
-        first = [r for r in _records(record) if r["attempt"] == 1]
+        first = [r for r in records(record) if r["attempt"] == 1]
         assert sorted(r["rank"] for r in first) == [0, 1, 2, 3]
         assert {r["world"] for r in first} == {4} and sorted(r["node"] for r in first) == [
             0,
@@ -568,7 +561,7 @@ def test_two_workers_on_two_api_processes_run_a_2x2_job_and_retry_it_as_one(
         log = api2.client().get(f"/jobs/{jid}/logs").text  # logs through either process
         assert final["status"] == "succeeded", (final, log)
         assert final["attempt"] == 2, log
-        second = [r for r in _records(record) if r["attempt"] == 2]
+        second = [r for r in records(record) if r["attempt"] == 2]
         assert sorted(r["rank"] for r in second) == [0, 1, 2, 3]
         for rank in range(4):
             assert f"[rank{rank}]: rank {rank} of 4 done" in log

@@ -10,9 +10,7 @@ import json
 import pickle
 import sqlite3
 import subprocess
-import sys
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -21,8 +19,8 @@ from pydantic import ValidationError
 
 from service.config import Settings, TokenError, resolve_tokens
 from service.schemas import JobSpec
-from tests.conftest import REPO, Server, _child_env, free_port, terminal
-from tests.helpers import finish, submit_and_claim
+from tests.conftest import REPO, Server, free_port, run_ddpq, terminal
+from tests.helpers import finish, job_runner, submit_and_claim
 
 GOOD = {"recipe": "toy-regression", "world_size": 2}
 # Open by design (DESIGN.md): liveness, the dashboard's static shell, the API's description.
@@ -319,24 +317,6 @@ def test_spec_rules_for_entrypoint_and_env() -> None:
             JobSpec(recipe="toy-regression", env={bad_name: "x"})
 
 
-def _runner(workspace: Path, spec: dict[str, Any]) -> Any:
-    from worker.runner import JobRunner
-
-    agent = SimpleNamespace(
-        workspace=workspace.resolve(), url="http://127.0.0.1:9", launch_prefix="test/"
-    )
-    claim = {
-        "job_id": 7,
-        "attempt": 1,
-        "token": "t",
-        "spec": spec,
-        "checkpoint_dir": "/c/job-7",
-        "device": "cpu",
-        "gpus": [],
-    }
-    return JobRunner(agent=agent, claim=claim)  # type: ignore[arg-type]
-
-
 def test_worker_rechecks_what_it_is_sent(tmp_path: Path) -> None:
     """The API refuses these; the worker refuses them again, never trusting the wire."""
     from worker.runner import JobError
@@ -350,15 +330,15 @@ def test_worker_rechecks_what_it_is_sent(tmp_path: Path) -> None:
     (ws / "dirlink").symlink_to(tmp_path)
     for entry in ("link.py", "dirlink/outside.py", "../outside.py", str(outside), "%2e%2e/x"):
         with pytest.raises(JobError, match="entrypoint"):
-            _runner(ws, {"entrypoint": entry})._program({"entrypoint": entry})
-    assert _runner(ws, {})._program({"entrypoint": "ok.py", "args": ["$(id)"]}) == [
+            job_runner(ws, {"entrypoint": entry})._program({"entrypoint": entry})
+    assert job_runner(ws, {})._program({"entrypoint": "ok.py", "args": ["$(id)"]}) == [
         str(ws.resolve() / "ok.py"),
         "$(id)",
     ]
     for name in ("LD_PRELOAD", "DDPQ_JOB_TOKEN", "CUDA_VISIBLE_DEVICES", "PET_RDZV_ENDPOINT"):
         with pytest.raises(JobError, match=name):
-            _runner(ws, {"env": {name: "x"}})._env(None)
-    env = _runner(ws, {"env": {"NCCL_DEBUG": "INFO"}})._env(None)
+            job_runner(ws, {"env": {name: "x"}})._env(None)
+    env = job_runner(ws, {"env": {"NCCL_DEBUG": "INFO"}})._env(None)
     assert env["NCCL_DEBUG"] == "INFO" and env["CUDA_VISIBLE_DEVICES"] == ""
 
 
@@ -552,28 +532,18 @@ def test_serve_on_a_reachable_address_with_the_example_tokens_exits(tmp_path: Pa
         for line in (REPO / ".env.example").read_text().splitlines()
         if line and not line.startswith("#")
     )
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ddpq.cli",
-            "serve",
-            "--host",
-            "0.0.0.0",
-            "--port",
-            str(free_port()),
-        ],
-        env=_child_env(
-            {
-                "DDPQ_DATA_DIR": str(tmp_path),
-                "DDPQ_API_TOKEN": env["DDPQ_API_TOKEN"],
-                "DDPQ_WORKER_TOKEN": env["DDPQ_WORKER_TOKEN"],
-                "DDPQ_DATABASE_URL": f"sqlite:///{tmp_path / 'x.db'}",
-            }
-        ),
-        capture_output=True,
-        text=True,
-        timeout=60,
+    r = run_ddpq(
+        "serve",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(free_port()),
+        env={
+            "DDPQ_DATA_DIR": str(tmp_path),
+            "DDPQ_API_TOKEN": env["DDPQ_API_TOKEN"],
+            "DDPQ_WORKER_TOKEN": env["DDPQ_WORKER_TOKEN"],
+            "DDPQ_DATABASE_URL": f"sqlite:///{tmp_path / 'x.db'}",
+        },
     )
     assert r.returncode != 0
     assert "DDPQ_API_TOKEN" in r.stderr and "placeholder" in r.stderr, r.stderr

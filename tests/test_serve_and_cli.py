@@ -8,24 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import _child_env, free_port, stop_process, wait_for
-
-
-def _ddpq(
-    *args: str, env: dict[str, str], cwd: Path | None = None, timeout: float = 60
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "ddpq.cli", *args],
-        env=_child_env(env),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=cwd,
-    )
+from tests.conftest import _child_env, free_port, run_ddpq, stop_process, wait_for
 
 
 def test_serve_refuses_a_reachable_address_without_tokens(tmp_path: Path) -> None:
-    r = _ddpq(
+    r = run_ddpq(
         "serve",
         "--host",
         "0.0.0.0",
@@ -35,7 +22,7 @@ def test_serve_refuses_a_reachable_address_without_tokens(tmp_path: Path) -> Non
     )
     assert r.returncode == 2
     assert "DDPQ_API_TOKEN" in r.stderr and "DDPQ_WORKER_TOKEN" in r.stderr
-    r = _ddpq(
+    r = run_ddpq(
         "serve",
         "--host",
         "0.0.0.0",
@@ -70,7 +57,7 @@ def test_loopback_serve_generates_private_tokens_the_cli_finds(tmp_path: Path) -
             mode = stat.S_IMODE((tmp_path / "var" / name).stat().st_mode)
             assert mode == 0o600, oct(mode)
         cli_env = {**env, "DDPQ_URL": f"http://127.0.0.1:{port}"}
-        r = _ddpq(
+        r = run_ddpq(
             "submit",
             "--recipe",
             "toy-regression",
@@ -85,9 +72,9 @@ def test_loopback_serve_generates_private_tokens_the_cli_finds(tmp_path: Path) -
         assert r.returncode == 0, r.stderr
         job = json.loads(r.stdout)
         assert job["spec"]["args"] == ["--total-epochs", "1"]
-        r = _ddpq("ls", "--json", env=cli_env)
+        r = run_ddpq("ls", "--json", env=cli_env)
         assert [j["id"] for j in json.loads(r.stdout)["items"]] == [job["id"]]
-        r = _ddpq("status", str(job["id"]), env=cli_env)
+        r = run_ddpq("status", str(job["id"]), env=cli_env)
         assert r.returncode == 0 and "queued" in r.stdout
         # The CLI's commands and exit codes: tests/test_cli.py.
     finally:

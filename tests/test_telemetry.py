@@ -5,15 +5,13 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import Server, _child_env, start_server, stop_server
-from tests.helpers import finish, register, submit_and_claim
-from worker.runner import JobRunner
+from tests.helpers import finish, job_runner, register, submit_and_claim
 
 FAMILIES = {
     "ddpq_database_up",
@@ -163,17 +161,7 @@ def test_report_writes_tensorboard_runs(tmp_path: Path) -> None:
 def test_worker_passes_tensorboard_dir_to_ranks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    agent = SimpleNamespace(url="http://api", launch_prefix="p/", workspace=tmp_path)
-    claim = {
-        "job_id": 7,
-        "attempt": 1,
-        "token": "t",
-        "spec": {"env": {}},
-        "checkpoint_dir": "/c",
-        "device": "cpu",
-        "gpus": [],
-    }
-    runner = JobRunner(agent, claim)  # type: ignore[arg-type]
+    runner = job_runner(tmp_path, {"env": {}})
     monkeypatch.setenv("DDPQ_API_TOKEN", "secret")  # other DDPQ_* stay private
     monkeypatch.delenv("DDPQ_TENSORBOARD_DIR", raising=False)
     assert "DDPQ_TENSORBOARD_DIR" not in runner._env(None)

@@ -136,6 +136,11 @@ def run_ddpq(
     )
 
 
+def serve_on_a_reachable_address(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """`ddpq serve` on 0.0.0.0, where weak or missing tokens must make it exit."""
+    return run_ddpq("serve", "--host", "0.0.0.0", "--port", str(free_port()), env=env)
+
+
 def stop_process(
     proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: float = 60
 ) -> None:

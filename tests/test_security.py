@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from service.config import Settings, TokenError, resolve_tokens
 from service.schemas import JobSpec
-from tests.conftest import REPO, Server, free_port, run_ddpq, terminal
+from tests.conftest import REPO, Server, serve_on_a_reachable_address, terminal
 from tests.helpers import finish, job_runner, submit_and_claim
 
 GOOD = {"recipe": "toy-regression", "world_size": 2}
@@ -532,13 +532,8 @@ def test_serve_on_a_reachable_address_with_the_example_tokens_exits(tmp_path: Pa
         for line in (REPO / ".env.example").read_text().splitlines()
         if line and not line.startswith("#")
     )
-    r = run_ddpq(
-        "serve",
-        "--host",
-        "0.0.0.0",
-        "--port",
-        str(free_port()),
-        env={
+    r = serve_on_a_reachable_address(
+        {
             "DDPQ_DATA_DIR": str(tmp_path),
             "DDPQ_API_TOKEN": env["DDPQ_API_TOKEN"],
             "DDPQ_WORKER_TOKEN": env["DDPQ_WORKER_TOKEN"],

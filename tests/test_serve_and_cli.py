@@ -8,27 +8,24 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import _child_env, free_port, run_ddpq, stop_process, wait_for
+from tests.conftest import (
+    _child_env,
+    free_port,
+    run_ddpq,
+    serve_on_a_reachable_address,
+    stop_process,
+    wait_for,
+)
 
 
 def test_serve_refuses_a_reachable_address_without_tokens(tmp_path: Path) -> None:
-    r = run_ddpq(
-        "serve",
-        "--host",
-        "0.0.0.0",
-        "--port",
-        str(free_port()),
-        env={"DDPQ_DATA_DIR": str(tmp_path)},
+    r = serve_on_a_reachable_address(
+        {"DDPQ_DATA_DIR": str(tmp_path)},
     )
     assert r.returncode == 2
     assert "DDPQ_API_TOKEN" in r.stderr and "DDPQ_WORKER_TOKEN" in r.stderr
-    r = run_ddpq(
-        "serve",
-        "--host",
-        "0.0.0.0",
-        "--port",
-        str(free_port()),
-        env={
+    r = serve_on_a_reachable_address(
+        {
             "DDPQ_DATA_DIR": str(tmp_path),
             "DDPQ_API_TOKEN": "changeme",
             "DDPQ_WORKER_TOKEN": "x" * 40,

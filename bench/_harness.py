@@ -20,6 +20,26 @@ import httpx
 PG_ADMIN = os.environ.get("DDPQ_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 
 
+def child_env(**extra: str) -> dict[str, str]:
+    """This environment without its DDPQ_* variables, which a benchmark sets itself."""
+    return {**{k: v for k, v in os.environ.items() if not k.startswith("DDPQ_")}, **extra}
+
+
+def register(api: Api, name: str, cpu_slots: int) -> None:
+    """Register a CPU-only worker ``name`` with the API."""
+    with api.client("worker") as w:
+        w.post(
+            "/workers/register",
+            json={
+                "name": name,
+                "hostname": "bench",
+                "cpu_slots": cpu_slots,
+                "gpus": [],
+                "checkpoint_root": "/tmp/c",
+            },
+        ).raise_for_status()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -75,19 +95,15 @@ def serve(db_url: str, **env: str) -> Iterator[Api]:
     api = Api(
         f"http://127.0.0.1:{port}", secrets.token_urlsafe(24), secrets.token_urlsafe(24), data_dir
     )
-    child_env = {k: v for k, v in os.environ.items() if not k.startswith("DDPQ_")}
-    child_env.update(
-        {
-            "DDPQ_DATABASE_URL": db_url,
-            "DDPQ_DATA_DIR": str(data_dir),
-            "DDPQ_API_TOKEN": api.api_token,
-            "DDPQ_WORKER_TOKEN": api.worker_token,
-            **env,
-        }
-    )
     proc = subprocess.Popen(
         [sys.executable, "-m", "ddpq.cli", "serve", "--port", str(port), "--log-level", "warning"],
-        env=child_env,
+        env=child_env(
+            DDPQ_DATABASE_URL=db_url,
+            DDPQ_DATA_DIR=str(data_dir),
+            DDPQ_API_TOKEN=api.api_token,
+            DDPQ_WORKER_TOKEN=api.worker_token,
+            **env,
+        ),
         cwd=data_dir,
     )
     try:

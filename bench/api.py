@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import os
 import random
 import statistics
 import subprocess
@@ -42,7 +41,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from _harness import Api, database, percentile, postgres_available, serve
+from _harness import Api, child_env, database, percentile, postgres_available, register, serve
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -167,17 +166,8 @@ def seed(url: str, jobs: int, points: int) -> None:
 
 def claim_job(api: Api, worker: str) -> dict[str, Any]:
     """A running job and its token, ahead of every seeded queued job."""
+    register(api, worker, cpu_slots=8)
     with api.client("worker") as w, api.client() as c:
-        w.post(
-            "/workers/register",
-            json={
-                "name": worker,
-                "hostname": "bench",
-                "cpu_slots": 8,
-                "gpus": [],
-                "checkpoint_root": "/tmp/c",
-            },
-        ).raise_for_status()
         c.post(
             "/jobs", json={"entrypoint": "t.py", "device": "cpu", "priority": 100}
         ).raise_for_status()
@@ -354,16 +344,13 @@ print(json.dumps({"ratio": ratio, "plain": statistics.median(plain),
 
 def report_overhead(api: Api, tensorboard: bool, steps: int, block: int) -> dict[str, Any]:
     claim = claim_job(api, "tb" if tensorboard else "trainer")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DDPQ_")}
-    env.update(
-        {
-            "DDPQ_URL": api.url,
-            "DDPQ_JOB_ID": str(claim["job_id"]),
-            "DDPQ_JOB_TOKEN": claim["token"],
-            "RANK": "0",
-            "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": str(REPO),
-        }
+    env = child_env(
+        DDPQ_URL=api.url,
+        DDPQ_JOB_ID=str(claim["job_id"]),
+        DDPQ_JOB_TOKEN=claim["token"],
+        RANK="0",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=str(REPO),
     )
     if tensorboard:
         env["DDPQ_TENSORBOARD_DIR"] = tempfile.mkdtemp(prefix="ddpq-bench-tb-")

@@ -19,23 +19,9 @@ import argparse
 import threading
 import time
 
-from _harness import Api, database, percentile, postgres_available, serve
+from _harness import Api, database, percentile, postgres_available, register, serve
 
 CLAIMERS = 8
-
-
-def register(api: Api, name: str, cpu_slots: int) -> None:
-    with api.client("worker") as w:
-        w.post(
-            "/workers/register",
-            json={
-                "name": name,
-                "hostname": "bench",
-                "cpu_slots": cpu_slots,
-                "gpus": [],
-                "checkpoint_root": "/tmp/c",
-            },
-        ).raise_for_status()
 
 
 def latency(api: Api, n: int) -> tuple[float, float]:

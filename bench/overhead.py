@@ -12,7 +12,6 @@ ddpq / torchrun (goal: <= 1.05).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import subprocess
 import sys
@@ -21,7 +20,7 @@ from datetime import datetime
 from pathlib import Path
 
 import httpx
-from _harness import database, serve
+from _harness import child_env, database, serve
 
 REPO = Path(__file__).resolve().parent.parent
 PROGRAM = "examples/ddp_plain.py"
@@ -88,8 +87,7 @@ def main() -> None:
     args = ap.parse_args()
 
     with database("sqlite") as url, serve(url) as api:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("DDPQ_")}
-        env["DDPQ_WORKER_TOKEN"] = api.worker_token
+        env = child_env(DDPQ_WORKER_TOKEN=api.worker_token)
         worker = subprocess.Popen(
             [
                 *[sys.executable, "-m", "ddpq.cli", "worker", "--url", api.url],

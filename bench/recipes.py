@@ -19,7 +19,6 @@ one process's threads do.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import statistics
 import subprocess
@@ -29,6 +28,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from _harness import child_env
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -76,10 +76,7 @@ def run(recipe: str, nproc: int, data: Path, out: Path) -> float:
             *["--nproc-per-node", str(nproc), "-m", MODULES[recipe], *args],
         ],
         cwd=REPO,
-        env={
-            **{k: v for k, v in os.environ.items() if not k.startswith("DDPQ_")},
-            "DDPQ_CHECKPOINT_DIR": str(out / f"{recipe}-{nproc}"),
-        },
+        env=child_env(DDPQ_CHECKPOINT_DIR=str(out / f"{recipe}-{nproc}")),
         capture_output=True,
         text=True,
         check=False,

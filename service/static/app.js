@@ -15,6 +15,18 @@ const STATES = new Set(["queued", "running", "cancelling", "succeeded", "failed"
 
 const $ = (id) => document.getElementById(id);
 
+// A table's rows, and its "none yet" line (#<id>-empty) shown only when there are none.
+function fillTable(id, rows) {
+  document.querySelector(`#${id} tbody`).replaceChildren(...rows);
+  const empty = $(`${id}-empty`);
+  if (empty) empty.hidden = rows.length > 0;
+}
+
+function showJobError(message) {
+  $("job-error").textContent = message;
+  $("job-error").hidden = false;
+}
+
 function el(tag, attrs = {}, ...children) {
   const e = document.createElement(tag);
   for (const [k, v] of Object.entries(attrs)) {
@@ -213,8 +225,7 @@ function jobsView() {
     const data = await api(`/jobs?${q}`);
     if (stopped) return;
     const rows = data.items.map(jobRow);
-    document.querySelector("#jobs tbody").replaceChildren(...rows);
-    $("jobs-empty").hidden = rows.length > 0;
+    fillTable("jobs", rows);
     $("jobs-count").textContent = data.next_cursor
       ? `the newest ${rows.length} jobs`
       : `${rows.length} job${rows.length === 1 ? "" : "s"}`;
@@ -285,7 +296,7 @@ function renderAttempts(items) {
       el("td", {}, a.reason ?? ""),
     ),
   );
-  document.querySelector("#attempts tbody").replaceChildren(...rows);
+  fillTable("attempts", rows);
 }
 
 function renderCheckpoints(items) {
@@ -301,8 +312,7 @@ function renderCheckpoints(items) {
       el("td", { class: "num", title: c.created_at }, age(c.created_at)),
     ),
   );
-  document.querySelector("#checkpoints tbody").replaceChildren(...rows);
-  $("checkpoints-empty").hidden = rows.length > 0;
+  fillTable("checkpoints", rows);
 }
 
 function jobView(id) {
@@ -435,8 +445,7 @@ function jobView(id) {
       job = await api(`/jobs/${id}`);
     } catch (e) {
       if (e.status === 404 && !stopped) {
-        $("job-error").textContent = `There is no job ${id}.`;
-        $("job-error").hidden = false;
+        showJobError(`There is no job ${id}.`);
         st.settled = true;
       }
       throw e;
@@ -473,8 +482,7 @@ function jobView(id) {
       renderJob(await api(`/jobs/${id}/cancel`, { method: "POST" }));
       st.settled = false;
     } catch (e) {
-      $("job-error").textContent = `Cancel failed: ${e.message}`;
-      $("job-error").hidden = false;
+      showJobError(`Cancel failed: ${e.message}`);
       $("cancel").disabled = false;
     }
   };

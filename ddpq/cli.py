@@ -775,9 +775,14 @@ SPARK = "▁▂▃▄▅▆▇█"
 SPARK_POINTS = 60
 
 
+def _finite(values: Iterable[Any]) -> list[float]:
+    """The numbers among ``values``, without NaN and infinities (a diverged loss)."""
+    return [float(v) for v in values if isinstance(v, int | float) and math.isfinite(v)]
+
+
 def sparkline(values: Iterable[Any]) -> str:
     """One block per finite value, scaled between the values' min and max."""
-    finite = [float(v) for v in values if isinstance(v, int | float) and math.isfinite(v)]
+    finite = _finite(values)
     if not finite:
         return ""
     lo, hi = min(finite), max(finite)
@@ -874,15 +879,15 @@ class _Watched:
             parts.append(f"gpus {','.join(map(str, j['gpus']))}")
         if j["status"] in TERMINAL and j["exit_code"] is not None:
             parts.append(f"exit code {j['exit_code']}")
-        if self.progress():
-            parts.append(self.progress())
+        if progress := self.progress():
+            parts.append(progress)
         elif self.step is not None:
             parts.append(f"step {self.step}")
         if self.losses:
             last = self.losses[-1]
             parts.append(f"loss {_number(last)} {sparkline(self.losses)}")
-        if _waiting(j):
-            parts.append(_waiting(j))
+        if waiting := _waiting(j):
+            parts.append(waiting)
         return " | ".join(parts)
 
     def render(self) -> Any:
@@ -903,8 +908,8 @@ class _Watched:
         if j["worker"]:
             gpus = ",".join(map(str, j["gpus"] or [])) or "none"
             grid.add_row("worker", Text(f"{j['worker']}   gpus {gpus}"))
-        if _waiting(j):
-            grid.add_row("reason", Text(_waiting(j)))
+        if waiting := _waiting(j):
+            grid.add_row("reason", Text(waiting))
         if self.total_steps is not None:
             done = min(self.step or 0, self.total_steps)
             bar = Table.grid(padding=(0, 2))
@@ -921,10 +926,10 @@ class _Watched:
             grid.add_row("progress", bar)
         elif self.step is not None:
             grid.add_row("step", Text(str(self.step)))
-        if self.metrics_text():
-            grid.add_row("metrics", Text(self.metrics_text()))
+        if metrics := self.metrics_text():
+            grid.add_row("metrics", Text(metrics))
         if self.losses:
-            finite = [v for v in self.losses if isinstance(v, int | float) and math.isfinite(v)]
+            finite = _finite(self.losses)
             span = f"  ({_number(min(finite))} .. {_number(max(finite))})" if finite else ""
             grid.add_row(
                 "loss", Text(sparkline(self.losses), style="cyan").append(span, style="dim")

@@ -123,7 +123,9 @@ class Client:
         raise ApiError(r.status_code, detail)
 
     def submit(self, spec: dict[str, Any], idempotency_key: str | None = None) -> dict[str, Any]:
-        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        # An empty key is sent too, for the API to refuse: dropping it would submit
+        # without the protection the caller asked for.
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key is not None else {}
         result: dict[str, Any] = self._call("POST", "/jobs", json=spec, headers=headers).json()
         return result
 

@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import InterfaceError, OperationalError
+from sqlalchemy.exc import IntegrityError, InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -223,6 +223,17 @@ def create_app(
             {"detail": "the database is unavailable; retry shortly"},
             status_code=503,
             headers={"Retry-After": "2"},
+        )
+
+    @app.exception_handler(IntegrityError)
+    async def _lost_race(_: Request, exc: IntegrityError) -> JSONResponse:
+        # A unique row that a concurrent request inserted first (two first registrations
+        # of one worker name, say): the loser's to retry, not a server error. Routes that
+        # can answer better (an Idempotency-Key replay) catch it themselves.
+        log.warning("integrity error (a concurrent request won): %s", exc.orig)
+        return JSONResponse(
+            {"detail": "a concurrent request changed the same record first; retry"},
+            status_code=409,
         )
 
     @app.exception_handler(RequestValidationError)

@@ -196,8 +196,8 @@ def _request_hash(spec: JobSpec) -> str:
 def submit_job(
     db: Database, spec: JobSpec, idempotency_key: str | None, strict: bool = False
 ) -> JobPublic:
-    digest = _request_hash(spec) if idempotency_key else None
-    if idempotency_key:
+    digest = _request_hash(spec) if idempotency_key is not None else None
+    if idempotency_key is not None:
         existing = _replay(db, idempotency_key, digest)
         if existing is not None:
             return existing
@@ -228,7 +228,7 @@ def submit_job(
             return _publics(s, [job])[0]
     except IntegrityError:
         # Another request with the same key won the race; answer with its job.
-        if idempotency_key:
+        if idempotency_key is not None:
             existing = _replay(db, idempotency_key, digest)
             if existing is not None:
                 return existing

@@ -45,6 +45,21 @@ def _printable_name(v: str) -> str:
     return v
 
 
+# Sent in an Idempotency-Key header: visible ASCII (spaces inside allowed), 1..200.
+# An empty key is refused, not taken as no key: a client that sends one (an unset
+# variable) means to be protected from a double submit and would not be.
+_IDEMPOTENCY_KEY = re.compile(r"[\x20-\x7e]{1,200}")
+
+
+def _idempotency_key(v: str) -> str:
+    if not _IDEMPOTENCY_KEY.fullmatch(v):
+        raise ValueError("must be 1 to 200 printable ASCII characters (a UUID, say)")
+    return v
+
+
+IdempotencyKey = Annotated[str, AfterValidator(_idempotency_key)]
+
+
 # Any printable unicode (a loss named "損失" round-trips), 1..200 characters.
 MetricName = Annotated[
     str, Field(min_length=1, max_length=MAX_NAME_CHARS), AfterValidator(_printable_name)

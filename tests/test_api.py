@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from typing import Any
 
 import httpx
@@ -113,6 +114,90 @@ def test_idempotency_key_returns_the_same_job(server: Server) -> None:
     other = c.post("/jobs", json={**GOOD, "world_size": 4}, headers={"Idempotency-Key": "k1"})
     assert other.status_code == 409
     assert len(_snapshot(server)) == 1
+
+
+def test_an_empty_or_malformed_idempotency_key_is_refused_naming_the_header(
+    server: Server,
+) -> None:
+    c = server.client()
+    # Sent twice each: the second empty key used to hit the first one's row (a 500).
+    bad_keys: list[str | bytes] = ["", "x" * 201, "ключ".encode(), b"tab\tinside"]
+    for key in bad_keys * 2:
+        r = c.post("/jobs", json=GOOD, headers={"Idempotency-Key": key})
+        assert r.status_code == 422, (key, r.text)
+        assert r.json()["detail"][0]["loc"] == ["header", "idempotency-key"], r.text
+        assert "printable ASCII" in r.text
+    assert _snapshot(server) == []
+    key = "k" * 199 + "~"
+    first = c.post("/jobs", json=GOOD, headers={"Idempotency-Key": key})
+    assert first.status_code == 201, first.text
+    again = c.post("/jobs", json=GOOD, headers={"Idempotency-Key": key})
+    assert again.json()["id"] == first.json()["id"]
+
+
+def test_racing_submits_with_one_key_answer_the_first_job_or_409(server: Server) -> None:
+    """Many rounds of several submits at once with one key, some with another body:
+    one job per key; every request with the winner's body gets it, the others 409."""
+    n, rounds = 6, 25
+    clients = [server.client() for _ in range(n)]
+    for round_ in range(rounds):
+        key = f"race-{round_}"
+        bodies = [{**GOOD, "world_size": 1 + (i % 2 if round_ % 2 else 0)} for i in range(n)]
+        answers: list[httpx.Response | None] = [None] * n
+        start = threading.Barrier(n)
+
+        def submit(i: int) -> None:
+            start.wait()
+            answers[i] = clients[i].post("/jobs", json=bodies[i], headers={"Idempotency-Key": key})
+
+        threads = [threading.Thread(target=submit, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        got = [a for a in answers if a is not None]
+        assert len(got) == n and all(a.status_code in (201, 409) for a in got), [
+            (a.status_code, a.text) for a in got
+        ]
+        ids = {a.json()["id"] for a in got if a.status_code == 201}
+        assert len(ids) == 1, ids
+        winner = next(a.json() for a in got if a.status_code == 201)
+        for body, a in zip(bodies, got, strict=True):
+            same = body["world_size"] == winner["spec"]["world_size"]
+            assert a.status_code == (201 if same else 409), (body, a.text)
+    assert len(_snapshot(server)) == rounds
+
+
+def test_racing_first_registrations_of_one_worker_name_never_answer_500(
+    server: Server,
+) -> None:
+    n, rounds = 6, 15
+    clients = [server.client("worker") for _ in range(n)]
+    for round_ in range(rounds):
+        body = {
+            "name": f"racer-{round_}",
+            "hostname": "h",
+            "cpu_slots": 1,
+            "gpus": [],
+            "checkpoint_root": "/ckpt",
+        }
+        codes: list[int] = []
+        start = threading.Barrier(n)
+
+        def register_once(c: httpx.Client) -> None:
+            start.wait()
+            r = c.post("/workers/register", json=body)
+            codes.append(r.status_code)
+
+        threads = [threading.Thread(target=register_once, args=(c,)) for c in clients]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert len(codes) == n and all(code < 500 for code in codes), codes
+        assert 200 in codes
+    names = {w["name"] for w in server.client().get("/workers").json()["items"]}
+    assert names == {f"racer-{i}" for i in range(rounds)}
 
 
 def test_user_routes_demand_the_user_token(server: Server) -> None:

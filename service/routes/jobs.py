@@ -19,6 +19,7 @@ from service.schemas import (
     MAX_NAME_CHARS,
     AttemptsPublic,
     CheckpointsPublic,
+    IdempotencyKey,
     JobPublic,
     JobSpec,
     JobsPublic,
@@ -33,7 +34,13 @@ async def submit_job(
     spec: JobSpec,
     db: DB,
     wakeup: WakeupDep,
-    idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
+    idempotency_key: Annotated[
+        IdempotencyKey | None,
+        Header(
+            description="1 to 200 printable ASCII characters: a repeat with the same body "
+            "answers the first job, one with another body 409"
+        ),
+    ] = None,
     strict: Annotated[
         bool, Query(description="refuse (409) a job no registered worker could ever run")
     ] = False,

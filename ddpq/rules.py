@@ -55,7 +55,8 @@ RESERVED_ENV_NAMES = frozenset(
         "ENV",
     }
 )
-ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+# Matched with fullmatch: "$" would also match before a final newline ("PATH\n").
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 
 
 def reserved_env(name: str) -> bool:
@@ -70,7 +71,7 @@ def reserved_env(name: str) -> bool:
 
 def env_problem(name: str, value: str) -> str | None:
     """Why ``name=value`` cannot go into a job's environment, or None."""
-    if not ENV_NAME.match(name):
+    if not ENV_NAME.fullmatch(name):
         return f"{name[:100]!r} is not a valid variable name"
     if reserved_env(name):
         return f"{name} is set by ddpq, torchrun or CUDA and cannot be overridden"

@@ -99,7 +99,7 @@ def _check_static(token: str, wanted: str, api_token: str, worker_token: str) ->
     raise Refusal(403, f"a {kind} token cannot use this route; it takes the {wanted} token")
 
 
-_JOB_ID = re.compile(r"^[1-9][0-9]{0,18}$")
+_JOB_ID = re.compile(r"[1-9][0-9]{0,18}")  # fullmatch: "$" also matches before a "\n"
 
 
 def _check_job(db: Any, token: str, raw_job_id: str | None) -> Attempt:
@@ -120,7 +120,7 @@ def _check_job(db: Any, token: str, raw_job_id: str | None) -> Attempt:
             )
         if attempt is None:
             raise Refusal(401, "invalid token")
-        job_id = int(raw_job_id) if raw_job_id and _JOB_ID.match(raw_job_id) else None
+        job_id = int(raw_job_id) if raw_job_id and _JOB_ID.fullmatch(raw_job_id) else None
         if attempt.job_id != job_id:
             raise Refusal(403, "this job token belongs to another job")
         current = s.scalar(select(Job.attempt).where(Job.id == job_id))

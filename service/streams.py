@@ -42,7 +42,8 @@ KEEPALIVE_S = 15.0  # a comment line this often keeps proxies from closing a qui
 MAX_POINTS_PER_EVENT = 20_000  # whole batches are sent together; a bigger backlog waits a poll
 RETRY_MS = 2000  # how long EventSource waits before reconnecting
 
-_CURSOR = re.compile(r"^(\d{1,19})(?:-([0-9a-f]{8}))?$")
+# fullmatch, and [0-9] rather than \d (which takes any script's digits).
+_CURSOR = re.compile(r"([0-9]{1,19})(?:-([0-9a-f]{8}))?")
 
 
 @dataclass
@@ -54,7 +55,7 @@ class Cursor:
 def parse_cursor(value: str | None, loc: tuple[str, str]) -> Cursor | None:
     if value is None:
         return None
-    m = _CURSOR.match(value.strip())
+    m = _CURSOR.fullmatch(value.strip())
     if not m or int(m.group(1)) > 2**63 - 1:
         raise Invalid(loc, f"{value[:40]!r} is not an event id (an id: line, or a number)")
     return Cursor(int(m.group(1)), m.group(2))

@@ -200,6 +200,26 @@ def test_racing_first_registrations_of_one_worker_name_never_answer_500(
     assert names == {f"racer-{i}" for i in range(rounds)}
 
 
+def test_env_names_and_ids_must_match_whole_not_up_to_a_final_newline(server: Server) -> None:
+    c = server.client()
+    for name in ("MY_FLAG\n", "PATH\n", "LD_PRELOAD\n", "A\nB", "OK\r\n"):
+        r = c.post("/jobs", json={**GOOD, "env": {name: "x"}})
+        assert r.status_code == 422, (name, r.text)
+        assert r.json()["detail"][0]["loc"] == ["body", "env"] and "variable name" in r.text
+    assert _snapshot(server) == []
+    claim = submit_and_claim(server)
+    jid = claim["job_id"]
+    # An event id is ASCII digits: "\d" would take any script's (U+0665, an Arabic five).
+    with c.stream("GET", f"/jobs/{jid}/events", params={"since": "\u0665"}) as r:
+        assert r.status_code == 422 and "since" in r.read().decode(), r.status_code
+    # A job token's job is the path's whole id, not one followed by a newline.
+    r = server.client(claim["token"]).post(
+        f"/jobs/{jid}%0A/metrics", json={"items": [{"step": 1, "values": {"loss": 1.0}}]}
+    )
+    assert r.status_code == 403, r.text
+    assert c.get(f"/jobs/{jid}/metrics").json()["items"] == []
+
+
 def test_user_routes_demand_the_user_token(server: Server) -> None:
     job_token = submit_and_claim(server)["token"]
     job = server.client().post("/jobs", json=GOOD).json()

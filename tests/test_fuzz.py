@@ -144,6 +144,16 @@ def test_env_is_accepted_exactly_when_no_rule_forbids_it(env: dict[str, str]) ->
     assert spec is None or spec.env == env
 
 
+@given(
+    st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,30}", fullmatch=True),
+    st.sampled_from(["\n", "\r\n", "\r", " ", "\t", "=", "-", "\u00e9"]),
+)
+def test_an_env_name_is_matched_whole(name: str, tail: str) -> None:
+    """Not "^...$" with match(): "$" also matches before a final newline ("PATH\\n")."""
+    with pytest.raises(ValidationError, match="variable name"):
+        JobSpec(recipe="toy-regression", env={name + tail: "1"})
+
+
 def _bad_text(s: str) -> bool:
     """What no string field takes: a NUL (Postgres refuses it) or a lone surrogate."""
     return "\x00" in s or any("\ud800" <= c <= "\udfff" for c in s)

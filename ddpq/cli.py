@@ -8,6 +8,7 @@ not be reached; 4 the job failed or was cancelled (``watch``, ``status``,
 
 from __future__ import annotations
 
+import codecs
 import functools
 import json
 import math
@@ -26,12 +27,12 @@ from typing import Annotated, Any, NoReturn, TypeVar
 import httpx
 import typer
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
 from ddpq import config
 from ddpq.client import TERMINAL, ApiError, Client, format_detail, marker_resume
+from ddpq.rules import visible
 
 EXIT_OK = 0
 EXIT_API = 1
@@ -64,9 +65,28 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON for scripts")]
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+def _text(value: Any, style: str = "") -> Text:
+    """What the API sent, as a terminal may show it: never read as markup (a job's name
+    may hold "[red]"), and every control or format character escaped (ddpq.rules.visible),
+    so that a name or a program's error line copied into a reason can neither retitle,
+    clear or rewrite the terminal nor reorder what follows it. Every human-readable
+    output of the API's data goes through here; --json needs nothing (json.dumps
+    escapes them)."""
+    return Text(visible(str(value)), style=style)
+
+
+def _say(*parts: Text | str) -> None:
+    """One line of output, whole (piped into grep, a line is better uncut); plain
+    strings among ``parts`` are data (see _text)."""
+    line = Text()
+    for part in parts:
+        line.append(part if isinstance(part, Text) else _text(part))
+    out.print(line, highlight=False, soft_wrap=True)
+
+
 def _fail(message: str, code: int) -> NoReturn:
-    # Escaped: the API's words may hold brackets ("one of [a, b]") that are not markup.
-    err.print(f"[red]error:[/red] {escape(message)}", highlight=False, soft_wrap=True)
+    # The message may quote the API's words: brackets ("one of [a, b]"), escapes.
+    err.print(Text("error: ", style="red") + _text(message), highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -130,6 +150,7 @@ def _print_table(table: Table) -> None:
 def _fit_table(headers: list[str], rows: list[list[str]], caps: dict[str, int]) -> Table:
     """A table whose last column takes what the others leave of the width: Rich, short
     of room, would rather squeeze the short columns (ID, STATUS) than cut the long one."""
+    rows = [[visible(cell) for cell in row] for row in rows]  # as shown: escapes widen it
     widths = [len(h) for h in headers]
     for row in rows:
         widths = [max(w, len(cell)) for w, cell in zip(widths, row, strict=True)]
@@ -155,8 +176,7 @@ def _fit_table(headers: list[str], rows: list[list[str]], caps: dict[str, int]) 
         )
     table.add_column(headers[-1], no_wrap=True, overflow="ellipsis", max_width=max(rest, 8))
     for row in rows:
-        # Text, not markup: a job's name may hold brackets.
-        table.add_row(*(Text(cell, style=CELL_STYLE.get(cell, "")) for cell in row))
+        table.add_row(*(_text(cell, style=CELL_STYLE.get(cell, "")) for cell in row))
     return table
 
 
@@ -542,13 +562,12 @@ def submit(
     if as_json:
         _print_json(job)
     else:
-        out.print(
+        _say(
             f"job {job['id']} {job['status']} ({_program(job)},"
-            f" world size {job['spec']['world_size']})",
-            highlight=False,
+            f" world size {job['spec']['world_size']})"
         )
         if job.get("reason"):
-            out.print(f"  {job['reason']}", highlight=False)
+            _say(f"  {job['reason']}")
     if wait and job["status"] != "succeeded":
         raise typer.Exit(EXIT_JOB_FAILED)
 
@@ -589,7 +608,7 @@ def status(job_id: int, as_json: JsonOpt = False) -> None:
             fields.append(("checkpoint", job["latest_checkpoint"]["path"]))
         for key, value in fields:
             if value != "":
-                out.print(f"[bold]{key:>15}[/bold]  {value}", highlight=False)
+                _say(Text(f"{key:>15}", style="bold"), f"  {value}")
     if job["status"] in ("failed", "cancelled"):
         raise typer.Exit(EXIT_JOB_FAILED)
 
@@ -664,7 +683,7 @@ def list_jobs(
     table = _fit_table([*headers, "REASON"], rows, caps={"NAME": 24, "PROGRAM": 20, "WORKER": 16})
     _print_table(table)
     if next_cursor:
-        out.print(f"[dim]more: --cursor {next_cursor}[/dim]", highlight=False)
+        _say(_text(f"more: --cursor {next_cursor}", style="dim"))
 
 
 @app.command()
@@ -676,7 +695,7 @@ def cancel(job_id: int, as_json: JsonOpt = False) -> None:
     if as_json:
         _print_json(job)
     else:
-        out.print(f"job {job['id']} {job['status']}", highlight=False)
+        _say(f"job {job['id']} {job['status']}")
 
 
 def _stored_log(c: Client, job_id: int, offset: int) -> Iterator[tuple[int, bytes]]:
@@ -720,8 +739,20 @@ def logs(
     as_json: Annotated[
         bool, typer.Option("--json", help='JSON lines: {"offset": byte, "text": line}')
     ] = False,
+    raw: Annotated[
+        bool,
+        typer.Option(
+            "--raw",
+            help="the bytes as the program wrote them, terminal escape sequences and "
+            "carriage returns included (a progress bar redraws itself)",
+        ),
+    ] = False,
 ) -> None:
-    """Print a job's combined output; -f follows it until the job ends."""
+    """Print a job's combined output; -f follows it until the job ends.
+
+    Control characters other than newline and tab are shown escaped (ESC as \\x1b)
+    unless --raw: a program's output must not drive the terminal of whoever reads it.
+    """
     with _client() as c:
 
         def show() -> None:
@@ -730,10 +761,20 @@ def logs(
             if as_json:
                 for at, line in _log_lines(chunks):
                     _print_json_line({"offset": at, "text": line.decode("utf-8", "replace")})
-            else:
+            elif raw:
                 for _, chunk in chunks:
                     sys.stdout.buffer.write(chunk)
                     sys.stdout.flush()
+            else:
+                # A chunk may end inside a UTF-8 character; bytes that are not UTF-8
+                # show as \xNN too. A carriage return is escaped as well: it would let a
+                # line overwrite its own [rankN] prefix with, say, a forged [ddpq] line.
+                decoder = codecs.getincrementaldecoder("utf-8")("backslashreplace")
+                for _, chunk in chunks:
+                    sys.stdout.buffer.write(visible(decoder.decode(chunk), keep="\n\t").encode())
+                    sys.stdout.flush()
+                rest = decoder.decode(b"", final=True)
+                sys.stdout.buffer.write(visible(rest, keep="\n\t").encode())
 
         _call(show)
 
@@ -888,7 +929,7 @@ class _Watched:
             parts.append(f"loss {_number(last)} {sparkline(self.losses)}")
         if waiting := _waiting(j):
             parts.append(waiting)
-        return " | ".join(parts)
+        return visible(" | ".join(parts))
 
     def render(self) -> Any:
         from rich.progress_bar import ProgressBar
@@ -899,17 +940,17 @@ class _Watched:
         grid.add_column()
         title = f"{j['id']}  " + (f"{j['name']}  " if j["name"] else "")
         title += f"{_program(j)}, world size {j['spec']['world_size']}"
-        grid.add_row("job", Text(title))
-        state = Text(j["status"], style=STATUS_STYLE.get(j["status"], ""))
+        grid.add_row("job", _text(title))
+        state = _text(j["status"], style=STATUS_STYLE.get(j["status"], ""))
         state.append(f"   attempt {j['attempt']}/{j['spec'].get('max_attempts', '?')}")
         if j["status"] in TERMINAL and j["exit_code"] is not None:
             state.append(f"   exit code {j['exit_code']}")
         grid.add_row("status", state)
         if j["worker"]:
             gpus = ",".join(map(str, j["gpus"] or [])) or "none"
-            grid.add_row("worker", Text(f"{j['worker']}   gpus {gpus}"))
+            grid.add_row("worker", _text(f"{j['worker']}   gpus {gpus}"))
         if waiting := _waiting(j):
-            grid.add_row("reason", Text(waiting))
+            grid.add_row("reason", _text(waiting))
         if self.total_steps is not None:
             done = min(self.step or 0, self.total_steps)
             bar = Table.grid(padding=(0, 2))
@@ -927,7 +968,7 @@ class _Watched:
         elif self.step is not None:
             grid.add_row("step", Text(str(self.step)))
         if metrics := self.metrics_text():
-            grid.add_row("metrics", Text(metrics))
+            grid.add_row("metrics", _text(metrics))
         if self.losses:
             finite = _finite(self.losses)
             span = f"  ({_number(min(finite))} .. {_number(max(finite))})" if finite else ""
@@ -1000,14 +1041,14 @@ def recipes(as_json: JsonOpt = False) -> None:
         _print_json(items)
         return
     for r in items:
-        out.print(f"[bold]{r['name']}[/bold]  {r['description']}", highlight=False)
+        _say(_text(r["name"], style="bold"), f"  {r['description']}")
         for a in r["args"]:
             rules = [a["type"]]
             if a.get("choices"):
                 rules.append(f"one of {', '.join(a['choices'])}")
             rules += [f"{k} {a[k]}" for k in ("min", "max") if a.get(k) is not None]
             rules.append(f"default {a['default']!r}")
-            out.print(f"    {a['name']} ({', '.join(rules)}): {a['help']}", highlight=False)
+            _say(f"    {a['name']} ({', '.join(rules)}): {a['help']}")
 
 
 def main() -> None:

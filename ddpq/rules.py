@@ -1,5 +1,7 @@
 """What a job spec may ask of a worker: the rules the API checks at submission and
-the worker checks again before it starts anything (it never trusts what it is sent).
+the worker checks again before it starts anything (it never trusts what it is sent),
+and which characters must never reach a terminal as they are (the API refuses them in
+names; the CLI shows them escaped).
 
 Pure functions on strings, no imports of service/ or worker/: both import this.
 """
@@ -59,6 +61,40 @@ RESERVED_ENV_NAMES = frozenset(
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 
 
+# Characters that act on a terminal, or on how text is laid out, instead of printing:
+# C0 and C1 controls and DEL (Cc; ESC starts the sequences that retitle a window, clear
+# the screen or set the clipboard), format characters (Cf: bidi overrides and isolates
+# reorder what follows them, as in "Trojan Source"; zero-width ones hide text), line
+# and paragraph separators (Zl, Zp) and lone surrogates (Cs). Other characters print as
+# themselves, whatever the script: a name like "学習 テスト" is fine.
+_UNSAFE_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
+# Printable ASCII is never unsafe: only the other characters need a look-up (a log is
+# mostly ASCII, so escaping one costs a regex scan and a call per line).
+_NOT_PLAIN_ASCII = re.compile(r"[^\x20-\x7e]")
+
+
+def unsafe_char(text: str) -> str | None:
+    """The first character of ``text`` that must not reach a terminal as it is, or None."""
+    for m in _NOT_PLAIN_ASCII.finditer(text):
+        if unicodedata.category(m.group()) in _UNSAFE_CATEGORIES:
+            return m.group()
+    return None
+
+
+def visible(text: str, keep: str = "") -> str:
+    """``text`` with every character ``unsafe_char`` finds, except those in ``keep``,
+    written as a Python escape: ESC shows as \\x1b, U+202E as \\u202e."""
+
+    def shown(m: re.Match[str]) -> str:
+        c = m.group()
+        if c in keep or unicodedata.category(c) not in _UNSAFE_CATEGORIES:
+            return c
+        n = ord(c)
+        return f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}" if n < 0x10000 else f"\\U{n:08x}"
+
+    return _NOT_PLAIN_ASCII.sub(shown, text)
+
+
 def reserved_env(name: str) -> bool:
     """True for a variable a job's ``env`` must not set (compared case-insensitively)."""
     upper = name.upper()
@@ -94,7 +130,7 @@ def entrypoint_problem(path: str) -> str | None:
     path before it runs it.
     """
     for form in (path, unicodedata.normalize("NFKC", path)):
-        if any(unicodedata.category(c) in ("Cc", "Cf", "Cs", "Zl", "Zp") for c in form):
+        if unsafe_char(form) is not None:
             return "must not contain control, format or surrogate characters"
         if "\\" in form:
             return "must use '/' as the separator"

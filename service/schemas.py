@@ -21,7 +21,7 @@ from pydantic import (
     model_validator,
 )
 
-from ddpq.rules import entrypoint_problem, env_problem
+from ddpq.rules import entrypoint_problem, env_problem, unsafe_char
 from service.catalog import recipe_names
 
 INT32_MAX = 2**31 - 1
@@ -44,6 +44,20 @@ def _printable_name(v: str) -> str:
         raise ValueError("must be printable characters (no control or format characters)")
     return v
 
+
+def _shows_as_text(v: str) -> str:
+    bad = unsafe_char(v)
+    if bad is not None:
+        raise ValueError(
+            f"must not contain control or format characters (found {bad!r} at index"
+            f" {v.index(bad)}): they act on the terminals that show it"
+        )
+    return v
+
+
+# A label people read in tables and terminals: any length-bounded text without
+# characters that act on a terminal (ddpq.rules.unsafe_char).
+Label = Annotated[str, AfterValidator(_shows_as_text)]
 
 # Sent in an Idempotency-Key header: visible ASCII (spaces inside allowed), 1..200.
 # An empty key is refused, not taken as no key: a client that sends one (an unset
@@ -116,7 +130,7 @@ class Strict(BaseModel):
 class JobSpec(Strict):
     """What to run: the body of POST /jobs."""
 
-    name: Annotated[str | None, Field(max_length=MAX_NAME_CHARS)] = None
+    name: Annotated[Label | None, Field(max_length=MAX_NAME_CHARS)] = None
     recipe: str | None = None
     entrypoint: Annotated[str | None, Field(min_length=1, max_length=MAX_PATH_CHARS)] = None
     args: Annotated[
@@ -307,7 +321,7 @@ class RunningAttempt(Strict):
 
 class WorkerRegister(Strict):
     name: WorkerName
-    hostname: Annotated[str, Field(max_length=255)]
+    hostname: Annotated[Label, Field(max_length=255)]
     cpu_slots: Annotated[int, Field(strict=True, ge=0, le=100_000)]
     gpus: Annotated[list[GpuIndex], Field(max_length=1024)]
     checkpoint_root: Annotated[str, Field(min_length=1, max_length=MAX_PATH_CHARS)]

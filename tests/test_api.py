@@ -200,6 +200,45 @@ def test_racing_first_registrations_of_one_worker_name_never_answer_500(
     assert names == {f"racer-{i}" for i in range(rounds)}
 
 
+def test_names_with_control_or_format_characters_are_refused_and_change_nothing(
+    server: Server,
+) -> None:
+    c, w = server.client(), server.client("worker")
+    hostile = [
+        "job\u001b]0;TITLE\u0007\u001b[2JX",  # retitles the window, clears the screen
+        "two\nlines",
+        "tab\there",
+        "del\x7f",
+        "c1\x9b31m",  # CSI as one C1 character
+        "left\u202eright",  # a bidi override
+        "zero\u200bwidth",
+        "line\u2028separator",
+    ]
+    for name in hostile:
+        r = c.post("/jobs", json={**GOOD, "name": name})
+        assert r.status_code == 422, (name, r.text)
+        assert r.json()["detail"][0]["loc"] == ["body", "name"], r.text
+        assert "control or format characters" in r.text
+        r = w.post(
+            "/workers/register",
+            json={
+                "name": "w",
+                "hostname": name,
+                "cpu_slots": 1,
+                "gpus": [],
+                "checkpoint_root": "/ckpt",
+            },
+        )
+        assert r.status_code == 422, (name, r.text)
+        assert r.json()["detail"][0]["loc"] == ["body", "hostname"], r.text
+    assert _snapshot(server) == []
+    assert c.get("/workers").json()["items"] == []
+    # Any script, spaces of every kind, brackets and emoji are text.
+    fine = "学習\u3000テスト [v2] 🚀 café"
+    r = c.post("/jobs", json={**GOOD, "name": fine})
+    assert r.status_code == 201 and c.get(f"/jobs/{r.json()['id']}").json()["name"] == fine
+
+
 def test_env_names_and_ids_must_match_whole_not_up_to_a_final_newline(server: Server) -> None:
     c = server.client()
     for name in ("MY_FLAG\n", "PATH\n", "LD_PRELOAD\n", "A\nB", "OK\r\n"):

@@ -290,6 +290,88 @@ def test_workers_table_and_json(server: Server) -> None:
     finish(server, claim, name="cli-workers")
 
 
+# ---- data that would drive a terminal ------------------------------------------------------
+
+# What a program can put in its own error line (copied into the job's reason), its
+# output and a checkpoint's file name: an OSC that retitles the window, a bell, a
+# clear-screen, a bidi override, a carriage return that forges a line, a C1 CSI.
+HOSTILE = "job\x1b]0;TITLE\x07\x1b[2JX \u202eevil\r[ddpq] forged \x9b31m"
+RAW_CONTROLS = ("\x1b", "\x07", "\u202e", "\r", "\x9b")
+
+
+def _in_a_terminal(server: Server, *args: str) -> str:
+    """What `ddpq ARGS` writes to a terminal (a pseudo-terminal: Rich styles included)."""
+    import os
+    import pty
+
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddpq.cli", *args],
+        env=_child_env({**_vars(server), "COLUMNS": "200", "TERM": "xterm"}),
+        stdin=subprocess.DEVNULL,
+        stdout=follower,
+        stderr=subprocess.PIPE,
+        cwd=REPO,
+    )
+    os.close(follower)
+    got = b""
+    try:
+        while True:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # EIO: the command closed the terminal
+                break
+            if not chunk:
+                break
+            got += chunk
+    finally:
+        os.close(leader)
+        _, stderr = proc.communicate(timeout=30)
+    assert b"Traceback" not in stderr, stderr
+    return got.decode("utf-8", "replace")
+
+
+def test_control_characters_from_the_api_are_shown_escaped_everywhere(server: Server) -> None:
+    claim = submit_and_claim(server, name="cli-hostile", entrypoint="hostile.py")
+    jid = str(claim["job_id"])
+    send_log(server, claim, 0, f"[rank0]: {HOSTILE}\n".encode(), worker="cli-hostile")
+    r = server.client(claim["token"]).post(
+        f"/jobs/{jid}/checkpoints",
+        json={"path": f"{claim['checkpoint_dir']}/{HOSTILE}.pt", "step": 1},
+    )
+    assert r.status_code == 201, r.text
+    r = server.client("worker").post(
+        f"/workers/jobs/{jid}/finish",
+        json={"worker": "cli-hostile", "attempt": 1, "exit_code": 1, "reason": HOSTILE},
+    )
+    assert r.status_code == 200 and HOSTILE in r.json()["reason"], r.text
+    shown = "job\\x1b]0;TITLE\\x07\\x1b[2JX \\u202eevil\\x0d[ddpq] forged \\x9b31m"
+
+    outputs = {
+        "ls": ddpq(server, "ls", "--name", "hostile.py"),
+        "status": ddpq(server, "status", jid),
+        "watch": ddpq(server, "watch", jid),
+        "logs": ddpq(server, "logs", jid),
+    }
+    for command, r in outputs.items():
+        assert r.returncode in (0, 4), (command, r.stderr)
+        assert not any(c in r.stdout for c in RAW_CONTROLS), (command, r.stdout)
+        assert shown in r.stdout, (command, r.stdout)
+    assert f"{shown}.pt" in outputs["status"].stdout  # the checkpoint's path
+    # --raw gives the bytes as written; --json escapes them as JSON does.
+    raw = ddpq(server, "logs", jid, "--raw").stdout
+    assert HOSTILE.replace("\r", "\n") in raw  # (text mode reads a "\r" as a newline)
+    assert HOSTILE in json.loads(ddpq(server, "status", jid, "--json").stdout)["reason"]
+    assert "\\u001b]0;TITLE" in ddpq(server, "ls", "--name", "hostile.py", "--json").stdout
+
+    # On a terminal Rich adds its own styles; none of the program's sequences get through.
+    for args in (("status", jid), ("ls", "--name", "hostile.py"), ("watch", jid)):
+        text = _in_a_terminal(server, *args)
+        assert "TITLE" in text and not any(
+            s in text for s in ("\x1b]0;", "\x1b[2J", "\x07", "\u202e", "\x9b", "\r[ddpq]")
+        ), (args, text)
+
+
 # ---- logs ----------------------------------------------------------------------------------
 
 

@@ -18,7 +18,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from ddpq.rules import RESERVED_ENV_NAMES, RESERVED_ENV_PREFIXES, entrypoint_problem, reserved_env
+from ddpq.rules import (
+    RESERVED_ENV_NAMES,
+    RESERVED_ENV_PREFIXES,
+    entrypoint_problem,
+    reserved_env,
+    unsafe_char,
+    visible,
+)
 from service.schemas import JobSpec, MetricsIn, metric_in, metric_out
 from tests.conftest import REPO, start_server, stop_process
 
@@ -152,6 +159,13 @@ def test_an_env_name_is_matched_whole(name: str, tail: str) -> None:
     """Not "^...$" with match(): "$" also matches before a final newline ("PATH\\n")."""
     with pytest.raises(ValidationError, match="variable name"):
         JobSpec(recipe="toy-regression", env={name + tail: "1"})
+
+
+@given(st.text(max_size=40))
+def test_a_job_name_is_accepted_exactly_when_a_terminal_shows_it_as_text(name: str) -> None:
+    spec = _spec(name=name)
+    assert (spec is None) == (unsafe_char(name) is not None)
+    assert spec is None or visible(name) == name
 
 
 def _bad_text(s: str) -> bool:

@@ -153,8 +153,16 @@ def _publics(s: Session, jobs: list[Job]) -> list[JobPublic]:
     return out
 
 
-def _get(s: Session, job_id: int) -> Job:
-    job = s.scalars(_JOB_BY_ID, {"job_id": job_id}).first()
+def _get(s: Session, job_id: int, lock: bool = False) -> Job:
+    """The job's row; ``lock`` reads it ``FOR UPDATE`` (Postgres; SQLite serialises
+    writers anyway) so a transition decides on the row it changes: of two racing
+    transitions (a cancel and a finish, a cancel and a claim) exactly one wins, and the
+    other sees its result. Lock order everywhere: job rows by ascending id, then their
+    attempts, then workers."""
+    query = _JOB_BY_ID
+    if lock:
+        query = query.with_for_update().execution_options(populate_existing=True)
+    job = s.scalars(query, {"job_id": job_id}).first()
     if job is None:
         raise NotFound(f"no job {job_id}")
     return job
@@ -251,7 +259,7 @@ def cancel_job(db: Database, job_id: int) -> JobPublic:
     """Queued jobs are cancelled at once; running ones once their worker confirms."""
     now = utcnow()
     with db.write() as s:
-        job = _get(s, job_id)
+        job = _get(s, job_id, lock=True)
         if job.status == JobStatus.QUEUED:
             job.status = JobStatus.CANCELLED
             job.reason = "cancelled by user before it started"
@@ -302,12 +310,11 @@ def finish_attempt(db: Database, job_id: int, worker: str, req: FinishRequest) -
     now = utcnow()
     policy = db.policy
     with db.write() as s:
-        # The job row locked first (Postgres; SQLite writes are serial anyway): the nodes
-        # of a multi-node attempt finish together, and two finishes that each saw the
-        # other node still running would leave the attempt open until its lease ran out.
-        job = s.scalars(select(Job).where(Job.id == job_id).with_for_update()).first()
-        if job is None:
-            raise NotFound(f"no job {job_id}")
+        # The job row locked first: a cancel, a lost lease or another node's finish may
+        # race this one, and the nodes of a multi-node attempt finish together (two
+        # finishes that each saw the other node still running would leave the attempt
+        # open until its lease ran out).
+        job = _get(s, job_id, lock=True)
         attempt = s.scalar(
             select(Attempt).where(Attempt.job_id == job_id, Attempt.number == req.attempt)
         )
@@ -525,10 +532,12 @@ def ingest_metrics(db: Database, attempt: Attempt, body: MetricsIn) -> int:
         for name, v in item.values.items()
     }
     with db.write() as s:
-        job = _get(s, attempt.job_id)
+        # Locked before the check: a finish committing meanwhile would otherwise let
+        # points in for an attempt that has ended, and latest_metrics is read-modify-write.
+        job = _get(s, attempt.job_id, lock=True)
         _still_current(job, attempt)
-        # Number the batch in the database (on Postgres this also locks the job row), so
-        # batches commit in seq order: the events stream's cursor never skips one.
+        # Number the batch in the database, so batches commit in seq order: the events
+        # stream's cursor never skips one.
         seq = s.scalar(
             update(Job)
             .where(Job.id == job.id)
@@ -564,7 +573,7 @@ def register_checkpoint(db: Database, attempt: Attempt, body: CheckpointIn) -> C
         created_at=utcnow(),
     )
     with db.write() as s:
-        _still_current(_get(s, attempt.job_id), attempt)
+        _still_current(_get(s, attempt.job_id, lock=True), attempt)
         s.add(c)
         s.flush()
         return _checkpoint_public(c)

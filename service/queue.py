@@ -856,7 +856,7 @@ def record_heartbeat(
                 cancel.append((job_id, number))
         if live_nodes:
             s.execute(update(JobNode).where(JobNode.id.in_(live_nodes)).values(heartbeat_at=now))
-        for job_id, number in live:
+        for job_id, number in sorted(live):  # the lock order: by job id
             s.execute(
                 update(Attempt)
                 .where(
@@ -1076,6 +1076,7 @@ def _lose_attempts(db: Database, which: Any, why: Callable[[str], str]) -> list[
         )
         .join(Attempt, and_(Attempt.job_id == Job.id, Attempt.number == Job.attempt))
         .where(Job.status.in_(list(ACTIVE)), Attempt.ended_at.is_(None), which)
+        .order_by(Job.id)  # the lock order: job rows by ascending id
     )
     # Look first without the write lock: nearly every sweep finds nothing.
     with db.read() as s:
@@ -1083,7 +1084,25 @@ def _lose_attempts(db: Database, which: Any, why: Callable[[str], str]) -> list[
             return changed
     with db.write() as s:
         stale = s.execute(find_stale).all()
-        for job_id, number, max_attempts, failures, status, worker, attempt_id in stale:
+        for job_id, number, max_attempts, _, _, worker, attempt_id in stale:
+            # Decide on rows locked now, not on the look: a finish, a cancel or a
+            # heartbeat may have committed since. Job row first, then its attempt,
+            # re-checking ``which`` (Postgres re-reads a row it waited for).
+            job = s.execute(
+                select(Job.status, Job.attempt, Job.failures)
+                .where(Job.id == job_id)
+                .with_for_update()
+            ).first()
+            if job is None or job.attempt != number or job.status not in ACTIVE:
+                continue
+            still = s.execute(
+                select(Attempt.id)
+                .where(Attempt.id == attempt_id, Attempt.ended_at.is_(None), which)
+                .with_for_update()
+            ).first()
+            if still is None:
+                continue
+            status, failures = job.status, job.failures
             lost = why(worker)
             if status == JobStatus.CANCELLING:
                 values: dict[str, Any] = {
@@ -1108,20 +1127,13 @@ def _lose_attempts(db: Database, which: Any, why: Callable[[str], str]) -> list[
                     "finished_at": now,
                     "failures": failures + 1,
                 }
-            done = _rowcount(
-                s.execute(
-                    update(Job)
-                    .where(Job.id == job_id, Job.attempt == number, Job.status == status)
-                    .values(**values)
-                )
+            s.execute(update(Job).where(Job.id == job_id).values(**values))
+            s.execute(
+                update(Attempt)
+                .where(Attempt.id == attempt_id)
+                .values(ended_at=now, outcome="lost", reason=values["reason"])
             )
-            if done:
-                s.execute(
-                    update(Attempt)
-                    .where(Attempt.id == attempt_id)
-                    .values(ended_at=now, outcome="lost", reason=values["reason"])
-                )
-                changed.append(job_id)
+            changed.append(job_id)
         if changed:
             notify_claimers(s)
     return changed

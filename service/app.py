@@ -7,7 +7,6 @@ import contextlib
 import json
 import logging
 import threading
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -113,11 +112,8 @@ def begin_shutdown(app: FastAPI) -> None:
 
 async def _sweep_leases(app: FastAPI) -> None:
     settings: Settings = app.state.settings
+    db: Database = app.state.db
     interval = max(0.5, min(settings.lease_s / 3, settings.gang_timeout_s / 3, 5.0))
-    # Heartbeats could not arrive while this process was down or the database was
-    # unreachable: a lease expires only after a full lease of the service being up,
-    # so a restart or an outage never declares every running job lost.
-    up_since = time.monotonic()
     while True:
         await asyncio.sleep(interval)
         if app.state.stopping.is_set():
@@ -125,24 +121,26 @@ async def _sweep_leases(app: FastAPI) -> None:
         try:
             # Gangs time out by the clock alone, not by heartbeats: no lease wait here.
             released = await run_in_threadpool(
-                queue.expire_gangs, app.state.db, settings.gang_timeout_s, settings.retry_backoff_s
+                queue.expire_gangs, db, settings.gang_timeout_s, settings.retry_backoff_s
             )
             if released:
                 log.warning("gangs timed out for jobs %s", released)
                 app.state.wakeup.notify()
         except Exception:
             log.exception("gang sweep failed")
-        if time.monotonic() - up_since < settings.lease_s:
+        # Heartbeats could not arrive while this process was down or the database was
+        # unreachable, whichever query noticed it: leases expire only once the database
+        # has answered for a full lease since it last recovered (service.db.Health).
+        if not db.health.up_for(settings.lease_s):
             continue
         try:
-            changed = await run_in_threadpool(queue.expire_leases, app.state.db, settings.lease_s)
-            changed += await run_in_threadpool(queue.expire_nodes, app.state.db, settings.lease_s)
+            changed = await run_in_threadpool(queue.expire_leases, db, settings.lease_s)
+            changed += await run_in_threadpool(queue.expire_nodes, db, settings.lease_s)
             if changed:
                 log.warning("leases expired for jobs %s", changed)
                 app.state.wakeup.notify()
         except Exception:  # the sweep must outlive a database outage
             log.exception("lease sweep failed")
-            up_since = time.monotonic()
 
 
 def _listen_for_jobs(url: str, wakeup: Wakeup, stop: threading.Event) -> None:

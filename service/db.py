@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,10 +21,60 @@ from alembic import command
 from alembic.config import Config
 from sqlalchemy import create_engine, event, text
 from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, sessionmaker
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 SQLITE_BUSY_TIMEOUT_MS = 30_000
+# A transaction that took this long found the database unavailable for a while (a
+# network partition that hangs queries, another process holding SQLite's lock), even
+# though it did not fail: it counts as an outage that ended when it did. A long query
+# taken for a stall costs only a later lease expiry.
+STALL_S = 2.0
+# What an unreachable or refusing database raises (a pool that cannot hand out a
+# connection in time, too).
+UNAVAILABLE = (OperationalError, InterfaceError, PoolTimeout)
+
+
+class Health:
+    """When the database last came back: the owner of "has it been reachable long enough".
+
+    Every transaction reports here: a failure (connection refused or dropped, a pool
+    timeout) marks the database down, the first success after that marks it recovered,
+    and a transaction that stalled counts as an outage that ended when it did. The
+    lease sweeper declares nothing lost until the database has been up for a full lease
+    since it last recovered: heartbeats that got 503 during an outage came from workers
+    that were alive, and they need a heartbeat interval after the recovery to get through.
+    The clock starts at process start, so a restarted API waits a lease too.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._down = False
+        self._up_since = time.monotonic()
+
+    def failed(self) -> None:
+        with self._lock:
+            self._down = True
+
+    def succeeded(self) -> None:
+        if self._down:  # read unlocked: the common case costs nothing
+            with self._lock:
+                if self._down:
+                    self._down = False
+                    self._up_since = time.monotonic()
+
+    def stalled(self) -> None:
+        """A transaction waited long for the database: it was unavailable until now."""
+        with self._lock:
+            self._down = False
+            self._up_since = time.monotonic()
+
+    def up_for(self, seconds: float) -> bool:
+        """Whether the database has answered for ``seconds`` since it last recovered."""
+        with self._lock:
+            return not self._down and time.monotonic() - self._up_since >= seconds
 
 
 def make_engine(url: str) -> Engine:
@@ -82,6 +133,7 @@ class Database:
     def __init__(self, url: str, policy: Policy | None = None) -> None:
         self.url = url
         self.policy = policy or Policy()
+        self.health = Health()
         self.engine = make_engine(url)
         self.dialect = self.engine.dialect.name
         self._read = sessionmaker(self.engine, expire_on_commit=False)
@@ -98,15 +150,29 @@ class Database:
         )
 
     @contextmanager
+    def _watched(self) -> Iterator[None]:
+        """Report how a transaction went to ``health``."""
+        started = time.monotonic()
+        try:
+            yield
+        except UNAVAILABLE:
+            self.health.failed()
+            raise
+        if time.monotonic() - started > STALL_S:
+            self.health.stalled()
+        else:
+            self.health.succeeded()
+
+    @contextmanager
     def read(self) -> Iterator[Session]:
-        with self._read() as session, session.begin():
+        with self._watched(), self._read() as session, session.begin():
             session.info["policy"] = self.policy
             yield session
 
     @contextmanager
     def write(self) -> Iterator[Session]:
         """A transaction that holds the write lock from its first statement on SQLite."""
-        with self._write_lock, self._write() as session, session.begin():
+        with self._watched(), self._write_lock, self._write() as session, session.begin():
             session.info["policy"] = self.policy
             yield session
 
@@ -114,11 +180,11 @@ class Database:
     def write_conn(self) -> Iterator[Connection]:
         """A write transaction on a bare Core connection: no Session to set up and tear
         down, for the claim, which runs once per job and per idle poll of every worker."""
-        with self._write_lock, self._writer.begin() as conn:
+        with self._watched(), self._write_lock, self._writer.begin() as conn:
             yield conn
 
     def ping(self) -> None:
-        with self.engine.connect() as conn:
+        with self._watched(), self.engine.connect() as conn:
             conn.execute(text("SELECT 1"))
 
     def dispose(self) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -47,7 +48,7 @@ from sqlalchemy import (
 from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
-from service.db import Database, Policy
+from service.db import STALL_S, Database, Policy
 from service.models import (
     ACTIVE,
     Attempt,
@@ -888,6 +889,7 @@ def expire_leases(db: Database, lease_s: float) -> list[int]:
         db,
         Attempt.heartbeat_at < cutoff,
         lambda worker: f"worker {worker} lost (no heartbeat for {lease_s:g} s)",
+        lambda: db.health.up_for(lease_s),
     )
 
 
@@ -955,6 +957,7 @@ def expire_nodes(db: Database, lease_s: float) -> list[int]:
             db,
             and_(Attempt.job_id == job_id, Attempt.number == number),
             lambda _, words=words: words,  # type: ignore[misc]
+            lambda: db.health.up_for(lease_s),
         )
     _release_nodes(db, _jn.heartbeat_at < cutoff)
     return changed
@@ -1061,7 +1064,16 @@ def nodes_of(s: Session, job_id: int, number: int) -> list[JobNode]:
     )
 
 
-def _lose_attempts(db: Database, which: Any, why: Callable[[str], str]) -> list[int]:
+def _lose_attempts(
+    db: Database,
+    which: Any,
+    why: Callable[[str], str],
+    settled: Callable[[], bool] | None = None,
+) -> list[int]:
+    """Mark the current attempts that match ``which`` lost; requeue or fail their jobs.
+    ``settled`` is asked again inside the write transaction, and a transaction that
+    stalled to get there (it waited out an outage) acts on nothing: the heartbeats the
+    outage held up have not arrived yet."""
     now = utcnow()
     changed: list[int] = []
     find_stale = (
@@ -1082,8 +1094,11 @@ def _lose_attempts(db: Database, which: Any, why: Callable[[str], str]) -> list[
     with db.read() as s:
         if s.execute(find_stale.limit(1)).first() is None:
             return changed
+    started = time.monotonic()
     with db.write() as s:
         stale = s.execute(find_stale).all()
+        if settled is not None and (time.monotonic() - started > STALL_S or not settled()):
+            return changed
         for job_id, number, max_attempts, _, _, worker, attempt_id in stale:
             # Decide on rows locked now, not on the look: a finish, a cancel or a
             # heartbeat may have committed since. Job row first, then its attempt,

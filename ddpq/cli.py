@@ -245,6 +245,9 @@ def serve(
     """Run the API (applies database migrations first)."""
     from service.config import TokenError
     from service.main import serve as run_serve
+    from worker.procs import make_undumpable
+
+    make_undumpable()  # its tokens and database URL stay out of reach of jobs on this host
 
     try:
         run_serve(host, port, log_level)
@@ -303,6 +306,9 @@ def worker(
     import logging
 
     from worker.agent import Agent, default_cpu_slots
+    from worker.procs import make_undumpable
+
+    make_undumpable()  # before the token is read: jobs run as this user
 
     token = config.worker_token()
     if not token:

@@ -9,6 +9,7 @@ environment, and the worker finds them by it in /proc.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import os
 import signal
@@ -17,6 +18,24 @@ import time
 from pathlib import Path
 
 LAUNCH_ID_VAR = "DDPQ_LAUNCH_ID"
+PR_SET_DUMPABLE = 4
+
+
+def make_undumpable() -> None:
+    """Keep processes of this user, a job's ranks among them, out of this one.
+
+    Jobs run as the worker's user, and Linux lets a process read /proc/<pid>/environ and
+    /proc/<pid>/mem of, and ptrace, any process of its own user: the worker's token (and
+    on a shared host the API's tokens and database URL) would be a `cat` away. A process
+    that is not dumpable is exempt: its /proc files belong to root. Children do not
+    inherit the flag (execve resets it), so the ranks stay findable and killable.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl(PR_SET_DUMPABLE, 0): {os.strerror(err)}")
 
 
 def launch_prefix(worker_name: str, data_dir: Path) -> str:

@@ -35,7 +35,23 @@ LOG_CHUNK_BYTES = 512 * 1024
 LOG_BUFFER_MAX_BYTES = 64 * 1024 * 1024
 TAIL_LINES = 60
 # Variables of the worker's own environment that ranks must not inherit.
-PRIVATE_ENV_PREFIXES = ("DDPQ_",)
+# What a job inherits from the worker's environment: what programs, Python, CUDA, NCCL
+# and the usual libraries read, and nothing else. An allow-list, not a deny-list: the
+# worker's environment may hold anything its operator put there (a database password
+# from an env file, cloud credentials), and job code is not trusted with any of it.
+# A job sets anything else it needs in its spec's `env`.
+INHERITED_ENV = frozenset(
+    {
+        "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ", "TERM",
+        "TMPDIR", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "PYTHONPATH", "SSL_CERT_FILE",
+        "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "HTTP_PROXY", "HTTPS_PROXY",
+        "NO_PROXY", "http_proxy", "https_proxy", "no_proxy",
+    }
+)  # fmt: skip
+INHERITED_PREFIXES = (
+    "LC_", "CUDA_", "NCCL_", "NVIDIA_", "OMP_", "MKL_", "OPENBLAS_", "GLOO_", "TORCH_",
+    "PYTORCH_", "HF_", "TRANSFORMERS_", "XDG_",
+)  # fmt: skip
 
 # Lines that name why a program failed: an exception, or argparse's "prog: error: ...".
 ERROR_LINE = re.compile(
@@ -313,7 +329,11 @@ class JobRunner:
 
     def _env(self, resume_from: str | None) -> dict[str, str]:
         c = self.claim
-        env = {k: v for k, v in os.environ.items() if not k.startswith(PRIVATE_ENV_PREFIXES)}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k in INHERITED_ENV or k.startswith(INHERITED_PREFIXES)
+        }
         for name, value in c["spec"].get("env", {}).items():
             problem = env_problem(str(name), str(value))
             if problem:  # the API refuses these at submission; never trust the wire

@@ -17,7 +17,6 @@ from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
-from sqlalchemy.engine import make_url
 from sqlalchemy.exc import IntegrityError, InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -25,7 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from service import queue, telemetry
 from service.auth import TokenGate, route_rules
 from service.config import Settings
-from service.db import Database
+from service.db import Database, libpq_conninfo
 from service.errors import DomainError, Invalid, not_utf8_json
 from service.routes import jobs, meta, reports, ui, workers
 from service.telemetry import RequestMetrics, Telemetry
@@ -146,7 +145,7 @@ async def _sweep_leases(app: FastAPI) -> None:
 def _listen_for_jobs(url: str, wakeup: Wakeup, stop: threading.Event) -> None:
     """Postgres LISTEN: wake this process's claimers when any API process queues or
     frees something (the in-process wakeup covers only requests it served itself)."""
-    conninfo = make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+    conninfo = libpq_conninfo(url)
     while not stop.is_set():
         try:
             with psycopg.connect(conninfo, autocommit=True, connect_timeout=5) as conn:

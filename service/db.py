@@ -17,10 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psycopg
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import create_engine, event, text
-from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, sessionmaker
@@ -35,6 +36,36 @@ STALL_S = 2.0
 # What an unreachable or refusing database raises (a pool that cannot hand out a
 # connection in time, too).
 UNAVAILABLE = (OperationalError, InterfaceError, PoolTimeout)
+
+
+class UnsupportedDatabase(Exception):
+    """A database ddpq cannot run on; the message says how to make one it can."""
+
+
+def libpq_conninfo(url: str) -> str:
+    """A SQLAlchemy Postgres URL as plain libpq connection info, for psycopg itself."""
+    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+def refuse_unsupported(url: str) -> None:
+    """Refuse a Postgres whose encoding is not UTF8 before anything else talks to it.
+
+    psycopg returns text as bytes from a SQL_ASCII database, and the first thing to
+    notice is SQLAlchemy parsing the server version (a TypeError, a crash); metric names
+    and job names in any script need UTF8 anyway. Raises psycopg's OperationalError while
+    the server is unreachable."""
+    if make_url(url).get_backend_name() != "postgresql":
+        return
+    with psycopg.connect(libpq_conninfo(url), connect_timeout=5) as conn:
+        row = conn.execute("SHOW server_encoding").fetchone()
+    value = row[0] if row else ""
+    encoding = value.decode() if isinstance(value, bytes) else str(value)
+    if encoding.upper().replace("-", "") != "UTF8":
+        name = make_url(url).database
+        raise UnsupportedDatabase(
+            f"the database {name!r} uses the encoding {encoding}; ddpq needs UTF8. Create it "
+            f"with: createdb -E UTF8 -T template0 {name}"
+        )
 
 
 class Health:

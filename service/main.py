@@ -6,6 +6,7 @@ import logging
 import time
 from types import FrameType
 
+import psycopg
 import uvicorn
 from fastapi import FastAPI
 from sqlalchemy.exc import OperationalError
@@ -22,9 +23,12 @@ def wait_for_database(database: dbmod.Database, timeout_s: float = DB_WAIT_S) ->
     deadline = time.monotonic() + timeout_s
     while True:
         try:
+            dbmod.refuse_unsupported(database.url)
             database.ping()
             return
-        except OperationalError as exc:
+        except dbmod.UnsupportedDatabase as exc:
+            raise SystemExit(f"ddpq: {exc}") from None
+        except (OperationalError, psycopg.OperationalError) as exc:
             if time.monotonic() > deadline:
                 raise SystemExit(f"ddpq: the database is unreachable: {exc}") from exc
             log.warning("waiting for the database: %s", str(exc).splitlines()[0])

@@ -1,7 +1,9 @@
-"""No Docker engine runs here, so the compose file's structure is checked instead."""
+"""The compose file's structure, read as YAML (quick, in `make test`). The stack itself is
+brought up for real by `make compose-test` (tests/compose/)."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import yaml
@@ -32,8 +34,8 @@ def test_worker_reserves_nvidia_gpus_and_mounts_volumes() -> None:
         d["driver"] == "nvidia" and "gpu" in d["capabilities"] and d.get("count") == "all"
         for d in devices
     )
-    mounts = {v.split(":")[1] for v in worker["volumes"]}
-    assert {"/data/checkpoints", "/workspace"} <= mounts
+    mounts = {v.split(":")[1].split()[0] for v in worker["volumes"]}
+    assert {"/data", "/workspace"} <= mounts
     named = {v.split(":")[0] for v in worker["volumes"]}
     assert named <= set(compose["volumes"])
     assert any(
@@ -41,25 +43,56 @@ def test_worker_reserves_nvidia_gpus_and_mounts_volumes() -> None:
     )
 
 
-def test_ports_are_loopback_only_and_tokens_come_from_an_env_file() -> None:
+def test_ports_are_loopback_only_and_each_service_gets_only_its_secrets() -> None:
     services = _compose()["services"]
     for name, svc in services.items():
         for port in svc.get("ports", []):
             assert str(port).startswith("127.0.0.1:"), (name, port)
+        # A whole .env handed to every service put the database password into jobs.
+        assert "env_file" not in svc, name
+        for key, value in (svc.get("environment") or {}).items():
+            assert "${" in str(value), f"{name}.{key}: secrets come from .env, not this file"
     assert "ports" not in services["db"]  # Postgres stays on the compose network
-    for name in ("api", "worker"):
-        assert services[name]["env_file"], name
-        env = services[name].get("environment", {})
-        assert not any("TOKEN" in k for k in env), (
-            "tokens come from the env file, not the compose file"
-        )
+    assert set(services["db"]["environment"]) == {
+        "POSTGRES_USER",
+        "POSTGRES_PASSWORD",
+        "POSTGRES_DB",
+    }
+    assert set(services["api"]["environment"]) == {
+        "DDPQ_DATABASE_URL",
+        "DDPQ_API_TOKEN",
+        "DDPQ_WORKER_TOKEN",
+    }
+    assert set(services["worker"]["environment"]) == {"DDPQ_WORKER_TOKEN"}
+
+
+def test_worker_health_check_reads_no_token_and_the_image_owns_its_volumes() -> None:
+    worker = _compose()["services"]["worker"]
+    test = worker["healthcheck"]["test"]
+    assert test[:4] == ["CMD", "env", "-u", "DDPQ_WORKER_TOKEN"]
+    assert "worker.health" in test
+    dockerfile = (REPO / "Dockerfile").read_text()
+    assert "mkdir -p /data/checkpoints /workspace" in dockerfile
+    assert "chown -R ddpq:ddpq /data /workspace" in dockerfile
+    assert ".venv" in (REPO / ".dockerignore").read_text().split()
+    assert "deploy: !reset {}" in (REPO / "deploy" / "no-gpu.compose.yml").read_text()
+
+
+def test_worker_health_follows_accepted_heartbeats(tmp_path: Path) -> None:
+    from worker import health
+
+    assert "no heartbeat recorded" in (health.problem(tmp_path) or "")
+    health.record(tmp_path, 2.0)
+    assert health.problem(tmp_path) is None
+    stale = health.problem(tmp_path, now=time.time() + 31)
+    assert stale is not None and "limit 30 s" in stale
 
 
 def test_only_the_api_port_is_published_and_postgres_is_on_an_internal_network() -> None:
     compose = _compose()
     services = compose["services"]
     published = {name: svc["ports"] for name, svc in services.items() if svc.get("ports")}
-    assert published == {"api": ["127.0.0.1:8000:8000"]}
+    assert published == {"api": ["127.0.0.1:${DDPQ_PORT:-8000}:8000"]}
     assert all("expose" not in svc for svc in services.values())
     assert services["db"]["networks"] == ["backend"]
     assert compose["networks"]["backend"]["internal"] is True
@@ -77,7 +110,7 @@ def test_env_example_holds_placeholders_that_serve_refuses() -> None:
         for line in (REPO / ".env.example").read_text().splitlines()
         if line and not line.startswith("#")
     )
-    assert {"DDPQ_API_TOKEN", "DDPQ_WORKER_TOKEN", "DDPQ_DATABASE_URL"} <= set(env)
+    assert {"DDPQ_API_TOKEN", "DDPQ_WORKER_TOKEN", "POSTGRES_PASSWORD"} <= set(env)
     for var in ("DDPQ_API_TOKEN", "DDPQ_WORKER_TOKEN"):
         assert _weak(env[var]), f"{var}={env[var]} would be accepted on 0.0.0.0"
     # And no secret sits in the compose file itself.

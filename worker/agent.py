@@ -10,7 +10,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from worker import procs
+from worker import health, procs
 from worker.api import Refused, Unavailable, WorkerAPI, retry
 from worker.runner import JobRunner
 
@@ -115,6 +115,7 @@ class Agent:
             stop=self.stopping,
         )
         self.heartbeat_s = float(reply["heartbeat_s"])
+        health.record(self.data_dir, self.heartbeat_s)
 
     def _heartbeat_loop(self) -> None:
         while not self.stopping.wait(self.heartbeat_s):
@@ -136,6 +137,7 @@ class Agent:
             else:
                 log.warning("heartbeat refused: %s", exc)
             return
+        health.record(self.data_dir, self.heartbeat_s)
         for item in reply.get("cancel", []):
             r = runners.get((item["job_id"], item["attempt"]))
             if r is not None:

@@ -178,3 +178,30 @@ def test_missing_entrypoint_fails_with_reason(server: Server, start_worker) -> N
     final = terminal(c, job["id"], timeout=30)
     assert final["status"] == "failed"
     assert "nope/train.py" in final["reason"] and "workspace" in final["reason"]
+
+
+AFTER_INIT = r"""
+import os, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+if dist.get_rank() == 1:
+    raise ValueError("labels and logits differ in shape: (32,) vs (32, 10)")
+dist.barrier()  # rank 0 waits here until rank 1's failure ends the group
+"""
+
+
+def test_a_failure_after_init_names_the_exception(server: Server, start_worker) -> None:
+    # Most real failures happen after init_process_group, where torchrun and PyTorch
+    # both prefix the lines ("[rank1]: [rank1]: ValueError: ..."), and the other rank
+    # fails too, of the broken connection: the reason names the first rank's error.
+    worker = start_worker(server)
+    (worker.workspace / "after_init.py").write_text(AFTER_INIT)
+    c = server.client()
+    job = c.post(
+        "/jobs", json={"entrypoint": "after_init.py", "world_size": 2, "device": "cpu"}
+    ).json()
+    final = terminal(c, job["id"])
+    assert final["status"] == "failed", final
+    assert "ValueError: labels and logits differ in shape" in final["reason"], (
+        final["reason"],
+        c.get(f"/jobs/{job['id']}/logs").text[-3000:],
+    )

@@ -54,8 +54,17 @@ INHERITED_PREFIXES = (
 )  # fmt: skip
 
 # Lines that name why a program failed: an exception, or argparse's "prog: error: ...".
+# Any number of "[rank1]:" prefixes go first: torchrun adds one, and after
+# init_process_group PyTorch's own excepthook adds another ("[rank1]: [rank1]: ValueError").
 ERROR_LINE = re.compile(
-    r"^(?:\[[^\]]*\]:?\s*)?((?:[\w.]+(?:Error|Exception|Interrupt)\b.*)|(?:\S+: error: .*))$"
+    r"^(?:\[[^\]]*\]:?\s*)*((?:[\w.]+(?:Error|Exception|Interrupt)\b.*)|(?:\S+: error: .*))$"
+)
+# Errors that follow from another rank's failure, not its cause: the ranks still in a
+# collective see their peer's connection close, and torchrun reports its child failed.
+CONSEQUENCE = re.compile(
+    r"ChildFailedError|SignalException|torch\.distributed\.elastic|DistBackendError|"
+    r"DistNetworkError|DistStoreError|gloo|NCCL|[Cc]onnection (?:closed|reset|refused)|"
+    r"[Bb]roken pipe|ProcessGroup"
 )
 TORCHRUN_EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
 
@@ -67,6 +76,15 @@ def _catalog_module(recipe: str) -> str | None:
     catalog = Path(next(iter(spec.submodule_search_locations))) / "catalog.json"
     entry = json.loads(catalog.read_text()).get(recipe)
     return None if entry is None else str(entry["module"])
+
+
+def _root_cause(tail: list[str]) -> str | None:
+    """The error line that says why an attempt failed: the last one that is not a
+    consequence of another rank's failure (else the last of those)."""
+    errors = [m.group(1) for line in tail for m in [ERROR_LINE.match(line)] if m]
+    causes = [e for e in errors if not CONSEQUENCE.search(e)]
+    found = (causes or errors or [None])[-1]
+    return found[:500] if found else None
 
 
 def _inside_job_dir(path: str, job_id: int) -> bool:
@@ -519,11 +537,5 @@ class JobRunner:
         if rank_codes:
             rc = rank_codes[0]
             exit_code = rc if rc >= 0 else 128 - rc
-        errors = [
-            m.group(1)
-            for line in tail
-            for m in [ERROR_LINE.match(line)]
-            if m and "ChildFailedError" not in line and "torch.distributed.elastic" not in line
-        ]
-        # The service puts the exit status into words; it gets the program's last error.
-        return Outcome(exit_code, "exited", errors[-1][:500] if errors else None)
+        # The service puts the exit status into words; it gets the program's error.
+        return Outcome(exit_code, "exited", _root_cause(tail))

@@ -110,6 +110,14 @@ def test_cancel_running_job_leaves_no_process_behind(
     assert r.json()["status"] == "cancelling"
     final = terminal(c, job["id"], timeout=60)
     assert final["status"] == "cancelled", final
+    # The ranks ignored SIGTERM: the exit status says they were killed.
+    assert final["exit_code"] == 137, final
+    log = c.get(f"/jobs/{job['id']}/logs").text
+    assert (
+        log.rstrip()
+        .splitlines()[-1]
+        .startswith("[ddpq] cancelled by user: stopped the ranks with SIGKILL in ")
+    ), log[-2000:]
     # Once the job says cancelled, not one of its processes is left.
     assert find_by_launch_id(launch_id) == []
     for pid in pids:
@@ -205,3 +213,28 @@ def test_a_failure_after_init_names_the_exception(server: Server, start_worker) 
         final["reason"],
         c.get(f"/jobs/{job['id']}/logs").text[-3000:],
     )
+
+
+POLITE = r"""
+import os, time
+print(f"rank {os.environ['RANK']} up", flush=True)
+while True:
+    time.sleep(0.2)
+"""
+
+
+def test_a_cancelled_job_says_so_in_one_line(server: Server, start_worker) -> None:
+    # torchrun answers SIGTERM with a 30-line SignalException traceback and exit code 1;
+    # the log ends instead with one [ddpq] line, and the exit status is SIGTERM's.
+    worker = start_worker(server)
+    (worker.workspace / "polite.py").write_text(POLITE)
+    c = server.client()
+    job = c.post("/jobs", json={"entrypoint": "polite.py", "world_size": 2, "device": "cpu"}).json()
+    wait_for(lambda: "rank 1 up" in c.get(f"/jobs/{job['id']}/logs").text, 60, "the ranks")
+    assert c.post(f"/jobs/{job['id']}/cancel").status_code == 202
+    final = terminal(c, job["id"], timeout=60)
+    assert final["status"] == "cancelled" and final["exit_code"] == 143, final
+    log = c.get(f"/jobs/{job['id']}/logs").text
+    assert "SignalException" not in log and "Traceback" not in log, log
+    last = log.rstrip().splitlines()[-1]
+    assert last.startswith("[ddpq] cancelled by user: stopped the ranks with SIGTERM in "), log

@@ -6,7 +6,10 @@ that started it dies (a killed worker); it then SIGTERMs torchrun, which stops i
 ranks. torchrun does not always exit after that (2.14 can hang joining its log-tee
 threads), and a SIGKILLed torchrun leaves its ranks running as orphans, so after
 GRACE_S this process SIGKILLs torchrun and every process carrying the attempt's
-DDPQ_LAUNCH_ID. It exits with torchrun's status (128 + N for death by signal N).
+DDPQ_LAUNCH_ID. It exits with torchrun's status (128 + N for death by signal N); once
+it was told to stop, with the signal that stopped the attempt: 143 (SIGTERM) when
+torchrun ended within the grace period, 137 (SIGKILL) when it had to be killed, not
+the 1 torchrun exits with after its SignalException.
 
 The worker stops an attempt (cancel, timeout, shutdown) by sending SIGTERM to
 this process, which forwards it, and SIGKILLs the whole process group if that
@@ -52,6 +55,7 @@ def main() -> None:
     started.append(child)
     if stop_at:  # stopped while starting
         child.send_signal(signal.SIGTERM)
+    killed = False
     while True:
         try:
             code = child.wait(timeout=0.2)
@@ -59,10 +63,13 @@ def main() -> None:
         except subprocess.TimeoutExpired:
             if stop_at and time.monotonic() - stop_at[0] > grace_s:
                 child.kill()
+                killed = True
     # Ranks run in sessions of their own: whatever torchrun left behind goes now.
     launch_id = os.environ.get(procs.LAUNCH_ID_VAR)
     if launch_id:
         procs.kill_all(launch_id)
+    if stop_at:
+        sys.exit(128 + (signal.SIGKILL if killed else signal.SIGTERM))
     sys.exit(code if code >= 0 else 128 - code)
 
 

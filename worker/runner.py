@@ -189,6 +189,10 @@ class JobRunner:
     stop_reason: str | None = None
     stop_requested: threading.Event = field(default_factory=threading.Event)
     thread: threading.Thread | None = None
+    # Set once the worker has signalled the attempt to stop: from then on torchrun's own
+    # output (its SignalException traceback, 30 lines of it) is not the user's business;
+    # the ranks' lines still are, and one [ddpq] line says what happened.
+    stopping_since: float | None = None
 
     @property
     def job_id(self) -> int:
@@ -479,6 +483,8 @@ class JobRunner:
                     if chunk:
                         *lines, pending = (pending + chunk).split(b"\n")
                         for line in lines:
+                            if self.stopping_since is not None and not line.startswith(b"[rank"):
+                                continue
                             shipper.write(line + b"\n")
                             tail.append(line.decode(errors="replace").rstrip())
                     elif exited:  # read to the end after the exit: nothing more comes
@@ -500,13 +506,34 @@ class JobRunner:
                 self._terminate(proc)
                 break
         code = proc.wait()
+        # Killed itself (the group's SIGKILL after the grace period): 128 + N, as a shell says.
+        code = code if code >= 0 else 128 - code
         procs.kill_all(self.launch_id)
         reader.join(timeout=30.0)
+        if self.stopping_since is not None:
+            took = time.monotonic() - self.stopping_since
+            how = "SIGKILL" if code == 128 + signal.SIGKILL else "SIGTERM"
+            shipper.write(
+                f"[ddpq] {self._stop_words()}: stopped the ranks with {how} in "
+                f"{took:.1f} s\n".encode()
+            )
         return self._outcome(code, list(tail))
+
+    def _stop_words(self) -> str:
+        """Why the worker stopped the attempt, as the log's last line says it."""
+        why = self.stop_reason
+        if why == "cancelled":
+            return "cancelled by user"
+        if why == "timeout":
+            return f"timeout after {self.claim['spec'].get('timeout_s')} s"
+        if why == "shutdown":
+            return "the worker is shutting down; the job goes back to the queue"
+        return "no longer this worker's to run"
 
     def _terminate(self, proc: subprocess.Popen[bytes]) -> None:
         """SIGTERM the supervisor, which forwards it to torchrun (which stops its ranks);
         SIGKILL the group after the grace period."""
+        self.stopping_since = time.monotonic()
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signal.SIGTERM)
         try:

@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # torch and torchvision come from this machine's disk through pip (uv/poetry would download 3 GB).
 TORCH_PINS := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: venv browser run test test-fast lint fmt bench clean
+.PHONY: venv browser run test test-fast compose-test lint fmt bench clean
 
 venv: $(VENV)/.installed
 
@@ -27,6 +27,10 @@ browser:
 test: venv browser
 	$(BIN)/pytest -n 2 --dist worksteal -m 'not exclusive'
 	$(BIN)/pytest -m exclusive
+
+# docker compose up for real (slow: builds images; cached in /var/cache/ddpq-compose-test).
+compose-test: venv
+	bash tests/compose/run.sh
 
 lint: venv
 	$(BIN)/ruff check service worker ddpq recipes migrations tests bench

@@ -305,7 +305,9 @@ def worker(
     """Run a worker: claim jobs from the API and run them with torchrun."""
     import logging
 
+    from worker import datadir
     from worker.agent import Agent, default_cpu_slots
+    from worker.api import Refused
     from worker.procs import make_undumpable
 
     make_undumpable()  # before the token is read: jobs run as this user
@@ -329,7 +331,11 @@ def worker(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the rest
-    Agent(
+    try:
+        identity = datadir.hold(data_dir)
+    except datadir.DataDirBusy as exc:
+        _fail(str(exc), EXIT_USAGE)
+    agent = Agent(
         url=url,
         token=token,
         name=name,
@@ -341,7 +347,12 @@ def worker(
         kill_grace_s=kill_grace_s,
         advertise_addr=advertise_addr,
         rdzv_ports=ports,
-    ).run()
+        identity=identity,
+    )
+    try:
+        agent.run()
+    except Refused as exc:  # a live worker holds this name (409), or a bad token
+        _fail(f"the API refused this worker: {exc}", EXIT_USAGE)
 
 
 @app.command()

@@ -208,6 +208,9 @@ class Worker(Base):
     checkpoint_root: Mapped[str] = mapped_column(Text)
     registered_at: Mapped[datetime] = mapped_column(default=utcnow)
     last_heartbeat: Mapped[datetime] = mapped_column(default=utcnow)
+    # The random id a worker keeps in its data dir (worker.datadir): a registration with
+    # another one while this one heartbeats is a second process under the same name.
+    identity: Mapped[str | None] = mapped_column(String(32), default=None)
 
 
 class MetricPoint(Base):

@@ -49,6 +49,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
 from service.db import STALL_S, Database, Policy
+from service.errors import Conflict
 from service.models import (
     ACTIVE,
     Attempt,
@@ -791,22 +792,69 @@ def _gang_reason(job: Job, held: int, live: list[Capacity], now: datetime) -> st
     return words
 
 
+class NameTaken(Conflict):
+    """Another process holds this worker name: 409, saying which host."""
+
+
+def register_worker(
+    db: Database,
+    name: str,
+    identity: str | None,
+    hostname: str,
+    cpu_slots: int,
+    gpus: list[int],
+    checkpoint_root: str,
+) -> None:
+    """Record a worker and what it has. The same identity (or none, from a worker of an
+    earlier version) is the same worker starting again; another identity is refused
+    while the name's heartbeats are fresh (a second process would take the first one's
+    jobs), and takes the name over once they have been silent for a lease."""
+    now = utcnow()
+    with db.write() as s:
+        w = s.scalars(select(Worker).where(Worker.name == name).with_for_update()).first()
+        if w is None:
+            w = Worker(name=name, registered_at=now)
+            s.add(w)
+        elif identity and w.identity and w.identity != identity:
+            silent = (now - as_utc(w.last_heartbeat)).total_seconds()
+            if silent < db.policy.lease_s:
+                raise NameTaken(
+                    f"worker name {name} is in use by a running worker on host {w.hostname} "
+                    f"(last heartbeat {silent:.0f} s ago): give this one another --name, or "
+                    "stop that one first"
+                )
+        w.identity = identity
+        w.hostname = hostname
+        w.cpu_slots = cpu_slots
+        w.gpus = sorted(set(gpus))
+        w.checkpoint_root = checkpoint_root
+        w.last_heartbeat = now
+
+
 def record_heartbeat(
-    db: Database, worker: str, running: list[tuple[int, int]]
+    db: Database, worker: str, running: list[tuple[int, int]], identity: str | None = None
 ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """Extend the leases of a worker's attempts.
 
     Returns (cancel, abandon): attempts a user cancelled, and attempts that are no
     longer this worker's to run (lost and requeued, or ended); the worker stops both.
+    Raises NameTaken when another process has taken the name over.
     """
     now = utcnow()
     cancel: list[tuple[int, int]] = []
     abandon: list[tuple[int, int]] = []
     with db.write() as s:
-        touched = _rowcount(
-            s.execute(update(Worker).where(Worker.name == worker).values(last_heartbeat=now))
-        )
+        mine = Worker.name == worker
+        if identity:
+            mine = and_(mine, or_(Worker.identity.is_(None), Worker.identity == identity))
+        touched = _rowcount(s.execute(update(Worker).where(mine).values(last_heartbeat=now)))
         if touched == 0:
+            holder = s.scalar(select(Worker.hostname).where(Worker.name == worker))
+            if holder is not None:
+                raise NameTaken(
+                    f"worker name {worker} was taken over by another process (host {holder}) "
+                    "after this one's heartbeats went silent; its jobs run there now"
+                )
             raise LookupError(worker)
         if not running:
             return cancel, abandon

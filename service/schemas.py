@@ -319,8 +319,14 @@ class RunningAttempt(Strict):
     attempt: AttemptNumber
 
 
+# worker.datadir's identity: 32 hex digits, kept in the worker's data dir.
+WorkerIdentity = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
+
+
 class WorkerRegister(Strict):
     name: WorkerName
+    # Optional for workers of earlier versions, which get no protection from a twin.
+    identity: WorkerIdentity | None = None
     hostname: Annotated[Label, Field(max_length=255)]
     cpu_slots: Annotated[int, Field(strict=True, ge=0, le=100_000)]
     gpus: Annotated[list[GpuIndex], Field(max_length=1024)]
@@ -392,6 +398,7 @@ class ClaimedJob(BaseModel):
 
 class Heartbeat(Strict):
     name: WorkerName
+    identity: WorkerIdentity | None = None
     running: Annotated[list[RunningAttempt], Field(max_length=10_000)] = []
 
 

@@ -10,6 +10,7 @@ import os
 import secrets
 import signal
 import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -19,13 +20,16 @@ import pytest
 
 from tests.conftest import (
     Server,
+    _child_env,
     free_port,
     start_server,
+    stop_process,
     stop_server,
     terminal,
     wait_for,
 )
 from tests.helpers import finish, records, register, submit_and_claim
+from tests.test_outage import HOLD
 from worker.procs import find_by_launch_id
 
 # ---- the retry policy and fencing, through the worker protocol -------------------------
@@ -454,3 +458,104 @@ def test_restarting_postgres_gives_503_then_recovers(pg_url: str, tmp_path: Path
     assert set(seen) <= {200, 201, 503}, seen
     assert seen.get(503, 0) > 0, "the restart was not noticed"
     assert retry_after and None not in retry_after
+
+
+# ---- one worker per name and per data dir -----------------------------------------------
+
+IDENTITY_A, IDENTITY_B = "a" * 32, "b" * 32
+
+
+def _register(server: Server, identity: str, hostname: str) -> httpx.Response:
+    return server.client("worker").post(
+        "/workers/register",
+        json={
+            "name": "twin",
+            "identity": identity,
+            "hostname": hostname,
+            "cpu_slots": 2,
+            "gpus": [],
+            "checkpoint_root": "/ckpt",
+        },
+    )
+
+
+def test_a_name_in_use_is_refused_until_its_heartbeats_stop(db_url: str, tmp_path: Path) -> None:
+    server = start_server(db_url, tmp_path / "api", DDPQ_LEASE_S="2")
+    try:
+        w = server.client("worker")
+        assert _register(server, IDENTITY_A, "host-a").status_code == 200
+        # The same worker starting again (same identity) is welcome at once.
+        assert _register(server, IDENTITY_A, "host-a").status_code == 200
+        r = _register(server, IDENTITY_B, "host-b")
+        assert r.status_code == 409, r.text
+        assert "in use by a running worker on host host-a" in r.json()["detail"]
+        beat = {"name": "twin", "identity": IDENTITY_A, "running": []}
+        assert w.post("/workers/heartbeat", json=beat).status_code == 200
+        # Silent for a lease: the name is free for another process, and the old one,
+        # should it come back, is told it was taken over.
+        wait_for(
+            lambda: _register(server, IDENTITY_B, "host-b").status_code == 200,
+            30,
+            "the name to be free after a silent lease",
+        )
+        r = w.post("/workers/heartbeat", json=beat)
+        assert r.status_code == 409 and "taken over" in r.json()["detail"], r.text
+    finally:
+        stop_server(server)
+
+
+def _bare_worker(server: Server, name: str, data: Path, tmp_path: Path) -> subprocess.Popen[bytes]:
+    """A `ddpq worker` outside the start_worker fixture (which gives each name one data
+    dir and one log), its output in tmp_path/<name>-<n>.log."""
+    workspace = tmp_path / "bare-ws"
+    workspace.mkdir(exist_ok=True)
+    n = len(list(tmp_path.glob(f"{name}-*.log")))
+    with open(tmp_path / f"{name}-{n}.log", "wb") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "ddpq.cli", "worker", "--url", server.url, "--name", name,
+             "--workspace", str(workspace), "--data-dir", str(data), "--gpus", "none"],
+            env=_child_env({"DDPQ_WORKER_TOKEN": server.worker_token}),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
+
+
+@pytest.mark.torchrun
+def test_a_second_worker_with_a_live_workers_name_leaves_its_job_alone(
+    server: Server, tmp_path: Path, start_worker: Any
+) -> None:
+    w = start_worker(server, name="gpu-host")
+    (w.workspace / "hold.py").write_text(HOLD)
+    flag = tmp_path / "release"
+    user = server.client()
+    r = user.post(
+        "/jobs",
+        json={"entrypoint": "hold.py", "args": [str(flag)], "world_size": 1, "device": "cpu"},
+    )
+    jid = r.json()["id"]
+    wait_for(lambda: "holding" in user.get(f"/jobs/{jid}/logs").text, 90, "the program to run")
+    # Another process under the same name, with its own data dir (so another identity).
+    twin = _bare_worker(server, "gpu-host", tmp_path / "twin-data", tmp_path)
+    assert twin.wait(timeout=60) == 2
+    said = (tmp_path / "gpu-host-0.log").read_text()
+    assert "is in use by a running worker on host" in said, said
+    flag.write_text("go")
+    final = terminal(user, jid)
+    attempts = user.get(f"/jobs/{jid}/attempts").json()["items"]
+    assert final["status"] == "succeeded", (final, attempts)
+    assert [a["outcome"] for a in attempts] == ["succeeded"], attempts
+
+
+@SQLITE_ONLY
+def test_two_workers_never_share_a_data_dir(server: Server, tmp_path: Path) -> None:
+    data = tmp_path / "shared-data"
+    first = _bare_worker(server, "one", data, tmp_path)
+    try:
+        wait_for(lambda: (data / "worker-id").exists(), 60, "the first worker to hold its dir")
+        second = _bare_worker(server, "two", data, tmp_path)
+        assert second.wait(timeout=60) == 2
+        said = (tmp_path / "two-0.log").read_text()
+        assert f"is in use by another worker (pid {first.pid})" in said, said
+        assert first.poll() is None  # the first one goes on
+    finally:
+        stop_process(first)

@@ -34,6 +34,7 @@ class Agent:
         kill_grace_s: float = 10.0,
         advertise_addr: str | None = None,
         rdzv_ports: tuple[int, int] | None = None,
+        identity: str | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self.name = name or socket.gethostname()
@@ -47,7 +48,7 @@ class Agent:
         # rendezvous stores may use (None: any free port).
         self.advertise_addr = advertise_addr or default_advertise_addr()
         self.rdzv_ports = rdzv_ports
-        self.api = WorkerAPI(self.url, token, self.name)
+        self.api = WorkerAPI(self.url, token, self.name, identity)
         self.launch_prefix = procs.launch_prefix(self.name, self.data_dir)
         self.heartbeat_s = 2.0
         self.stopping = threading.Event()
@@ -134,6 +135,13 @@ class Agent:
         except Refused as exc:
             if exc.status == 404:  # the service forgot us (e.g. a fresh database)
                 self.register()
+            elif exc.status == 409:
+                # Another process registered this name after our heartbeats went stale
+                # and took our jobs over: ours are duplicates now, and so are we.
+                log.error("stopping: %s", exc)
+                for dup in runners.values():
+                    dup.request_stop("abandoned")
+                self.stopping.set()
             else:
                 log.warning("heartbeat refused: %s", exc)
             return

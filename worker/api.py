@@ -29,9 +29,10 @@ class Refused(Exception):
 
 
 class WorkerAPI:
-    def __init__(self, url: str, token: str, name: str) -> None:
+    def __init__(self, url: str, token: str, name: str, identity: str | None = None) -> None:
         self.url = url.rstrip("/")
         self.name = name
+        self.identity = identity  # worker.datadir: the same worker across restarts
         self._client = httpx.Client(
             base_url=self.url,
             headers={"Authorization": f"Bearer {token}"},
@@ -61,6 +62,8 @@ class WorkerAPI:
         return r
 
     def register(self, body: dict[str, Any]) -> dict[str, Any]:
+        if self.identity:
+            body = {**body, "identity": self.identity}
         result: dict[str, Any] = self._request("POST", "/workers/register", json=body).json()
         return result
 
@@ -103,9 +106,10 @@ class WorkerAPI:
         return result
 
     def heartbeat(self, running: list[dict[str, int]]) -> dict[str, Any]:
-        result: dict[str, Any] = self._request(
-            "POST", "/workers/heartbeat", json={"name": self.name, "running": running}
-        ).json()
+        body: dict[str, Any] = {"name": self.name, "running": running}
+        if self.identity:
+            body["identity"] = self.identity
+        result: dict[str, Any] = self._request("POST", "/workers/heartbeat", json=body).json()
         return result
 
     def append_log(self, job_id: int, attempt: int, offset: int, data: bytes) -> int:

@@ -15,7 +15,6 @@ from service import jobs, queue
 from service.auth import WorkerAuth, mint_job_token
 from service.deps import DB, JobId, SettingsDep, WakeupDep, gone
 from service.errors import DomainError, NotFound
-from service.models import Worker, utcnow
 from service.schemas import (
     ClaimedJob,
     ClaimRequest,
@@ -57,17 +56,9 @@ def register(
     body: WorkerRegister, db: DB, settings: SettingsDep, wakeup: WakeupDep
 ) -> WorkerRegistered:
     """Announce a worker and what it has (again after a restart)."""
-    now = utcnow()
-    with db.write() as s:
-        w = s.get(Worker, body.name)
-        if w is None:
-            w = Worker(name=body.name, registered_at=now)
-            s.add(w)
-        w.hostname = body.hostname
-        w.cpu_slots = body.cpu_slots
-        w.gpus = sorted(set(body.gpus))
-        w.checkpoint_root = body.checkpoint_root
-        w.last_heartbeat = now
+    queue.register_worker(
+        db, body.name, body.identity, body.hostname, body.cpu_slots, body.gpus, body.checkpoint_root
+    )
     # Attempts the books give this worker but it does not list died with an earlier
     # process of it (whose leftovers it killed before registering): requeue them now
     # rather than at the end of their lease.
@@ -94,6 +85,10 @@ async def claim(
     deadline = time.monotonic() + min(body.wait_s, settings.max_claim_wait_s)
     while True:
         seen = wakeup.generation
+        if await gone(request)():
+            # The worker hung up (it died, or restarted and polls anew): a job claimed
+            # now would be held by nobody until its lease ran out.
+            return Response(status_code=204)
         token, token_hash = mint_job_token()
         started = time.perf_counter()
         try:
@@ -157,7 +152,7 @@ def heartbeat(body: Heartbeat, db: DB) -> HeartbeatReply:
     """Extend the leases of the worker's attempts; learn which to stop."""
     try:
         cancel, abandon = queue.record_heartbeat(
-            db, body.name, [(r.job_id, r.attempt) for r in body.running]
+            db, body.name, [(r.job_id, r.attempt) for r in body.running], body.identity
         )
     except LookupError:
         raise UnknownWorker(f"worker {body.name} is not registered") from None

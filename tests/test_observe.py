@@ -148,6 +148,22 @@ def _points(n: int, name: str, start: int = 0) -> list[dict[str, Any]]:
     return [{"step": s, "values": {name: 10.0 - s / 1000}} for s in range(start, start + n)]
 
 
+def test_downsampling_ranks_nan_above_infinity(server: Server) -> None:
+    # As the README says: NaN ranks above every number, Infinity included, so a bucket
+    # holding both shows its NaN (it came back as [1, "Infinity"], losing the NaN).
+    claim = submit_and_claim(server)
+    values: list[Any] = [1, "Infinity", "NaN", 2, 1.5]
+    report(server, claim, [{"step": i + 1, "values": {"x": v}} for i, v in enumerate(values)])
+    r = server.client().get(f"/jobs/{claim['job_id']}/metrics", params={"max_points": 2})
+    assert [i["values"]["x"] for i in r.json()["items"]] == [1.0, "NaN"]
+    r = server.client().get(f"/jobs/{claim['job_id']}/metrics", params={"max_points": 4})
+    assert [(i["step"], i["values"]["x"]) for i in r.json()["items"]] == [
+        (1, 1.0),
+        (3, "NaN"),
+        (5, 1.5),
+    ]
+
+
 def test_downsampling_keeps_minima_maxima_and_the_last_point(server: Server) -> None:
     claim = submit_and_claim(server)
     jid = claim["job_id"]

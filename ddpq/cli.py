@@ -623,6 +623,8 @@ def status(job_id: int, as_json: JsonOpt = False) -> None:
             fields.append(("latest", f"step {m['step']}: {values}"))
         if job.get("latest_checkpoint"):
             fields.append(("checkpoint", job["latest_checkpoint"]["path"]))
+        if job.get("metrics_dropped"):
+            fields.append(("metrics lost", f"{job['metrics_dropped']} points never stored"))
         for key, value in fields:
             if value != "":
                 _say(Text(f"{key:>15}", style="bold"), f"  {value}")

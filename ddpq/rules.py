@@ -8,8 +8,44 @@ Pure functions on strings, no imports of service/ or worker/: both import this.
 
 from __future__ import annotations
 
+import numbers
 import re
 import unicodedata
+from collections.abc import Iterable
+
+# Metric reports: what the API accepts in one point and one request. ddpq.train checks
+# a point where report() is called, so a bad one never rides in a batch with good ones.
+MAX_STEP = 2**63 - 1
+MAX_METRIC_NAMES = 100  # values in one point
+MAX_METRIC_ITEMS = 1000  # points in one request
+MAX_NAME_CHARS = 200
+
+
+def metric_name_problem(name: object) -> str | None:
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS:
+        return f"a metric name has 1 to {MAX_NAME_CHARS} characters, not {name!r}"
+    if not name.isprintable():
+        return f"a metric name has printable characters only (no control or format ones): {name!r}"
+    return None
+
+
+def metric_point_problem(step: object, names: Iterable[object]) -> str | None:
+    """What is wrong with a point at ``step`` with values named ``names``, or None."""
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+        return f"step must be an int, not {type(step).__name__}"
+    if not 0 <= int(step) <= MAX_STEP:
+        return f"step must be between 0 and 2**63 - 1, not {step}"
+    names = list(names)
+    if not names:
+        return "a point needs at least one metric, e.g. report(step, loss=...)"
+    if len(names) > MAX_METRIC_NAMES:
+        return f"at most {MAX_METRIC_NAMES} metrics in one point, not {len(names)}"
+    for name in names:
+        problem = metric_name_problem(name)
+        if problem:
+            return problem
+    return None
+
 
 # A job's program runs whatever code its author wrote, so the denylist does not try
 # to stop a job from harming itself. It protects what ddpq promises around the job:

@@ -6,9 +6,14 @@
     state = train.load_checkpoint()                      # resume point, or None
 
 Only rank 0 (``RANK`` unset or 0) reports and checkpoints; on other ranks these
-calls return at once. None of them is collective. ``report`` never blocks a
-training step: it appends to a bounded buffer that a daemon thread sends in
-batches, retrying with backoff while the API is unreachable. Values may be
+calls return at once. None of them is collective. ``report`` checks the point
+where it is called (a bad step or name raises ValueError there, never taking good
+points down with it) and never blocks a training step: it appends to a bounded
+buffer that a daemon thread sends in batches cut by count and by bytes, retrying
+with backoff while the API is unreachable. A batch the API refuses is split until
+the one point it refuses is found; points that cannot be stored (that one, or the
+oldest when the buffer overflows during a long outage) are counted on the job
+(``metrics_dropped``), never lost in silence. Values may be
 tensors: they are turned into floats on the sender thread, so reporting a CUDA
 loss does not synchronise the device on every step.
 
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import json
 import logging
 import math
 import numbers
@@ -37,6 +43,7 @@ from typing import Any
 
 import httpx
 
+from ddpq.rules import MAX_METRIC_ITEMS, metric_point_problem
 from ddpq.tensorboard import EventWriter
 
 __all__ = [
@@ -51,7 +58,10 @@ __all__ = [
 log = logging.getLogger("ddpq.train")
 
 MAX_BUFFERED_POINTS = 100_000  # oldest points are dropped past this (and counted)
-BATCH_ITEMS = 1000  # the API's per-request limit
+BATCH_ITEMS = MAX_METRIC_ITEMS  # the API's per-request limit
+# Bytes of JSON in one request: well under the API's 1 MiB body cap, which 1000 points
+# of 35 metrics pass (a 413 then dropped the whole batch).
+BATCH_BYTES = 256 * 1024
 # Points wait up to this long to be batched with later ones: a POST per step would
 # cost the API a core and rank 0 its GIL (measured by bench/overhead.py).
 SEND_INTERVAL_S = 1.0
@@ -81,7 +91,8 @@ class _Sender:
         self._checkpoints: collections.deque[dict[str, Any]] = collections.deque()
         self._cond = threading.Condition()
         self._in_flight = 0
-        self._dropped = 0
+        self._dropped = 0  # points never stored: the buffer overflowed, or refused alone
+        self._dropped_sent = 0  # of those, how many the job already counts
         self._flushing = 0  # callers waiting in flush(): send without lingering
         self._thread = threading.Thread(target=self._run, name="ddpq-train-sender", daemon=True)
         self._thread.start()
@@ -102,13 +113,16 @@ class _Sender:
             self._checkpoints.append(body)
             self._cond.notify_all()
 
+    def _unsent_drops(self) -> int:
+        return self._dropped - self._dropped_sent
+
     def flush(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         with self._cond:
             self._flushing += 1
             self._cond.notify_all()
             try:
-                while self._points or self._checkpoints or self._in_flight:
+                while self._points or self._checkpoints or self._in_flight or self._unsent_drops():
                     left = deadline - time.monotonic()
                     if left <= 0:
                         return False
@@ -124,7 +138,7 @@ class _Sender:
             while (
                 len(self._points) < BATCH_ITEMS
                 and not self._checkpoints
-                and not (self._flushing and self._points)
+                and not (self._flushing and (self._points or self._unsent_drops()))
                 and (left := deadline - time.monotonic()) > 0
             ):
                 self._cond.wait(left)
@@ -145,7 +159,9 @@ class _Sender:
         backoff = 0.5
         while True:
             points, checkpoints = self._take()
-            if not points and not checkpoints:
+            with self._cond:
+                drops = self._unsent_drops()
+            if not points and not checkpoints and not drops:
                 with self._cond:
                     self._in_flight = 0
                     self._cond.notify_all()
@@ -153,15 +169,16 @@ class _Sender:
             if points and self._tensorboard is not None:
                 self._write_tensorboard(self._tensorboard, points)
             try:
-                if points:
-                    items = [_materialise(p) for p in points]
-                    self._post("metrics", {"items": items})
+                if points or drops:
+                    self._send_points([_materialise(p) for p in points], drops)
                     points = []
                 while checkpoints:
                     self._post("checkpoints", checkpoints[0])
                     checkpoints.pop(0)
                 backoff = 0.5
             except _Retry as exc:
+                # Everything goes back, points already stored included: a point sent
+                # twice is stored once (a step keeps one value per attempt).
                 log.debug("ddpq: report failed (%s); retrying in %.1fs", exc, backoff)
                 self._put_back(points, checkpoints)
                 time.sleep(backoff)
@@ -170,6 +187,47 @@ class _Sender:
             with self._cond:
                 self._in_flight = 0
                 self._cond.notify_all()
+
+    def _send_points(self, items: list[dict[str, Any]], drops: int) -> None:
+        """Send ``items`` in requests of at most BATCH_BYTES, with the count of points
+        dropped so far that the job does not know of yet."""
+        sizes = [len(json.dumps(i, separators=(",", ":"))) + 1 for i in items]
+        start, total = 0, 0
+        for end, size in enumerate(sizes):
+            if end > start and total + size > BATCH_BYTES:
+                self._send_batch(items[start:end], drops)
+                drops, start, total = 0, end, 0
+            total += size
+        if start < len(items) or drops:
+            self._send_batch(items[start:], drops)
+
+    def _send_batch(self, items: list[dict[str, Any]], drops: int) -> None:
+        body: dict[str, Any] = {"items": items}
+        if drops:
+            body["dropped"] = drops
+        status = self._post("metrics", body)
+        if status is None:
+            if drops:
+                with self._cond:
+                    self._dropped_sent += drops
+            return
+        if status in (400, 413, 422) and len(items) > 1:
+            # Refused as a whole: halve it until the point the API refuses is alone.
+            half = len(items) // 2
+            self._send_batch(items[:half], drops)
+            self._send_batch(items[half:], 0)
+            return
+        if status in (400, 413, 422) and items:
+            log.warning("ddpq: the API refused a metric point (HTTP %d): %s", status, items)
+            with self._cond:
+                self._dropped += len(items)  # counted on the job with the next request
+            if drops:
+                self._send_batch([], drops)
+            return
+        # Otherwise (403, 404, 409): this attempt is over and nothing it sends is stored,
+        # the count of drops included: give up on them rather than retry forever.
+        with self._cond:
+            self._dropped_sent += drops
 
     def _write_tensorboard(self, writer: EventWriter, points: list[dict[str, Any]]) -> None:
         """Write points to the event file once (a point retried for the API is not
@@ -191,7 +249,10 @@ class _Sender:
             log.warning("ddpq: cannot write TensorBoard events (%s); no more are written", exc)
             self._tensorboard = None
 
-    def _post(self, what: str, body: dict[str, Any]) -> None:
+    def _post(self, what: str, body: dict[str, Any]) -> int | None:
+        """POST; None when stored, else the refusal's status (4xx, which a retry will
+        not change: e.g. 409, a newer attempt took over). Raises _Retry on 5xx, 429 and
+        connection errors."""
         try:
             r = self._client.post(f"/jobs/{self._job_id}/{what}", json=body)
         except httpx.HTTPError as exc:
@@ -199,8 +260,9 @@ class _Sender:
         if r.status_code >= 500 or r.status_code == 429:
             raise _Retry(f"HTTP {r.status_code}")
         if r.status_code >= 400:
-            # A refusal will not change on retry (e.g. 409: a newer attempt took over).
             log.warning("ddpq: the API refused %s (HTTP %d): %s", what, r.status_code, r.text[:500])
+            return r.status_code
+        return None
 
 
 class _Retry(Exception):
@@ -257,11 +319,16 @@ def _detach(value: Any) -> Any:
 
 
 def report(step: int, *, epoch: float | None = None, **values: Any) -> None:
-    """Record metric values at ``step`` (rank 0 only; returns at once)."""
+    """Record metric values at ``step`` (rank 0 only; returns at once).
+
+    Raises ValueError (TypeError for a step that is not an int) for a point the API
+    would refuse, here, where it is made: a step below 0, a name that is empty, too
+    long or not printable, more than 100 values."""
     if isinstance(step, bool) or not isinstance(step, int):
         raise TypeError(f"step must be an int, not {type(step).__name__}")
-    if not values:
-        raise ValueError("report() needs at least one metric, e.g. report(step, loss=...)")
+    problem = metric_point_problem(step, values)
+    if problem:
+        raise ValueError(f"report(): {problem}")
     # Every step comes here: once the sender exists (rank 0 under ddpq), nothing is
     # looked up again; the other ranks stop at the rank check.
     sender = _sender

@@ -148,6 +148,7 @@ def _publics(s: Session, jobs: list[Job]) -> list[JobPublic]:
                 latest_metrics=LatestMetrics(**j.latest_metrics) if j.latest_metrics else None,
                 latest_checkpoint=_checkpoint_public(c) if c else None,
                 queue_position=positions.get(j.id),
+                metrics_dropped=j.metrics_dropped or 0,
             )
         )
     return out
@@ -517,25 +518,23 @@ def _upsert_points(
 
 
 def ingest_metrics(db: Database, attempt: Attempt, body: MetricsIn) -> int:
-    """Store metric points; a step reported again keeps the newest attempt's value."""
+    """Store metric points; a step reported again keeps the newest attempt's value.
+    Points the sender says it dropped are counted on the job."""
     now = utcnow()
     rows: dict[tuple[str, int], tuple[str, int, float, float | None]] = {}
     for item in body.items:
         epoch = metric_in(item.epoch) if item.epoch is not None else None
         for name, value in item.values.items():
             rows[(name, item.step)] = (name, item.step, metric_in(value), epoch)
-    last = max(body.items, key=lambda i: i.step)
-    latest_values = {
-        name: metric_out(metric_in(v))
-        for item in body.items
-        if item.step == last.step
-        for name, v in item.values.items()
-    }
     with db.write() as s:
         # Locked before the check: a finish committing meanwhile would otherwise let
         # points in for an attempt that has ended, and latest_metrics is read-modify-write.
         job = _get(s, attempt.job_id, lock=True)
         _still_current(job, attempt)
+        if body.dropped:
+            job.metrics_dropped = (job.metrics_dropped or 0) + body.dropped
+        if not rows:
+            return 0
         # Number the batch in the database, so batches commit in seq order: the events
         # stream's cursor never skips one.
         seq = s.scalar(
@@ -545,6 +544,13 @@ def ingest_metrics(db: Database, attempt: Attempt, body: MetricsIn) -> int:
             .returning(Job.metrics_seq)
         )
         _upsert_points(s, attempt, now, int(seq or 0), list(rows.values()))
+        last = max(body.items, key=lambda i: i.step)
+        latest_values = {
+            name: metric_out(metric_in(v))
+            for item in body.items
+            if item.step == last.step
+            for name, v in item.values.items()
+        }
         latest = job.latest_metrics
         if latest is None or last.step > latest["step"]:
             job.latest_metrics = {

@@ -100,6 +100,8 @@ class Job(Base):
     # CPU slots an active CPU job holds on its worker (0 for GPU jobs): the claim sums these.
     held_cpu_slots: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     latest_metrics: Mapped[dict[str, Any] | None]
+    # Metric points its ranks reported that were never stored (schemas.MetricsIn.dropped).
+    metrics_dropped: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     # Bytes of log stored so far: the offset the next chunk must start at.
     log_size: Mapped[int] = mapped_column(BigInteger, default=0)
     # Metric batches ingested so far; each point carries the batch that last wrote it,

@@ -21,6 +21,7 @@ from pydantic import (
     model_validator,
 )
 
+from ddpq import rules
 from ddpq.rules import entrypoint_problem, env_problem, unsafe_char
 from service.catalog import recipe_names
 
@@ -30,9 +31,10 @@ MAX_WORLD_SIZE = 4096
 MAX_ARGS = 1000
 MAX_ARG_CHARS = 10_000
 MAX_ENV_VARS = 200
-MAX_METRIC_ITEMS = 1000
-MAX_METRIC_NAMES = 100
-MAX_NAME_CHARS = 200
+# One owner for the metric limits: ddpq.train checks them where report() is called.
+MAX_METRIC_ITEMS = rules.MAX_METRIC_ITEMS
+MAX_METRIC_NAMES = rules.MAX_METRIC_NAMES
+MAX_NAME_CHARS = rules.MAX_NAME_CHARS
 MAX_PATH_CHARS = 4096
 
 StrictPosInt = Annotated[int, Field(strict=True, ge=1)]
@@ -216,6 +218,9 @@ class JobPublic(BaseModel):
     latest_metrics: LatestMetrics | None
     latest_checkpoint: CheckpointPublic | None
     queue_position: int | None
+    # Metric points reported but never stored (ddpq.train's buffer overflowed during a
+    # long outage, or a point was refused): 0 when every point made it.
+    metrics_dropped: int = 0
 
 
 class JobsPublic(BaseModel):
@@ -232,7 +237,16 @@ class MetricItemIn(Strict):
 
 class MetricsIn(Strict):
     _strings_checked = True
-    items: list[MetricItemIn] = Field(min_length=1, max_length=MAX_METRIC_ITEMS)
+    items: list[MetricItemIn] = Field(default=[], max_length=MAX_METRIC_ITEMS)
+    # Points the sender could not store (its buffer overflowed, or the API refused one
+    # alone): added to the job's metrics_dropped, so a loss shows on the job.
+    dropped: Annotated[int, Field(strict=True, ge=0, le=INT32_MAX)] = 0
+
+    @model_validator(mode="after")
+    def _something(self) -> MetricsIn:
+        if not self.items and not self.dropped:
+            raise ValueError("items: send at least one point (or a dropped count)")
+        return self
 
 
 class MetricItemPublic(BaseModel):

@@ -58,6 +58,101 @@ def test_reports_survive_an_api_outage(server: Server, db_url: str, tmp_path: Pa
         stop_process(proc)
 
 
+def _reporter(
+    server: Server, claim: dict[str, object], code: str, out: Path
+) -> subprocess.Popen[bytes]:
+    with open(out, "wb") as f:
+        return subprocess.Popen(
+            [sys.executable, "-c", code],
+            env=_child_env(
+                {
+                    "DDPQ_URL": server.url,
+                    "DDPQ_JOB_ID": str(claim["job_id"]),
+                    "DDPQ_JOB_TOKEN": str(claim["token"]),
+                    "RANK": "0",
+                }
+            ),
+            stdout=f,
+            stderr=subprocess.STDOUT,
+        )
+
+
+ONE_BAD_POINT = r"""
+from ddpq import train
+for step in range(1, 51):
+    train.report(step, loss=1.0 / step)
+for bad in (lambda: train.report(-1, loss=0.0), lambda: train.report(51, **{"a\x00b": 1.0})):
+    try:
+        bad()
+    except ValueError as exc:
+        print("refused:", exc, flush=True)
+# A point the API refuses although report() let it through (an older ddpq, say), in a
+# batch with good ones: the batch is split, the good ones stored, the bad one counted.
+train._get_sender().add_point({"step": -5, "epoch": None, "values": {"loss": 0.0}})
+for step in range(51, 101):
+    train.report(step, loss=1.0 / step)
+assert train.flush(timeout=60)
+print("flushed", flush=True)
+"""
+
+
+def test_one_bad_point_never_drops_good_ones(server: Server, tmp_path: Path) -> None:
+    # It used to: 50 steps, report(-1, ...), 50 more stored 0 of 100, and flush() said True.
+    claim = submit_and_claim(server)
+    out = tmp_path / "out"
+    proc = _reporter(server, claim, ONE_BAD_POINT, out)
+    assert proc.wait(timeout=120) == 0, out.read_text()
+    said = out.read_text()
+    assert "refused: report(): step must be between 0 and 2**63 - 1, not -1" in said, said
+    assert "refused: report(): a metric name has printable characters only" in said, said
+    user = server.client()
+    items = user.get(f"/jobs/{claim['job_id']}/metrics").json()["items"]
+    assert [i["step"] for i in items] == list(range(1, 101))
+    assert user.get(f"/jobs/{claim['job_id']}").json()["metrics_dropped"] == 1
+
+
+WIDE = r"""
+from ddpq import train
+for step in range(1, 3001):
+    train.report(step, **{f"metric_{k:02d}_with_a_longish_name": step + k / 100 for k in range(41)})
+print("reported", flush=True)
+assert train.flush(timeout=240), "not everything was sent"
+print("flushed", flush=True)
+"""
+
+
+def test_wide_points_across_an_api_restart_are_all_kept(
+    server: Server, db_url: str, tmp_path: Path
+) -> None:
+    # 1000 points of 41 metrics pass the 1 MiB body cap: batched by count alone they got
+    # 413 and were dropped (3000 steps of 40 metrics across a restart lost 2000).
+    claim = submit_and_claim(server)
+    port = int(server.url.rsplit(":", 1)[1])
+    stop_process(server.proc)  # down while the points pile up
+    out = tmp_path / "out"
+    proc = _reporter(server, claim, WIDE, out)
+    try:
+        wait_for(lambda: "reported" in out.read_text(), 60, "report() calls to return")
+        back = start_server(
+            db_url, server.data_dir, port=port, tokens=(server.api_token, server.worker_token)
+        )
+        try:
+            assert proc.wait(timeout=300) == 0, out.read_text()
+            user = back.client()
+            job = user.get(f"/jobs/{claim['job_id']}").json()
+            assert job["metrics_dropped"] == 0, job
+            r = user.get(
+                f"/jobs/{claim['job_id']}/metrics", params={"name": "metric_40_with_a_longish_name"}
+            )
+            assert [i["step"] for i in r.json()["items"]] == list(range(1, 3001))
+            assert job["latest_metrics"]["step"] == 3000
+            assert len(job["latest_metrics"]["values"]) == 41
+        finally:
+            stop_server(back)
+    finally:
+        stop_process(proc)
+
+
 class _Evil:
     def __reduce__(self) -> tuple[object, tuple[str]]:
         return (print, ("pwned",))

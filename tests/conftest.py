@@ -252,6 +252,16 @@ class Worker:
         return launch_prefix(self.name, self.data_dir)
 
 
+def worker_argv(
+    server: Server, name: str, workspace: Path, data_dir: Path, *args: str
+) -> list[str]:
+    """`ddpq worker` against ``server`` (tests that start one outside start_worker)."""
+    return [
+        sys.executable, "-m", "ddpq.cli", "worker", "--url", server.url, "--name", name,
+        "--workspace", str(workspace), "--data-dir", str(data_dir), *args,
+    ]  # fmt: skip
+
+
 @pytest.fixture
 def start_worker(tmp_path: Path) -> Iterator[Callable[..., Worker]]:
     workers: list[Worker] = []
@@ -266,25 +276,17 @@ def start_worker(tmp_path: Path) -> Iterator[Callable[..., Worker]]:
         log_path = base / "worker.log"
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "ddpq.cli",
-                    "worker",
-                    "--url",
-                    server.url,
-                    "--name",
+                worker_argv(
+                    server,
                     name,
-                    "--workspace",
-                    str(workspace),
-                    "--data-dir",
-                    str(base / "data"),
+                    workspace,
+                    base / "data",
                     "--cpu-slots",
                     str(cpu_slots),
                     "--gpus",
                     gpus,
                     *args,
-                ],
+                ),
                 env=_child_env({"DDPQ_WORKER_TOKEN": server.worker_token}),
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -10,7 +10,6 @@ import os
 import secrets
 import signal
 import subprocess
-import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from tests.conftest import (
     stop_server,
     terminal,
     wait_for,
+    worker_argv,
 )
 from tests.helpers import finish, records, register, submit_and_claim
 from tests.test_outage import HOLD
@@ -512,12 +512,11 @@ def _bare_worker(server: Server, name: str, data: Path, tmp_path: Path) -> subpr
     n = len(list(tmp_path.glob(f"{name}-*.log")))
     with open(tmp_path / f"{name}-{n}.log", "wb") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "ddpq.cli", "worker", "--url", server.url, "--name", name,
-             "--workspace", str(workspace), "--data-dir", str(data), "--gpus", "none"],
+            worker_argv(server, name, workspace, data, "--gpus", "none"),
             env=_child_env({"DDPQ_WORKER_TOKEN": server.worker_token}),
             stdout=out,
             stderr=subprocess.STDOUT,
-        )  # fmt: skip
+        )
 
 
 @pytest.mark.torchrun

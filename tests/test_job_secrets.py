@@ -14,13 +14,20 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, Server, _child_env, stop_process, terminal, wait_for
+from tests.conftest import (
+    REPO,
+    Server,
+    _child_env,
+    stop_process,
+    terminal,
+    wait_for,
+    worker_argv,
+)
 
 SECRETS = {
     "DDPQ_API_TOKEN": "api-token-that-jobs-must-not-see-1f0e",
@@ -44,22 +51,9 @@ def hostile_job(server: Server, tmp_path: Path) -> Iterator[tuple[Server, Path]]
                 "--bounding-set=-all",
                 "--inh-caps=-all",
                 "--",
-                sys.executable,
-                "-m",
-                "ddpq.cli",
-                "worker",
-                "--url",
-                server.url,
-                "--name",
-                "plain-user",
-                "--workspace",
-                str(workspace),
-                "--data-dir",
-                str(data),
-                "--cpu-slots",
-                "2",
-                "--gpus",
-                "none",
+                *worker_argv(
+                    server, "plain-user", workspace, data, "--cpu-slots", "2", "--gpus", "none"
+                ),
             ],
             env=_child_env({"DDPQ_WORKER_TOKEN": server.worker_token, **SECRETS}),
             stdout=out,

@@ -11,7 +11,6 @@ Errors: ``ApiError`` (the API answered 4xx/5xx; ``.status`` and ``.detail``),
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Iterator
 from typing import Any, NoReturn
@@ -19,24 +18,9 @@ from typing import Any, NoReturn
 import httpx
 
 from ddpq import config
+from ddpq.wire import CUT_MARKER
 
 TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
-
-# The line the API puts where a job's log was cut under its cap (service/logs.py): it
-# counts for no offset, and the output after it starts at the offset it names.
-_MARKER_LINE = (
-    rb"\[ddpq\] \d+ bytes of output cut here \(log cap [^)\n]*\); "
-    rb"output resumes at offset (\d+)"
-)
-_CUT_MARKER = re.compile(rb"(?<=\n)" + _MARKER_LINE + rb"\n")
-_CUT_LINE = re.compile(_MARKER_LINE)
-
-
-def marker_resume(line: bytes) -> int | None:
-    """The offset the output resumes at, if ``line`` (without its newline) is a cut marker."""
-    m = _CUT_LINE.fullmatch(line)
-    return int(m.group(1)) if m else None
-
 
 _MARKER_WINDOW = 512  # longer than any marker line: a marker split across chunks is found
 
@@ -55,7 +39,7 @@ class _Offsets:
     def feed(self, chunk: bytes) -> int:
         window = self.recent + chunk
         last = None
-        for m in _CUT_MARKER.finditer(window):
+        for m in CUT_MARKER.finditer(window):
             if m.end() > len(self.recent):  # a marker not seen in an earlier chunk
                 last = m
         if last is None:
@@ -134,13 +118,19 @@ class Client:
         return result
 
     def jobs(
-        self, status: str | list[str] | None = None, limit: int = 50, cursor: str | None = None
+        self,
+        status: str | list[str] | None = None,
+        limit: int = 50,
+        cursor: str | None = None,
+        name: str | None = None,
     ) -> dict[str, Any]:
         params: dict[str, Any] = {"limit": limit}
         if status:
             params["status"] = status if isinstance(status, str) else ",".join(status)
         if cursor:
             params["cursor"] = cursor
+        if name:
+            params["name"] = name
         result: dict[str, Any] = self._call("GET", "/jobs", params=params).json()
         return result
 

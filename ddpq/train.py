@@ -32,7 +32,6 @@ import atexit
 import collections
 import json
 import logging
-import math
 import numbers
 import os
 import re
@@ -45,6 +44,7 @@ import httpx
 
 from ddpq.rules import MAX_METRIC_ITEMS, metric_point_problem
 from ddpq.tensorboard import EventWriter
+from ddpq.wire import Backoff, encode_number, retryable
 
 __all__ = [
     "flush",
@@ -65,7 +65,6 @@ BATCH_BYTES = 256 * 1024
 # Points wait up to this long to be batched with later ones: a POST per step would
 # cost the API a core and rank 0 its GIL (measured by bench/overhead.py).
 SEND_INTERVAL_S = 1.0
-BACKOFF_MAX_S = 10.0
 EXIT_FLUSH_TIMEOUT_S = 30.0
 
 
@@ -156,7 +155,7 @@ class _Sender:
             self._in_flight = 0
 
     def _run(self) -> None:
-        backoff = 0.5
+        backoff = Backoff()
         while True:
             points, checkpoints = self._take()
             with self._cond:
@@ -175,14 +174,13 @@ class _Sender:
                 while checkpoints:
                     self._post("checkpoints", checkpoints[0])
                     checkpoints.pop(0)
-                backoff = 0.5
+                backoff.reset()
             except _Retry as exc:
                 # Everything goes back, points already stored included: a point sent
                 # twice is stored once (a step keeps one value per attempt).
-                log.debug("ddpq: report failed (%s); retrying in %.1fs", exc, backoff)
+                log.debug("ddpq: report failed (%s); retrying in %.1fs", exc, backoff.delay)
                 self._put_back(points, checkpoints)
-                time.sleep(backoff)
-                backoff = min(backoff * 2, BACKOFF_MAX_S)
+                backoff.wait()
                 continue
             with self._cond:
                 self._in_flight = 0
@@ -257,7 +255,7 @@ class _Sender:
             r = self._client.post(f"/jobs/{self._job_id}/{what}", json=body)
         except httpx.HTTPError as exc:
             raise _Retry(str(exc)) from exc
-        if r.status_code >= 500 or r.status_code == 429:
+        if retryable(r.status_code):
             raise _Retry(f"HTTP {r.status_code}")
         if r.status_code >= 400:
             log.warning("ddpq: the API refused %s (HTTP %d): %s", what, r.status_code, r.text[:500])
@@ -278,18 +276,11 @@ def _to_float(value: Any) -> float:
     raise TypeError(f"metric values must be numbers or one-element tensors, not {type(value)!r}")
 
 
-def _json_number(x: float) -> float | str:
-    # Non-finite values are information (a diverged loss); JSON has no literal for them.
-    if math.isfinite(x):
-        return x
-    return "NaN" if math.isnan(x) else ("Infinity" if x > 0 else "-Infinity")
-
-
 def _materialise(point: dict[str, Any]) -> dict[str, Any]:
-    values = {k: _json_number(_to_float(v)) for k, v in point["values"].items()}
+    values = {k: encode_number(_to_float(v)) for k, v in point["values"].items()}
     out: dict[str, Any] = {"step": point["step"], "values": values}
     if point.get("epoch") is not None:
-        out["epoch"] = _json_number(_to_float(point["epoch"]))
+        out["epoch"] = encode_number(_to_float(point["epoch"]))
     return out
 
 
@@ -384,7 +375,7 @@ def save_checkpoint(
         if epoch is not None:
             body["epoch"] = epoch
         if metrics:
-            body["metrics"] = {k: _json_number(_to_float(v)) for k, v in metrics.items()}
+            body["metrics"] = {k: encode_number(_to_float(v)) for k, v in metrics.items()}
         sender.add_checkpoint(body)
     return path
 

@@ -11,7 +11,6 @@ except those.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -19,7 +18,6 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
@@ -31,18 +29,14 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from torch.utils.data.distributed import DistributedSampler
 
 from ddpq import train
+from ddpq.catalog import catalog
 
-CATALOG_PATH = Path(__file__).with_name("catalog.json")
 _TYPES = {"int": int, "float": float, "str": str}
-
-
-def load_catalog() -> dict[str, dict]:
-    return json.loads(CATALOG_PATH.read_text())
 
 
 def parse_args(recipe: str, argv: list[str] | None = None) -> argparse.Namespace:
     """Parse the recipe's arguments as catalog.json declares them: bounds and choices included."""
-    entry = load_catalog()[recipe]
+    entry = catalog()[recipe]
     parser = argparse.ArgumentParser(prog=recipe, description=entry["description"])
     for arg in entry["args"]:
         parser.add_argument(

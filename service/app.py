@@ -158,33 +158,34 @@ def _listen_for_jobs(url: str, wakeup: Wakeup, stop: threading.Event) -> None:
             stop.wait(1.0)
 
 
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    app.state.wakeup.bind(asyncio.get_running_loop())
+    sweeper = asyncio.create_task(_sweep_leases(app))
+    stop_listening = threading.Event()
+    if app.state.db.dialect == "postgresql":
+        threading.Thread(
+            target=_listen_for_jobs,
+            args=(app.state.db.url, app.state.wakeup, stop_listening),
+            name="pg-listen",
+            daemon=True,
+        ).start()
+    try:
+        yield
+    finally:
+        stop_listening.set()
+        sweeper.cancel()
+        app.state.db.dispose()
+
+
 def create_app(
     settings: Settings, api_token: str, worker_token: str, db: Database | None = None
 ) -> FastAPI:
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.wakeup.bind(asyncio.get_running_loop())
-        sweeper = asyncio.create_task(_sweep_leases(app))
-        stop_listening = threading.Event()
-        if app.state.db.dialect == "postgresql":
-            threading.Thread(
-                target=_listen_for_jobs,
-                args=(app.state.db.url, app.state.wakeup, stop_listening),
-                name="pg-listen",
-                daemon=True,
-            ).start()
-        try:
-            yield
-        finally:
-            stop_listening.set()
-            sweeper.cancel()
-            app.state.db.dispose()
-
     app = FastAPI(
         title="ddpq",
         version="0.1.0",
         description="A queue for PyTorch distributed training jobs.",
-        lifespan=lifespan,
+        lifespan=_lifespan,
         # No Swagger UI or ReDoc: both load their scripts from a CDN, on the origin where
         # the dashboard keeps the user token. The OpenAPI document stays at /openapi.json.
         docs_url=None,
@@ -200,62 +201,12 @@ def create_app(
     app.state.wakeup = Wakeup()
     app.state.telemetry = Telemetry(app.state.db)
     app.state.stopping = threading.Event()
-
-    @app.exception_handler(DomainError)
-    async def _domain_error(_: Request, exc: DomainError) -> JSONResponse:
-        if isinstance(exc, Invalid):
-            content: Any = {
-                "detail": [{"loc": list(exc.loc), "msg": exc.detail, "type": "value_error"}]
-            }
-        else:
-            content = {"detail": exc.detail}
-        return JSONResponse(content, status_code=exc.status_code)
-
-    @app.exception_handler(OperationalError)
-    @app.exception_handler(InterfaceError)
-    async def _database_down(_: Request, exc: Exception) -> JSONResponse:
-        # A dropped connection is the database's trouble, not the client's: retry later.
-        log.warning("database error: %s", exc)
-        return JSONResponse(
-            {"detail": "the database is unavailable; retry shortly"},
-            status_code=503,
-            headers={"Retry-After": "2"},
-        )
-
-    @app.exception_handler(IntegrityError)
-    async def _lost_race(_: Request, exc: IntegrityError) -> JSONResponse:
-        # A unique row that a concurrent request inserted first (two first registrations
-        # of one worker name, say): the loser's to retry, not a server error. Routes that
-        # can answer better (an Idempotency-Key replay) catch it themselves.
-        log.warning("integrity error (a concurrent request won): %s", exc.orig)
-        return JSONResponse(
-            {"detail": "a concurrent request changed the same record first; retry"},
-            status_code=409,
-        )
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = []
-        for e in exc.errors():
-            e = dict(e)
-            e.pop("ctx", None)  # may hold the exception object, which is not JSON
-            e.pop("url", None)
-            try:  # echo the input only when it is small and valid JSON (no NaN)
-                if len(json.dumps(e.get("input"), allow_nan=False)) > 1000:
-                    e.pop("input", None)
-            except (TypeError, ValueError):
-                e.pop("input", None)
-            errors.append(_utf8_safe(e))
-        return JSONResponse({"detail": errors}, status_code=422)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        # FastAPI answers 400 "error parsing the body" for any failure to read a body,
-        # invalid UTF-8 included: that is a malformed document like bad JSON, so 422.
-        if exc.status_code == 400 and isinstance(exc.__cause__, UnicodeDecodeError | ValueError):
-            return JSONResponse({"detail": [not_utf8_json(exc.__cause__)]}, status_code=422)
-        return await http_exception_handler(request, exc)
-
+    app.add_exception_handler(DomainError, _domain_error)  # type: ignore[arg-type]
+    app.add_exception_handler(OperationalError, _database_down)
+    app.add_exception_handler(InterfaceError, _database_down)
+    app.add_exception_handler(IntegrityError, _lost_race)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, _invalid)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
     app.include_router(meta.router)
     app.include_router(jobs.router)
     app.include_router(reports.router)
@@ -270,6 +221,63 @@ def create_app(
     app.add_middleware(RequestMetrics, telemetry=app.state.telemetry)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
+
+
+# ---- errors: what a client may send never answers 500 ----------------------------------
+
+
+async def _domain_error(_: Request, exc: DomainError) -> JSONResponse:
+    if isinstance(exc, Invalid):
+        content: Any = {
+            "detail": [{"loc": list(exc.loc), "msg": exc.detail, "type": "value_error"}]
+        }
+    else:
+        content = {"detail": exc.detail}
+    return JSONResponse(content, status_code=exc.status_code)
+
+
+async def _database_down(_: Request, exc: Exception) -> JSONResponse:
+    # A dropped connection is the database's trouble, not the client's: retry later.
+    log.warning("database error: %s", exc)
+    return JSONResponse(
+        {"detail": "the database is unavailable; retry shortly"},
+        status_code=503,
+        headers={"Retry-After": "2"},
+    )
+
+
+async def _lost_race(_: Request, exc: IntegrityError) -> JSONResponse:
+    # A unique row that a concurrent request inserted first (two first registrations
+    # of one worker name, say): the loser's to retry, not a server error. Routes that
+    # can answer better (an Idempotency-Key replay) catch it themselves.
+    log.warning("integrity error (a concurrent request won): %s", exc.orig)
+    return JSONResponse(
+        {"detail": "a concurrent request changed the same record first; retry"},
+        status_code=409,
+    )
+
+
+async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = []
+    for e in exc.errors():
+        e = dict(e)
+        e.pop("ctx", None)  # may hold the exception object, which is not JSON
+        e.pop("url", None)
+        try:  # echo the input only when it is small and valid JSON (no NaN)
+            if len(json.dumps(e.get("input"), allow_nan=False)) > 1000:
+                e.pop("input", None)
+        except (TypeError, ValueError):
+            e.pop("input", None)
+        errors.append(_utf8_safe(e))
+    return JSONResponse({"detail": errors}, status_code=422)
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+    # FastAPI answers 400 "error parsing the body" for any failure to read a body,
+    # invalid UTF-8 included: that is a malformed document like bad JSON, so 422.
+    if exc.status_code == 400 and isinstance(exc.__cause__, UnicodeDecodeError | ValueError):
+        return JSONResponse({"detail": [not_utf8_json(exc.__cause__)]}, status_code=422)
+    return await http_exception_handler(request, exc)
 
 
 def _utf8_safe(value: Any) -> Any:

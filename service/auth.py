@@ -34,6 +34,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import InterfaceError, OperationalError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from service import queue
 from service.models import Attempt, Job, JobNode
 
 log = logging.getLogger("ddpq.service")
@@ -123,17 +124,13 @@ def _check_job(db: Any, token: str, raw_job_id: str | None) -> Attempt:
         job_id = int(raw_job_id) if raw_job_id and _JOB_ID.fullmatch(raw_job_id) else None
         if attempt.job_id != job_id:
             raise Refusal(403, "this job token belongs to another job")
-        current = s.scalar(select(Job.attempt).where(Job.id == job_id))
+        job = s.execute(select(Job.attempt, Job.status).where(Job.id == job_id)).first()
         s.expunge(attempt)
-    if current is not None and current != attempt.number:
-        # Fencing: a newer attempt owns the job; the old one's ranks must stop.
-        raise Refusal(
-            403,
-            f"attempt {attempt.number} was superseded by attempt {current}; "
-            "its token is no longer valid",
-        )
-    if attempt.ended_at is not None:
-        raise Refusal(403, f"attempt {attempt.number} has ended; its token is no longer valid")
+    # Fencing: a newer attempt owns the job (the old one's ranks must stop), or it ended.
+    current, status = (job.attempt, job.status) if job is not None else (None, None)
+    stale = queue.fenced(attempt.number, attempt.ended_at is not None, current, status)
+    if stale:
+        raise Refusal(403, f"{stale}; its token is no longer valid")
     return attempt
 
 

@@ -7,19 +7,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import operator
 import posixpath
-import signal
-from datetime import datetime, timedelta
 from typing import Any, cast
 
-from sqlalchemy import Table, and_, bindparam, func, or_, select, update
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlalchemy.engine import Dialect
+from sqlalchemy import Table, and_, bindparam, func, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from service import logs, queue
+from service import queue
 from service.db import Database
 from service.errors import Conflict, Invalid, NotFound
 from service.models import (
@@ -27,9 +22,7 @@ from service.models import (
     Attempt,
     Checkpoint,
     Job,
-    JobNode,
     JobStatus,
-    MetricPoint,
     utcnow,
 )
 from service.schemas import (
@@ -39,7 +32,6 @@ from service.schemas import (
     JobPublic,
     JobSpec,
     LatestMetrics,
-    MetricsIn,
     metric_in,
     metric_out,
 )
@@ -178,12 +170,23 @@ def get_job(db: Database, job_id: int) -> JobPublic:
 
 
 def list_jobs(
-    db: Database, statuses: list[str], limit: int, cursor: int | None
+    db: Database, statuses: list[str], limit: int, cursor: int | None, name: str | None = None
 ) -> tuple[list[JobPublic], str | None]:
-    """Newest first; ``cursor`` is the id the previous page ended at."""
+    """Newest first; ``cursor`` is the id the previous page ended at; ``name``, a text
+    the job's name or program (recipe or entrypoint) contains, in any case."""
     q = select(Job).order_by(Job.id.desc()).limit(limit + 1)
     if statuses:
         q = q.where(Job.status.in_(statuses))
+    if name:
+        program = func.coalesce(
+            Job.spec["recipe"].as_string(), Job.spec["entrypoint"].as_string(), ""
+        )
+        q = q.where(
+            or_(
+                func.coalesce(Job.name, "").icontains(name, autoescape=True),
+                program.icontains(name, autoescape=True),
+            )
+        )
     if cursor is not None:
         q = q.where(Job.id < cursor)
     with db.read() as s:
@@ -277,290 +280,32 @@ def cancel_job(db: Database, job_id: int) -> JobPublic:
 # ---- the worker's side ----------------------------------------------------------------
 
 
-def append_log(
-    db: Database, job_id: int, number: int, worker: str, offset: int, data: bytes
-) -> int:
-    """Append a chunk of an attempt's output (service.logs: offsets, the cap)."""
-    return logs.append(db, job_id, number, worker, offset, data)
-
-
-def _exit_words(code: int | None) -> str:
-    """An exit status as a person reads it; codes >= 128 are death by signal 128+n."""
-    if code is None:
-        return "ended without an exit code"
-    if code >= 128:
-        n = code - 128
-        try:
-            name = signal.Signals(n).name
-        except ValueError:
-            name = f"signal {n}"
-        hint = " (out of memory?)" if n == signal.SIGKILL else ""
-        return f"killed by {name}{hint}, exit code {code}"
-    return f"exited with code {code}"
-
-
 def finish_attempt(db: Database, job_id: int, worker: str, req: FinishRequest) -> JobPublic:
-    """Record how an attempt ended and move the job on. Safe to repeat.
-
-    Retry policy: an attempt killed by a signal (exit code >= 128: OOM killer,
-    preemption) is retried; a program's own error (1..127) fails the job unless its
-    spec sets ``retry_on_error``; a timeout or a worker-side error never retries.
-    Retries wait out an exponential backoff and count against ``max_attempts``; an
-    attempt handed back by a worker that shuts down is requeued at once, uncounted.
-    """
-    now = utcnow()
-    policy = db.policy
+    """Record how an attempt ended and move the job on (queue.end_attempt). Safe to repeat."""
     with db.write() as s:
         # The job row locked first: a cancel, a lost lease or another node's finish may
         # race this one, and the nodes of a multi-node attempt finish together (two
         # finishes that each saw the other node still running would leave the attempt
         # open until its lease ran out).
         job = _get(s, job_id, lock=True)
-        attempt = s.scalar(
-            select(Attempt).where(Attempt.job_id == job_id, Attempt.number == req.attempt)
-        )
-        node = queue.node_of(s, job_id, req.attempt, worker) if job.nnodes > 1 else None
-        if attempt is None or (attempt.worker != worker and node is None):
-            raise Conflict(f"job {job_id} has no attempt {req.attempt} on worker {worker}")
-        if job.attempt != req.attempt:
-            raise Conflict(f"attempt {req.attempt} was superseded by attempt {job.attempt}")
-        if attempt.outcome == "lost":
-            raise Conflict(f"attempt {req.attempt} was declared lost: {job.reason}")
-        if node is not None and node.ended_at is None:
-            node.ended_at = now
-            node.exit_code = req.exit_code
-            node.outcome = req.outcome
-        if attempt.ended_at is not None:
-            # A retried finish, or a node that stopped after its attempt ended.
-            return _publics(s, [job])[0]
-        if node is not None and _other_nodes_run_on(s, job, req, node):
-            # A node that ended well (or stopped on cancel): the attempt goes on
-            # until every node has.
-            s.flush()
-            return _publics(s, [job])[0]
-        where = f" on node {node.node_rank} (worker {worker})" if node is not None else ""
-        attempt.ended_at = now
-        attempt.exit_code = req.exit_code
-        job.exit_code = req.exit_code
-        code = req.exit_code
-        retryable = req.outcome == "exited" and code is not None and code != 0
-        if retryable and code is not None and code < 128:
-            # A multi-node attempt is retried whatever a node's exit code: when one
-            # node is lost, the ranks of the others fail with their own error.
-            retryable = bool(job.spec.get("retry_on_error")) or job.nnodes > 1
-        if req.outcome == "requeue" and job.status == JobStatus.RUNNING:
-            _requeue(job, now, f"worker {worker} shut down; requeued, not counted as a failure")
-            attempt.outcome = "requeued"
-        elif job.status == JobStatus.CANCELLING or req.outcome == "cancelled":
-            job.status = JobStatus.CANCELLED
-            job.reason = "cancelled by user"
-            attempt.outcome = "cancelled"
-        elif req.outcome == "timeout":
-            job.status = JobStatus.FAILED
-            job.reason = req.reason or f"timeout after {job.spec.get('timeout_s')} s"
-            attempt.outcome = "failed"
-        elif req.outcome == "exited" and code == 0:
-            job.status = JobStatus.SUCCEEDED
-            job.reason = None
-            attempt.outcome = "succeeded"
-        else:
-            attempt.outcome = "failed"
-            # The worker sends the program's last error line; the words for the exit are ours.
-            what = _exit_words(code) if req.outcome == "exited" else "failed to start"
-            what += where
-            if req.reason:
-                what += f": {req.reason}"
-            if code is not None and 0 < code < 128 and not retryable:
-                what += " (a program error: not retried unless the spec sets retry_on_error)"
-            job.failures += 1
-            if retryable and job.failures < job.max_attempts:
-                delay = min(
-                    policy.retry_backoff_s * 2 ** (job.failures - 1), policy.retry_backoff_max_s
-                )
-                _requeue(
-                    job,
-                    now,
-                    f"attempt {req.attempt} {what}; retrying as attempt {job.attempt + 1} "
-                    f"({job.failures} of {job.max_attempts} attempts used) after {delay:g} s",
-                )
-                job.not_before = now + timedelta(seconds=delay)
-            else:
-                job.status = JobStatus.FAILED
-                spent = f"; all {job.max_attempts} attempts used" if retryable else ""
-                job.reason = f"{what}{spent}"
-        if job.status in TERMINAL:
-            job.finished_at = now
-        attempt.reason = job.reason  # kept per attempt: the job's reason moves on
+        queue.end_attempt(s, job, worker, req, db.policy)
         s.flush()
-        queue.notify_claimers(s)  # its slots are free, or it is queued again
         return _publics(s, [job])[0]
-
-
-def _other_nodes_run_on(s: Session, job: Job, req: FinishRequest, node: JobNode) -> bool:
-    """Whether a multi-node attempt waits for its other nodes after ``node`` ended: it
-    does when this node succeeded or stopped on a cancel and another has not ended.
-    A failure (or a shutdown handback) ends the attempt for every node at once."""
-    cancelling = job.status == JobStatus.CANCELLING or req.outcome == "cancelled"
-    succeeded = req.outcome == "exited" and req.exit_code == 0
-    if not (cancelling or succeeded):
-        return False
-    # The others ended too (a node's failure would have ended the attempt at once,
-    # so they ended well): this node's finish ends the attempt.
-    others = [n for n in queue.nodes_of(s, job.id, req.attempt) if n.id != node.id]
-    return any(n.ended_at is None for n in others)
-
-
-def _requeue(job: Job, now: datetime, reason: str) -> None:
-    for column, value in queue.requeued(now, reason).items():
-        setattr(job, column, value)
 
 
 # ---- what ranks report ----------------------------------------------------------------
 
 
-def _still_current(job: Job, attempt: Attempt) -> None:
-    """Fencing, re-checked inside the write: the token was checked in an earlier transaction."""
-    if job.attempt != attempt.number:
-        raise Conflict(f"attempt {attempt.number} was superseded by attempt {job.attempt}")
-    if job.status not in (JobStatus.RUNNING, JobStatus.CANCELLING):
-        raise Conflict(f"job {job.id} is {job.status}; attempt {attempt.number} has ended")
-
-
-_POINTS = cast(Table, MetricPoint.__table__)
-_POINT_COLUMNS = ("job_id", "name", "step", "value", "epoch", "attempt", "time", "seq")
-_points_upsert: dict[str, tuple[str, tuple[str, ...]]] = {}
-
-
-def _points_upsert_sql(dialect: Dialect) -> tuple[str, tuple[str, ...]]:
-    """The upsert of metric points as SQLite's driver takes it, compiled once, and the
-    order of its positional parameters.
-
-    A batch of 1000 items is thousands of rows: through SQLAlchemy's per-row
-    parameter processing they cost several times SQLite's own work, so they go to
-    the driver's executemany as plain values (see _upsert_points)."""
-    cached = _points_upsert.get(dialect.name)
-    if cached is None:
-        insert = sqlite_insert(_POINTS)
-        stmt = insert.on_conflict_do_update(
-            index_elements=["job_id", "name", "step"],
-            set_={
-                "value": insert.excluded.value,
-                "epoch": insert.excluded.epoch,
-                "attempt": insert.excluded.attempt,
-                "time": insert.excluded.time,
-                "seq": insert.excluded.seq,
-            },
-            where=_POINTS.c.attempt <= insert.excluded.attempt,
-        )
-        compiled = stmt.compile(dialect=dialect, column_keys=list(_POINT_COLUMNS))
-        order = tuple(compiled.positiontup or ())
-        if set(order) != set(_POINT_COLUMNS):
-            raise RuntimeError(f"unexpected parameters in the points upsert: {compiled.binds}")
-        cached = _points_upsert.setdefault(dialect.name, (compiled.string, order))
-    return cached
-
-
-# Postgres: one statement over arrays (executemany would be a round trip per row).
-_PG_POINTS_UPSERT = """
-INSERT INTO metric_points (job_id, name, step, value, epoch, attempt, time, seq)
-SELECT %(job_id)s, n, s, v, e, %(attempt)s, %(time)s, %(seq)s
-FROM unnest(%(names)s::varchar[], %(steps)s::bigint[], %(values)s::float8[], %(epochs)s::float8[])
-    AS t(n, s, v, e)
-ON CONFLICT (job_id, name, step) DO UPDATE SET
-    value = excluded.value, epoch = excluded.epoch, attempt = excluded.attempt,
-    time = excluded.time, seq = excluded.seq
-WHERE metric_points.attempt <= excluded.attempt
-"""
-
-
-def _upsert_points(
-    s: Session,
-    attempt: Attempt,
-    now: datetime,
-    seq: int,
-    rows: list[tuple[str, int, float, float | None]],
-) -> None:
-    if not rows:
-        return
-    conn = s.connection()
-    dialect = conn.dialect
-    if dialect.name == "postgresql":
-        names, steps, values, epochs = (list(column) for column in zip(*rows, strict=True))
-        conn.exec_driver_sql(
-            _PG_POINTS_UPSERT,
-            {
-                "job_id": attempt.job_id,
-                "attempt": attempt.number,
-                "time": now,
-                "seq": seq,
-                "names": names,
-                "steps": steps,
-                "values": values,
-                "epochs": epochs,
-            },
-        )
-        return
-    sql, order = _points_upsert_sql(dialect)
-    # The one column that needs converting (the timestamp, a string on SQLite) is the
-    # same in every row: converted once. The rest are str, int, float and None.
-    stamp = _POINTS.c.time.type.dialect_impl(dialect).bind_processor(dialect)
-    stamped = stamp(now) if stamp else now
-    job_id, number = attempt.job_id, attempt.number
-    full = [
-        (job_id, name, step, value, epoch, number, stamped, seq)
-        for name, step, value, epoch in rows
-    ]
-    params: list[Any] = full
-    if order != _POINT_COLUMNS:
-        pick = operator.itemgetter(*(_POINT_COLUMNS.index(k) for k in order))
-        params = [pick(row) for row in full]
-    conn.exec_driver_sql(sql, params)
-
-
-def ingest_metrics(db: Database, attempt: Attempt, body: MetricsIn) -> int:
-    """Store metric points; a step reported again keeps the newest attempt's value.
-    Points the sender says it dropped are counted on the job."""
-    now = utcnow()
-    rows: dict[tuple[str, int], tuple[str, int, float, float | None]] = {}
-    for item in body.items:
-        epoch = metric_in(item.epoch) if item.epoch is not None else None
-        for name, value in item.values.items():
-            rows[(name, item.step)] = (name, item.step, metric_in(value), epoch)
-    with db.write() as s:
-        # Locked before the check: a finish committing meanwhile would otherwise let
-        # points in for an attempt that has ended, and latest_metrics is read-modify-write.
-        job = _get(s, attempt.job_id, lock=True)
-        _still_current(job, attempt)
-        if body.dropped:
-            job.metrics_dropped = (job.metrics_dropped or 0) + body.dropped
-        if not rows:
-            return 0
-        # Number the batch in the database, so batches commit in seq order: the events
-        # stream's cursor never skips one.
-        seq = s.scalar(
-            update(Job)
-            .where(Job.id == job.id)
-            .values(metrics_seq=Job.metrics_seq + 1)
-            .returning(Job.metrics_seq)
-        )
-        _upsert_points(s, attempt, now, int(seq or 0), list(rows.values()))
-        last = max(body.items, key=lambda i: i.step)
-        latest_values = {
-            name: metric_out(metric_in(v))
-            for item in body.items
-            if item.step == last.step
-            for name, v in item.values.items()
-        }
-        latest = job.latest_metrics
-        if latest is None or last.step > latest["step"]:
-            job.latest_metrics = {
-                "step": last.step,
-                "epoch": metric_out(metric_in(last.epoch)) if last.epoch is not None else None,
-                "values": latest_values,
-            }
-        elif last.step == latest["step"]:
-            job.latest_metrics = {**latest, "values": {**latest["values"], **latest_values}}
-    return len(rows)
+def current_job(s: Session, attempt: Attempt) -> Job:
+    """The attempt's job, its row locked, while the attempt is still its current one
+    (Conflict otherwise). Fencing is re-checked inside the write: the token was checked
+    in an earlier transaction, and a finish committing meanwhile must not let reports
+    in for an attempt that has ended."""
+    job = _get(s, attempt.job_id, lock=True)
+    stale = queue.fenced(attempt.number, False, job.attempt, job.status)
+    if stale:
+        raise Conflict(f"job {job.id}: {stale}")
+    return job
 
 
 def register_checkpoint(db: Database, attempt: Attempt, body: CheckpointIn) -> CheckpointPublic:
@@ -579,7 +324,7 @@ def register_checkpoint(db: Database, attempt: Attempt, body: CheckpointIn) -> C
         created_at=utcnow(),
     )
     with db.write() as s:
-        _still_current(_get(s, attempt.job_id, lock=True), attempt)
+        current_job(s, attempt)
         s.add(c)
         s.flush()
         return _checkpoint_public(c)

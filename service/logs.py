@@ -22,6 +22,7 @@ from fastapi.concurrency import run_in_threadpool
 from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
 
+from ddpq.wire import cut_marker
 from service import queue
 from service.db import Database
 from service.errors import Conflict, Invalid, NotFound
@@ -41,13 +42,6 @@ def head_bytes(cap: int) -> int:
     return int(cap * HEAD_SHARE)
 
 
-def cut_marker(cut: int, cap: int, resume_at: int) -> bytes:
-    return (
-        f"[ddpq] {cut} bytes of output cut here (log cap DDPQ_LOG_MAX_BYTES={cap}); "
-        f"output resumes at offset {resume_at}\n"
-    ).encode()
-
-
 # ---- writing ----------------------------------------------------------------------------
 
 
@@ -62,20 +56,15 @@ def append(db: Database, job_id: int, number: int, worker: str, offset: int, dat
         # Lock the job row first (Postgres): two API processes handed the same resent
         # chunk then store it once, and chunk starts never collide.
         row = s.execute(
-            select(Job.log_size, Job.attempt, Job.nnodes).where(Job.id == job_id).with_for_update()
+            select(Job.id, Job.log_size, Job.attempt, Job.nnodes)
+            .where(Job.id == job_id)
+            .with_for_update()
         ).first()
         if row is None:
             raise NotFound(f"no job {job_id}")
-        size, current, nnodes = row
-        attempt = s.scalar(
-            select(Attempt).where(Attempt.job_id == job_id, Attempt.number == number)
-        )
+        size = row.log_size
         # Each node of a multi-node attempt ships its own stream into the one log.
-        node = queue.node_of(s, job_id, number, worker) if nnodes > 1 else None
-        if attempt is None or (attempt.worker != worker and node is None):
-            raise Conflict(f"job {job_id} has no attempt {number} on worker {worker}")
-        if current != number:
-            raise Conflict(f"attempt {number} was superseded by attempt {current}")
+        attempt, node = queue.workers_attempt(s, row, number, worker)
         stream: Attempt | JobNode = node if node is not None else attempt
         have = stream.log_bytes
         if offset > have:

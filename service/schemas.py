@@ -7,7 +7,6 @@ no coercion of "2" into 2, and unknown fields refused by name.
 
 from __future__ import annotations
 
-import math
 import re
 from datetime import datetime
 from typing import Annotated, Any, ClassVar, Literal
@@ -22,8 +21,9 @@ from pydantic import (
 )
 
 from ddpq import rules
+from ddpq.catalog import recipe_names
 from ddpq.rules import entrypoint_problem, env_problem, unsafe_char
-from service.catalog import recipe_names
+from ddpq.wire import NonFinite, decode_number, encode_number
 
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
@@ -80,7 +80,6 @@ IdempotencyKey = Annotated[str, AfterValidator(_idempotency_key)]
 MetricName = Annotated[
     str, Field(min_length=1, max_length=MAX_NAME_CHARS), AfterValidator(_printable_name)
 ]
-NonFinite = Literal["NaN", "Infinity", "-Infinity"]
 # A metric value on input: a finite JSON number, or one of the three strings for the
 # values JSON has no literal for (a diverged loss is information, so it is kept).
 # Python's json module would also read bare NaN/Infinity tokens; they are refused so
@@ -350,12 +349,6 @@ class WorkerRegister(Strict):
     running: Annotated[list[RunningAttempt], Field(max_length=10_000)] = []
 
 
-class WorkerRegistered(BaseModel):
-    name: str
-    heartbeat_s: float
-    lease_s: float
-
-
 class ClaimRequest(Strict):
     name: WorkerName
     free_cpu_slots: Annotated[int, Field(strict=True, ge=0, le=100_000)]
@@ -377,49 +370,10 @@ class GangRequest(Strict):
     leave: Annotated[bool, Field(strict=True)] = False
 
 
-class GangReply(BaseModel):
-    # forming: not every node slot is held yet; ready: start torchrun with this
-    # rendezvous; released: the slot is gone (gang timeout, cancel): stand down.
-    state: Literal["forming", "ready", "released"]
-    held: int | None = None
-    nnodes: int | None = None
-    node_rank: int | None = None
-    rdzv_endpoint: str | None = None
-    rdzv_id: str | None = None
-    rdzv_host: bool | None = None
-    join_timeout_s: float | None = None
-    checkpoint_dir: str | None = None
-    resume_from: list[str] = []
-    workers: list[str] = []
-    reason: str | None = None
-
-
-class ClaimedJob(BaseModel):
-    job_id: int
-    attempt: int
-    token: str
-    spec: dict[str, Any]
-    device: Literal["cpu", "cuda"]
-    nproc_per_node: int
-    gpus: list[int]
-    checkpoint_dir: str
-    # Newest first; the worker gives ranks the first one whose file exists.
-    resume_from: list[str]
-    # A node slot of a multi-node job: wait for the gang (POST /workers/gang) first.
-    nnodes: int = 1
-    node_rank: int = 0
-
-
 class Heartbeat(Strict):
     name: WorkerName
     identity: WorkerIdentity | None = None
     running: Annotated[list[RunningAttempt], Field(max_length=10_000)] = []
-
-
-class HeartbeatReply(BaseModel):
-    # Attempts the worker must stop: cancelled by a user, or no longer theirs.
-    cancel: list[RunningAttempt]
-    abandon: list[RunningAttempt]
 
 
 class FinishRequest(Strict):
@@ -463,16 +417,8 @@ class LogAppended(BaseModel):
 
 def metric_out(value: float | None) -> MetricValue:
     """A stored metric value as JSON can carry it (NULL is NaN, see MetricPoint)."""
-    if value is None:
-        return "NaN"
-    if math.isinf(value):
-        return "Infinity" if value > 0 else "-Infinity"
-    if math.isnan(value):
-        return "NaN"
-    return value
+    return "NaN" if value is None else encode_number(value)
 
 
 def metric_in(value: float | str) -> float:
-    if isinstance(value, str):
-        return {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}[value]
-    return value
+    return decode_number(value)

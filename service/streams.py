@@ -32,7 +32,7 @@ from typing import Any
 from fastapi.concurrency import run_in_threadpool
 from sqlalchemy import func, select
 
-from service import history, jobs
+from service import jobs, metrics
 from service.db import Database
 from service.errors import Invalid
 from service.models import TERMINAL, Job, MetricPoint
@@ -100,7 +100,7 @@ def poll(db: Database, job_id: int, after: int | None) -> Poll:
         else:
             upto = now  # batches whose points were all rewritten later have none left
         rows = s.execute(
-            select(*history.COLUMNS)
+            select(*metrics.COLUMNS)
             .where(
                 MetricPoint.job_id == job_id,
                 MetricPoint.seq > after,
@@ -108,7 +108,7 @@ def poll(db: Database, job_id: int, after: int | None) -> Poll:
             )
             .order_by(MetricPoint.step, MetricPoint.name)
         )
-        return Poll(job, history.items(rows), upto, upto < now)
+        return Poll(job, metrics.items(rows), upto, upto < now)
 
 
 def _event(kind: str, data: str, event_id: str) -> bytes:
@@ -135,7 +135,7 @@ async def events(
             yield _event("job", got.job.model_dump_json(), f"{got.upto}-{fp}")
             last_sent = time.monotonic()
         if got.items:
-            yield _event("metrics", history.to_json(got.items).decode(), f"{got.upto}-{fp}")
+            yield _event("metrics", metrics.to_json(got.items).decode(), f"{got.upto}-{fp}")
             last_sent = time.monotonic()
         if got.pending:
             got = await run_in_threadpool(poll, db, job_id, got.upto)

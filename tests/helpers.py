@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from tests.conftest import Server
@@ -82,23 +81,36 @@ def report(server: Server, claim: dict[str, Any], items: list[dict[str, Any]]) -
 
 
 def job_runner(workspace: Path, spec: dict[str, Any]) -> Any:
-    """A worker's JobRunner for a claim of ``spec``, on an agent stub: for what the
-    runner decides (program, argv, environment) without running anything."""
-    from worker.runner import JobRunner
+    """A worker's JobRunner for a claim of ``spec``, with a context of its own: for what
+    the runner decides (program, argv, environment) without running anything."""
+    import threading
 
-    agent = SimpleNamespace(
-        workspace=workspace.resolve(), url="http://127.0.0.1:9", launch_prefix="test/"
+    from ddpq.messages import ClaimedJob
+    from worker.runner import JobRunner, RunContext
+
+    ctx = RunContext(
+        api=None,  # type: ignore[arg-type]  # nothing is sent
+        name="test",
+        url="http://127.0.0.1:9",
+        workspace=workspace.resolve(),
+        data_dir=workspace,
+        launch_prefix="test/",
+        advertise_addr="127.0.0.1",
+        kill_grace_s=1.0,
+        claimer_done=threading.Event(),
     )
-    claim = {
-        "job_id": 7,
-        "attempt": 1,
-        "token": "t",
-        "spec": spec,
-        "checkpoint_dir": "/c/job-7",
-        "device": "cpu",
-        "gpus": [],
-    }
-    return JobRunner(agent=agent, claim=claim)  # type: ignore[arg-type]
+    claim = ClaimedJob(
+        job_id=7,
+        attempt=1,
+        token="t",
+        spec=spec,
+        device="cpu",
+        nproc_per_node=1,
+        gpus=[],
+        checkpoint_dir="/c/job-7",
+        resume_from=[],
+    )
+    return JobRunner(ctx, claim, release=lambda _: None)
 
 
 def records(path: Path) -> list[dict[str, Any]]:

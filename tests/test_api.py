@@ -105,6 +105,25 @@ def test_submit_list_get_cancel_queued(server: Server) -> None:
     assert "toy-regression" in [r["name"] for r in recipes]
 
 
+def test_list_filters_by_name_or_program_in_any_case(server: Server) -> None:
+    c = server.client()
+    named = c.post("/jobs", json={**GOOD, "name": "Resnet-50_sweep"}).json()
+    by_recipe = c.post("/jobs", json={**GOOD, "name": None}).json()
+    c.post("/jobs", json={**GOOD, "name": "other"})
+
+    def ids(name: str) -> list[int]:
+        r = c.get("/jobs", params={"name": name})
+        assert r.status_code == 200, r.text
+        return [j["id"] for j in r.json()["items"]]
+
+    assert ids("RESNET") == [named["id"]]
+    # LIKE's wildcards are literal characters here, not patterns.
+    assert ids("_sweep") == [named["id"]] and ids("%") == [] and ids("net-50_s") == [named["id"]]
+    assert by_recipe["id"] in ids(GOOD["recipe"].upper())
+    r = c.get("/jobs", params={"name": ""})
+    assert r.status_code == 422 and "name" in r.text
+
+
 def test_idempotency_key_returns_the_same_job(server: Server) -> None:
     c = server.client()
     first = c.post("/jobs", json=GOOD, headers={"Idempotency-Key": "k1"})

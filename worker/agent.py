@@ -8,11 +8,12 @@ import signal
 import socket
 import threading
 from pathlib import Path
-from typing import Any
 
+from ddpq.messages import ClaimedJob
+from ddpq.wire import Backoff
 from worker import health, procs
 from worker.api import Refused, Unavailable, WorkerAPI, retry
-from worker.runner import JobRunner
+from worker.runner import JobRunner, RunContext
 
 log = logging.getLogger("ddpq.worker")
 
@@ -56,17 +57,25 @@ class Agent:
         self._runners: dict[tuple[int, int], JobRunner] = {}
         self._slots_changed = threading.Event()
         self.claimer_done = threading.Event()  # the claim loop has returned (shutdown)
+        self.context = RunContext(
+            api=self.api,
+            name=self.name,
+            url=self.url,
+            workspace=self.workspace,
+            data_dir=self.data_dir,
+            launch_prefix=self.launch_prefix,
+            advertise_addr=self.advertise_addr,
+            kill_grace_s=kill_grace_s,
+            claimer_done=self.claimer_done,
+        )
 
     # ---- slots ------------------------------------------------------------------
 
     def free(self) -> tuple[int, list[int]]:
         with self._lock:
-            used_cpu = sum(
-                r.claim["nproc_per_node"]
-                for r in self._runners.values()
-                if r.claim["device"] == "cpu"
-            )
-            used_gpus = {g for r in self._runners.values() for g in r.claim["gpus"]}
+            claims = [r.claim for r in self._runners.values()]
+        used_cpu = sum(c.nproc_per_node for c in claims if c.device == "cpu")
+        used_gpus = {g for c in claims for g in c.gpus}
         return max(0, self.cpu_slots - used_cpu), [g for g in self.gpus if g not in used_gpus]
 
     def release(self, runner: JobRunner) -> None:
@@ -78,7 +87,7 @@ class Agent:
     def rdzv_port(self) -> int | None:
         """A port free on this host for a rendezvous store, not already offered to one
         of this worker's node-0 slots; None when the range is used up."""
-        taken = {r.claim.get("rdzv_port") for r in self.running()}
+        taken = {r.rdzv_port for r in self.running()}
         candidates = range(self.rdzv_ports[0], self.rdzv_ports[1] + 1) if self.rdzv_ports else [0]
         for port in candidates:
             if port in taken:
@@ -115,7 +124,7 @@ class Agent:
             what="register",
             stop=self.stopping,
         )
-        self.heartbeat_s = float(reply["heartbeat_s"])
+        self.heartbeat_s = reply.heartbeat_s
         health.record(self.data_dir, self.heartbeat_s)
 
     def _heartbeat_loop(self) -> None:
@@ -146,12 +155,12 @@ class Agent:
                 log.warning("heartbeat refused: %s", exc)
             return
         health.record(self.data_dir, self.heartbeat_s)
-        for item in reply.get("cancel", []):
-            r = runners.get((item["job_id"], item["attempt"]))
+        for item in reply.cancel:
+            r = runners.get((item.job_id, item.attempt))
             if r is not None:
                 r.request_stop("cancelled")
-        for item in reply.get("abandon", []):
-            r = runners.get((item["job_id"], item["attempt"]))
+        for item in reply.abandon:
+            r = runners.get((item.job_id, item.attempt))
             if r is not None:
                 log.warning("job %s attempt %s is no longer ours; stopping it", r.job_id, r.attempt)
                 r.request_stop("abandoned")
@@ -163,7 +172,7 @@ class Agent:
             self.claimer_done.set()
 
     def _claim_until_stopped(self) -> None:
-        backoff = 0.5
+        backoff = Backoff()
         while not self.stopping.is_set():
             free_cpu, free_gpus = self.free()
             if free_cpu == 0 and not free_gpus:
@@ -173,11 +182,10 @@ class Agent:
             port = self.rdzv_port()
             try:
                 claim = self.api.claim(free_cpu, free_gpus, CLAIM_WAIT_S, self.advertise_addr, port)
-                backoff = 0.5
+                backoff.reset()
             except Unavailable as exc:
                 log.warning("claim: API unavailable (%s)", exc)
-                self.stopping.wait(backoff)
-                backoff = min(backoff * 2, 10.0)
+                backoff.wait(self.stopping)
                 continue
             except Refused as exc:
                 if exc.status == 404:
@@ -187,15 +195,15 @@ class Agent:
                 self.stopping.wait(5.0)
                 continue
             if claim is not None:
-                if claim.get("nnodes", 1) > 1 and claim.get("node_rank") == 0:
-                    claim["rdzv_port"] = port  # ours to host the rendezvous on
-                self._start(claim)
+                # Node 0 of a gang hosts the rendezvous on the port offered with the claim.
+                hosting = claim.nnodes > 1 and claim.node_rank == 0
+                self._start(claim, port if hosting else None)
 
-    def _start(self, claim: dict[str, Any]) -> None:
-        runner = JobRunner(self, claim)
+    def _start(self, claim: ClaimedJob, rdzv_port: int | None) -> None:
+        runner = JobRunner(self.context, claim, self.release, rdzv_port=rdzv_port)
         with self._lock:
             self._runners[(runner.job_id, runner.attempt)] = runner
-        log.info("job %s attempt %s: starting (%s)", runner.job_id, runner.attempt, claim["device"])
+        log.info("job %s attempt %s: starting (%s)", runner.job_id, runner.attempt, claim.device)
         if self.stopping.is_set():
             runner.request_stop("shutdown")
         runner.start()

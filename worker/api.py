@@ -9,10 +9,10 @@ from typing import Any
 
 import httpx
 
-log = logging.getLogger("ddpq.worker")
+from ddpq.messages import ClaimedJob, GangReply, HeartbeatReply, WorkerRegistered
+from ddpq.wire import Backoff, retryable
 
-BACKOFF_START_S = 0.5
-BACKOFF_MAX_S = 10.0
+log = logging.getLogger("ddpq.worker")
 
 
 class Unavailable(Exception):
@@ -51,7 +51,7 @@ class WorkerAPI:
             )
         except httpx.HTTPError as exc:
             raise Unavailable(str(exc) or type(exc).__name__) from exc
-        if r.status_code >= 500 or r.status_code == 429:
+        if retryable(r.status_code):
             raise Unavailable(f"HTTP {r.status_code}")
         if r.status_code >= 400:
             try:
@@ -61,11 +61,11 @@ class WorkerAPI:
             raise Refused(r.status_code, str(detail))
         return r
 
-    def register(self, body: dict[str, Any]) -> dict[str, Any]:
+    def register(self, body: dict[str, Any]) -> WorkerRegistered:
         if self.identity:
             body = {**body, "identity": self.identity}
-        result: dict[str, Any] = self._request("POST", "/workers/register", json=body).json()
-        return result
+        r = self._request("POST", "/workers/register", json=body)
+        return WorkerRegistered.model_validate_json(r.content)
 
     def claim(
         self,
@@ -74,7 +74,7 @@ class WorkerAPI:
         wait_s: float,
         advertise_addr: str | None = None,
         rdzv_port: int | None = None,
-    ) -> dict[str, Any] | None:
+    ) -> ClaimedJob | None:
         body: dict[str, Any] = {
             "name": self.name,
             "free_cpu_slots": free_cpu_slots,
@@ -86,12 +86,11 @@ class WorkerAPI:
         r = self._request("POST", "/workers/claim", json=body, timeout=wait_s + 15.0)
         if r.status_code == 204:
             return None
-        result: dict[str, Any] = r.json()
-        return result
+        return ClaimedJob.model_validate_json(r.content)
 
-    def gang(self, job_id: int, attempt: int, wait_s: float, leave: bool = False) -> dict[str, Any]:
+    def gang(self, job_id: int, attempt: int, wait_s: float, leave: bool = False) -> GangReply:
         """Wait on a held node slot: forming, ready (with the rendezvous) or released."""
-        result: dict[str, Any] = self._request(
+        r = self._request(
             "POST",
             "/workers/gang",
             json={
@@ -102,15 +101,15 @@ class WorkerAPI:
                 "leave": leave,
             },
             timeout=wait_s + 15.0,
-        ).json()
-        return result
+        )
+        return GangReply.model_validate_json(r.content)
 
-    def heartbeat(self, running: list[dict[str, int]]) -> dict[str, Any]:
+    def heartbeat(self, running: list[dict[str, int]]) -> HeartbeatReply:
         body: dict[str, Any] = {"name": self.name, "running": running}
         if self.identity:
             body["identity"] = self.identity
-        result: dict[str, Any] = self._request("POST", "/workers/heartbeat", json=body).json()
-        return result
+        r = self._request("POST", "/workers/heartbeat", json=body)
+        return HeartbeatReply.model_validate_json(r.content)
 
     def append_log(self, job_id: int, attempt: int, offset: int, data: bytes) -> int:
         r = self._request(
@@ -136,7 +135,7 @@ def retry(
     call: Any, *, what: str, stop: threading.Event | None = None, give_up_s: float | None = None
 ) -> Any:
     """Call until it succeeds or is refused, backing off while the API is unavailable."""
-    backoff = BACKOFF_START_S
+    backoff = Backoff()
     deadline = None if give_up_s is None else time.monotonic() + give_up_s
     while True:
         try:
@@ -144,9 +143,6 @@ def retry(
         except Unavailable as exc:
             if deadline is not None and time.monotonic() > deadline:
                 raise
-            log.warning("%s: API unavailable (%s); retrying in %.1fs", what, exc, backoff)
-            if stop is not None and stop.wait(backoff):
+            log.warning("%s: API unavailable (%s); retrying in %.1fs", what, exc, backoff.delay)
+            if backoff.wait(stop):
                 raise
-            if stop is None:
-                time.sleep(backoff)
-            backoff = min(backoff * 2, BACKOFF_MAX_S)

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Header, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response, StreamingResponse
 
-from service import history, jobs, logs, streams
+from service import jobs, logs, metrics, streams
 from service.auth import UserAuth
 from service.deps import DB, JobId, SettingsDep, WakeupDep, gone
 from service.errors import Invalid
@@ -59,6 +59,15 @@ def list_jobs(
     ] = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     cursor: Annotated[str | None, Query(max_length=40)] = None,
+    name: Annotated[
+        str | None,
+        Query(
+            min_length=1,
+            max_length=200,
+            description="only jobs whose name or program (recipe or entrypoint) contains "
+            "this, in any case",
+        ),
+    ] = None,
 ) -> JobsPublic:
     """List jobs, newest first."""
     statuses = [s.strip() for s in status.split(",") if s.strip()] if status else []
@@ -76,7 +85,7 @@ def list_jobs(
                 ("query", "cursor"), "malformed cursor; pass next_cursor from the previous page"
             )
         after = int(cursor)
-    items, next_cursor = jobs.list_jobs(db, statuses, limit, after)
+    items, next_cursor = jobs.list_jobs(db, statuses, limit, after, name)
     return JobsPublic(items=items, next_cursor=next_cursor)
 
 
@@ -120,7 +129,7 @@ async def job_metrics(
         int | None,
         Query(
             ge=2,
-            le=history.MAX_POINTS,
+            le=metrics.MAX_POINTS,
             description="downsample: at most this many points per metric, each bucket's "
             "minimum and maximum kept, and the first and last point",
         ),
@@ -136,15 +145,15 @@ async def job_metrics(
             raise Invalid(
                 ("query", "name"), f"a name has 1 to {MAX_NAME_CHARS} printable characters"
             )
-    items = await run_in_threadpool(history.history, db, job_id, names, since_step, max_points)
+    items = await run_in_threadpool(metrics.history, db, job_id, names, since_step, max_points)
     # Serialised here, not through MetricsPublic: the same shape, seconds faster for 10^5 points.
-    return Response(history.to_json(items), media_type="application/json")
+    return Response(metrics.to_json(items), media_type="application/json")
 
 
 @router.get("/jobs/{job_id}/attempts", response_model=AttemptsPublic)
 async def job_attempts(job_id: JobId, db: DB) -> AttemptsPublic:
     """Every attempt of the job, oldest first: worker, GPUs, start, end, exit code, why."""
-    return AttemptsPublic(items=await run_in_threadpool(history.attempts, db, job_id))
+    return AttemptsPublic(items=await run_in_threadpool(metrics.attempts, db, job_id))
 
 
 @router.get(

@@ -6,9 +6,9 @@ from fastapi import APIRouter
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
+from ddpq.catalog import catalog
 from service import queue
 from service.auth import UserAuth
-from service.catalog import recipes
 from service.deps import DB
 from service.schemas import (
     RecipeArg,
@@ -50,6 +50,6 @@ def list_recipes() -> RecipesPublic:
             description=entry["description"],
             args=[RecipeArg(**a) for a in entry["args"]],
         )
-        for name, entry in sorted(recipes().items())
+        for name, entry in sorted(catalog().items())
     ]
     return RecipesPublic(items=items)

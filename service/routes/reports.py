@@ -9,7 +9,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from service import jobs
+from service import jobs, metrics
 from service.auth import JobAttempt
 from service.db import Database
 from service.deps import DB, JobId
@@ -60,7 +60,7 @@ def _ingest(db: Database, attempt: Attempt, raw: bytes) -> int:
         except UnicodeDecodeError as bad:
             errors = [not_utf8_json(bad)]
         raise RequestValidationError(errors) from None
-    return jobs.ingest_metrics(db, attempt, body)
+    return metrics.ingest_metrics(db, attempt, body)
 
 
 @router.post(

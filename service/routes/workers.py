@@ -11,24 +11,20 @@ from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 
-from service import jobs, queue
+from ddpq.messages import AttemptRef, ClaimedJob, GangReply, HeartbeatReply, WorkerRegistered
+from service import jobs, logs, queue
 from service.auth import WorkerAuth, mint_job_token
 from service.deps import DB, JobId, SettingsDep, WakeupDep, gone
 from service.errors import DomainError, NotFound
 from service.schemas import (
-    ClaimedJob,
     ClaimRequest,
     FinishRequest,
-    GangReply,
     GangRequest,
     Heartbeat,
-    HeartbeatReply,
     JobPublic,
     LogAppended,
-    RunningAttempt,
     WorkerName,
     WorkerRegister,
-    WorkerRegistered,
 )
 
 router = APIRouter(prefix="/workers", dependencies=[WorkerAuth], tags=["workers"])
@@ -110,7 +106,7 @@ async def claim(
             if claimed.nnodes > 1:
                 wakeup.notify()  # gang waiters in this process: a slot was taken
             # Serialised here, once: a returned model would be validated a second time.
-            body_json = ClaimedJob(token=token, **claimed.__dict__).model_dump_json()
+            body_json = claimed.wire(token).model_dump_json()
             return Response(body_json, media_type="application/json")
         left = deadline - time.monotonic()
         if left <= 0 or await gone(request)():
@@ -134,7 +130,7 @@ async def gang(
         status = await run_in_threadpool(
             queue.gang_status, db, body.name, body.job_id, body.attempt
         )
-        return GangReply(**status)
+        return status
     deadline = time.monotonic() + min(body.wait_s, settings.max_claim_wait_s)
     while True:
         seen = wakeup.generation
@@ -142,8 +138,8 @@ async def gang(
             queue.gang_status, db, body.name, body.job_id, body.attempt
         )
         left = deadline - time.monotonic()
-        if status["state"] != "forming" or left <= 0 or await gone(request)():
-            return GangReply(**status)
+        if status.state != "forming" or left <= 0 or await gone(request)():
+            return status
         await wakeup.wait(seen, min(left, settings.claim_recheck_s))
 
 
@@ -157,8 +153,8 @@ def heartbeat(body: Heartbeat, db: DB) -> HeartbeatReply:
     except LookupError:
         raise UnknownWorker(f"worker {body.name} is not registered") from None
     return HeartbeatReply(
-        cancel=[RunningAttempt(job_id=j, attempt=a) for j, a in cancel],
-        abandon=[RunningAttempt(job_id=j, attempt=a) for j, a in abandon],
+        cancel=[AttemptRef(job_id=j, attempt=a) for j, a in cancel],
+        abandon=[AttemptRef(job_id=j, attempt=a) for j, a in abandon],
     )
 
 
@@ -175,9 +171,7 @@ async def append_log(
     data = await request.body()
     if len(data) > MAX_LOG_CHUNK_BYTES:
         raise DomainError(f"a log chunk is at most {MAX_LOG_CHUNK_BYTES} bytes")
-    next_offset = await run_in_threadpool(
-        jobs.append_log, db, job_id, attempt, worker, offset, data
-    )
+    next_offset = await run_in_threadpool(logs.append, db, job_id, attempt, worker, offset, data)
     return LogAppended(next_offset=next_offset)
 
 

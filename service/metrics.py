@@ -1,4 +1,5 @@
-"""A job's metric history: whole, or downsampled to a few points that keep its shape.
+"""A job's metrics: storing what ranks report, and reading the history back, whole or
+downsampled to a few points that keep its shape.
 
 Downsampling (``max_points=N``), per metric name: the steps from the series' first to
 its last are split into B equal-width buckets and each bucket keeps its lowest and its
@@ -16,17 +17,21 @@ then the picked points are fetched by primary key.
 from __future__ import annotations
 
 import json
+import operator
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import BigInteger, any_, literal, select, text
+from sqlalchemy import BigInteger, Table, any_, literal, select, text, update
 from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import Session
 
 from service.db import Database
 from service.errors import NotFound
-from service.models import Attempt, Job, MetricPoint
-from service.schemas import AttemptPublic, metric_out
+from service.jobs import current_job
+from service.models import Attempt, Job, MetricPoint, utcnow
+from service.schemas import AttemptPublic, MetricsIn, metric_in, metric_out
 
 MAX_POINTS = 100_000
 
@@ -232,3 +237,140 @@ def attempts(db: Database, job_id: int) -> list[AttemptPublic]:
             )
             for a in rows
         ]
+
+
+# ---- storing what ranks report ---------------------------------------------------------
+
+_POINTS = cast(Table, MetricPoint.__table__)
+_POINT_COLUMNS = ("job_id", "name", "step", "value", "epoch", "attempt", "time", "seq")
+_points_upsert: dict[str, tuple[str, tuple[str, ...]]] = {}
+
+
+def _points_upsert_sql(dialect: Dialect) -> tuple[str, tuple[str, ...]]:
+    """The upsert of metric points as SQLite's driver takes it, compiled once, and the
+    order of its positional parameters.
+
+    A batch of 1000 items is thousands of rows: through SQLAlchemy's per-row
+    parameter processing they cost several times SQLite's own work, so they go to
+    the driver's executemany as plain values (see _upsert_points)."""
+    cached = _points_upsert.get(dialect.name)
+    if cached is None:
+        insert = sqlite_insert(_POINTS)
+        stmt = insert.on_conflict_do_update(
+            index_elements=["job_id", "name", "step"],
+            set_={
+                "value": insert.excluded.value,
+                "epoch": insert.excluded.epoch,
+                "attempt": insert.excluded.attempt,
+                "time": insert.excluded.time,
+                "seq": insert.excluded.seq,
+            },
+            where=_POINTS.c.attempt <= insert.excluded.attempt,
+        )
+        compiled = stmt.compile(dialect=dialect, column_keys=list(_POINT_COLUMNS))
+        order = tuple(compiled.positiontup or ())
+        if set(order) != set(_POINT_COLUMNS):
+            raise RuntimeError(f"unexpected parameters in the points upsert: {compiled.binds}")
+        cached = _points_upsert.setdefault(dialect.name, (compiled.string, order))
+    return cached
+
+
+# Postgres: one statement over arrays (executemany would be a round trip per row).
+_PG_POINTS_UPSERT = """
+INSERT INTO metric_points (job_id, name, step, value, epoch, attempt, time, seq)
+SELECT %(job_id)s, n, s, v, e, %(attempt)s, %(time)s, %(seq)s
+FROM unnest(%(names)s::varchar[], %(steps)s::bigint[], %(values)s::float8[], %(epochs)s::float8[])
+    AS t(n, s, v, e)
+ON CONFLICT (job_id, name, step) DO UPDATE SET
+    value = excluded.value, epoch = excluded.epoch, attempt = excluded.attempt,
+    time = excluded.time, seq = excluded.seq
+WHERE metric_points.attempt <= excluded.attempt
+"""
+
+
+def _upsert_points(
+    s: Session,
+    attempt: Attempt,
+    now: datetime,
+    seq: int,
+    rows: list[tuple[str, int, float, float | None]],
+) -> None:
+    if not rows:
+        return
+    conn = s.connection()
+    dialect = conn.dialect
+    if dialect.name == "postgresql":
+        names, steps, values, epochs = (list(column) for column in zip(*rows, strict=True))
+        conn.exec_driver_sql(
+            _PG_POINTS_UPSERT,
+            {
+                "job_id": attempt.job_id,
+                "attempt": attempt.number,
+                "time": now,
+                "seq": seq,
+                "names": names,
+                "steps": steps,
+                "values": values,
+                "epochs": epochs,
+            },
+        )
+        return
+    sql, order = _points_upsert_sql(dialect)
+    # The one column that needs converting (the timestamp, a string on SQLite) is the
+    # same in every row: converted once. The rest are str, int, float and None.
+    stamp = _POINTS.c.time.type.dialect_impl(dialect).bind_processor(dialect)
+    stamped = stamp(now) if stamp else now
+    job_id, number = attempt.job_id, attempt.number
+    full = [
+        (job_id, name, step, value, epoch, number, stamped, seq)
+        for name, step, value, epoch in rows
+    ]
+    params: list[Any] = full
+    if order != _POINT_COLUMNS:
+        pick = operator.itemgetter(*(_POINT_COLUMNS.index(k) for k in order))
+        params = [pick(row) for row in full]
+    conn.exec_driver_sql(sql, params)
+
+
+def ingest_metrics(db: Database, attempt: Attempt, body: MetricsIn) -> int:
+    """Store metric points; a step reported again keeps the newest attempt's value.
+    Points the sender says it dropped are counted on the job."""
+    now = utcnow()
+    rows: dict[tuple[str, int], tuple[str, int, float, float | None]] = {}
+    for item in body.items:
+        epoch = metric_in(item.epoch) if item.epoch is not None else None
+        for name, value in item.values.items():
+            rows[(name, item.step)] = (name, item.step, metric_in(value), epoch)
+    with db.write() as s:
+        # Locked before the check (jobs.current_job); latest_metrics is read-modify-write.
+        job = current_job(s, attempt)
+        if body.dropped:
+            job.metrics_dropped = (job.metrics_dropped or 0) + body.dropped
+        if not rows:
+            return 0
+        # Number the batch in the database, so batches commit in seq order: the events
+        # stream's cursor never skips one.
+        seq = s.scalar(
+            update(Job)
+            .where(Job.id == job.id)
+            .values(metrics_seq=Job.metrics_seq + 1)
+            .returning(Job.metrics_seq)
+        )
+        _upsert_points(s, attempt, now, int(seq or 0), list(rows.values()))
+        last = max(body.items, key=lambda i: i.step)
+        latest_values = {
+            name: metric_out(metric_in(v))
+            for item in body.items
+            if item.step == last.step
+            for name, v in item.values.items()
+        }
+        latest = job.latest_metrics
+        if latest is None or last.step > latest["step"]:
+            job.latest_metrics = {
+                "step": last.step,
+                "epoch": metric_out(metric_in(last.epoch)) if last.epoch is not None else None,
+                "values": latest_values,
+            }
+        elif last.step == latest["step"]:
+            job.latest_metrics = {**latest, "values": {**latest["values"], **latest_values}}
+    return len(rows)

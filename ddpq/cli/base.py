@@ -1,0 +1,234 @@
+"""What every ddpq command shares: the app, exit codes, the API call, output."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Annotated, Any, NoReturn, TypeVar
+
+import httpx
+import typer
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from ddpq import config
+from ddpq.client import ApiError, Client, format_detail
+from ddpq.rules import visible
+
+EXIT_OK = 0
+EXIT_API = 1
+EXIT_USAGE = 2
+EXIT_UNREACHABLE = 3
+EXIT_JOB_FAILED = 4
+EXIT_INTERRUPTED = 130
+
+EXIT_CODES = {
+    EXIT_OK: "ok (watch, status, submit --wait: the job succeeded)",
+    EXIT_API: "the API refused the request or failed (4xx/5xx), with its reason",
+    EXIT_USAGE: "bad usage: a flag, or a spec file that is not YAML/JSON",
+    EXIT_UNREACHABLE: "the API could not be reached (DDPQ_URL)",
+    EXIT_JOB_FAILED: "the job failed or was cancelled (watch, status, submit --wait)",
+    EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
+}
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Run PyTorch DDP jobs on shared GPU machines.",
+    epilog="Exit codes:\n" + "\n".join(f"{code:>5}  {what}" for code, what in EXIT_CODES.items()),
+    # An error is a sentence with the API's detail, never a traceback with locals.
+    pretty_exceptions_show_locals=False,
+)
+out = Console()
+err = Console(stderr=True)
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON for scripts")]
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _text(value: Any, style: str = "") -> Text:
+    """What the API sent, as a terminal may show it: never read as markup (a job's name
+    may hold "[red]"), and every control or format character escaped (ddpq.rules.visible),
+    so that a name or a program's error line copied into a reason can neither retitle,
+    clear or rewrite the terminal nor reorder what follows it. Every human-readable
+    output of the API's data goes through here; --json needs nothing (json.dumps
+    escapes them)."""
+    return Text(visible(str(value)), style=style)
+
+
+def _say(*parts: Text | str) -> None:
+    """One line of output, whole (piped into grep, a line is better uncut); plain
+    strings among ``parts`` are data (see _text)."""
+    line = Text()
+    for part in parts:
+        line.append(part if isinstance(part, Text) else _text(part))
+    out.print(line, highlight=False, soft_wrap=True)
+
+
+def _fail(message: str, code: int) -> NoReturn:
+    # The message may quote the API's words: brackets ("one of [a, b]"), escapes.
+    err.print(Text("error: ", style="red") + _text(message), highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+INTERRUPT_GRACE_S = 3.0
+
+
+def _on_interrupt(signum: int, frame: Any) -> None:
+    """Ctrl-C: unwind as KeyboardInterrupt, but exit 130 within a few seconds whatever
+    the unwinding waits on (a connection being closed, a blocked write)."""
+    timer = threading.Timer(INTERRUPT_GRACE_S, os._exit, args=(EXIT_INTERRUPTED,))
+    timer.daemon = True
+    timer.start()
+    raise KeyboardInterrupt
+
+
+def _client_command(fn: F) -> F:
+    """Ctrl-C exits 130 (click would say 'Aborted!' and exit 1); a closed pipe
+    (``ddpq logs 3 | head``) ends quietly."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kw: Any) -> Any:
+        signal.signal(signal.SIGINT, _on_interrupt)
+        try:
+            return fn(*args, **kw)
+        except KeyboardInterrupt:
+            err.print("interrupted", highlight=False)
+            raise typer.Exit(EXIT_INTERRUPTED) from None
+        except BrokenPipeError:
+            # Python would complain again when it flushes stdout at exit.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise typer.Exit(EXIT_OK) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _client() -> Client:
+    return Client()
+
+
+def _call(fn: Any, *args: Any, **kw: Any) -> Any:
+    try:
+        return fn(*args, **kw)
+    except ApiError as exc:
+        if exc.status == 401:
+            _fail(
+                f"{format_detail(exc.detail)} (set DDPQ_TOKEN, or run where ./var/api-token is)",
+                EXIT_API,
+            )
+        _fail(f"HTTP {exc.status}: {format_detail(exc.detail)}", EXIT_API)
+    except httpx.HTTPError as exc:
+        _fail(f"cannot reach the ddpq API at {config.api_url()}: {exc}", EXIT_UNREACHABLE)
+    except json.JSONDecodeError:
+        _fail(f"{config.api_url()} answered something that is not the ddpq API's JSON", EXIT_API)
+
+
+def _print_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2) + "\n")
+
+
+def _print_json_line(data: Any) -> None:
+    sys.stdout.write(json.dumps(data) + "\n")
+    sys.stdout.flush()
+
+
+def _table_width() -> int:
+    # Piped into grep or a file, a row is better whole than cut at 80 columns.
+    return out.width if out.is_terminal else 250
+
+
+def _print_table(table: Table) -> None:
+    (out if out.is_terminal else Console(width=_table_width())).print(table)
+
+
+def _fit_table(headers: list[str], rows: list[list[str]], caps: dict[str, int]) -> Table:
+    """A table whose last column takes what the others leave of the width: Rich, short
+    of room, would rather squeeze the short columns (ID, STATUS) than cut the long one."""
+    rows = [[visible(cell) for cell in row] for row in rows]  # as shown: escapes widen it
+    widths = [len(h) for h in headers]
+    for row in rows:
+        widths = [max(w, len(cell)) for w, cell in zip(widths, row, strict=True)]
+    widths = [min(w, caps.get(h, w)) for w, h in zip(widths, headers, strict=True)]
+    # Still too wide: the capped (free-text) columns give up room, widest first.
+    free = [i for i, h in enumerate(headers[:-1]) if h in caps]
+    rest = _table_width() - sum(widths[:-1]) - 2 * len(headers)
+    while rest < 12 and free:
+        widest = max(free, key=lambda i: widths[i])
+        if widths[widest] <= 6:
+            break
+        widths[widest] -= 1
+        rest += 1
+    table = Table(box=None)
+    for h, w in zip(headers[:-1], widths, strict=False):
+        table.add_column(
+            h,
+            no_wrap=True,
+            overflow="ellipsis",
+            max_width=w,
+            min_width=w,
+            justify="right" if h in ("ID", "STEP") else "left",
+        )
+    table.add_column(headers[-1], no_wrap=True, overflow="ellipsis", max_width=max(rest, 8))
+    for row in rows:
+        table.add_row(*(_text(cell, style=CELL_STYLE.get(cell, "")) for cell in row))
+    return table
+
+
+def _parse_time(value: str) -> datetime:
+    t = datetime.fromisoformat(value)
+    return t if t.tzinfo else t.replace(tzinfo=UTC)  # the API's times are UTC
+
+
+def _age(value: str | None) -> str:
+    """'42s', '7m', '3h', '2d': how long ago ``value`` (an ISO time) was."""
+    if not value:
+        return ""
+    seconds = max(0.0, (datetime.now(UTC) - _parse_time(value)).total_seconds())
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{int(seconds // size)}{unit}"
+    return f"{int(seconds)}s"
+
+
+STATUS_STYLE = {
+    "queued": "yellow",
+    "running": "cyan",
+    "cancelling": "magenta",
+    "succeeded": "green",
+    "failed": "red",
+    "cancelled": "dim",
+}
+# Cells are coloured by their whole text: states, and a worker's ALIVE.
+CELL_STYLE = {**STATUS_STYLE, "alive": "green", "lost": "red"}
+
+
+def _program(job: dict[str, Any]) -> str:
+    spec = job.get("spec") or {}
+    return str(spec.get("recipe") or spec.get("entrypoint") or "")
+
+
+def _waiting(job: dict[str, Any]) -> str:
+    """The reason, with the queue position while queued."""
+    reason = job.get("reason") or ""
+    if job["status"] == "queued" and job.get("queue_position"):
+        return f"#{job['queue_position']} in queue" + (f": {reason}" if reason else "")
+    return reason
+
+
+def _number(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.0f}" if abs(v) >= 1e5 else f"{v:.4g}"
+    return str(v)
+
+
+def _loss(job: dict[str, Any]) -> str:
+    m = job.get("latest_metrics") or {}
+    v = (m.get("values") or {}).get("loss")
+    return "" if v is None else (f"{v:.4g}" if isinstance(v, float | int) else str(v))

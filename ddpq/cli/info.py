@@ -1,0 +1,68 @@
+"""What the service has: its workers and its recipes."""
+
+from __future__ import annotations
+
+from ddpq.cli.base import (
+    JsonOpt,
+    _age,
+    _call,
+    _client,
+    _client_command,
+    _fit_table,
+    _print_json,
+    _print_table,
+    _say,
+    _text,
+    app,
+)
+
+
+@app.command()
+@_client_command
+def workers(as_json: JsonOpt = False) -> None:
+    """List workers: CPU slots and GPUs (free of all), running jobs, last heartbeat."""
+    with _client() as c:
+        items = _call(c.workers)
+    if as_json:
+        _print_json(items)
+        return
+    rows = [
+        [
+            w["name"],
+            w["hostname"],
+            "alive" if w["alive"] else "lost",
+            f"{w['free_cpu_slots']}/{w['cpu_slots']}",
+            ",".join(map(str, w["gpus"])) or "-",
+            ",".join(map(str, w["free_gpus"])) or "-",
+            f"{_age(w['last_heartbeat'])} ago",
+            " ".join(
+                f"{j['job_id']}" + (f"[gpus {','.join(map(str, j['gpus']))}]" if j["gpus"] else "")
+                for j in w["running"]
+            )
+            or "-",
+        ]
+        for w in items
+    ]
+    headers = ["NAME", "HOST", "STATE", "CPU FREE", "GPUS", "GPUS FREE", "HEARTBEAT", "RUNNING"]
+    table = _fit_table(headers, rows, caps={"NAME": 24, "HOST": 24, "GPUS": 24})
+    _print_table(table)
+
+
+@app.command()
+@_client_command
+def recipes(as_json: JsonOpt = False) -> None:
+    """List the built-in recipes."""
+    with _client() as c:
+        items = _call(c.recipes)
+    if as_json:
+        _print_json(items)
+        return
+    for r in items:
+        _say(_text(r["name"], style="bold"), f"  {r['description']}")
+        for a in r["args"]:
+            rules = [a["type"]]
+            if a.get("choices"):
+                rules.append(f"one of {', '.join(a['choices'])}")
+            rules += [f"{k} {a[k]}" for k in ("min", "max") if a.get(k) is not None]
+            rules.append(f"default {a['default']!r}")
+            _say(f"    {a['name']} ({', '.join(rules)}): {a['help']}")

@@ -1,0 +1,212 @@
+"""The commands that start ddpq's processes: serve, worker, and up (both, supervised)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ddpq import config
+from ddpq.cli.base import EXIT_USAGE, _fail, app, out
+
+
+@app.command()
+def serve(
+    host: Annotated[str, typer.Option(envvar="DDPQ_HOST")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(envvar="DDPQ_PORT")] = 8000,
+    log_level: str = "info",
+) -> None:
+    """Run the API (applies database migrations first)."""
+    from service.config import TokenError
+    from service.main import serve as run_serve
+    from worker.procs import make_undumpable
+
+    make_undumpable()  # its tokens and database URL stay out of reach of jobs on this host
+
+    try:
+        run_serve(host, port, log_level)
+    except TokenError as exc:
+        _fail(str(exc), EXIT_USAGE)
+
+
+def _parse_gpus(gpus: str | None) -> list[int]:
+    if gpus is None:
+        from worker.agent import detect_gpus
+
+        return detect_gpus()
+    if gpus.strip().lower() in ("none", ""):
+        return []
+    try:
+        return sorted({int(g) for g in gpus.split(",")})
+    except ValueError:
+        _fail(f"--gpus takes 'none' or a list like 0,1,2,3, not {gpus!r}", EXIT_USAGE)
+
+
+@app.command()
+def worker(
+    url: Annotated[str, typer.Option(envvar="DDPQ_URL", help="the API's URL")] = config.DEFAULT_URL,
+    workspace: Annotated[Path, typer.Option(help="directory entrypoint jobs run from")] = Path("."),
+    cpu_slots: Annotated[
+        int | None, typer.Option(help="CPU ranks at once (default: cores)")
+    ] = None,
+    gpus: Annotated[
+        str | None, typer.Option(help="GPU indices like 0,1,2,3, or none (default: all torch sees)")
+    ] = None,
+    name: Annotated[str | None, typer.Option(help="worker name (default: host name)")] = None,
+    data_dir: Annotated[Path, typer.Option(envvar="DDPQ_DATA_DIR")] = Path("./var"),
+    checkpoint_dir: Annotated[
+        Path | None, typer.Option(help="default: DATA_DIR/checkpoints")
+    ] = None,
+    kill_grace_s: Annotated[float, typer.Option(help="SIGTERM to SIGKILL on cancel")] = 10.0,
+    advertise_addr: Annotated[
+        str | None,
+        typer.Option(
+            envvar="DDPQ_ADVERTISE_ADDR",
+            help="address the other workers reach this host at, for multi-node jobs "
+            "(default: what the host name resolves to, else 127.0.0.1)",
+        ),
+    ] = None,
+    rdzv_ports: Annotated[
+        str,
+        typer.Option(
+            envvar="DDPQ_RDZV_PORTS",
+            help="ports (FIRST-LAST) a multi-node job's rendezvous may use on this host "
+            "when it is node 0; open them between workers",
+        ),
+    ] = "29400-29499",
+    log_level: str = "info",
+) -> None:
+    """Run a worker: claim jobs from the API and run them with torchrun."""
+    import logging
+
+    from worker import datadir
+    from worker.agent import Agent, default_cpu_slots
+    from worker.api import Refused
+    from worker.procs import make_undumpable
+
+    make_undumpable()  # before the token is read: jobs run as this user
+
+    token = config.worker_token()
+    if not token:
+        _fail(
+            "no worker token: set DDPQ_WORKER_TOKEN (or DDPQ_DATA_DIR to the API's data dir)",
+            EXIT_USAGE,
+        )
+    if not workspace.is_dir():
+        _fail(f"--workspace {workspace} is not a directory", EXIT_USAGE)
+    first, _, last = rdzv_ports.partition("-")
+    try:
+        ports = (int(first), int(last or first))
+    except ValueError:
+        ports = (0, -1)
+    if not 1 <= ports[0] <= ports[1] <= 65535:
+        _fail(f"--rdzv-ports takes FIRST-LAST within 1-65535, not {rdzv_ports!r}", EXIT_USAGE)
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the rest
+    try:
+        identity = datadir.hold(data_dir)
+    except datadir.DataDirBusy as exc:
+        _fail(str(exc), EXIT_USAGE)
+    agent = Agent(
+        url=url,
+        token=token,
+        name=name,
+        workspace=workspace,
+        data_dir=data_dir,
+        checkpoint_dir=checkpoint_dir,
+        cpu_slots=cpu_slots if cpu_slots is not None else default_cpu_slots(),
+        gpus=_parse_gpus(gpus),
+        kill_grace_s=kill_grace_s,
+        advertise_addr=advertise_addr,
+        rdzv_ports=ports,
+        identity=identity,
+    )
+    try:
+        agent.run()
+    except Refused as exc:  # a live worker holds this name (409), or a bad token
+        _fail(f"the API refused this worker: {exc}", EXIT_USAGE)
+
+
+@app.command()
+def up(
+    host: Annotated[str, typer.Option(envvar="DDPQ_HOST")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(envvar="DDPQ_PORT")] = 8000,
+    workspace: Annotated[Path, typer.Option(help="directory entrypoint jobs run from")] = Path("."),
+    cpu_slots: Annotated[int | None, typer.Option()] = None,
+    gpus: Annotated[
+        str | None, typer.Option(help="GPU indices, or none (default: all torch sees)")
+    ] = None,
+) -> None:
+    """Run the API and one local worker together (SQLite under DDPQ_DATA_DIR by default)."""
+    import logging
+
+    from service.config import TokenError
+    from service.main import ApiServer, build
+    from worker.procs import launcher_argv
+
+    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings, api = build(host)
+    except TokenError as exc:
+        _fail(str(exc), EXIT_USAGE)
+    server = ApiServer(api, host, port)
+    thread = threading.Thread(target=server.run, name="api", daemon=True)
+    thread.start()
+    url = f"http://{host}:{port}"
+    env = {
+        **os.environ,
+        "DDPQ_WORKER_TOKEN": api.state.worker_token,
+        "DDPQ_DATA_DIR": str(settings.data_dir),
+    }
+    argv = [
+        sys.executable,
+        "-m",
+        "ddpq.cli",
+        "worker",
+        "--url",
+        url,
+        "--workspace",
+        str(workspace),
+        "--name",
+        "local",
+    ]
+    if cpu_slots is not None:
+        argv += ["--cpu-slots", str(cpu_slots)]
+    if gpus is not None:
+        argv += ["--gpus", gpus]
+    # The worker needs time to hand its jobs back before the supervisor gives up on it.
+    local_worker = subprocess.Popen(launcher_argv(argv, grace_s=150), env=env)
+    token_file = (settings.data_dir / "api-token").resolve()
+    out.print(
+        f"\n[bold]ddpq is up[/bold] at {url}  (database: {settings.resolved_database_url})\n"
+        f"  user token: {'DDPQ_API_TOKEN' if settings.api_token else token_file}"
+        " (the CLI reads it from there)\n"
+        f"  dashboard: {url}/  (asks for that token once)\n"
+        f"  try:  ddpq submit --recipe toy-regression --world-size 2 && ddpq ls\n"
+        f'  curl: curl -H "Authorization: Bearer $(cat {token_file})" {url}/jobs\n',
+        highlight=False,
+        soft_wrap=True,
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(0.5):
+        if not thread.is_alive() or local_worker.poll() is not None:
+            break
+    # Stop the worker first so it can hand its jobs back while the API still answers.
+    if local_worker.poll() is None:
+        local_worker.send_signal(signal.SIGTERM)
+        try:
+            local_worker.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            local_worker.kill()
+    server.stop()
+    thread.join(timeout=30)

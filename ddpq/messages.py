@@ -1,0 +1,71 @@
+"""The typed messages the service sends a worker, defined once for both sides.
+
+The service answers with these models (they are the OpenAPI schema's shapes); the
+worker parses the answers into them and never handles the protocol as raw dicts.
+What a worker sends is validated by the service's own request models
+(service.schemas), which carry the limits a client must keep to.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+
+class ClaimedJob(BaseModel):
+    """POST /workers/claim: one attempt of a job (or one node slot of it) to run."""
+
+    job_id: int
+    attempt: int
+    token: str
+    spec: dict[str, Any]
+    device: Literal["cpu", "cuda"]
+    nproc_per_node: int
+    gpus: list[int]
+    checkpoint_dir: str
+    # Newest first; the worker gives ranks the first one whose file exists.
+    resume_from: list[str]
+    # A node slot of a multi-node job: wait for the gang (POST /workers/gang) first.
+    nnodes: int = 1
+    node_rank: int = 0
+
+
+class GangReply(BaseModel):
+    """POST /workers/gang: where a held node slot of a multi-node attempt stands."""
+
+    # forming: not every node slot is held yet; ready: start torchrun with this
+    # rendezvous; released: the slot is gone (gang timeout, cancel): stand down.
+    state: Literal["forming", "ready", "released"]
+    held: int | None = None
+    nnodes: int | None = None
+    node_rank: int | None = None
+    rdzv_endpoint: str | None = None
+    rdzv_id: str | None = None
+    rdzv_host: bool | None = None
+    join_timeout_s: float | None = None
+    checkpoint_dir: str | None = None
+    resume_from: list[str] = []
+    workers: list[str] = []
+    reason: str | None = None
+
+
+class AttemptRef(BaseModel):
+    job_id: int
+    attempt: int
+
+
+class HeartbeatReply(BaseModel):
+    """POST /workers/heartbeat: attempts the worker must stop, cancelled by a user or
+    no longer theirs to run."""
+
+    cancel: list[AttemptRef]
+    abandon: list[AttemptRef]
+
+
+class WorkerRegistered(BaseModel):
+    """POST /workers/register: the heartbeat interval and lease the service keeps."""
+
+    name: str
+    heartbeat_s: float
+    lease_s: float

@@ -1,0 +1,92 @@
+"""Conventions of the wire that the service, the worker, the client and ddpq.train share.
+
+Each is written once here: how a non-finite number travels in JSON, which answers
+mean "try again", how long to wait before trying again, and the line the API puts
+where it cut a job's log. Standard library only: ddpq.train imports it in every rank.
+The typed messages between service and worker are in ddpq.messages.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import threading
+import time
+from typing import Literal
+
+# ---- numbers ---------------------------------------------------------------------------
+
+# JSON has no literal for these; a diverged loss is information, so they travel as names.
+NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+NonFinite = Literal["NaN", "Infinity", "-Infinity"]
+
+
+def encode_number(x: float) -> float | NonFinite:
+    """A float as JSON carries it: itself, or "NaN", "Infinity", "-Infinity"."""
+    if math.isfinite(x):
+        return x
+    return "NaN" if math.isnan(x) else ("Infinity" if x > 0 else "-Infinity")
+
+
+def decode_number(value: float | str) -> float:
+    """The inverse of encode_number (a name not in NON_FINITE raises KeyError)."""
+    return NON_FINITE[value] if isinstance(value, str) else float(value)
+
+
+# ---- retrying --------------------------------------------------------------------------
+
+
+def retryable(status: int) -> bool:
+    """Whether an HTTP answer means "not now" (the same request may succeed later):
+    a server error or 429. Every other 4xx will not change on a retry."""
+    return status >= 500 or status == 429
+
+
+class Backoff:
+    """Exponential backoff, 0.5 s doubling to 10 s, reset by a success."""
+
+    START_S = 0.5
+    MAX_S = 10.0
+
+    def __init__(self) -> None:
+        self.delay = self.START_S
+
+    def reset(self) -> None:
+        self.delay = self.START_S
+
+    def wait(self, stop: threading.Event | None = None) -> bool:
+        """Sleep for the current delay (True if ``stop`` was set meanwhile), then double it."""
+        delay, self.delay = self.delay, min(self.delay * 2, self.MAX_S)
+        if stop is not None:
+            return stop.wait(delay)
+        time.sleep(delay)
+        return False
+
+
+# ---- the log's cut marker --------------------------------------------------------------
+
+# The line the API puts where a job's log was cut under its cap: it counts for no
+# offset, and the output after it starts at the offset it names.
+_MARKER_LINE = (
+    rb"\[ddpq\] \d+ bytes of output cut here \(log cap [^)\n]*\); "
+    rb"output resumes at offset (\d+)"
+)
+# A marker is a line of its own (a rank's lines all start "[rankN]:"): it follows a newline.
+CUT_MARKER = re.compile(rb"(?<=\n)" + _MARKER_LINE + rb"\n")
+_CUT_LINE = re.compile(_MARKER_LINE)
+
+
+def cut_marker(cut: int, cap: int, resume_at: int) -> bytes:
+    """The marker line for ``cut`` bytes cut under the cap ``cap``."""
+    return (
+        f"[ddpq] {cut} bytes of output cut here (log cap DDPQ_LOG_MAX_BYTES={cap}); "
+        f"output resumes at offset {resume_at}\n"
+    ).encode()
+
+
+def marker_resume(line: bytes) -> int | None:
+    """The offset the output resumes at, if ``line`` (without its newline) is a cut marker."""
+    m = _CUT_LINE.fullmatch(line)
+    return int(m.group(1)) if m else None

@@ -1,0 +1,56 @@
+"""The claim and lease SQL: the one package that moves jobs between workers.
+
+- ``rules``: what the claim, the books, the leases and the reasons share (device fit,
+  node slot states, the claim order), each written once for SQL and Python.
+- ``books``: what each worker has and what of it is held.
+- ``claim``: hand a worker the best queued job that fits.
+- ``gangs``: multi-node jobs, claimed as gangs of node slots.
+- ``leases``: workers, heartbeats, how attempts end, and the fencing check.
+- ``reasons``: why a queued job waits, in words.
+
+Other modules import this package and call what it re-exports below.
+"""
+
+from service.queue.books import overview as workers_overview
+from service.queue.claim import Claim, claim_next_job
+from service.queue.gangs import expire_gangs, gang_status, leave_gang, node_of, nodes_of
+from service.queue.leases import (
+    NameTaken,
+    end_attempt,
+    expire_leases,
+    expire_nodes,
+    fenced,
+    record_heartbeat,
+    register_worker,
+    release_worker,
+    requeued,
+    workers_attempt,
+)
+from service.queue.reasons import pending_reasons, unschedulable
+from service.queue.rules import NOTIFY_CHANNEL, as_utc, notify_claimers
+
+__all__ = [
+    "NOTIFY_CHANNEL",
+    "Claim",
+    "NameTaken",
+    "as_utc",
+    "claim_next_job",
+    "end_attempt",
+    "expire_gangs",
+    "expire_leases",
+    "expire_nodes",
+    "fenced",
+    "gang_status",
+    "leave_gang",
+    "node_of",
+    "nodes_of",
+    "notify_claimers",
+    "pending_reasons",
+    "record_heartbeat",
+    "register_worker",
+    "release_worker",
+    "requeued",
+    "unschedulable",
+    "workers_attempt",
+    "workers_overview",
+]

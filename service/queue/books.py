@@ -1,0 +1,179 @@
+"""The service's books of what each worker has and what of it is held.
+
+One definition, ``holdings``, says what holds a worker's slots: an active job's row
+(its CPU slots, or its GPUs) and a live node slot of a multi-node job. A GPU stays
+held until the worker reports the job's processes gone. The claim reads it for one
+worker in a single statement on its hot path; the overview and the reasons read it
+for every worker.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import bindparam, func, select, union_all
+from sqlalchemy.engine import Connection
+from sqlalchemy.orm import Session
+
+from service.db import Database
+from service.models import JobStatus, utcnow
+from service.queue.rules import NODE_LIVE, SQL, is_active, j, jn, w, workers
+
+
+@dataclass
+class Capacity:
+    """What a worker has, and what of it no running job holds."""
+
+    name: str
+    cpu_slots: int
+    gpus: list[int]
+    free_cpu: int
+    free_gpus: list[int]
+    live: bool
+    checkpoint_root: str
+
+
+@functools.cache
+def holdings(one_worker: bool) -> Any:
+    """(worker, cpu, gpus) rows of everything holding slots; of the worker bound as
+    ``worker`` only, or of every worker."""
+    here_job = [j.worker == bindparam("worker")] if one_worker else []
+    here_node = [jn.worker == bindparam("worker")] if one_worker else []
+    return union_all(
+        select(j.worker.label("worker"), j.held_cpu_slots.label("cpu"), j.gpus.label("gpus")).where(
+            *here_job, is_active(j.status, SQL)
+        ),
+        select(jn.worker, jn.held_cpu_slots, jn.gpus).where(*here_node, NODE_LIVE),
+    ).subquery("holdings")
+
+
+def _free(cpu_slots: int, gpus: list[int], used_cpu: int, held: set[int]) -> tuple[int, list[int]]:
+    return max(0, cpu_slots - used_cpu), [g for g in gpus if g not in held]
+
+
+# ---- one worker, for the claim ---------------------------------------------------------
+
+_HERE = holdings(True)
+# The worker's row, the CPU slots held on it, the oldest queued job's wait (the
+# starvation probe runs only when that job has waited long enough), and whether any
+# multi-node job is queued (the gang pick runs only then).
+_WORKER_BOOKS = select(
+    w.cpu_slots,
+    w.gpus,
+    w.checkpoint_root,
+    select(func.coalesce(func.sum(_HERE.c.cpu), 0)).scalar_subquery().label("used_cpu"),
+    select(func.min(j.queued_at)).where(j.status == JobStatus.QUEUED).scalar_subquery(),
+    select(j.id).where(j.status == JobStatus.QUEUED, j.nnodes > 1).exists().label("gangs"),
+).where(w.name == bindparam("worker"))
+_HELD_GPUS = select(_HERE.c.gpus)
+
+
+@dataclass
+class WorkerBooks:
+    capacity: Capacity
+    oldest_queued: datetime | str | None
+    gangs_queued: bool
+
+
+def of_worker(conn: Connection, worker: str) -> WorkerBooks | None:
+    """One worker's books, or None if it never registered."""
+    row = conn.execute(_WORKER_BOOKS, {"worker": worker}).first()
+    if row is None:
+        return None
+    cpu_slots, gpus, checkpoint_root, used_cpu, oldest_queued, gangs = row
+    held: set[int] = set()
+    if gpus:  # a CPU-only worker holds no GPUs: skip the query on the hot path
+        for (taken,) in conn.execute(_HELD_GPUS, {"worker": worker}):
+            held.update(taken or ())
+    free_cpu, free_gpus = _free(cpu_slots, gpus, int(used_cpu), held)
+    capacity = Capacity(worker, cpu_slots, list(gpus), free_cpu, free_gpus, True, checkpoint_root)
+    return WorkerBooks(capacity, oldest_queued, bool(gangs))
+
+
+# ---- every worker ----------------------------------------------------------------------
+
+_ALL = holdings(False)
+_USED_CPU = select(_ALL.c.worker, func.sum(_ALL.c.cpu)).group_by(_ALL.c.worker)
+_HELD = select(_ALL.c.worker, _ALL.c.gpus)
+
+
+def capacities(s: Session, lease_s: float) -> list[Capacity]:
+    """Every worker's slots and what of them is free; live if it heartbeat within the lease."""
+    conn = s.connection()
+    rows = conn.execute(
+        select(w.name, w.cpu_slots, w.gpus, w.last_heartbeat, w.checkpoint_root)
+    ).all()
+    if not rows:
+        return []
+    used_cpu = {name: int(n or 0) for name, n in conn.execute(_USED_CPU) if name is not None}
+    held: dict[str, set[int]] = {}
+    if any(r.gpus for r in rows):
+        for name, gpus in conn.execute(_HELD):
+            if name is not None and gpus:
+                held.setdefault(name, set()).update(gpus)
+    cutoff = utcnow() - timedelta(seconds=lease_s)
+    out = []
+    for r in rows:
+        free_cpu, free_gpus = _free(
+            r.cpu_slots, r.gpus, used_cpu.get(r.name, 0), held.get(r.name, set())
+        )
+        live = r.last_heartbeat >= cutoff
+        out.append(
+            Capacity(
+                r.name, r.cpu_slots, list(r.gpus), free_cpu, free_gpus, live, r.checkpoint_root
+            )
+        )
+    return out
+
+
+def overview(db: Database) -> list[dict[str, Any]]:
+    """Each worker: its slots, what is free, what runs on it, its last heartbeat."""
+    with db.read() as s:
+        caps = {c.name: c for c in capacities(s, db.policy.lease_s)}
+        running: dict[str, list[dict[str, Any]]] = {}
+        single = (
+            select(j.id, j.name, j.status, j.attempt, j.nproc_per_node, j.gpus, j.worker)
+            .where(is_active(j.status, SQL), j.nnodes == 1)
+            .order_by(j.id)
+        )
+        # A multi-node job shows on every worker holding one of its node slots.
+        node_slots = (
+            select(j.id, j.name, j.status, jn.attempt, j.nproc_per_node, jn.gpus, jn.worker)
+            .where(NODE_LIVE)
+            .order_by(j.id, jn.node_rank)
+        )
+        for r in itertools.chain(s.execute(single), s.execute(node_slots)):
+            running.setdefault(r.worker or "", []).append(
+                {
+                    "job_id": r.id,
+                    "name": r.name,
+                    "status": r.status,
+                    "attempt": r.attempt,
+                    "nproc_per_node": r.nproc_per_node,
+                    "gpus": r.gpus or [],
+                }
+            )
+        rows = s.execute(
+            select(w.name, w.hostname, w.gpus, w.cpu_slots, w.last_heartbeat, w.registered_at)
+            .select_from(workers)
+            .order_by(w.name)
+        )
+        return [
+            {
+                "name": r.name,
+                "hostname": r.hostname,
+                "cpu_slots": r.cpu_slots,
+                "gpus": r.gpus,
+                "free_cpu_slots": caps[r.name].free_cpu,
+                "free_gpus": caps[r.name].free_gpus,
+                "alive": caps[r.name].live,
+                "last_heartbeat": r.last_heartbeat,
+                "registered_at": r.registered_at,
+                "running": running.get(r.name, []),
+            }
+            for r in rows
+        ]

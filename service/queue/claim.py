@@ -1,0 +1,226 @@
+"""The claim: hand a worker the best queued job that fits its free slots.
+
+A claim is one transaction: pick the best queued job that fits (priority desc, then
+submission order) and mark it running, returning it, with its attempt row and hashed
+job token written alongside. On Postgres the pick is ``FOR UPDATE SKIP LOCKED`` so
+concurrent claimers pass over each other's rows; on SQLite the write transaction is
+``BEGIN IMMEDIATE`` (see db.py), which serialises claimers.
+
+Building a Core statement and its cache key cost more than running it on SQLite; the
+claim is every worker's hot path, so its statements are built once per shape and
+reused (a statement's cache key is memoised on the object).
+"""
+
+from __future__ import annotations
+
+import functools
+from datetime import datetime, timedelta
+from typing import Any
+
+from pydantic import Field
+from sqlalchemy import JSON, and_, bindparam, case, func, or_, select, update
+from sqlalchemy.engine import Connection
+
+from ddpq.messages import ClaimedJob
+from service.db import Database
+from service.models import JobStatus, UTCDateTime, utcnow
+from service.queue import books, gangs
+from service.queue.rules import (
+    ORDER,
+    QUEUED_SINGLE,
+    as_utc,
+    checkpoint_dir_of,
+    fits_bound,
+    j,
+    jobs,
+    new_attempt,
+    ready,
+    resolve,
+    resume_from,
+)
+
+
+class Claim(ClaimedJob):
+    """A ClaimedJob as the queue hands it out: the route adds the job token it minted
+    (the queue stores only its hash)."""
+
+    token: str = ""
+    # When the job entered the queue: its wait, for the metrics (not sent to the worker).
+    queued_at: datetime | None = Field(default=None, exclude=True)
+
+    def wire(self, token: str) -> ClaimedJob:
+        """What the worker is sent: the claim with the attempt's job token."""
+        return self.model_copy(update={"token": token})
+
+
+_SET_GPUS = (
+    update(jobs).where(j.id == bindparam("job_id")).values(gpus=bindparam("gpus", type_=JSON))
+)
+
+
+@functools.cache
+def _starving_probe(worker_has_gpus: bool) -> Any:
+    """The first job in queue order that has waited past the limit and that this
+    worker could ever run."""
+    return (
+        select(j.id, j.priority)
+        .where(
+            QUEUED_SINGLE,
+            j.queued_at < bindparam("starved_before", type_=UTCDateTime),
+            fits_bound(worker_has_gpus, "total_cpu", "total_gpus"),
+        )
+        .order_by(*ORDER)
+        .limit(1)
+    )
+
+
+@functools.cache
+def _take(dialect: str, worker_has_gpus: bool, guarded: bool) -> Any:
+    """Mark the best queued job that fits running, in one statement, and return it."""
+    pick = select(j.id).where(
+        QUEUED_SINGLE, ready(), fits_bound(worker_has_gpus, "free_cpu", "free_gpus")
+    )
+    if guarded:  # a job starves (or a gang is picked): nothing behind it may start
+        pick = pick.where(
+            or_(
+                j.priority > bindparam("head_priority"),
+                and_(j.priority == bindparam("head_priority"), j.id <= bindparam("head_id")),
+            )
+        )
+    pick = pick.order_by(*ORDER).limit(1)
+    if dialect == "postgresql":
+        pick = pick.with_for_update(skip_locked=True)
+    # A CPU job holds its ranks' CPU slots; a GPU job its GPUs (set after the pick).
+    held_cpu = (
+        case((j.device == "cpu", j.nproc_per_node), else_=0)
+        if worker_has_gpus
+        else j.nproc_per_node
+    )
+    return (
+        update(jobs)
+        .where(j.id == pick.scalar_subquery(), j.status == JobStatus.QUEUED)
+        .values(
+            status=JobStatus.RUNNING,
+            attempt=j.attempt + 1,
+            worker=bindparam("worker"),
+            started_at=func.coalesce(j.started_at, bindparam("now", type_=UTCDateTime)),
+            reason=None,
+            exit_code=None,
+            not_before=None,
+            held_cpu_slots=held_cpu,
+            gpus=bindparam("no_gpus", type_=JSON),
+        )
+        .returning(j.id, j.attempt, j.spec, j.device, j.nproc_per_node, j.queued_at)
+    )
+
+
+def _head(conn: Connection, db: Database, mine: books.WorkerBooks, now: datetime) -> Any:
+    """The starving job this worker must not start anything behind, if any: the first in
+    queue order that has waited past the limit and that this worker could ever run."""
+    starved_before = now - timedelta(seconds=db.policy.starvation_s)
+    if mine.oldest_queued is None or as_utc(mine.oldest_queued) >= starved_before:
+        return None
+    cap = mine.capacity
+    return conn.execute(
+        _starving_probe(bool(cap.gpus)),
+        {"starved_before": starved_before, "total_cpu": cap.cpu_slots, "total_gpus": len(cap.gpus)},
+    ).first()
+
+
+def claim_next_job(
+    db: Database,
+    worker: str,
+    free_cpu_slots: int,
+    free_gpus: list[int],
+    token_hash: str,
+    advertise_addr: str | None = None,
+    rdzv_port: int | None = None,
+) -> Claim | None:
+    """Claim the next job that fits on ``worker`` now, or return None.
+
+    Order: priority desc, then submission. A later job that fits may start while
+    an earlier one waits for more slots (backfill), unless an earlier job this
+    worker could ever run has waited longer than the starvation limit: then only
+    that job, or ones ahead of it, may start here.
+
+    A worker that gives an address other nodes reach it at (and a free port for a
+    rendezvous) may be given a node slot of a multi-node job instead: a Claim with
+    ``nnodes`` > 1, whose attempt starts once every slot is held.
+    """
+    now = utcnow()
+    with db.write_conn() as conn:
+        mine = books.of_worker(conn, worker)
+        if mine is None:
+            raise LookupError(worker)
+        cap = mine.capacity
+        has_gpus = bool(cap.gpus)
+        # The worker's view may lag (a job it is still stopping); the books may too
+        # (a finish in flight). Only slots free in both are offered.
+        reported = set(free_gpus)
+        cap.free_gpus = [g for g in cap.free_gpus if g in reported]
+        cap.free_cpu = min(cap.free_cpu, free_cpu_slots)
+        params: dict[str, Any] = {
+            "worker": worker,
+            "now": now,
+            "free_cpu": cap.free_cpu,
+            "free_gpus": len(cap.free_gpus),
+            "no_gpus": None if has_gpus else [],
+        }
+        head = _head(conn, db, mine, now)
+        gang = None
+        if mine.gangs_queued and advertise_addr and rdzv_port:
+            gang = gangs.pick(conn, db, has_gpus, params, head)
+            if gang is not None:
+                head = gang  # a single-node job may start here only if it is ahead of it
+        if head is not None:
+            params.update(head_id=head.id, head_priority=head.priority)
+        row = conn.execute(_take(db.dialect, has_gpus, head is not None), params).first()
+        if row is not None:
+            return _start(conn, row, cap, token_hash, now)
+        if gang is None:
+            return None
+        assert advertise_addr is not None and rdzv_port is not None
+        offer = gangs.Offer(worker, cap, token_hash, advertise_addr, rdzv_port, now)
+        return _node_of(gang, gangs.take_node(conn, gang, offer))
+
+
+def _node_of(gang: Any, slot: gangs.NodeSlot | None) -> Claim | None:
+    """The Claim of a node slot taken of ``gang``."""
+    if slot is None:
+        return None
+    return Claim(
+        job_id=gang.id,
+        attempt=slot.attempt,
+        spec=gang.spec,
+        device=slot.device,
+        nproc_per_node=gang.nproc_per_node,
+        gpus=slot.gpus,
+        checkpoint_dir=slot.checkpoint_dir,
+        resume_from=[],
+        nnodes=gang.nnodes,
+        node_rank=slot.node_rank,
+    )
+
+
+def _start(conn: Connection, row: Any, cap: books.Capacity, token_hash: str, now: Any) -> Claim:
+    """The attempt row of a single-node job just marked running, and its Claim."""
+    job_id, number, spec, device, nproc, queued_at = row
+    has_gpus = bool(cap.gpus)
+    resolved = resolve(device, has_gpus)
+    gpus = cap.free_gpus[:nproc] if resolved == "cuda" else []
+    if has_gpus:
+        conn.execute(_SET_GPUS, {"job_id": job_id, "gpus": gpus})
+    checkpoint_dir = checkpoint_dir_of(cap.checkpoint_root, job_id)
+    new_attempt(conn, job_id, number, cap.name, token_hash, gpus, checkpoint_dir, now)
+    resume = resume_from(conn, job_id, number)
+    return Claim(
+        job_id=job_id,
+        attempt=number,
+        spec=spec,
+        device=resolved,
+        nproc_per_node=nproc,
+        gpus=gpus,
+        checkpoint_dir=checkpoint_dir,
+        resume_from=resume,
+        queued_at=queued_at,
+    )

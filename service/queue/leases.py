@@ -1,0 +1,466 @@
+"""Workers, their heartbeats, and how attempts end.
+
+A worker heartbeats its running attempts; an attempt whose heartbeat is older than
+the lease is lost and its job requeued (or failed when its attempts are spent) by
+``expire_leases``, which every API process runs periodically. An attempt also ends
+when its worker reports it (``end_attempt``, called by jobs.finish_attempt). Both
+ways, and the fencing check that every report of an attempt passes, are here.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import and_, or_, select, tuple_, update
+from sqlalchemy.orm import Session
+
+from service.db import STALL_S, Database, Policy
+from service.errors import Conflict
+from service.models import ACTIVE, TERMINAL, Attempt, Job, JobNode, JobStatus, Worker, utcnow
+from service.queue.gangs import node_of, nodes_of, release_nodes
+from service.queue.rules import (
+    NODE_LIVE,
+    as_utc,
+    forming,
+    is_active,
+    j,
+    jn,
+    notify_claimers,
+    rowcount,
+    started,
+)
+from service.schemas import FinishRequest
+
+
+class NameTaken(Conflict):
+    """Another process holds this worker name: 409, saying which host."""
+
+
+# ---- fencing: is this attempt still the job's? -----------------------------------------
+
+
+def fenced(number: int, ended: bool, current: int | None, status: str | None) -> str | None:
+    """Why attempt ``number`` may no longer act for its job, or None while it may. A
+    newer attempt owns the job (its old ranks must stop), or this one has ended."""
+    if current is not None and current != number:
+        return f"attempt {number} was superseded by attempt {current}"
+    if ended or (status is not None and not is_active(status)):
+        return f"attempt {number} has ended"
+    return None
+
+
+def workers_attempt(
+    s: Session, job: Any, number: int, worker: str
+) -> tuple[Attempt, JobNode | None]:
+    """Attempt ``number`` of ``job`` (a row with id, attempt and nnodes) as ``worker``
+    runs it, and its node slot if the job is multi-node; Conflict if that worker has no
+    such attempt or a newer attempt owns the job."""
+    attempt = s.scalar(select(Attempt).where(Attempt.job_id == job.id, Attempt.number == number))
+    # Each node of a multi-node attempt reports for the one attempt.
+    node = node_of(s, job.id, number, worker) if job.nnodes > 1 else None
+    if attempt is None or (attempt.worker != worker and node is None):
+        raise Conflict(f"job {job.id} has no attempt {number} on worker {worker}")
+    if job.attempt != number:
+        raise Conflict(f"attempt {number} was superseded by attempt {job.attempt}")
+    return attempt, node
+
+
+# ---- how an attempt ends ---------------------------------------------------------------
+
+
+def requeued(now: datetime, reason: str) -> dict[str, Any]:
+    """A job's columns when it goes back to the queue: it waits anew and holds nothing."""
+    return {
+        "status": JobStatus.QUEUED,
+        "queued_at": now,
+        "reason": reason,
+        "worker": None,
+        "gpus": None,
+        "held_cpu_slots": 0,
+    }
+
+
+@dataclass
+class Ending:
+    """What an ending attempt does to its job (new column values) and its own outcome."""
+
+    values: dict[str, Any]
+    outcome: str
+
+
+def lost(
+    status: str, number: int, failures: int, max_attempts: int, words: str, now: datetime
+) -> Ending:
+    """An attempt whose worker was lost: the worker, not the program, failed, so the job
+    is requeued at once (no backoff) while attempts remain."""
+    if status == JobStatus.CANCELLING:
+        reason = f"cancelled; {words} before it confirmed"
+        return Ending({"status": JobStatus.CANCELLED, "reason": reason, "finished_at": now}, "lost")
+    if failures + 1 < max_attempts:
+        reason = (
+            f"{words}; requeued for attempt {number + 1} "
+            f"({failures + 1} of {max_attempts} attempts used)"
+        )
+        return Ending({**requeued(now, reason), "failures": failures + 1}, "lost")
+    reason = f"{words}; all {max_attempts} attempts used"
+    values = {"status": JobStatus.FAILED, "reason": reason, "finished_at": now}
+    return Ending({**values, "failures": failures + 1}, "lost")
+
+
+def exit_words(code: int | None) -> str:
+    """An exit status as a person reads it; codes >= 128 are death by signal 128+n."""
+    if code is None:
+        return "ended without an exit code"
+    if code >= 128:
+        n = code - 128
+        try:
+            name = signal.Signals(n).name
+        except ValueError:
+            name = f"signal {n}"
+        hint = " (out of memory?)" if n == signal.SIGKILL else ""
+        return f"killed by {name}{hint}, exit code {code}"
+    return f"exited with code {code}"
+
+
+def reported(
+    job: Job, report: FinishRequest, where: str, worker: str, policy: Policy, now: datetime
+) -> Ending:
+    """What a worker's report of how an attempt ended does to the job.
+
+    Retry policy: an attempt killed by a signal (exit code >= 128: OOM killer,
+    preemption) is retried; a program's own error (1..127) fails the job unless its
+    spec sets ``retry_on_error``; a timeout or a worker-side error never retries.
+    Retries wait out an exponential backoff and count against ``max_attempts``; an
+    attempt handed back by a worker that shuts down is requeued at once, uncounted.
+    """
+    code = report.exit_code
+    if report.outcome == "requeue" and job.status == JobStatus.RUNNING:
+        reason = f"worker {worker} shut down; requeued, not counted as a failure"
+        return Ending(requeued(now, reason), "requeued")
+    if job.status == JobStatus.CANCELLING or report.outcome == "cancelled":
+        return Ending({"status": JobStatus.CANCELLED, "reason": "cancelled by user"}, "cancelled")
+    if report.outcome == "timeout":
+        reason = report.reason or f"timeout after {job.spec.get('timeout_s')} s"
+        return Ending({"status": JobStatus.FAILED, "reason": reason}, "failed")
+    if report.outcome == "exited" and code == 0:
+        return Ending({"status": JobStatus.SUCCEEDED, "reason": None}, "succeeded")
+    retryable = report.outcome == "exited" and code is not None and code != 0
+    if retryable and code is not None and code < 128:
+        # A multi-node attempt is retried whatever a node's exit code: when one node
+        # is lost, the ranks of the others fail with their own error.
+        retryable = bool(job.spec.get("retry_on_error")) or job.nnodes > 1
+    # The worker sends the program's last error line; the words for the exit are ours.
+    what = (exit_words(code) if report.outcome == "exited" else "failed to start") + where
+    if report.reason:
+        what += f": {report.reason}"
+    if code is not None and 0 < code < 128 and not retryable:
+        what += " (a program error: not retried unless the spec sets retry_on_error)"
+    failures = job.failures + 1
+    if retryable and failures < job.max_attempts:
+        delay = min(policy.retry_backoff_s * 2 ** (failures - 1), policy.retry_backoff_max_s)
+        reason = (
+            f"attempt {report.attempt} {what}; retrying as attempt {job.attempt + 1} "
+            f"({failures} of {job.max_attempts} attempts used) after {delay:g} s"
+        )
+        back = {"not_before": now + timedelta(seconds=delay), "failures": failures}
+        return Ending({**requeued(now, reason), **back}, "failed")
+    spent = f"; all {job.max_attempts} attempts used" if retryable else ""
+    failed = {"status": JobStatus.FAILED, "reason": f"{what}{spent}", "failures": failures}
+    return Ending(failed, "failed")
+
+
+def end_attempt(s: Session, job: Job, worker: str, report: FinishRequest, policy: Policy) -> None:
+    """Record, on ``job``'s row locked by the caller, how ``worker``'s attempt ended and
+    move the job on. Safe to repeat: a retried report changes nothing."""
+    now = utcnow()
+    attempt, node = workers_attempt(s, job, report.attempt, worker)
+    if attempt.outcome == "lost":
+        raise Conflict(f"attempt {report.attempt} was declared lost: {job.reason}")
+    if node is not None and node.ended_at is None:
+        node.ended_at = now
+        node.exit_code = report.exit_code
+        node.outcome = report.outcome
+    if attempt.ended_at is not None:
+        return  # a retried report, or a node that stopped after its attempt ended
+    if node is not None and _other_nodes_run_on(s, job, report, node):
+        return  # this node ended well (or stopped on cancel): the others go on
+    where = f" on node {node.node_rank} (worker {worker})" if node is not None else ""
+    ending = reported(job, report, where, worker, policy, now)
+    for column, value in ending.values.items():
+        setattr(job, column, value)
+    job.exit_code = report.exit_code
+    if job.status in TERMINAL:
+        job.finished_at = now
+    attempt.ended_at = now
+    attempt.exit_code = report.exit_code
+    attempt.outcome = ending.outcome
+    attempt.reason = job.reason  # kept per attempt: the job's reason moves on
+    s.flush()
+    notify_claimers(s)  # its slots are free, or it is queued again
+
+
+def _other_nodes_run_on(s: Session, job: Job, report: FinishRequest, node: JobNode) -> bool:
+    """Whether a multi-node attempt waits for its other nodes after ``node`` ended: it
+    does when this node succeeded or stopped on a cancel and another has not ended.
+    A failure (or a shutdown handback) ends the attempt for every node at once."""
+    cancelling = job.status == JobStatus.CANCELLING or report.outcome == "cancelled"
+    succeeded = report.outcome == "exited" and report.exit_code == 0
+    if not (cancelling or succeeded):
+        return False
+    others = [n for n in nodes_of(s, job.id, report.attempt) if n.id != node.id]
+    return any(n.ended_at is None for n in others)
+
+
+# ---- workers and their heartbeats ------------------------------------------------------
+
+
+def register_worker(
+    db: Database,
+    name: str,
+    identity: str | None,
+    hostname: str,
+    cpu_slots: int,
+    gpus: list[int],
+    checkpoint_root: str,
+) -> None:
+    """Record a worker and what it has. The same identity (or none, from a worker of an
+    earlier version) is the same worker starting again; another identity is refused
+    while the name's heartbeats are fresh (a second process would take the first one's
+    jobs), and takes the name over once they have been silent for a lease."""
+    now = utcnow()
+    with db.write() as s:
+        w = s.scalars(select(Worker).where(Worker.name == name).with_for_update()).first()
+        if w is None:
+            w = Worker(name=name, registered_at=now)
+            s.add(w)
+        elif identity and w.identity and w.identity != identity:
+            silent = (now - as_utc(w.last_heartbeat)).total_seconds()
+            if silent < db.policy.lease_s:
+                raise NameTaken(
+                    f"worker name {name} is in use by a running worker on host {w.hostname} "
+                    f"(last heartbeat {silent:.0f} s ago): give this one another --name, or "
+                    "stop that one first"
+                )
+        w.identity = identity
+        w.hostname = hostname
+        w.cpu_slots = cpu_slots
+        w.gpus = sorted(set(gpus))
+        w.checkpoint_root = checkpoint_root
+        w.last_heartbeat = now
+
+
+def _touch_worker(s: Session, worker: str, identity: str | None, now: datetime) -> None:
+    """The worker's own heartbeat; NameTaken if another process took the name over."""
+    mine = Worker.name == worker
+    if identity:
+        mine = and_(mine, or_(Worker.identity.is_(None), Worker.identity == identity))
+    if rowcount(s.execute(update(Worker).where(mine).values(last_heartbeat=now))) == 0:
+        holder = s.scalar(select(Worker.hostname).where(Worker.name == worker))
+        if holder is not None:
+            raise NameTaken(
+                f"worker name {worker} was taken over by another process (host {holder}) "
+                "after this one's heartbeats went silent; its jobs run there now"
+            )
+        raise LookupError(worker)
+
+
+def record_heartbeat(
+    db: Database, worker: str, running: list[tuple[int, int]], identity: str | None = None
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """Extend the leases of a worker's attempts.
+
+    Returns (cancel, abandon): attempts a user cancelled, and attempts that are no
+    longer this worker's to run (lost and requeued, or ended); the worker stops both.
+    Raises NameTaken when another process has taken the name over.
+    """
+    now = utcnow()
+    with db.write() as s:
+        _touch_worker(s, worker, identity, now)
+        if not running:
+            return [], []
+        beat = _sort_out(s, worker, running)
+        if beat.slots:
+            s.execute(update(JobNode).where(JobNode.id.in_(beat.slots)).values(heartbeat_at=now))
+        for job_id, number in sorted(beat.live):  # the lock order: by job id
+            s.execute(
+                update(Attempt)
+                .where(
+                    Attempt.job_id == job_id,
+                    Attempt.number == number,
+                    Attempt.ended_at.is_(None),
+                )
+                .values(heartbeat_at=now)
+            )
+    return beat.cancel, beat.abandon
+
+
+@dataclass
+class _Beat:
+    live: list[tuple[int, int]]  # attempts whose leases this heartbeat renews
+    slots: list[int]  # node slots (forming or running) whose leases it renews
+    cancel: list[tuple[int, int]]
+    abandon: list[tuple[int, int]]
+
+
+def _sort_out(s: Session, worker: str, running: list[tuple[int, int]]) -> _Beat:
+    """Which of the attempts a worker says it runs are still its own, by the job rows."""
+    job_ids = [job_id for job_id, _ in running]
+    jobs = {
+        r.id: r
+        for r in s.execute(
+            select(Job.id, Job.attempt, Job.status, Job.worker, Job.nnodes).where(
+                Job.id.in_(job_ids)
+            )
+        )
+    }
+    slots: dict[tuple[int, int], int] = {}
+    if any(r.nnodes > 1 for r in jobs.values()):
+        held = select(JobNode.id, JobNode.job_id, JobNode.attempt).where(
+            JobNode.worker == worker, JobNode.job_id.in_(job_ids)
+        )
+        slots = {(n.job_id, n.attempt): n.id for n in s.execute(held)}
+    beat = _Beat([], [], [], [])
+    for job_id, number in running:
+        job = jobs.get(job_id)
+        if job is not None and job.nnodes > 1:
+            # A node slot: ours while its attempt forms or runs and we hold it.
+            slot = slots.get((job_id, number))
+            gathering = forming(job.status, job.attempt, number)
+            if slot is None or not (gathering or started(job.status, job.attempt, number)):
+                beat.abandon.append((job_id, number))
+                continue
+            beat.slots.append(slot)
+            if gathering:
+                continue
+        elif job is None or job.worker != worker or not started(job.status, job.attempt, number):
+            beat.abandon.append((job_id, number))
+            continue
+        beat.live.append((job_id, number))
+        if job.status == JobStatus.CANCELLING:
+            beat.cancel.append((job_id, number))
+    return beat
+
+
+# ---- losing attempts -------------------------------------------------------------------
+
+
+def expire_leases(db: Database, lease_s: float) -> list[int]:
+    """Mark attempts without a heartbeat for ``lease_s`` lost; requeue or fail their jobs."""
+    cutoff = utcnow() - timedelta(seconds=lease_s)
+    return _lose_attempts(
+        db,
+        Attempt.heartbeat_at < cutoff,
+        lambda worker: f"worker {worker} lost (no heartbeat for {lease_s:g} s)",
+        lambda: db.health.up_for(lease_s),
+    )
+
+
+def release_worker(db: Database, worker: str, keep: list[tuple[int, int]]) -> list[int]:
+    """Lose the attempts the books give ``worker`` except those it says it still runs
+    (a multi-node attempt with a node on it too), and release its forming node slots."""
+    its_nodes = select(JobNode.job_id, JobNode.attempt).where(
+        JobNode.worker == worker, JobNode.ended_at.is_(None)
+    )
+    which = or_(Attempt.worker == worker, tuple_(Attempt.job_id, Attempt.number).in_(its_nodes))
+    if keep:
+        which = and_(which, tuple_(Attempt.job_id, Attempt.number).not_in(keep))
+    changed = _lose_attempts(db, which, lambda _: f"worker {worker} restarted without it")
+    forming_here = [jn.worker == worker]
+    if keep:
+        forming_here.append(tuple_(jn.job_id, jn.attempt).not_in(keep))
+    release_nodes(db, *forming_here)
+    return changed
+
+
+def expire_nodes(db: Database, lease_s: float) -> list[int]:
+    """Node slots without a heartbeat for ``lease_s``: a running attempt is lost as a
+    whole (its other nodes are told to stop at their next heartbeat); a forming slot
+    is released."""
+    cutoff = utcnow() - timedelta(seconds=lease_s)
+    changed: list[int] = []
+    running_stale = select(jn.job_id, jn.attempt, jn.worker, jn.node_rank, j.nnodes).where(
+        NODE_LIVE, j.status != JobStatus.QUEUED, jn.heartbeat_at < cutoff
+    )
+    with db.read() as s:
+        stale = s.execute(running_stale).all()
+    for job_id, number, worker, rank, nnodes in stale:
+        words = f"worker {worker} (node {rank} of {nnodes}) lost (no heartbeat for {lease_s:g} s)"
+        changed += _lose_attempts(
+            db,
+            and_(Attempt.job_id == job_id, Attempt.number == number),
+            lambda _, words=words: words,  # type: ignore[misc]
+            lambda: db.health.up_for(lease_s),
+        )
+    release_nodes(db, jn.heartbeat_at < cutoff)
+    return changed
+
+
+_FIND_CURRENT = (
+    select(Job.id, Job.attempt, Job.max_attempts, Attempt.worker, Attempt.id)
+    .join(Attempt, and_(Attempt.job_id == Job.id, Attempt.number == Job.attempt))
+    .where(Job.status.in_(list(ACTIVE)), Attempt.ended_at.is_(None))
+    .order_by(Job.id)  # the lock order: job rows by ascending id
+)
+
+
+def _lose_attempts(
+    db: Database,
+    which: Any,
+    why: Callable[[str], str],
+    settled: Callable[[], bool] | None = None,
+) -> list[int]:
+    """Mark the current attempts that match ``which`` lost; requeue or fail their jobs.
+    ``settled`` is asked again inside the write transaction, and a transaction that
+    stalled to get there (it waited out an outage) acts on nothing: the heartbeats the
+    outage held up have not arrived yet."""
+    find_stale = _FIND_CURRENT.where(which)
+    # Look first without the write lock: nearly every sweep finds nothing.
+    with db.read() as s:
+        if s.execute(find_stale.limit(1)).first() is None:
+            return []
+    changed: list[int] = []
+    began = time.monotonic()
+    with db.write() as s:
+        stale = s.execute(find_stale).all()
+        if settled is not None and (time.monotonic() - began > STALL_S or not settled()):
+            return changed
+        for job_id, number, max_attempts, worker, attempt_id in stale:
+            if _lose(s, job_id, number, max_attempts, attempt_id, which, why(worker)):
+                changed.append(job_id)
+        if changed:
+            notify_claimers(s)
+    return changed
+
+
+def _lose(
+    s: Session, job_id: int, number: int, max_attempts: int, attempt_id: int, which: Any, words: str
+) -> bool:
+    """Lose one attempt, deciding on rows locked now, not on the look: a finish, a cancel
+    or a heartbeat may have committed since. Job row first, then its attempt,
+    re-checking ``which`` (Postgres re-reads a row it waited for)."""
+    job = s.execute(
+        select(Job.status, Job.attempt, Job.failures).where(Job.id == job_id).with_for_update()
+    ).first()
+    if job is None or not started(job.status, job.attempt, number):
+        return False
+    still = s.execute(
+        select(Attempt.id)
+        .where(Attempt.id == attempt_id, Attempt.ended_at.is_(None), which)
+        .with_for_update()
+    ).first()
+    if still is None:
+        return False
+    now = utcnow()
+    ending = lost(job.status, number, job.failures, max_attempts, words, now)
+    s.execute(update(Job).where(Job.id == job_id).values(**ending.values))
+    s.execute(
+        update(Attempt)
+        .where(Attempt.id == attempt_id)
+        .values(ended_at=now, outcome=ending.outcome, reason=ending.values["reason"])
+    )
+    return True

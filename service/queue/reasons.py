@@ -1,0 +1,172 @@
+"""Why a queued job is not running, in words a person understands.
+
+Built from the claim's own rules (rules.unit for what a job counts on a worker,
+books.capacities for what is free), so the reason a job shows agrees with what the
+claim does: tests/test_reasons_property.py checks that on random states.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from service.db import Policy
+from service.models import Job, utcnow
+from service.queue import rules
+from service.queue.books import Capacity, capacities
+from service.queue.rules import FORMING, j, jn, policy_of
+
+
+def _total(cap: Capacity, unit: str) -> int:
+    return len(cap.gpus) if unit == "gpu" else cap.cpu_slots
+
+
+def _free(cap: Capacity, unit: str) -> int:
+    return len(cap.free_gpus) if unit == "gpu" else cap.free_cpu
+
+
+def _words(n: int, unit: str) -> str:
+    if unit == "gpu":
+        return f"{n} GPU" + ("" if n == 1 else "s")
+    return f"{n} CPU slot" + ("" if n == 1 else "s")
+
+
+def _unschedulable_on(caps: list[Capacity], job: Job) -> str | None:
+    if job.nnodes > 1:
+        return None  # multi-node placement is not decided per worker
+    best = {"gpu": 0, "cpu": 0}
+    for cap in caps:
+        unit = rules.unit(job.device, bool(cap.gpus))
+        if unit is None:
+            continue
+        if _total(cap, unit) >= job.nproc_per_node:
+            return None
+        best[unit] = max(best[unit], _total(cap, unit))
+    if not caps:
+        return None  # no worker yet: it waits for one
+    n = job.nproc_per_node
+    units = {rules.unit(job.device, bool(c.gpus)) for c in caps} - {None}
+    if units == {"gpu", "cpu"}:  # an auto job, with GPU and CPU-only workers about
+        return (
+            f"unschedulable: needs {_words(n, 'gpu')} on one GPU worker or {_words(n, 'cpu')} "
+            f"on one CPU-only worker; the largest have {_words(best['gpu'], 'gpu')} and "
+            f"{_words(best['cpu'], 'cpu')}"
+        )
+    unit = "cpu" if units == {"cpu"} else "gpu"
+    return (
+        f"unschedulable: needs {_words(n, unit)} on one worker; the largest worker has "
+        f"{_words(best[unit], unit)}"
+    )
+
+
+def unschedulable(s: Session, job: Job) -> str | None:
+    """Why no registered worker could ever run ``job``, or None if one could."""
+    return _unschedulable_on(capacities(s, policy_of(s).lease_s), job)
+
+
+@dataclass
+class _View:
+    """What every reason is decided on: the workers' books, the live ones, the policy."""
+
+    caps: list[Capacity]
+    live: list[Capacity]
+    policy: Policy
+    now: datetime
+
+
+def pending_reasons(s: Session, jobs: list[Job], positions: dict[int, int]) -> dict[int, str]:
+    """Why each queued job is not running, in words a person understands."""
+    if not jobs:
+        return {}
+    policy = policy_of(s)
+    caps = capacities(s, policy.lease_s)
+    view = _View(caps, [c for c in caps if c.live], policy, utcnow())
+    held = _slots_held(s, [job.id for job in jobs if job.nnodes > 1])
+    return {
+        job.id: _gang_reason(job, held.get(job.id, 0), view)
+        if job.nnodes > 1
+        else _reason(job, positions.get(job.id, 1) - 1, view)
+        for job in jobs
+    }
+
+
+def _slots_held(s: Session, gang_ids: list[int]) -> dict[int, int]:
+    """Node slots held so far by each forming gang."""
+    if not gang_ids:
+        return {}
+    counts = select(j.id, func.count(jn.id)).where(FORMING, j.id.in_(gang_ids)).group_by(j.id)
+    return {job_id: int(n) for job_id, n in s.execute(counts).all()}
+
+
+def _backoff(job: Job, now: datetime) -> str | None:
+    if job.not_before is not None and job.not_before > now:
+        wait = (job.not_before - now).total_seconds()
+        return f"waiting out its retry backoff: {wait:.0f} s left"
+    return None
+
+
+def _no_worker(view: _View) -> str | None:
+    if not view.caps:
+        return "waiting for a worker: none has registered"
+    if not view.live:
+        lease = view.policy.lease_s
+        return f"waiting for a worker: none has sent a heartbeat in the last {lease:g} s"
+    return None
+
+
+def _reason(job: Job, ahead: int, view: _View) -> str:
+    """A single-node job's reason: what it waits for, by the claim's own rules."""
+    first = _unschedulable_on(view.caps, job) or _backoff(job, view.now) or _no_worker(view)
+    if first:
+        return first
+    best_free = {"gpu": 0, "cpu": 0}
+    fits_now = False
+    for cap in view.live:
+        unit = rules.unit(job.device, bool(cap.gpus))
+        if unit is None or _total(cap, unit) < job.nproc_per_node:
+            continue
+        best_free[unit] = max(best_free[unit], _free(cap, unit))
+        fits_now = fits_now or _free(cap, unit) >= job.nproc_per_node
+    if fits_now:
+        if ahead:
+            return f"waiting for its turn: {ahead} job(s) ahead in the queue"
+        return "waiting for a worker to claim it"
+    # A cuda job while no live worker has GPUs still waits for GPUs.
+    unit = rules.unit(job.device, any(c.gpus for c in view.live)) or "gpu"
+    words = (
+        f"waiting for {_words(job.nproc_per_node, unit)}; the most free on one "
+        f"worker is {best_free[unit]}"
+    )
+    waited = (view.now - (job.queued_at or job.created_at)).total_seconds()
+    if waited > view.policy.starvation_s:
+        words += (
+            f"; it has waited over {view.policy.starvation_s:g} s, so later jobs no longer "
+            "start ahead of it"
+        )
+    return words
+
+
+def _gang_reason(job: Job, held: int, view: _View) -> str:
+    """Why a multi-node job waits: its slots so far, and how many workers could be a node."""
+    backoff = _backoff(job, view.now)
+    if backoff:
+        return backoff
+    live = view.live
+    n, per_node = job.nnodes, job.nproc_per_node
+    fit = 0
+    unit = "cpu"
+    for cap in live:
+        u = rules.unit(job.device, bool(cap.gpus))
+        if u is not None and _total(cap, u) >= per_node:
+            fit += 1
+            unit = u if fit == 1 else unit
+    words = f"waiting for {n} nodes: {held} of {n} held"
+    if fit < n:
+        words += (
+            f"; {fit} live worker(s) can run a node of {_words(per_node, unit)}, "
+            f"each node needs its own worker"
+        )
+    return words

@@ -1,0 +1,208 @@
+"""The rules the claim, the books, the leases and the reasons share, each written once.
+
+A rule that both SQL and Python must apply (does a job fit a worker, is a node slot
+forming or live) is a function over its operands and a combinator: given columns
+and ``and_``/``or_`` it builds the SQL predicate the claim runs; given values and
+``all``/``any`` it decides one row in Python. So the reason a job shows and the
+claim that takes it cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Literal, cast
+
+from sqlalchemy import Table, and_, bindparam, insert, or_, select, text
+from sqlalchemy.engine import Connection
+from sqlalchemy.orm import Session
+
+from service.db import Policy
+from service.models import (
+    ACTIVE,
+    Attempt,
+    Checkpoint,
+    Job,
+    JobNode,
+    JobStatus,
+    UTCDateTime,
+    Worker,
+)
+
+NOTIFY_CHANNEL = "ddpq_jobs"
+RESUME_CANDIDATES = 5  # newest checkpoints offered; the worker takes the first on disk
+
+# Core tables, not ORM entities: no ORM compile step on the claim's hot path.
+jobs = cast(Table, Job.__table__)
+j = jobs.c
+nodes = cast(Table, JobNode.__table__)
+jn = nodes.c
+workers = cast(Table, Worker.__table__)
+w = workers.c
+attempts = cast(Table, Attempt.__table__)
+checkpoints = cast(Table, Checkpoint.__table__)
+
+ORDER = (j.priority.desc(), j.id)  # the claim order: priority desc, then submission
+DEVICES = ("cuda", "cpu", "auto")
+
+
+@dataclass(frozen=True)
+class Logic:
+    """How a rule combines its terms: SQL expressions or Python truth values."""
+
+    all_: Callable[..., Any]
+    any_: Callable[..., Any]
+
+
+PY = Logic(lambda *terms: all(terms), lambda *terms: any(terms))
+SQL = Logic(and_, or_)
+
+
+# ---- devices: what a job counts on a worker ------------------------------------------
+
+
+def unit(device: str, worker_has_gpus: bool) -> str | None:
+    """What a job of ``device`` counts on a worker: "gpu", "cpu", or None (it cannot
+    run there). ``auto`` takes the GPUs of a worker that has any."""
+    if device == "cuda":
+        return "gpu" if worker_has_gpus else None
+    if device == "cpu":
+        return "cpu"
+    return "gpu" if worker_has_gpus else "cpu"
+
+
+def resolve(device: str, worker_has_gpus: bool) -> Literal["cpu", "cuda"]:
+    """The device a claimed job runs on: the torch device its unit names."""
+    return "cuda" if unit(device, worker_has_gpus) == "gpu" else "cpu"
+
+
+def fits_bound(worker_has_gpus: bool, cpu: str, gpus: str) -> Any:
+    """SQL: jobs whose ranks fit in the CPU slots bound as ``cpu`` or the GPUs bound as
+    ``gpus`` of a worker with or without GPUs, by ``unit``."""
+    bound: dict[str | None, Any] = {"cpu": bindparam(cpu), "gpu": bindparam(gpus)}
+    terms = []
+    for device in DEVICES:
+        counted = unit(device, worker_has_gpus)
+        if counted is not None:
+            terms.append(and_(j.device == device, j.nproc_per_node <= bound[counted]))
+    return or_(*terms)
+
+
+# ---- job and node states ---------------------------------------------------------------
+
+
+def is_active(status: Any, logic: Logic = PY) -> Any:
+    """Running or cancelling: the job holds its slots. Equalities, not IN: an IN list
+    is an "expanding" parameter, re-rendered on every execution."""
+    return logic.any_(*(status == s for s in sorted(ACTIVE)))
+
+
+def forming(status: Any, job_attempt: Any, number: Any, logic: Logic = PY) -> Any:
+    """Attempt ``number`` is gathering its node slots: the job is queued, one behind."""
+    return logic.all_(status == JobStatus.QUEUED, job_attempt + 1 == number)
+
+
+def started(status: Any, job_attempt: Any, number: Any, logic: Logic = PY) -> Any:
+    """Attempt ``number`` is the job's current one and runs (or is being cancelled)."""
+    return logic.all_(is_active(status, logic), job_attempt == number)
+
+
+# The node slots of the attempt a queued multi-node job is gathering.
+FORMING = and_(jn.job_id == j.id, forming(j.status, j.attempt, jn.attempt, SQL))
+# A node slot holds its worker's slots while its attempt forms or runs, until that
+# node's worker reports its processes gone.
+NODE_LIVE = and_(
+    jn.job_id == j.id,
+    jn.ended_at.is_(None),
+    or_(
+        forming(j.status, j.attempt, jn.attempt, SQL),
+        started(j.status, j.attempt, jn.attempt, SQL),
+    ),
+)
+# A single-node job that may be claimed (a multi-node one is claimed by node slots).
+QUEUED_SINGLE = and_(j.status == JobStatus.QUEUED, j.nnodes == 1)
+
+
+def ready() -> Any:
+    """SQL: queued jobs whose retry backoff, if any, is over at the bound ``now``."""
+    return or_(j.not_before.is_(None), j.not_before <= bindparam("now", type_=UTCDateTime))
+
+
+# ---- small shared helpers --------------------------------------------------------------
+
+
+def rowcount(result: Any) -> int:
+    """Rows an UPDATE touched (Session.execute is typed as returning a plain Result)."""
+    return int(result.rowcount)
+
+
+def notify_claimers(s: Session | Connection) -> None:
+    """Wake long-polling claimers (and gang waiters) in every API process once this
+    transaction commits."""
+    dialect = s.dialect.name if isinstance(s, Connection) else s.get_bind().dialect.name
+    if dialect == "postgresql":
+        s.execute(text("SELECT pg_notify(:channel, '')"), {"channel": NOTIFY_CHANNEL})
+
+
+def as_utc(value: datetime | str) -> datetime:
+    """A scalar subquery's datetime comes back without the column's type processing."""
+    if isinstance(value, str):  # SQLite hands back the stored text
+        value = datetime.fromisoformat(value)
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value
+
+
+def checkpoint_dir_of(root: str, job_id: int) -> str:
+    """Where a job's checkpoints go under a worker's checkpoint root."""
+    return f"{root.rstrip('/')}/job-{job_id}"
+
+
+_NEW_ATTEMPT = insert(attempts)
+_RESUME_FROM = (
+    select(checkpoints.c.path)
+    .where(checkpoints.c.job_id == bindparam("job_id"))
+    .order_by(checkpoints.c.step.desc(), checkpoints.c.id.desc())
+    .limit(RESUME_CANDIDATES)
+)
+
+
+def new_attempt(
+    conn: Connection,
+    job_id: int,
+    number: int,
+    worker: str,
+    token_hash: str,
+    gpus: list[int],
+    checkpoint_dir: str,
+    now: datetime,
+) -> None:
+    """Write the row of an attempt that starts now on ``worker``."""
+    conn.execute(
+        _NEW_ATTEMPT,
+        {
+            "job_id": job_id,
+            "number": number,
+            "worker": worker,
+            "token_hash": token_hash,
+            "gpus": gpus,
+            "checkpoint_dir": checkpoint_dir,
+            "started_at": now,
+            "heartbeat_at": now,
+            "outcome": "running",
+            "log_bytes": 0,
+        },
+    )
+
+
+def resume_from(conn: Connection | Session, job_id: int, number: int) -> list[str]:
+    """The checkpoints attempt ``number`` may resume from, newest first (a first
+    attempt has none)."""
+    if number <= 1:
+        return []
+    return list(conn.scalars(_RESUME_FROM, {"job_id": job_id}))
+
+
+def policy_of(s: Session) -> Policy:
+    """The service's policy, which Database puts on every session it opens."""
+    policy: Policy = s.info.get("policy") or Policy()
+    return policy

@@ -1,0 +1,101 @@
+"""The rooms' import rules (docs/architecture.md), checked on the source itself.
+
+- no import cycle between modules of the project (at module level or inside functions);
+- ``worker/`` never imports ``service/``; ``service/`` imports neither ``worker/`` nor
+  ``recipes/``; ``ddpq/`` imports ``service/`` and ``worker/`` only inside the commands
+  that run them; ``ddpq.train`` and ``ddpq.wire`` (which every rank imports) import no
+  project module but ``ddpq.rules``, ``ddpq.tensorboard`` and ``ddpq.wire``.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGES = ("service", "worker", "ddpq", "recipes")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {
+        _module_name(p): p
+        for package in PACKAGES
+        for p in (REPO / package).rglob("*.py")
+        if "__pycache__" not in p.parts
+    }
+
+
+def _imports(path: Path, known: set[str], top_level_only: bool) -> set[str]:
+    """The project's modules that ``path`` imports (a name imported from a package is
+    that package's module if it is one, else the package)."""
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    found: set[str] = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] in PACKAGES)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module.split(".")[0] not in PACKAGES:
+                continue
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                found.add(sub if sub in known else node.module)
+    return {m for m in found if m in known}
+
+
+def _graph(top_level_only: bool) -> dict[str, set[str]]:
+    modules = _modules()
+    known = set(modules)
+    return {name: _imports(path, known, top_level_only) - {name} for name, path in modules.items()}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            # A package's __init__ importing its own submodules is how packages work.
+            if node == nxt.rsplit(".", 1)[0] or nxt == node.rsplit(".", 1)[0]:
+                continue
+            if state.get(nxt) == 1:
+                return [*stack[stack.index(nxt) :], nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_no_two_modules_import_each_other() -> None:
+    assert _cycle(_graph(top_level_only=False)) is None
+
+
+def test_the_rooms_import_only_what_they_may() -> None:
+    anywhere = _graph(top_level_only=False)
+    top = _graph(top_level_only=True)
+    for name, deps in anywhere.items():
+        rooms = {d.split(".")[0] for d in deps}
+        if name.startswith("worker"):
+            assert "service" not in rooms, (name, deps)
+        if name.startswith("service"):
+            assert not rooms & {"worker", "recipes"}, (name, deps)
+    for name, deps in top.items():
+        if name.startswith("ddpq"):
+            assert not {d.split(".")[0] for d in deps} & {"service", "worker"}, (name, deps)
+    for name in ("ddpq.train", "ddpq.wire"):
+        assert anywhere[name] <= {"ddpq.rules", "ddpq.tensorboard", "ddpq.wire"}, anywhere[name]

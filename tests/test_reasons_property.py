@@ -1,0 +1,129 @@
+"""The reason a queued job shows agrees with what the claim does, on random states.
+
+Random workers (CPU slots, GPUs, alive or silent) with random jobs already running on
+them, and one queued job of a random device and size: the job's reason says "waiting
+for a worker to claim it" exactly when a live worker's claim takes it; otherwise it
+names what it waits for (slots, or a worker that could ever run it) and no live
+worker's claim takes it. Both the reason (service.queue.reasons) and the claim
+(service.queue.claim) read the same rules and books; this checks they stay agreed.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from sqlalchemy import delete, update
+
+from service import jobs, queue
+from service.db import Database, upgrade
+from service.models import Attempt, Checkpoint, Job, JobNode, LogChunk, MetricPoint, Worker
+from service.models import utcnow as now
+from service.schemas import JobSpec
+
+CLAIMS_FIT = "waiting for a worker to claim it"
+_tokens = itertools.count()
+
+
+@dataclass(frozen=True)
+class WorkerState:
+    cpu_slots: int
+    gpus: int
+    alive: bool
+    # (device, ranks) of jobs this worker was given before the one under test.
+    running: tuple[tuple[str, int], ...]
+
+
+devices = st.sampled_from(["cpu", "cuda", "auto"])
+worker_states = st.builds(
+    WorkerState,
+    cpu_slots=st.integers(0, 4),
+    gpus=st.integers(0, 3),
+    alive=st.booleans(),
+    running=st.lists(st.tuples(devices, st.integers(1, 3)), max_size=3).map(tuple),
+)
+
+
+@pytest.fixture
+def db(db_url: str) -> Iterator[Database]:
+    if db_url.startswith("sqlite"):
+        upgrade(db_url)
+    database = Database(db_url)
+    yield database
+    database.dispose()
+
+
+def _reset(db: Database) -> None:
+    with db.write() as s:
+        for table in (MetricPoint, Checkpoint, LogChunk, JobNode, Attempt, Job, Worker):
+            s.execute(delete(table))
+
+
+def _submit(db: Database, device: str, ranks: int, priority: int = 0) -> int:
+    spec = JobSpec(recipe="toy-regression", world_size=ranks, device=device, priority=priority)  # type: ignore[arg-type]
+    return jobs.submit_job(db, spec, None).id
+
+
+def _claim(db: Database, name: str, state: WorkerState) -> queue.Claim | None:
+    # The worker reports everything free: what is held is the service's books' to say.
+    token = f"{next(_tokens):064x}"
+    return queue.claim_next_job(db, name, 10**6, list(range(state.gpus)), token)
+
+
+def _arrange(db: Database, workers: list[WorkerState]) -> None:
+    """Register the workers and give each the jobs it runs; silence the dead ones."""
+    for i, w in enumerate(workers):
+        queue.register_worker(db, f"w{i}", None, "host", w.cpu_slots, list(range(w.gpus)), "/c")
+    for i, w in enumerate(workers):
+        for device, ranks in w.running:
+            filler = _submit(db, device, ranks)
+            if _claim(db, f"w{i}", w) is None:
+                jobs.cancel_job(db, filler)  # it did not fit: only the job under test waits
+    silent = now() - timedelta(seconds=db.policy.lease_s * 3)
+    with db.write() as s:
+        for i, w in enumerate(workers):
+            if not w.alive:
+                s.execute(
+                    update(Worker).where(Worker.name == f"w{i}").values(last_heartbeat=silent)
+                )
+
+
+@settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    workers=st.lists(worker_states, max_size=4),
+    device=devices,
+    ranks=st.integers(1, 5),
+    order=st.randoms(use_true_random=False),
+)
+def test_the_reason_agrees_with_the_claim(
+    db: Database, workers: list[WorkerState], device: str, ranks: int, order: object
+) -> None:
+    _reset(db)
+    _arrange(db, workers)
+    job_id = _submit(db, device, ranks, priority=1)
+    reason = jobs.get_job(db, job_id).reason or ""
+
+    live = [i for i, w in enumerate(workers) if w.alive]
+    order.shuffle(live)  # type: ignore[attr-defined]
+    taken_by = None
+    for i in live:
+        claim = _claim(db, f"w{i}", workers[i])
+        if claim is not None:
+            assert claim.job_id == job_id, "only the job under test is queued"
+            taken_by = i
+            break
+
+    if reason == CLAIMS_FIT:
+        assert taken_by is not None, f"the reason says a live worker can take it: {workers}"
+    else:
+        assert taken_by is None, f"worker w{taken_by} took a job whose reason is {reason!r}"
+        assert reason.startswith(("waiting for", "unschedulable")), reason

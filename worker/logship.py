@@ -1,0 +1,79 @@
+"""Ships an attempt's output to the API in order, as it comes, and never twice."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from ddpq.wire import Backoff
+from worker.api import Refused, Unavailable, WorkerAPI
+
+log = logging.getLogger("ddpq.worker")
+
+LOG_SEND_INTERVAL_S = 0.5
+LOG_CHUNK_BYTES = 512 * 1024
+LOG_BUFFER_MAX_BYTES = 64 * 1024 * 1024
+
+
+class LogShipper(threading.Thread):
+    """Sends an attempt's output to the API in order, resending after failures."""
+
+    def __init__(self, api: WorkerAPI, job_id: int, attempt: int) -> None:
+        super().__init__(name=f"logs-{job_id}.{attempt}", daemon=True)
+        self.api = api
+        self.job_id = job_id
+        self.attempt = attempt
+        self._buf = bytearray()
+        self._sent = 0  # bytes of this attempt's stream the API has stored
+        self._dropped = 0
+        self._cond = threading.Condition()
+        self._closing = False
+        self._dead = False
+
+    def write(self, data: bytes) -> None:
+        with self._cond:
+            if self._dead:
+                return
+            if len(self._buf) + len(data) > LOG_BUFFER_MAX_BYTES:
+                self._dropped += len(data)
+                return
+            if self._dropped:
+                note = f"[ddpq] {self._dropped} bytes of output dropped: the API was unreachable\n"
+                self._buf += note.encode()
+                self._dropped = 0
+            self._buf += data
+            if len(self._buf) >= LOG_CHUNK_BYTES:
+                self._cond.notify_all()
+
+    def close(self, timeout_s: float) -> None:
+        """Send what is left (retrying while the API is away) and stop."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self.join(timeout_s)
+
+    def run(self) -> None:
+        backoff = Backoff()
+        while True:
+            with self._cond:
+                if not self._buf and not self._closing:
+                    self._cond.wait(LOG_SEND_INTERVAL_S)
+                if not self._buf:
+                    if self._closing:
+                        return
+                    continue
+                chunk = bytes(self._buf[:LOG_CHUNK_BYTES])
+            try:
+                self._sent = self.api.append_log(self.job_id, self.attempt, self._sent, chunk)
+            except Unavailable:
+                backoff.wait()
+                continue
+            except Refused as exc:
+                log.warning("job %s: log refused (%s); no more output is sent", self.job_id, exc)
+                with self._cond:
+                    self._dead = True
+                    self._buf.clear()
+                return
+            backoff.reset()
+            with self._cond:
+                del self._buf[: len(chunk)]

@@ -1,0 +1,235 @@
+"""What the worker decides about a torchrun launch, as pure functions of the claim.
+
+The program to run, torchrun's command line and rendezvous flags, the ranks'
+environment, and what an exit means: no process is started here, so each is
+decided (and tested) without running anything. worker.runner supervises the launch.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ddpq.catalog import catalog
+from ddpq.messages import ClaimedJob, GangReply
+from ddpq.rules import entrypoint_problem, env_problem
+
+MONITOR_INTERVAL_S = 0.1  # torchrun's check of its ranks; the default 5 s delays every exit
+
+# What a job inherits from the worker's environment: what programs, Python, CUDA, NCCL
+# and the usual libraries read, and nothing else. An allow-list, not a deny-list: the
+# worker's environment may hold anything its operator put there (a database password
+# from an env file, cloud credentials), and job code is not trusted with any of it.
+# A job sets anything else it needs in its spec's `env`.
+INHERITED_ENV = frozenset(
+    {
+        "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ", "TERM",
+        "TMPDIR", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "PYTHONPATH", "SSL_CERT_FILE",
+        "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "HTTP_PROXY", "HTTPS_PROXY",
+        "NO_PROXY", "http_proxy", "https_proxy", "no_proxy",
+    }
+)  # fmt: skip
+INHERITED_PREFIXES = (
+    "LC_", "CUDA_", "NCCL_", "NVIDIA_", "OMP_", "MKL_", "OPENBLAS_", "GLOO_", "TORCH_",
+    "PYTORCH_", "HF_", "TRANSFORMERS_", "XDG_",
+)  # fmt: skip
+
+# Lines that name why a program failed: an exception, or argparse's "prog: error: ...".
+# Any number of "[rank1]:" prefixes go first: torchrun adds one, and after
+# init_process_group PyTorch's own excepthook adds another ("[rank1]: [rank1]: ValueError").
+ERROR_LINE = re.compile(
+    r"^(?:\[[^\]]*\]:?\s*)*((?:[\w.]+(?:Error|Exception|Interrupt)\b.*)|(?:\S+: error: .*))$"
+)
+# Errors that follow from another rank's failure, not its cause: the ranks still in a
+# collective see their peer's connection close, and torchrun reports its child failed.
+CONSEQUENCE = re.compile(
+    r"ChildFailedError|SignalException|torch\.distributed\.elastic|DistBackendError|"
+    r"DistNetworkError|DistStoreError|gloo|NCCL|[Cc]onnection (?:closed|reset|refused)|"
+    r"[Bb]roken pipe|ProcessGroup"
+)
+TORCHRUN_EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
+
+
+class JobError(Exception):
+    """The attempt cannot start (bad entrypoint, unknown recipe): fail it with this reason."""
+
+
+@dataclass
+class Outcome:
+    exit_code: int | None
+    outcome: str  # exited, cancelled, timeout, requeue, error
+    reason: str | None = None
+
+
+# ---- what runs -------------------------------------------------------------------------
+
+
+def program(spec: Mapping[str, Any], workspace: Path) -> list[str]:
+    """The program and its arguments as torchrun takes them: ``-m module`` for a recipe,
+    else the entrypoint's path, checked again here since the worker runs the file."""
+    if spec.get("recipe"):
+        entry = catalog().get(spec["recipe"])
+        if entry is None:
+            raise JobError(f"this worker has no recipe {spec['recipe']!r}")
+        return ["-m", str(entry["module"]), *spec.get("args", [])]
+    problem = entrypoint_problem(str(spec["entrypoint"]))
+    if problem:
+        raise JobError(f"entrypoint {str(spec['entrypoint'])[:200]!r} {problem}")
+    path = (workspace / spec["entrypoint"]).resolve()
+    # resolve() follows symlinks, so a link pointing out of the workspace is caught here.
+    if not path.is_relative_to(workspace) or path == workspace:
+        raise JobError(f"entrypoint {spec['entrypoint']!r} resolves outside the worker's workspace")
+    if not path.is_file():
+        raise JobError(f"entrypoint {spec['entrypoint']!r} is not a file in the worker's workspace")
+    return [str(path), *spec.get("args", [])]
+
+
+def rendezvous(gang: GangReply | None, local_addr: str) -> list[str]:
+    """torchrun's rendezvous flags: a store of its own on one node, else c10d on node 0's
+    worker, which hosts the store (said outright rather than guessed from host names:
+    on one machine every node's address is its own). --local-addr makes the address
+    the ranks' process group uses (MASTER_ADDR) one the other hosts reach."""
+    if gang is None:
+        return ["--standalone", "--nnodes", "1"]
+    conf = f"is_host={1 if gang.rdzv_host else 0},join_timeout={int(gang.join_timeout_s or 0)}"
+    return [
+        "--nnodes", str(gang.nnodes),
+        "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", str(gang.rdzv_endpoint),
+        "--rdzv-id", str(gang.rdzv_id),
+        "--rdzv-conf", conf,
+        "--local-addr", local_addr,
+    ]  # fmt: skip
+
+
+def argv(
+    python: str, claim: ClaimedJob, rdzv: list[str], program: list[str], log_dir: Path
+) -> list[str]:
+    """torchrun's command line. Its ranks' output goes to a file with a [rankN] prefix
+    on every line (--tee 3), which the runner ships as the job's log."""
+    return [
+        python, "-m", "torch.distributed.run",
+        *rdzv,
+        "--nproc-per-node", str(claim.nproc_per_node),
+        "--max-restarts", str(claim.spec.get("max_restarts", 0)),
+        "--monitor-interval", str(MONITOR_INTERVAL_S),
+        "--log-dir", str(log_dir),
+        "--tee", "3",
+        "--log-line-prefix-template", "[rank${rank}]: ",
+        *program,
+    ]  # fmt: skip
+
+
+@dataclass
+class Placement:
+    """Where the ranks of an attempt report and write, besides the claim itself."""
+
+    api_url: str
+    checkpoint_dir: str
+    launch_var: str
+    launch_id: str
+    resume_from: str | None = None
+
+
+def environment(environ: Mapping[str, str], claim: ClaimedJob, at: Placement) -> dict[str, str]:
+    """The ranks' environment: the allow-listed part of the worker's, the spec's own
+    (checked again), and ddpq's."""
+    env = {
+        k: v for k, v in environ.items() if k in INHERITED_ENV or k.startswith(INHERITED_PREFIXES)
+    }
+    for name, value in claim.spec.get("env", {}).items():
+        problem = env_problem(str(name), str(value))
+        if problem:  # the API refuses these at submission; never trust the wire
+            raise JobError(f"env: {problem}")
+        env[name] = value
+    env.update(
+        {
+            "DDPQ_URL": at.api_url,
+            "DDPQ_JOB_ID": str(claim.job_id),
+            "DDPQ_JOB_TOKEN": claim.token,
+            "DDPQ_ATTEMPT": str(claim.attempt),
+            "DDPQ_CHECKPOINT_DIR": at.checkpoint_dir,
+            "DDPQ_DEVICE": claim.device,
+            at.launch_var: at.launch_id,
+            "PYTHONUNBUFFERED": "1",
+            # torchrun 2.14 shares its rendezvous store with the ranks' process group
+            # by default; after a restart (max_restarts) the new ranks then read the
+            # dead ranks' addresses and init_process_group fails (pytorch#135712).
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+            # The ranks see only the GPUs the job holds, as cuda:0..n-1; none on a CPU job.
+            "CUDA_VISIBLE_DEVICES": ",".join(map(str, claim.gpus)),
+        }
+    )
+    if at.resume_from:
+        env["DDPQ_RESUME_FROM"] = at.resume_from
+    # The one DDPQ_* setting of the worker's own that ranks get (others stay private):
+    # where ddpq.train writes TensorBoard runs. Absolute, since ranks run in the
+    # workspace, not in the worker's directory.
+    tensorboard_dir = environ.get("DDPQ_TENSORBOARD_DIR")
+    if tensorboard_dir:
+        env["DDPQ_TENSORBOARD_DIR"] = str(Path(tensorboard_dir).resolve())
+    return env
+
+
+def inside_job_dir(path: str, job_id: int) -> bool:
+    """A registered checkpoint is a regular file that stays, symlinks resolved, inside
+    the ``job-<id>`` directory its path names (the API checked the path's text when it
+    was registered; only the host that holds the file can check its links)."""
+    parts = os.path.normpath(path).split(os.sep)
+    name = f"job-{job_id}"
+    if not os.path.isabs(path) or name not in parts[:-1]:
+        return False
+    job_dir = os.sep.join(parts[: len(parts) - parts[::-1].index(name)])
+    real_dir = os.path.realpath(job_dir)
+    real = os.path.realpath(path)
+    return real.startswith(real_dir + os.sep) and os.path.isfile(real)
+
+
+# ---- what an exit means ----------------------------------------------------------------
+
+
+def root_cause(tail: list[str]) -> str | None:
+    """The error line that says why an attempt failed: the last one that is not a
+    consequence of another rank's failure (else the last of those)."""
+    errors = [m.group(1) for line in tail for m in [ERROR_LINE.match(line)] if m]
+    causes = [e for e in errors if not CONSEQUENCE.search(e)]
+    found = (causes or errors or [None])[-1]
+    return found[:500] if found else None
+
+
+def stop_words(why: str | None, timeout_s: Any) -> str:
+    """Why the worker stopped an attempt, as the log's last line says it."""
+    if why == "cancelled":
+        return "cancelled by user"
+    if why == "timeout":
+        return f"timeout after {timeout_s} s"
+    if why == "shutdown":
+        return "the worker is shutting down; the job goes back to the queue"
+    return "no longer this worker's to run"
+
+
+def outcome(code: int, tail: list[str], stop_reason: str | None, timeout_s: Any) -> Outcome:
+    """What torchrun's exit ``code`` (128 + N when killed by signal N) means, given why
+    the worker stopped it, if it did, and the last lines of its output."""
+    if stop_reason == "cancelled":
+        return Outcome(code, "cancelled", "cancelled by user")
+    if stop_reason == "timeout":
+        return Outcome(code, "timeout", f"timeout after {timeout_s} s")
+    if stop_reason == "shutdown":
+        return Outcome(code, "requeue", "worker shut down")
+    if stop_reason == "abandoned":
+        return Outcome(code, "error", "abandoned")
+    if code == 0:
+        return Outcome(0, "exited")
+    # torchrun exits 1 whenever a rank fails; the rank's own code is in its summary.
+    rank_codes = [int(m.group(1)) for line in tail for m in [TORCHRUN_EXITCODE.search(line)] if m]
+    exit_code = code if code >= 0 else 128 - code
+    if rank_codes:
+        rc = rank_codes[0]
+        exit_code = rc if rc >= 0 else 128 - rc
+    # The service puts the exit status into words; it gets the program's error.
+    return Outcome(exit_code, "exited", root_cause(tail))

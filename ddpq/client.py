@@ -12,12 +12,14 @@ Errors: ``ApiError`` (the API answered 4xx/5xx; ``.status`` and ``.detail``),
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, NoReturn
 
 import httpx
 
-from ddpq import config
+from ddpq import codepack, config
+from ddpq.snapshot import Limits
 from ddpq.wire import CUT_MARKER
 
 TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
@@ -112,6 +114,54 @@ class Client:
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key is not None else {}
         result: dict[str, Any] = self._call("POST", "/jobs", json=spec, headers=headers).json()
         return result
+
+    # ---- code snapshots -------------------------------------------------------------
+
+    def push_code(
+        self, root: Path, progress: Callable[[int, int], None] | None = None
+    ) -> codepack.Pushed:
+        """Send the directory ``root`` as a code snapshot (ddpq.codepack says what of it
+        goes), uploading only the contents the API lacks. ``progress(sent, total)`` is
+        called as contents go. CodeError: over a limit, or a name that cannot be sent."""
+        found = codepack.collect(root)
+        lim = self._call("GET", "/code/limits").json()
+        codepack.check_limits(found, Limits(**lim))
+        entries = codepack.hashed(found)
+        digests = sorted({e.digest for e in entries if e.digest})
+        missing = set(
+            self._call("POST", "/code/missing", json={"digests": digests}).json()["missing"]
+        )
+        total = sum(e.size for e in {e.digest: e for e in entries if e.digest in missing}.values())
+        sent_so_far = 0
+
+        def advanced(n: int) -> None:
+            nonlocal sent_so_far
+            sent_so_far += n
+            if progress is not None:
+                progress(sent_so_far, total)
+
+        def put(digest: str, data: bytes) -> None:
+            self._call(
+                "PUT",
+                f"/code/blobs/{digest}",
+                content=data,
+                headers={"Content-Type": "application/octet-stream"},
+                timeout=httpx.Timeout(30.0, write=600.0),
+            )
+
+        new, sent = codepack.upload(entries, found.sources, missing, put, advanced)
+        made = self._call(
+            "POST", "/code/snapshots", json={"files": [e.wire() for e in entries]}
+        ).json()
+        return codepack.Pushed(made["id"], made["files"], made["bytes"], new, sent, found.skipped)
+
+    def code(self, snapshot_id: str) -> dict[str, Any]:
+        """A snapshot's manifest: id, files, bytes, manifest (path, size, digest, ...)."""
+        result: dict[str, Any] = self._call("GET", f"/code/snapshots/{snapshot_id}").json()
+        return result
+
+    def code_blob(self, digest: str) -> bytes:
+        return self._call("GET", f"/code/blobs/{digest}").content
 
     def job(self, job_id: int) -> dict[str, Any]:
         result: dict[str, Any] = self._call("GET", f"/jobs/{job_id}").json()

@@ -61,6 +61,9 @@ class HeartbeatReply(BaseModel):
 
     cancel: list[AttemptRef]
     abandon: list[AttemptRef]
+    # Of the jobs whose working directories the worker keeps (Heartbeat.kept), those
+    # that have ended (or are gone): their directories may be removed.
+    ended: list[int] = []
 
 
 class WorkerRegistered(BaseModel):
@@ -69,3 +72,13 @@ class WorkerRegistered(BaseModel):
     name: str
     heartbeat_s: float
     lease_s: float
+
+
+class CodeSnapshot(BaseModel):
+    """GET /workers/code/snapshots/{id}: a job's code as a manifest (ddpq.snapshot), each
+    entry checked again by the worker before it writes anything."""
+
+    id: str
+    files: int
+    bytes: int
+    manifest: list[dict[str, Any]]

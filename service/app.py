@@ -21,12 +21,13 @@ from sqlalchemy.exc import IntegrityError, InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from service import code as code_store
 from service import queue, telemetry
 from service.auth import TokenGate, route_rules
 from service.config import Settings
 from service.db import Database, libpq_conninfo
 from service.errors import DomainError, Invalid, not_utf8_json
-from service.routes import jobs, meta, reports, ui, workers
+from service.routes import code, jobs, meta, reports, ui, workers
 from service.telemetry import RequestMetrics, Telemetry
 from service.wakeup import Wakeup
 
@@ -34,24 +35,33 @@ log = logging.getLogger("ddpq.service")
 
 
 class BodyLimit:
-    """413 for request bodies over the limit, whether declared or streamed."""
+    """413 for request bodies over the limit, whether declared or streamed. Paths under
+    a prefix of ``larger`` take that prefix's limit instead (code uploads)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, larger: dict[str, int] | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.larger = larger or {}
+
+    def _limit(self, path: str) -> int:
+        for prefix, limit in self.larger.items():
+            if path.startswith(prefix):
+                return limit
+        return self.max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self._limit(scope.get("path", ""))
         for key, value in scope.get("headers", []):
             if key == b"content-length":
                 try:
-                    too_big = int(value) > self.max_bytes
+                    too_big = int(value) > limit
                 except ValueError:
                     too_big = False
                 if too_big:
-                    await self._reject(send)
+                    await self._reject(send, limit)
                     return
         seen = 0
         started = False
@@ -61,8 +71,8 @@ class BodyLimit:
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise _TooLarge(self.max_bytes)
+                if seen > limit:
+                    raise _TooLarge(limit)
             return message
 
         async def tracked_send(message: Message) -> None:
@@ -75,10 +85,10 @@ class BodyLimit:
             await self.app(scope, counted_receive, tracked_send)
         except _TooLarge:
             if not started:
-                await self._reject(send)
+                await self._reject(send, limit)
 
-    async def _reject(self, send: Send) -> None:
-        body = f'{{"detail":"request body is larger than {self.max_bytes} bytes"}}'.encode()
+    async def _reject(self, send: Send, limit: int) -> None:
+        body = json.dumps({"detail": _too_large(limit)}).encode()
         await send(
             {
                 "type": "http.response.start",
@@ -97,7 +107,26 @@ class _TooLarge(HTTPException):
     exception while reading a body into a 400) and the app answers 413."""
 
     def __init__(self, max_bytes: int) -> None:
-        super().__init__(413, f"request body is larger than {max_bytes} bytes")
+        super().__init__(413, _too_large(max_bytes))
+
+
+def _too_large(limit: int) -> str:
+    return f"request body is larger than {limit} bytes"
+
+
+def _body_limits(settings: Settings) -> dict[str, int]:
+    """The larger bodies code uploads take: one file's content, and a manifest (or its
+    list of digests) of the most files a snapshot may hold."""
+    manifest = max(settings.max_body_bytes, settings.code_max_files * MANIFEST_ENTRY_BYTES)
+    return {
+        "/code/blobs/": settings.code_max_file_bytes,
+        "/code/snapshots": manifest,
+        "/code/missing": manifest,
+    }
+
+
+# Room for one manifest entry in JSON: a long path, a digest, a size and a mode.
+MANIFEST_ENTRY_BYTES = 512
 
 
 def begin_shutdown(app: FastAPI) -> None:
@@ -113,10 +142,21 @@ async def _sweep_leases(app: FastAPI) -> None:
     settings: Settings = app.state.settings
     db: Database = app.state.db
     interval = max(0.5, min(settings.lease_s / 3, settings.gang_timeout_s / 3, 5.0))
+    # Code no job needs is collected every quarter of its retention period (1 s to 10 min).
+    code_every = min(max(settings.code_retention_s / 4, 1.0), 600.0)
+    code_swept = asyncio.get_running_loop().time()
     while True:
         await asyncio.sleep(interval)
         if app.state.stopping.is_set():
             return
+        if asyncio.get_running_loop().time() - code_swept >= code_every:
+            code_swept = asyncio.get_running_loop().time()
+            try:
+                gone = await run_in_threadpool(code_store.collect, db, settings.code_retention_s)
+                if any(gone):
+                    log.info("collected %d code snapshot(s) and %d content(s)", *gone)
+            except Exception:
+                log.exception("code collection failed")
         try:
             # Gangs time out by the clock alone, not by heartbeats: no lease wait here.
             released = await run_in_threadpool(
@@ -211,9 +251,11 @@ def create_app(
     app.include_router(jobs.router)
     app.include_router(reports.router)
     app.include_router(workers.router)
+    app.include_router(code.router)
+    app.include_router(code.workers_router)
     app.include_router(telemetry.router)
     app.include_router(ui.router)  # the dashboard's open static shell; its data needs the token
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, larger=_body_limits(settings))
     # No token, no further (not even the body limit or the router's 422).
     app.add_middleware(TokenGate, fastapi_app=app)
     # Outermost: it times whole requests, those the gate refuses included (their route
@@ -347,7 +389,7 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
                 extra["413"] = "the body is larger than the limit (1 MiB by default)"
             if rule.has_params or method in ("POST", "PUT", "PATCH"):
                 extra["422"] = "a field or parameter is invalid (named in detail)"
-            for code, description in extra.items():
-                responses.setdefault(code, {"description": description, **error})
+            for status, description in extra.items():
+                responses.setdefault(status, {"description": description, **error})
     app.openapi_schema = doc
     return doc

@@ -16,6 +16,7 @@ from pathlib import Path
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from ddpq.snapshot import Limits
 from service.db import Policy
 
 API_TOKEN_FILE = "api-token"  # noqa: S105 - a file name, not a secret
@@ -62,6 +63,16 @@ class Settings(BaseSettings):
     log_max_bytes: int = Field(default=32 * 1024 * 1024, ge=4096)
     # How often a GET /jobs/{id}/events stream looks for a status change or new points.
     events_poll_s: float = Field(default=0.5, gt=0, le=60)
+    # Code snapshots (service.code): what one may hold, and how long what no job needs
+    # is kept (a snapshot stays while a job of it is queued or running, and for this
+    # long after its last job ended, for `ddpq resubmit` and `ddpq code`).
+    code_max_files: int = Field(default=20_000, ge=1)
+    code_max_bytes: int = Field(default=1024**3, ge=1)
+    code_max_file_bytes: int = Field(default=100 * 1024**2, ge=1)
+    code_retention_s: float = Field(default=7 * 24 * 3600.0, ge=0)
+
+    def code_limits(self) -> Limits:
+        return Limits(self.code_max_files, self.code_max_bytes, self.code_max_file_bytes)
 
     def policy(self) -> Policy:
         return Policy(

@@ -14,7 +14,7 @@ from sqlalchemy import Table, and_, bindparam, func, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from service import queue
+from service import code, queue
 from service.db import Database
 from service.errors import Conflict, Invalid, NotFound
 from service.models import (
@@ -120,6 +120,7 @@ def _publics(s: Session, jobs: list[Job]) -> list[JobPublic]:
         }
     positions = _queue_positions(s, jobs)
     pending = queue.pending_reasons(s, [j for j in jobs if j.status == JobStatus.QUEUED], positions)
+    snapshots = code.summaries(s, (j.code for j in jobs))
     out = []
     for j in jobs:
         c = checkpoints.get(j.id)
@@ -141,6 +142,7 @@ def _publics(s: Session, jobs: list[Job]) -> list[JobPublic]:
                 latest_checkpoint=_checkpoint_public(c) if c else None,
                 queue_position=positions.get(j.id),
                 metrics_dropped=j.metrics_dropped or 0,
+                code=snapshots.get(j.code) if j.code else None,
             )
         )
     return out
@@ -227,9 +229,12 @@ def submit_job(
         queued_at=now,
         idempotency_key=idempotency_key,
         request_hash=digest,
+        code=spec.code,
     )
     try:
         with db.write() as s:
+            if spec.code is not None:
+                code.use(s, spec.code, spec.entrypoint)
             if strict:
                 problem = queue.unschedulable(s, job)
                 if problem:
@@ -291,6 +296,17 @@ def finish_attempt(db: Database, job_id: int, worker: str, req: FinishRequest) -
         queue.end_attempt(s, job, worker, req, db.policy)
         s.flush()
         return _publics(s, [job])[0]
+
+
+def ended_jobs(db: Database, job_ids: list[int]) -> list[int]:
+    """Which of these jobs have ended, or no longer exist."""
+    with db.read() as s:
+        live = set(
+            s.scalars(
+                select(Job.id).where(Job.id.in_(job_ids), Job.status.not_in(sorted(TERMINAL)))
+            )
+        )
+    return sorted(set(job_ids) - live)
 
 
 # ---- what ranks report ----------------------------------------------------------------

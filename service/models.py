@@ -109,6 +109,10 @@ class Job(Base):
     metrics_seq: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     idempotency_key: Mapped[str | None] = mapped_column(String(200), unique=True)
     request_hash: Mapped[str | None] = mapped_column(String(64))
+    # The code snapshot the program runs among (spec.code): kept while the job needs it.
+    code: Mapped[str | None] = mapped_column(
+        String(64), ForeignKey("code_snapshots.id", ondelete="SET NULL"), index=True
+    )
 
     __table_args__ = (
         # What runs on a worker and the CPU slots it holds: the claim's books, read
@@ -264,3 +268,43 @@ class LogChunk(Base):
     data: Mapped[bytes] = mapped_column(LargeBinary)
 
     __table_args__ = (Index("ix_log_chunks_job_start", "job_id", "start"),)
+
+
+class CodeBlob(Base):
+    """One file's content, stored once by its sha256 (service.code)."""
+
+    __tablename__ = "code_blobs"
+
+    digest: Mapped[str] = mapped_column(String(64), primary_key=True)
+    size: Mapped[int] = mapped_column(BigInteger)
+    data: Mapped[bytes] = mapped_column(LargeBinary)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    # Last asked for or linked into a snapshot: unreferenced blobs are collected only
+    # once this is older than the retention period (an upload in progress keeps them).
+    used_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
+
+
+class CodeSnapshot(Base):
+    """A manifest of paths, modes and blob digests; its id is the manifest's sha256."""
+
+    __tablename__ = "code_snapshots"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    files: Mapped[int] = mapped_column(Integer)
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    manifest: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    used_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
+
+
+class CodeSnapshotBlob(Base):
+    """Which blobs a snapshot needs: a blob is collected only when no snapshot does."""
+
+    __tablename__ = "code_snapshot_blobs"
+
+    snapshot_id: Mapped[str] = mapped_column(
+        String(64), ForeignKey("code_snapshots.id", ondelete="CASCADE"), primary_key=True
+    )
+    digest: Mapped[str] = mapped_column(
+        String(64), ForeignKey("code_blobs.digest"), primary_key=True, index=True
+    )

@@ -23,6 +23,7 @@ from pydantic import (
 from ddpq import rules
 from ddpq.catalog import recipe_names
 from ddpq.rules import entrypoint_problem, env_problem, unsafe_char
+from ddpq.snapshot import entry_problem
 from ddpq.wire import NonFinite, decode_number, encode_number
 
 INT32_MAX = 2**31 - 1
@@ -128,6 +129,27 @@ class Strict(BaseModel):
         return data
 
 
+# A sha256, as code snapshots and their contents are named.
+Digest = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", description="sha256, lower-case hex")]
+MAX_PIP_REQUIREMENTS = 100
+
+
+def _pip_requirement(v: str) -> str:
+    if v.startswith("-"):
+        raise ValueError(
+            f"{v[:100]!r} is an option, not a requirement: put pip options in the code's "
+            "requirements.txt"
+        )
+    if not v.isprintable():
+        raise ValueError("a requirement has printable characters only")
+    return v
+
+
+PipRequirement = Annotated[
+    str, Field(min_length=1, max_length=500), AfterValidator(_pip_requirement)
+]
+
+
 class JobSpec(Strict):
     """What to run: the body of POST /jobs."""
 
@@ -147,6 +169,13 @@ class JobSpec(Strict):
     retry_on_error: Annotated[bool, Field(strict=True)] = False
     priority: Annotated[int, Field(strict=True, ge=-1_000_000, le=1_000_000)] = 0
     timeout_s: Annotated[int | None, Field(strict=True, ge=1, le=365 * 24 * 3600)] = None
+    # A code snapshot (POST /code/snapshots) the program runs among: each worker that
+    # runs the job materialises it as the job's own working directory, and an
+    # entrypoint is a path inside it.
+    code: Digest | None = None
+    # Python requirements for this job, installed (with a requirements.txt at the top
+    # of its code snapshot, if any) into a virtualenv layered on the worker's own.
+    pip: Annotated[list[PipRequirement], Field(max_length=MAX_PIP_REQUIREMENTS)] = []
 
     @field_validator("recipe")
     @classmethod
@@ -201,6 +230,14 @@ class LatestMetrics(BaseModel):
     values: dict[str, MetricValue | None]
 
 
+class CodeSummary(BaseModel):
+    """A code snapshot: its id (the manifest's sha256), how many files, how many bytes."""
+
+    id: str
+    files: int
+    bytes: int
+
+
 class JobPublic(BaseModel):
     id: int
     name: str | None
@@ -220,6 +257,8 @@ class JobPublic(BaseModel):
     # Metric points reported but never stored (ddpq.train's buffer overflowed during a
     # long outage, or a point was refused): 0 when every point made it.
     metrics_dropped: int = 0
+    # The code snapshot the program runs among (spec.code), while it is kept.
+    code: CodeSummary | None = None
 
 
 class JobsPublic(BaseModel):
@@ -374,6 +413,8 @@ class Heartbeat(Strict):
     name: WorkerName
     identity: WorkerIdentity | None = None
     running: Annotated[list[RunningAttempt], Field(max_length=10_000)] = []
+    # Jobs whose working directories the worker keeps: the reply says which have ended.
+    kept: Annotated[list[JobIdIn], Field(max_length=10_000)] = []
 
 
 class FinishRequest(Strict):
@@ -413,6 +454,54 @@ class WorkersPublic(BaseModel):
 
 class LogAppended(BaseModel):
     next_offset: int
+
+
+# ---- code snapshots ---------------------------------------------------------------------
+
+
+class ManifestEntry(Strict):
+    """A file (digest, size, executable) or a symlink (target) of a code snapshot."""
+
+    path: Annotated[str, Field(max_length=4096)]
+    digest: Digest | None = None
+    size: Annotated[int | None, Field(strict=True, ge=0, le=INT64_MAX)] = None
+    executable: Annotated[bool, Field(strict=True)] = False
+    symlink: Annotated[str | None, Field(max_length=4096)] = None
+
+    @model_validator(mode="after")
+    def _file_or_symlink(self) -> ManifestEntry:
+        problem = entry_problem(self.model_dump(exclude_none=True))
+        if problem:
+            raise ValueError(problem)
+        return self
+
+
+class SnapshotIn(Strict):
+    """POST /code/snapshots: a manifest whose contents are all uploaded."""
+
+    files: Annotated[list[ManifestEntry], Field(max_length=1_000_000)]
+
+
+class SnapshotPublic(CodeSummary):
+    manifest: list[ManifestEntry]
+
+
+class MissingRequest(Strict):
+    """POST /code/missing: the contents a snapshot will need."""
+
+    digests: Annotated[list[Digest], Field(max_length=1_000_000)]
+
+
+class MissingReply(BaseModel):
+    missing: list[str]
+
+
+class CodeLimits(BaseModel):
+    """What one snapshot may hold (DDPQ_CODE_MAX_FILES, _BYTES, _FILE_BYTES)."""
+
+    max_files: int
+    max_bytes: int
+    max_file_bytes: int
 
 
 def metric_out(value: float | None) -> MetricValue:

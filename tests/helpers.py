@@ -83,10 +83,13 @@ def report(server: Server, claim: dict[str, Any], items: list[dict[str, Any]]) -
 def job_runner(workspace: Path, spec: dict[str, Any]) -> Any:
     """A worker's JobRunner for a claim of ``spec``, with a context of its own: for what
     the runner decides (program, argv, environment) without running anything."""
+    import tempfile
     import threading
 
     from ddpq.messages import ClaimedJob
+    from worker.code import Workdirs
     from worker.runner import JobRunner, RunContext
+    from worker.venvs import Venvs
 
     ctx = RunContext(
         api=None,  # type: ignore[arg-type]  # nothing is sent
@@ -98,6 +101,8 @@ def job_runner(workspace: Path, spec: dict[str, Any]) -> Any:
         advertise_addr="127.0.0.1",
         kill_grace_s=1.0,
         claimer_done=threading.Event(),
+        workdirs=Workdirs(Path(tempfile.mkdtemp()), cache_bytes=10**6, keep_s=0),
+        venvs=Venvs(Path(tempfile.mkdtemp()), max_envs=1),
     )
     claim = ClaimedJob(
         job_id=7,

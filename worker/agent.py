@@ -13,11 +13,16 @@ from ddpq.messages import ClaimedJob
 from ddpq.wire import Backoff
 from worker import health, procs
 from worker.api import Refused, Unavailable, WorkerAPI, retry
+from worker.code import Workdirs
 from worker.runner import JobRunner, RunContext
+from worker.venvs import Venvs
 
 log = logging.getLogger("ddpq.worker")
 
 CLAIM_WAIT_S = 5.0  # also bounds how long shutdown waits for an open claim
+DEFAULT_CODE_CACHE_BYTES = 10 * 1000**3
+DEFAULT_MAX_ENVS = 8
+MAX_KEPT = 10_000  # job directories a heartbeat asks about (the API's limit)
 
 
 class Agent:
@@ -36,6 +41,9 @@ class Agent:
         advertise_addr: str | None = None,
         rdzv_ports: tuple[int, int] | None = None,
         identity: str | None = None,
+        code_cache_bytes: int = DEFAULT_CODE_CACHE_BYTES,
+        keep_workdirs_s: float = 0.0,
+        max_envs: int = DEFAULT_MAX_ENVS,
     ) -> None:
         self.url = url.rstrip("/")
         self.name = name or socket.gethostname()
@@ -57,6 +65,7 @@ class Agent:
         self._runners: dict[tuple[int, int], JobRunner] = {}
         self._slots_changed = threading.Event()
         self.claimer_done = threading.Event()  # the claim loop has returned (shutdown)
+        self.workdirs = Workdirs(self.data_dir, code_cache_bytes, keep_workdirs_s)
         self.context = RunContext(
             api=self.api,
             name=self.name,
@@ -67,6 +76,8 @@ class Agent:
             advertise_addr=self.advertise_addr,
             kill_grace_s=kill_grace_s,
             claimer_done=self.claimer_done,
+            workdirs=self.workdirs,
+            venvs=Venvs(self.data_dir / "venvs", max_envs),
         )
 
     # ---- slots ------------------------------------------------------------------
@@ -136,8 +147,9 @@ class Agent:
 
     def heartbeat_once(self) -> None:
         runners = {(r.job_id, r.attempt): r for r in self.running()}
+        kept = self.workdirs.kept()[:MAX_KEPT]
         try:
-            reply = self.api.heartbeat([{"job_id": j, "attempt": a} for j, a in runners])
+            reply = self.api.heartbeat([{"job_id": j, "attempt": a} for j, a in runners], kept)
         except Unavailable as exc:
             log.warning("heartbeat: API unavailable (%s)", exc)
             return
@@ -155,6 +167,8 @@ class Agent:
                 log.warning("heartbeat refused: %s", exc)
             return
         health.record(self.data_dir, self.heartbeat_s)
+        if reply.ended:
+            self.workdirs.ended(reply.ended, running={j for j, _ in runners})
         for item in reply.cancel:
             r = runners.get((item.job_id, item.attempt))
             if r is not None:

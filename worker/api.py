@@ -5,11 +5,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 
-from ddpq.messages import ClaimedJob, GangReply, HeartbeatReply, WorkerRegistered
+from ddpq.messages import ClaimedJob, CodeSnapshot, GangReply, HeartbeatReply, WorkerRegistered
 from ddpq.wire import Backoff, retryable
 
 log = logging.getLogger("ddpq.worker")
@@ -51,6 +52,11 @@ class WorkerAPI:
             )
         except httpx.HTTPError as exc:
             raise Unavailable(str(exc) or type(exc).__name__) from exc
+        self._check(r)
+        return r
+
+    @staticmethod
+    def _check(r: httpx.Response) -> None:
         if retryable(r.status_code):
             raise Unavailable(f"HTTP {r.status_code}")
         if r.status_code >= 400:
@@ -59,7 +65,6 @@ class WorkerAPI:
             except ValueError:
                 detail = r.text
             raise Refused(r.status_code, str(detail))
-        return r
 
     def register(self, body: dict[str, Any]) -> WorkerRegistered:
         if self.identity:
@@ -104,10 +109,12 @@ class WorkerAPI:
         )
         return GangReply.model_validate_json(r.content)
 
-    def heartbeat(self, running: list[dict[str, int]]) -> HeartbeatReply:
+    def heartbeat(self, running: list[dict[str, int]], kept: list[int]) -> HeartbeatReply:
         body: dict[str, Any] = {"name": self.name, "running": running}
         if self.identity:
             body["identity"] = self.identity
+        if kept:
+            body["kept"] = kept
         r = self._request("POST", "/workers/heartbeat", json=body)
         return HeartbeatReply.model_validate_json(r.content)
 
@@ -126,6 +133,23 @@ class WorkerAPI:
             "POST", f"/workers/jobs/{job_id}/finish", json={"worker": self.name, **body}
         ).json()
         return result
+
+    def snapshot(self, snapshot_id: str) -> CodeSnapshot:
+        r = self._request("GET", f"/workers/code/snapshots/{snapshot_id}", timeout=120.0)
+        return CodeSnapshot.model_validate_json(r.content)
+
+    def blob(self, digest: str) -> Iterator[bytes]:
+        """A content's bytes as they arrive (Unavailable if the transfer breaks)."""
+        try:
+            with self._client.stream(
+                "GET", f"/workers/code/blobs/{digest}", timeout=httpx.Timeout(120.0, connect=5.0)
+            ) as r:
+                if r.status_code >= 400:
+                    r.read()
+                    self._check(r)
+                yield from r.iter_bytes(1 << 20)
+        except httpx.HTTPError as exc:
+            raise Unavailable(str(exc) or type(exc).__name__) from exc
 
     def close(self) -> None:
         self._client.close()

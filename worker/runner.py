@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,8 +24,10 @@ from typing import Any
 from ddpq.messages import ClaimedJob, GangReply
 from worker import procs, torchrun
 from worker.api import Refused, Unavailable, WorkerAPI, retry
+from worker.code import Workdirs, describe
 from worker.logship import LogShipper
 from worker.torchrun import JobError, Outcome
+from worker.venvs import Stopped, Venvs
 
 log = logging.getLogger("ddpq.worker")
 
@@ -52,6 +54,9 @@ class RunContext:
     kill_grace_s: float
     # Set once the worker's claim loop has returned (shutdown): a handback waits for it.
     claimer_done: threading.Event
+    # Jobs' own directories of their code, and environments for their requirements.
+    workdirs: Workdirs
+    venvs: Venvs
 
 
 @dataclass
@@ -115,6 +120,8 @@ class JobRunner:
         shipper.write(self._first_line().encode())
         try:
             result = self._run(shipper)
+        except Stopped:  # asked to stop while its code or requirements were being readied
+            result = self._never_started()
         except JobError as exc:
             result = Outcome(None, "error", str(exc))
         except Exception as exc:
@@ -185,6 +192,9 @@ class JobRunner:
         """How an attempt stopped before its processes started ends (see torchrun.outcome)."""
         if self.stop_reason == "cancelled":
             return Outcome(None, "cancelled", "cancelled by user")
+        if self.stop_reason == "timeout":
+            timeout_s = self.claim.spec.get("timeout_s")
+            return Outcome(None, "timeout", torchrun.stop_words("timeout", timeout_s))
         return Outcome(None, "requeue", "worker shut down")
 
     def _report(self, result: Outcome) -> None:
@@ -223,7 +233,12 @@ class JobRunner:
         return torchrun.environment(os.environ, self.claim, at)
 
     def _run(self, shipper: LogShipper) -> Outcome:
-        program = self._program(self.claim.spec)
+        spec = self.claim.spec
+        if spec.get("code"):
+            cwd, where = self._code_dir(spec["code"], shipper), "the job's code"
+        else:
+            cwd, where = self.ctx.workspace, "the worker's workspace"
+        program = torchrun.program(spec, cwd, where)
         Path(self.claim.checkpoint_dir).mkdir(parents=True, exist_ok=True)
         resume_from = next(
             (p for p in self.claim.resume_from if torchrun.inside_job_dir(p, self.job_id)), None
@@ -232,17 +247,57 @@ class JobRunner:
             shipper.write(f"[ddpq] resuming from {resume_from}\n".encode())
         log_dir = self.ctx.data_dir / "torchrun-logs" / f"job-{self.job_id}-attempt-{self.attempt}"
         log_dir.mkdir(parents=True, exist_ok=True)
-        rdzv = torchrun.rendezvous(self.gang, self.ctx.advertise_addr)
-        argv = torchrun.argv(sys.executable, self.claim, rdzv, program, log_dir)
+        env = self._env(resume_from)
         try:
-            return self._supervise(argv, log_dir, self._env(resume_from), shipper)
+            with self._python(cwd, env, shipper) as python:
+                if self.stop_requested.is_set():
+                    return self._never_started()
+                rdzv = torchrun.rendezvous(self.gang, self.ctx.advertise_addr)
+                argv = torchrun.argv(python, self.claim, rdzv, program, log_dir)
+                return self._supervise(argv, log_dir, env, shipper, cwd)
         finally:
             shutil.rmtree(log_dir, ignore_errors=True)
+
+    def _code_dir(self, snapshot_id: str, shipper: LogShipper) -> Path:
+        """The job's own directory holding its code snapshot, fetched if need be: an API
+        that is away is waited for (until a stop), a refusal fails the attempt."""
+        api = self.ctx.api
+        try:
+            workdir, written = retry(
+                lambda: self.ctx.workdirs.prepare(
+                    self.job_id, snapshot_id, lambda: api.snapshot(snapshot_id).manifest, api.blob
+                ),
+                what=f"fetch the code of job {self.job_id}",
+                stop=self.stop_requested,
+            )
+        except Refused as exc:
+            raise JobError(f"its code could not be fetched: {exc.detail}") from None
+        except Unavailable:  # only once a stop was asked for: the API is waited out
+            raise Stopped() from None
+        shipper.write(describe(snapshot_id, workdir, written).encode())
+        return Path(workdir)
+
+    def _python(
+        self, cwd: Path, env: dict[str, str], shipper: LogShipper
+    ) -> contextlib.AbstractContextManager[str]:
+        """The interpreter torchrun runs under: the worker's own, or one with the job's
+        requirements (requirements.txt at the top of its code, or the spec's pip list)."""
+        pip = list(self.claim.spec.get("pip") or [])
+        requirements = cwd / "requirements.txt" if self.claim.spec.get("code") else None
+        if requirements is not None and not requirements.is_file():
+            requirements = None
+        if requirements is None and not pip:
+            return contextlib.nullcontext(sys.executable)
+        used = self.ctx.venvs.using(
+            requirements, pip, cwd, env, lambda line: shipper.write(line.encode()),
+            self.stop_requested,
+        )  # fmt: skip
+        return _as_str(used)
 
     # ---- supervision -------------------------------------------------------------------
 
     def _supervise(
-        self, argv: list[str], log_dir: Path, env: dict[str, str], shipper: LogShipper
+        self, argv: list[str], log_dir: Path, env: dict[str, str], shipper: LogShipper, cwd: Path
     ) -> Outcome:
         tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         # torchrun writes to a file that this worker tails, not to a pipe: were the
@@ -252,7 +307,7 @@ class JobRunner:
         with open(output, "wb") as sink:
             proc = subprocess.Popen(
                 procs.launcher_argv(argv, self.ctx.kill_grace_s),
-                cwd=self.ctx.workspace,
+                cwd=cwd,
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=sink,
@@ -325,3 +380,9 @@ class JobRunner:
         except subprocess.TimeoutExpired:
             procs.signal_group(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+@contextlib.contextmanager
+def _as_str(paths: contextlib.AbstractContextManager[Path]) -> Iterator[str]:
+    with paths as path:
+        yield str(path)

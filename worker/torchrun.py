@@ -68,9 +68,12 @@ class Outcome:
 # ---- what runs -------------------------------------------------------------------------
 
 
-def program(spec: Mapping[str, Any], workspace: Path) -> list[str]:
+def program(
+    spec: Mapping[str, Any], workspace: Path, where: str = "the worker's workspace"
+) -> list[str]:
     """The program and its arguments as torchrun takes them: ``-m module`` for a recipe,
-    else the entrypoint's path, checked again here since the worker runs the file."""
+    else the entrypoint's path inside ``workspace`` (the worker's, or the job's own
+    directory of its code: ``where`` says which), checked again since the worker runs it."""
     if spec.get("recipe"):
         entry = catalog().get(spec["recipe"])
         if entry is None:
@@ -82,9 +85,9 @@ def program(spec: Mapping[str, Any], workspace: Path) -> list[str]:
     path = (workspace / spec["entrypoint"]).resolve()
     # resolve() follows symlinks, so a link pointing out of the workspace is caught here.
     if not path.is_relative_to(workspace) or path == workspace:
-        raise JobError(f"entrypoint {spec['entrypoint']!r} resolves outside the worker's workspace")
+        raise JobError(f"entrypoint {spec['entrypoint']!r} resolves outside {where}")
     if not path.is_file():
-        raise JobError(f"entrypoint {spec['entrypoint']!r} is not a file in the worker's workspace")
+        raise JobError(f"entrypoint {spec['entrypoint']!r} is not a file in {where}")
     return [str(path), *spec.get("args", [])]
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 # The order of these imports is the order help lists the commands in.
 # isort: off
-from ddpq.cli import servers, jobs, logs, live, info  # noqa: F401
+from ddpq.cli import servers, jobs, code, logs, live, info  # noqa: F401
 
 # isort: on
 from ddpq.cli.base import app

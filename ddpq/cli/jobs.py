@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from pathlib import Path
+from typing import Annotated, Any, cast
 
 import typer
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 from rich.text import Text
 
+from ddpq import codepack
 from ddpq.cli.base import (
+    EXIT_API,
     EXIT_JOB_FAILED,
     EXIT_USAGE,
     JsonOpt,
@@ -25,17 +29,58 @@ from ddpq.cli.base import (
     _text,
     _waiting,
     app,
+    err,
 )
 from ddpq.cli.spec import _parse_env, _read_spec_file
 from ddpq.client import Client
+from ddpq.snapshot import human_bytes
+
+PROGRESS_MIN_BYTES = 1_000_000  # a smaller upload is over before a bar would help
+
+
+# Flags submit and resubmit share: each overrides the spec's field of its name.
+Name = Annotated[str | None, typer.Option(help="a name to find the job by")]
+WorldSize = Annotated[int | None, typer.Option(help="total ranks (default 1)")]
+Nnodes = Annotated[int | None, typer.Option(help="nodes (default 1)")]
+Device = Annotated[str | None, typer.Option(help="auto, cpu or cuda (default auto)")]
+Priority = Annotated[int | None, typer.Option(help="higher first (default 0)")]
+MaxAttempts = Annotated[int | None, typer.Option(help="(default 3)")]
+MaxRestarts = Annotated[int | None, typer.Option(help="(default 0)")]
+RetryOnError = Annotated[
+    bool | None,
+    typer.Option(
+        "--retry-on-error/--no-retry-on-error",
+        help="retry exits 1..127 too (signals are always retried) (default no)",
+        show_default=False,
+    ),
+]
+TimeoutS = Annotated[int | None, typer.Option(help="stop the job after this many seconds")]
+EnvOpt = Annotated[list[str] | None, typer.Option(help="KEY=VALUE for the ranks (repeatable)")]
+PipOpt = Annotated[
+    list[str] | None,
+    typer.Option("--pip", help="a Python requirement for the job (repeatable)"),
+]
+Wait = Annotated[bool, typer.Option(help="wait for the job to end; exit 4 unless it succeeded")]
+Args = Annotated[list[str] | None, typer.Argument(help="arguments for the program, after --")]
+
+
+def _override(spec: dict[str, Any], flags: dict[str, Any], args: Any, env: Any, pip: Any) -> None:
+    """Flags given on the command line override the spec's fields; --env adds to its env."""
+    spec.update({k: v for k, v in flags.items() if v is not None})
+    if args:
+        spec["args"] = list(args)
+    if env:
+        old = spec.get("env")
+        spec["env"] = {**(old if isinstance(old, dict) else {}), **_parse_env(env)}
+    if pip:
+        old = spec.get("pip")
+        spec["pip"] = [*(old if isinstance(old, list) else []), *pip]
 
 
 @app.command(context_settings={"allow_interspersed_args": False})
 @_client_command
 def submit(
-    args: Annotated[
-        list[str] | None, typer.Argument(help="arguments for the program, after --")
-    ] = None,
+    args: Args = None,
     file: Annotated[
         str | None,
         typer.Option(
@@ -44,38 +89,41 @@ def submit(
     ] = None,
     recipe: Annotated[str | None, typer.Option(help="a built-in recipe (ddpq recipes)")] = None,
     entrypoint: Annotated[
-        str | None, typer.Option(help="a script in the worker's workspace")
-    ] = None,
-    world_size: Annotated[int | None, typer.Option(help="total ranks (default 1)")] = None,
-    nnodes: Annotated[int | None, typer.Option(help="nodes (default 1)")] = None,
-    name: str | None = None,
-    device: Annotated[str | None, typer.Option(help="auto, cpu or cuda (default auto)")] = None,
-    priority: Annotated[int | None, typer.Option(help="higher first (default 0)")] = None,
-    max_attempts: Annotated[int | None, typer.Option(help="(default 3)")] = None,
-    max_restarts: Annotated[int | None, typer.Option(help="(default 0)")] = None,
-    retry_on_error: Annotated[
-        bool | None,
+        str | None,
         typer.Option(
-            "--retry-on-error/--no-retry-on-error",
-            help="retry exits 1..127 too (signals are always retried) (default no)",
-            show_default=False,
+            help="a script in the code sent with the job (or, with --no-code, in "
+            "the worker's workspace)"
         ),
     ] = None,
-    timeout_s: int | None = None,
-    env: Annotated[
-        list[str] | None, typer.Option(help="KEY=VALUE for the ranks (repeatable)")
+    workdir: Annotated[
+        Path | None,
+        typer.Option(help="the directory sent as the job's code (default: the current one)"),
     ] = None,
-    idempotency_key: str | None = None,
-    wait: Annotated[
-        bool, typer.Option(help="wait for the job to end; exit 4 unless it succeeded")
+    no_code: Annotated[
+        bool, typer.Option("--no-code", help="send no code: run from the worker's workspace")
     ] = False,
+    world_size: WorldSize = None,
+    nnodes: Nnodes = None,
+    name: Name = None,
+    device: Device = None,
+    priority: Priority = None,
+    max_attempts: MaxAttempts = None,
+    max_restarts: MaxRestarts = None,
+    retry_on_error: RetryOnError = None,
+    timeout_s: TimeoutS = None,
+    env: EnvOpt = None,
+    pip: PipOpt = None,
+    idempotency_key: str | None = None,
+    wait: Wait = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """Submit a job: --recipe NAME or --entrypoint PATH [-- ARGS...], or -f job.yaml.
+    """Submit a job: --entrypoint FILE (with the current directory as its code), --recipe
+    NAME, or -f job.yaml; [-- ARGS...] for the program.
 
-    The spec file (YAML or JSON, - for stdin) holds the fields of POST /jobs.
+    The spec file (YAML or JSON, - for stdin) holds the fields of POST /jobs, and may
+    say `workdir: DIR` (relative to the file) or `no_code: true`.
 
-    Flags given too override its fields; --env adds to its env.
+    Flags given too override its fields; --env and --pip add to its lists.
     """
     if recipe is not None and entrypoint is not None:
         _fail("give exactly one of --recipe and --entrypoint", EXIT_USAGE)
@@ -98,17 +146,82 @@ def submit(
         "retry_on_error": retry_on_error,
         "timeout_s": timeout_s,
     }
-    spec.update({k: v for k, v in flags.items() if v is not None})
-    if args:
-        spec["args"] = list(args)
-    if env:
-        file_env = spec.get("env")
-        spec["env"] = {**(file_env if isinstance(file_env, dict) else {}), **_parse_env(env)}
+    _override(spec, flags, args, env, pip)
     if spec.get("recipe") is None and spec.get("entrypoint") is None:
         _fail(
             "give exactly one of --recipe and --entrypoint (or recipe/entrypoint in -f FILE)",
             EXIT_USAGE,
         )
+    code_dir = _code_dir(spec, file, workdir, no_code)
+    if code_dir is not None:
+        pushed = _push(code_dir, quiet=as_json)
+        spec["code"] = pushed.id
+        code_words = _code_words(pushed)
+    else:
+        code_words = ""
+    _submit(spec, idempotency_key, wait, as_json, code_words)
+
+
+def _code_dir(
+    spec: dict[str, Any], file: str | None, workdir: Path | None, no_code: bool
+) -> Path | None:
+    """The directory to send as the job's code, or None for none: --no-code (or
+    ``no_code: true`` in the spec file), a spec naming its snapshot already (``code:
+    ID``), or a recipe with no directory given. An entrypoint takes the current one."""
+    file_dir = spec.pop("workdir", None)
+    file_no_code = spec.pop("no_code", False)
+    if no_code or file_no_code is True or spec.get("code"):
+        return None
+    if workdir is not None:
+        return workdir
+    if isinstance(file_dir, str):
+        here = Path(file).parent if file is not None and file != "-" else Path(".")
+        return here / file_dir
+    return Path(".") if spec.get("entrypoint") or not spec.get("recipe") else None
+
+
+def _push(root: Path, quiet: bool) -> codepack.Pushed:
+    """Send ``root`` as the job's code, with a progress bar on a terminal for large uploads."""
+    if not root.is_dir():
+        _fail(f"--workdir {root} is not a directory", EXIT_USAGE)
+    bar: Progress | None = None
+    task: Any = None
+
+    def progress(sent: int, total: int) -> None:
+        nonlocal bar, task
+        if quiet or not err.is_terminal or total < PROGRESS_MIN_BYTES:
+            return
+        if bar is None:
+            bar = Progress(
+                TextColumn("code"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                console=err, transient=True,
+            )  # fmt: skip
+            bar.start()
+            task = bar.add_task("upload", total=total)
+        bar.update(task, completed=sent)
+
+    try:
+        with _client() as c:
+            return cast(codepack.Pushed, _call(c.push_code, root, progress))
+    except codepack.CodeError as exc:
+        _fail(str(exc), EXIT_USAGE)
+    finally:
+        if bar is not None:
+            bar.stop()
+
+
+def _code_words(p: codepack.Pushed) -> str:
+    words = (
+        f"code: {p.files} files, {human_bytes(p.bytes)} ({p.new} new, {human_bytes(p.sent)} sent)"
+    )
+    if p.skipped:
+        words += f"; left out: {'; '.join(p.skipped)}"
+    return words
+
+
+def _submit(
+    spec: dict[str, Any], idempotency_key: str | None, wait: bool, as_json: bool, code_words: str
+) -> None:
     with _client() as c:
         job = _call(c.submit, spec, idempotency_key)
         if wait:
@@ -116,14 +229,61 @@ def submit(
     if as_json:
         _print_json(job)
     else:
-        _say(
+        line = (
             f"job {job['id']} {job['status']} ({_program(job)},"
             f" world size {job['spec']['world_size']})"
         )
+        _say(f"{code_words} · {line}" if code_words else line)
         if job.get("reason"):
             _say(f"  {job['reason']}")
     if wait and job["status"] != "succeeded":
         raise typer.Exit(EXIT_JOB_FAILED)
+
+
+# Options may follow the job's id; program arguments come after --.
+@app.command()
+@_client_command
+def resubmit(
+    job_id: int,
+    args: Args = None,
+    world_size: WorldSize = None,
+    nnodes: Nnodes = None,
+    name: Name = None,
+    device: Device = None,
+    priority: Priority = None,
+    max_attempts: MaxAttempts = None,
+    max_restarts: MaxRestarts = None,
+    retry_on_error: RetryOnError = None,
+    timeout_s: TimeoutS = None,
+    env: EnvOpt = None,
+    pip: PipOpt = None,
+    wait: Wait = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Run a job's program again: the same code and spec, with these flags overriding it
+    ([-- ARGS...] replaces its arguments)."""
+    with _client() as c:
+        old = _call(c.job, job_id)
+    spec = {k: v for k, v in old["spec"].items() if v is not None}
+    if spec.get("code") and not old.get("code"):
+        _fail(
+            f"job {job_id}'s code is no longer kept (collected after its retention period); "
+            "submit it again from its directory",
+            EXIT_API,
+        )
+    flags = {
+        "name": name,
+        "world_size": world_size,
+        "nnodes": nnodes,
+        "device": device,
+        "priority": priority,
+        "max_attempts": max_attempts,
+        "max_restarts": max_restarts,
+        "retry_on_error": retry_on_error,
+        "timeout_s": timeout_s,
+    }
+    _override(spec, flags, args, env, pip)
+    _submit(spec, None, wait, as_json, "")
 
 
 @app.command()

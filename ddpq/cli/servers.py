@@ -80,6 +80,16 @@ def worker(
             "when it is node 0; open them between workers",
         ),
     ] = "29400-29499",
+    code_cache_gb: Annotated[
+        float, typer.Option(help="cap of the cache of jobs' code contents, in GB")
+    ] = 10.0,
+    keep_workdirs_s: Annotated[
+        float,
+        typer.Option(help="keep a job's code directory this long after it ends (debugging)"),
+    ] = 0.0,
+    max_envs: Annotated[
+        int, typer.Option(help="environments kept for jobs' Python requirements")
+    ] = 8,
     log_level: str = "info",
 ) -> None:
     """Run a worker: claim jobs from the API and run them with torchrun."""
@@ -128,6 +138,9 @@ def worker(
         advertise_addr=advertise_addr,
         rdzv_ports=ports,
         identity=identity,
+        code_cache_bytes=int(code_cache_gb * 1000**3),
+        keep_workdirs_s=keep_workdirs_s,
+        max_envs=max(1, max_envs),
     )
     try:
         agent.run()

@@ -155,6 +155,7 @@ def heartbeat(body: Heartbeat, db: DB) -> HeartbeatReply:
     return HeartbeatReply(
         cancel=[AttemptRef(job_id=j, attempt=a) for j, a in cancel],
         abandon=[AttemptRef(job_id=j, attempt=a) for j, a in abandon],
+        ended=jobs.ended_jobs(db, body.kept) if body.kept else [],
     )
 
 

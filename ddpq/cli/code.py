@@ -1,0 +1,85 @@
+"""A job's code: list the snapshot it runs, or download it."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from ddpq.cli.base import (
+    EXIT_API,
+    EXIT_USAGE,
+    JsonOpt,
+    _call,
+    _client,
+    _client_command,
+    _fail,
+    _fit_table,
+    _print_json,
+    _print_table,
+    _say,
+    app,
+)
+from ddpq.client import Client
+from ddpq.snapshot import Entry, Refused, checked, human_bytes, write_out
+
+
+@app.command("code")
+@_client_command
+def code(
+    job_id: int,
+    download: Annotated[
+        Path | None,
+        typer.Option(help="write the snapshot's files into this new directory"),
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """List the code a job runs (its snapshot), or --download it."""
+    with _client() as c:
+        job = _call(c.job, job_id)
+        summary = job.get("code")
+        if summary is None:
+            why = (
+                "is no longer kept (collected after its retention period)"
+                if job["spec"].get("code")
+                else "was sent with none (a recipe, or --no-code)"
+            )
+            _fail(f"job {job_id}'s code {why}", EXIT_API)
+        snap = _call(c.code, summary["id"])
+        if download is not None:
+            _download(c, snap["manifest"], download)
+    if as_json:
+        _print_json(snap)
+        return
+    if download is not None:
+        _say(f"job {job_id}: {snap['files']} files written to {download}")
+        return
+    rows = [
+        [e["path"], human_bytes(e["size"]) if "digest" in e else f"-> {e['symlink']}"]
+        for e in snap["manifest"]
+    ]
+    _print_table(_fit_table(["PATH", "SIZE"], rows, caps={}))
+    _say(f"code {snap['id'][:12]}: {snap['files']} files, {human_bytes(snap['bytes'])}")
+
+
+def _download(c: Client, manifest: list[dict[str, Any]], dest: Path) -> None:
+    """Write the snapshot into ``dest`` by the rules the worker keeps (ddpq.snapshot)."""
+    if dest.exists():
+        _fail(f"--download {dest} exists: name a new directory", EXIT_USAGE)
+    try:
+        entries = checked(manifest)
+    except Refused as exc:
+        _fail(f"the API sent a manifest that breaks a rule: {exc}", EXIT_API)
+
+    def fill(e: Entry, fd: int) -> None:
+        assert e.digest is not None
+        data = _call(c.code_blob, e.digest)
+        if hashlib.sha256(data).hexdigest() != e.digest:
+            _fail(f"the API sent {e.path} with another content than its digest", EXIT_API)
+        with open(fd, "wb", closefd=False) as f:
+            f.write(data)
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    write_out(entries, dest.resolve(), fill)

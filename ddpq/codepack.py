@@ -1,0 +1,201 @@
+"""What of a directory goes with a job as its code, and how it is sent.
+
+What is sent: every regular file and every symlink that stays inside the directory,
+except what a ``.gitignore`` or a ``.ddpqignore`` (gitignore syntax, at any level;
+``.ddpqignore`` wins where both speak) leaves out, and never ``.git``, ``__pycache__``
+or a virtualenv (a directory holding ``pyvenv.cfg``). A symlink pointing outside is
+skipped (its target would not exist on the worker) and said so.
+
+How: the API is asked which contents it lacks, and only those are uploaded, so sending
+the same tree again after a one-line change uploads one file (ddpq.snapshot).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pathspec
+
+from ddpq.snapshot import Entry, Limits, limit_problem, path_problem, symlink_problem
+
+NEVER = frozenset({".git", "__pycache__", ".hg", ".svn"})
+IGNORE_FILES = (".gitignore", ".ddpqignore")  # later ones win where both match
+UPLOAD_THREADS = 4
+
+
+class CodeError(Exception):
+    """The directory cannot be sent as it is (over a limit, a name that cannot be)."""
+
+
+@dataclass
+class Collected:
+    entries: list[Entry]
+    sources: dict[str, Path]  # a file's path in the snapshot -> where it is here
+    skipped: list[str] = field(default_factory=list)  # what was left out that a user expects
+
+    @property
+    def size(self) -> int:
+        return sum(e.size for e in self.entries)
+
+
+@dataclass
+class Pushed:
+    """A snapshot sent: its id, files and bytes, and what this push uploaded."""
+
+    id: str
+    files: int
+    bytes: int
+    new: int
+    sent: int
+    skipped: list[str]
+
+
+Specs = tuple[tuple[str, pathspec.PathSpec], ...]
+
+
+def _with_ignore_files(specs: Specs, directory: Path, rel_dir: str) -> Specs:
+    """The ignore rules below ``directory``: those from above, then its own files'."""
+    own = []
+    for name in IGNORE_FILES:
+        f = directory / name
+        if f.is_file():
+            lines = f.read_text(errors="replace").splitlines()
+            own.append((rel_dir, pathspec.GitIgnoreSpec.from_lines(lines)))
+    return specs + tuple(own)
+
+
+def _ignored(specs: Specs, rel: str, is_dir: bool) -> bool:
+    """gitignore's verdict: the last pattern that matches decides, and a deeper
+    directory's files come after the ones above."""
+    verdict = False
+    for base, spec in specs:
+        if base and not rel.startswith(base + "/"):
+            continue
+        sub = rel[len(base) + 1 :] if base else rel
+        result = spec.check_file(sub + "/" if is_dir else sub)
+        if result.include is not None:
+            verdict = bool(result.include)
+    return verdict
+
+
+def collect(root: Path) -> Collected:
+    """The files and links of ``root`` that go with a job (not hashed yet)."""
+    root = root.resolve()
+    entries: list[Entry] = []
+    sources: dict[str, Path] = {}
+    skipped: list[str] = []
+    outside = 0
+    for rel, path, st in _walk(root, (), "", skipped):
+        problem = path_problem(rel)
+        if problem:
+            raise CodeError(f"cannot send {rel!r}: {problem} (leave it out with .ddpqignore)")
+        if stat.S_ISLNK(st.st_mode):
+            target = os.readlink(path)
+            if symlink_problem(rel, target) or not _stays_inside(root, path):
+                outside += 1
+                continue
+            entries.append(Entry(path=rel, symlink=target))
+        else:
+            entries.append(
+                Entry(path=rel, size=st.st_size, executable=bool(st.st_mode & stat.S_IXUSR))
+            )
+            sources[rel] = path
+    if outside:
+        skipped.append(f"{outside} symlink(s) pointing outside the directory")
+    return Collected(entries, sources, skipped)
+
+
+def _walk(
+    directory: Path, specs: Specs, rel_dir: str, skipped: list[str]
+) -> Iterator[tuple[str, Path, os.stat_result]]:
+    specs = _with_ignore_files(specs, directory, rel_dir)
+    try:
+        names = sorted(os.listdir(directory))
+    except PermissionError:
+        skipped.append(f"{rel_dir or '.'}/ (not readable)")
+        return
+    for name in names:
+        path = directory / name
+        rel = f"{rel_dir}/{name}" if rel_dir else name
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:
+            raise CodeError(f"cannot send {rel!r}: its name is not UTF-8") from None
+        st = path.lstat()
+        if stat.S_ISDIR(st.st_mode):
+            if name in NEVER or (path / "pyvenv.cfg").exists():
+                continue
+            if not _ignored(specs, rel, is_dir=True):
+                yield from _walk(path, specs, rel, skipped)
+        elif (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)) and not _ignored(
+            specs, rel, is_dir=False
+        ):
+            yield rel, path, st
+
+
+def _stays_inside(root: Path, link: Path) -> bool:
+    try:
+        return Path(os.path.realpath(link)).is_relative_to(root)
+    except OSError:
+        return False
+
+
+def digest_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def hashed(found: Collected) -> list[Entry]:
+    """The entries with their digests (and sizes as read: a file may change meanwhile)."""
+    out = []
+    for e in found.entries:
+        if e.symlink is not None:
+            out.append(e)
+            continue
+        src = found.sources[e.path]
+        size = src.stat().st_size
+        out.append(Entry(path=e.path, digest=digest_of(src), size=size, executable=e.executable))
+    return out
+
+
+def check_limits(found: Collected, limits: Limits) -> None:
+    problem = limit_problem(found.entries, limits)
+    if problem:
+        raise CodeError(problem)
+
+
+def upload(
+    entries: list[Entry],
+    sources: dict[str, Path],
+    missing: set[str],
+    put: Callable[[str, bytes], None],
+    progress: Callable[[int], None] | None = None,
+) -> tuple[int, int]:
+    """Upload the contents in ``missing``, each once: (contents sent, bytes sent)."""
+    todo: dict[str, Path] = {}
+    for e in entries:
+        if e.digest in missing and e.digest not in todo:
+            todo[e.digest] = sources[e.path]
+
+    def send(item: tuple[str, Path]) -> int:
+        digest, src = item
+        data = src.read_bytes()
+        if hashlib.sha256(data).hexdigest() != digest:
+            raise CodeError(f"{src} changed while it was being sent; submit again")
+        put(digest, data)
+        if progress is not None:
+            progress(len(data))
+        return len(data)
+
+    with ThreadPoolExecutor(UPLOAD_THREADS) as pool:
+        sent = sum(pool.map(send, todo.items()))
+    return len(todo), sent

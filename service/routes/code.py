@@ -1,0 +1,94 @@
+"""Code snapshots: what a client uploads with the user token, and what workers fetch.
+
+The upload protocol (ddpq submit does it; the README's curl section shows it):
+GET /code/limits; POST /code/missing with every digest of the manifest; PUT
+/code/blobs/{digest} for each missing one; POST /code/snapshots with the manifest;
+then POST /jobs with ``"code": <snapshot id>``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import Response
+
+from ddpq.snapshot import Entry
+from service import code
+from service.auth import UserAuth, WorkerAuth
+from service.deps import DB, SettingsDep
+from service.schemas import (
+    CodeLimits,
+    CodeSummary,
+    MissingReply,
+    MissingRequest,
+    SnapshotIn,
+    SnapshotPublic,
+)
+
+router = APIRouter(prefix="/code", dependencies=[UserAuth], tags=["code"])
+# The worker's way to the same snapshots and contents, with the worker token.
+workers_router = APIRouter(prefix="/workers/code", dependencies=[WorkerAuth], tags=["workers"])
+
+DigestPath = Annotated[
+    str, Path(pattern=r"^[0-9a-f]{64}$", description="sha256 of the content, lower-case hex")
+]
+BLOB_HEADERS = {"Cache-Control": "private, max-age=31536000, immutable"}
+
+
+@router.get("/limits", response_model=CodeLimits, operation_id="code_limits")
+async def limits(settings: SettingsDep) -> CodeLimits:
+    """What one snapshot may hold: files, bytes in all, bytes in one file."""
+    lim = settings.code_limits()
+    return CodeLimits(
+        max_files=lim.max_files, max_bytes=lim.max_bytes, max_file_bytes=lim.max_file_bytes
+    )
+
+
+@router.post("/missing", response_model=MissingReply, operation_id="code_missing")
+async def missing(body: MissingRequest, db: DB) -> MissingReply:
+    """Which of these contents the API lacks: upload only those."""
+    return MissingReply(missing=await run_in_threadpool(code.missing, db, body.digests))
+
+
+@router.put(
+    "/blobs/{digest}",
+    status_code=204,
+    operation_id="code_put_blob",
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {"application/octet-stream": {"schema": {"type": "string"}}},
+        }
+    },
+)
+async def put_blob(digest: DigestPath, request: Request, db: DB) -> Response:
+    """Upload one file's content; the API checks its sha256 against the path's."""
+    data = await request.body()  # at most DDPQ_CODE_MAX_FILE_BYTES (app.BodyLimit)
+    await run_in_threadpool(code.put_blob, db, digest, data)
+    return Response(status_code=204)
+
+
+@router.post(
+    "/snapshots", status_code=201, response_model=CodeSummary, operation_id="code_snapshot"
+)
+async def create_snapshot(body: SnapshotIn, db: DB, settings: SettingsDep) -> CodeSummary:
+    """Store a manifest whose contents are uploaded; answer its id for POST /jobs."""
+    entries = [Entry.of(e.model_dump(exclude_none=True)) for e in body.files]
+    return await run_in_threadpool(code.create_snapshot, db, entries, settings.code_limits())
+
+
+@router.get("/snapshots/{snapshot_id}", response_model=SnapshotPublic, operation_id="code_get")
+@workers_router.get("/snapshots/{snapshot_id}", response_model=SnapshotPublic)
+async def get_snapshot(snapshot_id: DigestPath, db: DB) -> SnapshotPublic:
+    """A snapshot's manifest: every path with its size, digest and mode."""
+    return await run_in_threadpool(code.snapshot, db, snapshot_id)
+
+
+@router.get("/blobs/{digest}", operation_id="code_get_blob")
+@workers_router.get("/blobs/{digest}")
+async def get_blob(digest: DigestPath, db: DB) -> Response:
+    """One content, as uploaded."""
+    data = await run_in_threadpool(code.blob, db, digest)
+    return Response(data, media_type="application/octet-stream", headers=BLOB_HEADERS)

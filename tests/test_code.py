@@ -1,0 +1,585 @@
+"""Code sent with a job: the upload protocol, its limits and hostile manifests (both
+databases), what of a directory is sent, how a worker writes a job's directory, and real
+jobs run from a user's directory (a helper module, a requirements file naming a wheel
+built here, one-line re-submits, private working directories, two nodes)."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import os
+import threading
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import create_engine, func, select
+
+from ddpq.codepack import collect
+from ddpq.snapshot import Entry
+from service.models import CodeBlob, CodeSnapshot
+from tests.conftest import Server, run_ddpq, start_server, stop_server, wait_for
+from worker.code import BlobCache, Workdirs, write_tree
+from worker.torchrun import JobError
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def put(server: Server, data: bytes, digest: str | None = None) -> int:
+    r = server.client().put(f"/code/blobs/{digest or sha(data)}", content=data)
+    return r.status_code
+
+
+def snapshot(server: Server, files: dict[str, bytes], **extra: Any) -> dict[str, Any]:
+    """Upload ``files`` and create their snapshot; the answer's JSON."""
+    for data in files.values():
+        assert put(server, data) == 204
+    manifest = [
+        {"path": p, "digest": sha(d), "size": len(d), "executable": False} for p, d in files.items()
+    ]
+    r = server.client().post("/code/snapshots", json={"files": manifest, **extra})
+    assert r.status_code == 201, r.text
+    out: dict[str, Any] = r.json()
+    return out
+
+
+def rows(db_url: str, table: Any) -> int:
+    engine = create_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            return int(conn.scalar(select(func.count()).select_from(table)) or 0)
+    finally:
+        engine.dispose()
+
+
+# ---- the upload protocol -----------------------------------------------------------------
+
+
+def test_only_missing_contents_are_sent_and_a_snapshot_is_its_manifest(server: Server) -> None:
+    c = server.client()
+    files = {"train.py": b"print('hi')\n", "lib/helper.py": b"X = 1\n"}
+    digests = sorted(sha(d) for d in files.values())
+    assert c.post("/code/missing", json={"digests": digests}).json()["missing"] == digests
+    first = snapshot(server, files)
+    assert first["files"] == 2 and first["bytes"] == sum(len(d) for d in files.values())
+    assert c.post("/code/missing", json={"digests": digests}).json()["missing"] == []
+    assert snapshot(server, files)["id"] == first["id"], "the same tree is the same snapshot"
+
+    changed = {**files, "lib/helper.py": b"X = 2\n"}
+    missing = c.post("/code/missing", json={"digests": [sha(d) for d in changed.values()]})
+    assert missing.json()["missing"] == [sha(b"X = 2\n")], "one line changed: one content"
+    second = snapshot(server, changed)
+    assert second["id"] != first["id"]
+
+    got = c.get(f"/code/snapshots/{first['id']}").json()
+    assert {e["path"] for e in got["manifest"]} == set(files)
+    assert c.get(f"/code/blobs/{sha(files['train.py'])}").content == files["train.py"]
+    w = server.client("worker")
+    assert w.get(f"/workers/code/snapshots/{first['id']}").json()["id"] == first["id"]
+    helper = sha(b"X = 1\n")
+    assert w.get(f"/workers/code/blobs/{helper}").content == b"X = 1\n"
+
+    job = c.post("/jobs", json={"entrypoint": "train.py", "code": first["id"]})
+    assert job.status_code == 201, job.text
+    assert job.json()["code"] == {"id": first["id"], "files": 2, "bytes": first["bytes"]}
+    listed = c.get("/jobs").json()["items"][0]
+    assert listed["code"]["id"] == first["id"]
+
+
+def test_a_damaged_upload_is_refused_and_stores_nothing(server: Server) -> None:
+    data = b"the real content\n"
+    r = server.client().put(f"/code/blobs/{sha(b'something else')}", content=data)
+    assert r.status_code == 422 and "sha256" in r.text, r.text
+    missing = server.client().post("/code/missing", json={"digests": [sha(b"something else")]})
+    assert missing.json()["missing"] == [sha(b"something else")]
+    # Creating a snapshot of contents never uploaded names them.
+    manifest = [{"path": "a.py", "digest": sha(data), "size": len(data)}]
+    r = server.client().post("/code/snapshots", json={"files": manifest})
+    assert r.status_code == 422 and "a.py" in r.text and "not uploaded" in r.text, r.text
+
+
+HOSTILE = {
+    "parent": [{"path": "../evil.py"}],
+    "absolute": [{"path": "/etc/cron.d/evil"}],
+    "inner parent": [{"path": "a/../../evil.py"}],
+    "empty part": [{"path": "a//b.py"}],
+    "dot part": [{"path": "./a.py"}],
+    "control character": [{"path": "a\x1b[2J.py"}],
+    "link out": [{"path": "data", "symlink": "../../etc"}],
+    "absolute link": [{"path": "data", "symlink": "/etc"}],
+    "under a link": [{"path": "data", "symlink": "lib"}, {"path": "data/x.py"}],
+    "under a file": [{"path": "a.py"}, {"path": "a.py/b.py"}],
+    "twice": [{"path": "a.py"}, {"path": "a.py"}],
+    "file and link": [{"path": "a.py", "symlink": "b.py", "file": True}],
+    "bad digest": [{"path": "a.py", "digest": "XYZ"}],
+    "negative size": [{"path": "a.py", "size": -1}],
+}
+
+
+def _wire(entries: list[dict[str, Any]], data: bytes) -> list[dict[str, Any]]:
+    out = []
+    for e in entries:
+        if "symlink" in e and not e.get("file"):
+            out.append({"path": e["path"], "symlink": e["symlink"]})
+            continue
+        item = {"path": e["path"], "digest": sha(data), "size": len(data)}
+        item.update({k: v for k, v in e.items() if k in ("digest", "size", "symlink")})
+        out.append(item)
+    return out
+
+
+def test_hostile_manifests_are_refused_by_name_and_change_nothing(
+    server: Server, db_url: str
+) -> None:
+    data = b"x = 1\n"
+    assert put(server, data) == 204
+    for case, entries in HOSTILE.items():
+        r = server.client().post("/code/snapshots", json={"files": _wire(entries, data)})
+        assert r.status_code == 422, (case, r.status_code, r.text)
+        assert "files" in r.text, (case, r.text)
+    assert rows(db_url, CodeSnapshot) == 0
+
+
+def test_limits_are_named_with_the_largest_files(db_url: str, tmp_path: Path) -> None:
+    limits = {
+        "DDPQ_CODE_MAX_FILES": "4",
+        "DDPQ_CODE_MAX_BYTES": "3000",
+        "DDPQ_CODE_MAX_FILE_BYTES": "1500",
+    }
+    server = start_server(db_url, tmp_path / "api", **limits)
+    try:
+        c = server.client()
+        assert c.get("/code/limits").json() == {
+            "max_files": 4,
+            "max_bytes": 3000,
+            "max_file_bytes": 1500,
+        }
+        big = b"b" * 2000
+        r = c.put(f"/code/blobs/{sha(big)}", content=big)
+        assert r.status_code == 413 and "1500" in r.text, r.text
+        five = {f"f{i}.py": bytes([65 + i]) * 10 for i in range(5)}
+        for d in five.values():
+            assert put(server, d) == 204
+        manifest = [{"path": p, "digest": sha(d), "size": len(d)} for p, d in five.items()]
+        r = c.post("/code/snapshots", json={"files": manifest})
+        assert r.status_code == 413, r.text
+        detail = r.json()["detail"][0]["msg"]
+        assert "DDPQ_CODE_MAX_FILES" in detail and ".ddpqignore" in detail, detail
+        assert rows(db_url, CodeSnapshot) == 0
+
+        # The CLI says the same before it uploads anything: the largest files, by name.
+        work = tmp_path / "work"
+        work.mkdir()
+        (work / "train.py").write_text("print(1)\n")
+        (work / "weights.bin").write_bytes(b"w" * 2500)
+        env = {"DDPQ_URL": server.url, "DDPQ_TOKEN": server.api_token}
+        out = run_ddpq("submit", "--entrypoint", "train.py", env=env, cwd=work)
+        assert out.returncode == 2, (out.stdout, out.stderr)
+        assert "weights.bin (2.5 KB)" in out.stderr and ".ddpqignore" in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr
+        missing = c.post("/code/missing", json={"digests": [sha(b"w" * 2500)]}).json()
+        assert missing["missing"] == [sha(b"w" * 2500)], "nothing was uploaded"
+        assert c.get("/jobs").json()["items"] == []
+    finally:
+        stop_server(server)
+
+
+def test_a_job_naming_unknown_code_or_an_entrypoint_outside_it_is_refused(server: Server) -> None:
+    c = server.client()
+    r = c.post("/jobs", json={"entrypoint": "train.py", "code": "0" * 64})
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "code"], r.text
+    snap = snapshot(server, {"train.py": b"pass\n"})
+    r = c.post("/jobs", json={"entrypoint": "other.py", "code": snap["id"]})
+    assert r.status_code == 422 and "other.py" in r.text, r.text
+    r = c.post(
+        "/jobs", json={"entrypoint": "train.py", "code": snap["id"], "pip": ["--index-url=x"]}
+    )
+    assert r.status_code == 422 and "pip" in r.text, r.text
+    assert c.get("/jobs").json()["items"] == []
+
+
+def test_collection_keeps_what_a_queued_job_needs(db_url: str, tmp_path: Path) -> None:
+    server = start_server(db_url, tmp_path / "api", DDPQ_CODE_RETENTION_S="0")
+    try:
+        c = server.client()
+        kept = snapshot(server, {"train.py": b"kept\n"})
+        job = c.post("/jobs", json={"entrypoint": "train.py", "code": kept["id"]}).json()
+        dropped = snapshot(server, {"train.py": b"dropped\n"})
+        assert put(server, b"never linked\n") == 204
+
+        def gone(path: str) -> bool:
+            return c.get(path).status_code == 404
+
+        dropped_blob, loose, kept_blob = sha(b"dropped\n"), sha(b"never linked\n"), sha(b"kept\n")
+        wait_for(lambda: gone(f"/code/snapshots/{dropped['id']}"), 30, "the unused snapshot to go")
+        wait_for(lambda: gone(f"/code/blobs/{dropped_blob}"), 30, "its content to go")
+        wait_for(lambda: gone(f"/code/blobs/{loose}"), 30, "a loose content")
+        assert c.get(f"/code/snapshots/{kept['id']}").status_code == 200
+        assert c.get(f"/code/blobs/{kept_blob}").content == b"kept\n"
+        assert c.get(f"/jobs/{job['id']}").json()["code"]["id"] == kept["id"]
+
+        c.post(f"/jobs/{job['id']}/cancel")  # ended: nothing needs it after the retention
+        wait_for(lambda: gone(f"/code/snapshots/{kept['id']}"), 30, "the ended job's snapshot")
+        assert c.get(f"/jobs/{job['id']}").json()["code"] is None
+        assert rows(db_url, CodeBlob) == 0
+    finally:
+        stop_server(server)
+
+
+@pytest.mark.postgres
+def test_every_api_process_serves_the_same_code(pg_url: str, tmp_path: Path) -> None:
+    a = start_server(pg_url, tmp_path / "a")
+    b = start_server(pg_url, tmp_path / "b", tokens=(a.api_token, a.worker_token))
+    try:
+        content = b"print('from a')\n"
+        snap = snapshot(a, {"train.py": content})
+        w = b.client("worker")
+        assert w.get(f"/workers/code/snapshots/{snap['id']}").status_code == 200
+        assert w.get(f"/workers/code/blobs/{sha(content)}").content == content
+    finally:
+        stop_server(a)
+        stop_server(b)
+
+
+# ---- what of a directory is sent ---------------------------------------------------------
+
+
+def test_what_is_sent_honours_ignore_files_and_never_sends_git_or_environments(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "proj"
+    for rel, text in {
+        "train.py": "x",
+        "pkg/model.py": "x",
+        "pkg/__pycache__/model.cpython-311.pyc": "x",
+        ".git/HEAD": "x",
+        ".venv/pyvenv.cfg": "x",
+        "env2/pyvenv.cfg": "x",
+        "env2/lib/big.so": "x",
+        "data/train.bin": "x",
+        "logs/run.log": "x",
+        "logs/keep.log": "x",
+        "pkg/.gitignore": "*.tmp\n",
+        "pkg/scratch.tmp": "x",
+        ".gitignore": "logs/*.log\n!logs/keep.log\ndata/\n",
+        ".ddpqignore": "notes.md\n",
+        "notes.md": "x",
+    }.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    (root / "run.sh").write_text("#!/bin/sh\n")
+    (root / "run.sh").chmod(0o755)
+    (root / "latest.py").symlink_to("pkg/model.py")
+    (root / "outside").symlink_to(tmp_path)
+    found = collect(root)
+    paths = {e.path for e in found.entries}
+    assert paths == {
+        "train.py",
+        "pkg/model.py",
+        "pkg/.gitignore",
+        "logs/keep.log",
+        ".gitignore",
+        ".ddpqignore",
+        "run.sh",
+        "latest.py",
+    }, paths
+    by_path = {e.path: e for e in found.entries}
+    assert by_path["run.sh"].executable and not by_path["train.py"].executable
+    assert by_path["latest.py"].symlink == "pkg/model.py"
+    assert any("outside" in s for s in found.skipped), found.skipped
+
+
+# ---- how a worker writes a job's directory -----------------------------------------------
+
+
+class Store:
+    """Contents a fake API serves (the worker's fetch), counting fetches."""
+
+    def __init__(self, contents: dict[str, bytes]) -> None:
+        self.contents = {sha(d): d for d in contents.values()}
+        self.fetched: list[str] = []
+        self.lock = threading.Lock()
+
+    def fetch(self, digest: str) -> Iterator[bytes]:
+        with self.lock:
+            self.fetched.append(digest)
+        data = self.contents[digest]
+        yield data[: len(data) // 2]
+        yield data[len(data) // 2 :]
+
+
+def _manifest(files: dict[str, bytes]) -> list[dict[str, Any]]:
+    return [Entry(path=p, digest=sha(d), size=len(d)).wire() for p, d in files.items()]
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_the_worker_refuses_a_hostile_manifest_and_writes_nothing(
+    tmp_path: Path, case: str
+) -> None:
+    """What the API would refuse, sent to the worker anyway (a forged answer)."""
+    data = b"x = 1\n"
+    store = Store({"x": data})
+    cache = BlobCache(tmp_path / "cache", 10**9)
+    dest = tmp_path / "jobs" / "job-1"
+    dest.parent.mkdir()
+    with pytest.raises(JobError, match="refused"):
+        write_tree(_wire(HOSTILE[case], data), cache, dest, store.fetch)
+    assert list(dest.parent.iterdir()) == [], "nothing written, not even a partial directory"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "jobs"]
+
+
+def test_the_worker_refuses_content_that_does_not_match_its_digest(tmp_path: Path) -> None:
+    files = {"train.py": b"the real one\n"}
+    store = Store(files)
+    store.contents[sha(b"the real one\n")] = b"a forged one\n"
+    cache = BlobCache(tmp_path / "cache", 10**9)
+    with pytest.raises(JobError, match="does not match its digest"):
+        write_tree(_manifest(files), cache, tmp_path / "job-1", store.fetch)
+    assert not (tmp_path / "job-1").exists()
+    assert not cache.path(sha(b"the real one\n")).exists()
+
+
+def test_job_directories_are_private_copies_and_one_content_is_fetched_once(
+    tmp_path: Path,
+) -> None:
+    files = {f"f{i}.py": b"shared content\n" for i in range(3)} | {"own.py": b"own\n"}
+    store = Store(files)
+    dirs = Workdirs(tmp_path / "data", cache_bytes=10**9, keep_s=0)
+    manifest = _manifest(files)
+    results: dict[int, Path] = {}
+
+    def prepare(job_id: int) -> None:
+        results[job_id], _ = dirs.prepare(job_id, "s" * 64, lambda: manifest, store.fetch)
+
+    threads = [threading.Thread(target=prepare, args=(j,)) for j in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(store.fetched) == sorted({sha(d) for d in files.values()}), store.fetched
+    one, two = results[1], results[2]
+    cached = dirs.cache.path(sha(b"shared content\n"))
+    for d in (one, two):
+        st = (d / "f0.py").stat()
+        assert st.st_nlink == 1 and st.st_ino != cached.stat().st_ino, "a copy, not a link"
+    (one / "f0.py").write_text("rewritten by job 1\n")
+    (one / "state.txt").write_text("job 1 was here\n")
+    assert cached.read_bytes() == b"shared content\n"
+    assert (two / "f0.py").read_bytes() == b"shared content\n"
+    assert not (two / "state.txt").exists()
+
+    # A second attempt of job 1 finds what its first left; job 1 ending removes it.
+    again, written = dirs.prepare(1, "s" * 64, lambda: manifest, store.fetch)
+    assert written.reused and (again / "state.txt").exists()
+    assert dirs.kept() == [1, 2]
+    dirs.ended([1], running=set())
+    assert dirs.kept() == [2] and not one.exists()
+
+
+def test_the_cache_keeps_to_its_cap_by_least_recent_use(tmp_path: Path) -> None:
+    contents = {f"c{i}": bytes([i]) * 1000 for i in range(5)}
+    store = Store(contents)
+    cache = BlobCache(tmp_path / "cache", max_bytes=2500)
+    for data in contents.values():
+        cache.ensure(sha(data), len(data), store.fetch)
+        os.utime(cache.path(sha(data)), (0, len(store.fetched)))  # distinct use times
+    cache.trim()
+    left = sorted(p.name for p in (tmp_path / "cache").rglob("*") if p.is_file())
+    assert left == sorted(sha(d) for d in list(contents.values())[-2:])
+
+
+# ---- real jobs from a user's directory -----------------------------------------------------
+
+
+def make_wheel(where: Path, name: str = "ddpqtestpkg", version: str = "0.1") -> Path:
+    """A pure-Python wheel built here (no network, no build backend): MAGIC = 42."""
+    files = {
+        f"{name}/__init__.py": b"MAGIC = 42\n",
+        f"{name}-{version}.dist-info/METADATA": (
+            f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode()
+        ),
+        f"{name}-{version}.dist-info/WHEEL": (
+            b"Wheel-Version: 1.0\nGenerator: ddpq-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        ),
+    }
+    record = []
+    for path, data in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        record.append(f"{path},sha256={digest},{len(data)}")
+    record.append(f"{name}-{version}.dist-info/RECORD,,")
+    files[f"{name}-{version}.dist-info/RECORD"] = ("\n".join(record) + "\n").encode()
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        for path, data in files.items():
+            z.writestr(path, data)
+    wheel = where / f"{name}-{version}-py3-none-any.whl"
+    wheel.parent.mkdir(parents=True, exist_ok=True)
+    wheel.write_bytes(buf.getvalue())
+    return wheel
+
+
+TRAIN = r"""
+import os, pathlib
+import torch
+import torch.distributed as dist
+import ddpq.train as ddpq_train
+import ddpqtestpkg
+import helper
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+state = pathlib.Path("state.txt")  # in the working directory, as the DDP tutorial's snapshot
+found = "found" if state.exists() else "fresh"
+dist.barrier()
+if rank == 0:
+    print(f"state {found} magic {ddpqtestpkg.MAGIC} scale {helper.SCALE}", flush=True)
+    state.write_text("written by job " + os.environ["DDPQ_JOB_ID"])
+torch.manual_seed(0)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+x = torch.randn(64, 4, generator=torch.Generator().manual_seed(rank))
+y = x.sum(dim=1, keepdim=True) * helper.SCALE
+for step in range(1, 31):
+    opt.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    ddpq_train.report(step, loss=loss.detach())
+ddpq_train.flush()
+dist.destroy_process_group()
+"""
+
+
+def _project(root: Path, requirement: str = "./wheels/ddpqtestpkg-0.1-py3-none-any.whl") -> Path:
+    root.mkdir(parents=True)
+    (root / "train.py").write_text(TRAIN)
+    (root / "helper.py").write_text("# shared by the training script\nSCALE = 1.0\n")
+    (root / "requirements.txt").write_text(requirement + "\n")
+    make_wheel(root / "wheels")
+    (root / ".ddpqignore").write_text("data/\n")
+    (root / "data").mkdir()
+    (root / "data" / "big.bin").write_bytes(os.urandom(300_000))  # left out: .ddpqignore
+    (root / ".git" / "objects").mkdir(parents=True)
+    (root / ".git" / "objects" / "pack").write_bytes(os.urandom(300_000))  # never sent
+    return root
+
+
+def _cli(server: Server, root: Path, *args: str) -> tuple[str, int]:
+    out = run_ddpq(
+        *args, env={"DDPQ_URL": server.url, "DDPQ_TOKEN": server.api_token}, cwd=root, timeout=240
+    )
+    assert out.returncode in (0, 4), (args, out.stdout, out.stderr)
+    assert "Traceback" not in out.stderr, out.stderr
+    return out.stdout, out.returncode
+
+
+def _job_id(stdout: str) -> int:
+    return (
+        int(stdout.split(" · job ", 1)[1].split()[0])
+        if " · job " in stdout
+        else int(stdout.split("job ", 1)[1].split()[0])
+    )
+
+
+@pytest.mark.torchrun
+def test_a_users_directory_runs_with_its_requirements_and_resubmits_send_one_file(
+    server: Server, start_worker: Any, tmp_path: Path
+) -> None:
+    worker = start_worker(server, cpu_slots=2)
+    proj = _project(tmp_path / "my-model")
+    c = server.client()
+
+    first, code = _cli(
+        server, proj, "submit", "--entrypoint", "train.py", "--world-size", "2", "--wait"
+    )
+    assert code == 0, first
+    # train.py, helper.py, requirements.txt, the wheel, .ddpqignore: not data/ nor .git.
+    assert first.startswith("code: 5 files,") and "(5 new," in first, first
+    one = _job_id(first)
+    log = c.get(f"/jobs/{one}/logs").text
+    assert "Successfully installed ddpqtestpkg" in log and "[pip]" in log, log
+    assert "[rank0]: state fresh magic 42 scale 1.0" in log, log
+    losses = [i["values"]["loss"] for i in c.get(f"/jobs/{one}/metrics").json()["items"]]
+    assert len(losses) == 30 and losses[-1] < losses[0], losses
+
+    (proj / "helper.py").write_text("# shared by the training script\nSCALE = 2.0\n")
+    second, code = _cli(
+        server, proj, "submit", "--entrypoint", "train.py", "--world-size", "2", "--wait"
+    )
+    assert code == 0, second
+    assert second.startswith("code: 5 files,") and "(1 new," in second, second
+    two = _job_id(second)
+    log = c.get(f"/jobs/{two}/logs").text
+    assert "reusing environment" in log and "[rank0]: state fresh magic 42 scale 2.0" in log, log
+
+    # The same code and spec again: a job of its own, in a directory of its own.
+    third, code = _cli(server, proj, "resubmit", str(two), "--wait")
+    assert code == 0, third
+    three = _job_id(third)
+    assert c.get(f"/jobs/{three}").json()["code"] == c.get(f"/jobs/{two}").json()["code"]
+    assert "[rank0]: state fresh" in c.get(f"/jobs/{three}/logs").text, (
+        c.get(f"/jobs/{three}").json(),
+        third,
+        worker.log()[-3000:],
+    )
+
+    listing, _ = _cli(server, proj, "code", str(two))
+    assert "helper.py" in listing and "5 files" in listing, listing
+    _cli(server, tmp_path, "code", str(two), "--download", "copy")
+    assert (tmp_path / "copy" / "helper.py").read_text() == (proj / "helper.py").read_text()
+    assert not (tmp_path / "copy" / "data").exists()
+
+    # Ended jobs' directories go (the worker keeps none by default).
+    wait_for(lambda: not list((worker.data_dir / "jobs").glob("job-*")), 30, "job dirs to go")
+
+
+@pytest.mark.torchrun
+def test_a_failed_requirements_build_fails_the_job_with_pips_error_once(
+    server: Server, start_worker: Any, tmp_path: Path
+) -> None:
+    start_worker(server, cpu_slots=2)
+    proj = _project(tmp_path / "p", requirement="./wheels/not-there-0.1-py3-none-any.whl")
+    out, code = _cli(server, proj, "submit", "--entrypoint", "train.py", "--wait")
+    assert code == 4, out
+    job = server.client().get(f"/jobs/{_job_id(out)}").json()
+    assert job["status"] == "failed" and job["attempt"] == 1, job
+    assert "installing the job's requirements failed" in job["reason"], job["reason"]
+    assert "not-there" in job["reason"], job["reason"]
+
+
+TWO_NODES = r"""
+import os, pathlib
+import torch.distributed as dist
+dist.init_process_group("gloo")
+print(f"node {os.environ['GROUP_RANK']} rank {dist.get_rank()} read "
+      f"{pathlib.Path('data.txt').read_text().strip()} in {pathlib.Path.cwd().name}", flush=True)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.torchrun
+def test_a_two_node_job_runs_its_code_on_both_workers(
+    server: Server, start_worker: Any, tmp_path: Path
+) -> None:
+    local = ("--advertise-addr", "127.0.0.1", "--rdzv-ports", "29400-29999")
+    for name in ("a", "b"):
+        start_worker(server, *local, name=name, cpu_slots=1)
+    proj = tmp_path / "two"
+    proj.mkdir()
+    (proj / "main.py").write_text(TWO_NODES)
+    (proj / "data.txt").write_text("from the snapshot\n")
+    out, code = _cli(
+        server, proj, "submit", "--entrypoint", "main.py", "--nnodes", "2", "--world-size", "2",
+        "--wait",
+    )  # fmt: skip
+    jid = _job_id(out)
+    log = server.client().get(f"/jobs/{jid}/logs").text
+    assert code == 0, log
+    for node in (0, 1):
+        assert f"node {node} rank {node} read from the snapshot in job-{jid}" in log, log

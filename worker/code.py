@@ -1,0 +1,281 @@
+"""A job's code on this worker: contents fetched once into a shared cache, and a working
+directory of its own for each job, written from its snapshot's manifest.
+
+- The cache (DATA_DIR/code-cache) holds contents by sha256, read-only, shared by every
+  job. A content is fetched into a temporary file, checked against its digest and size,
+  and renamed into place: a damaged or forged content is refused, never used; two jobs
+  needing the same content wait for one fetch. Past its size cap, the contents used
+  least recently go (never those a job is being written from).
+- A job's directory (DATA_DIR/jobs/job-ID) is written by copying from the cache
+  (a reflink where the filesystem can), never by hard links, through which a program
+  could rewrite the cache and so every later job. It is written under a temporary name
+  and renamed when whole, kept across the job's attempts on this worker (what the
+  program wrote there is still there on a retry), and removed once the service says
+  the job has ended (after a retention period, for debugging).
+- Nothing from the wire is trusted: every path and link of the manifest is checked
+  again here (ddpq.snapshot), files are created with O_EXCL|O_NOFOLLOW, and links
+  are made last, so no write ever goes through one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import logging
+import os
+import shutil
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ddpq.snapshot import Entry, Refused, checked, human_bytes, write_out
+from worker.torchrun import JobError
+
+log = logging.getLogger("ddpq.worker")
+
+FICLONE = 0x40049409  # ioctl: share the source's blocks (btrfs, XFS); else a plain copy
+SNAPSHOT_MARK = ".snapshot"  # beside a job's directory (not inside: the program owns that)
+
+# Streams a content's bytes: fetch(digest) yields chunks.
+Fetch = Callable[[str], Iterator[bytes]]
+
+
+class BlobCache:
+    """Contents by digest, fetched once, checked, size-capped."""
+
+    def __init__(self, root: Path, max_bytes: int) -> None:
+        self.root = root
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._fetching: dict[str, threading.Lock] = {}
+        self._pinned: Counter[str] = Counter()
+        (root / "tmp").mkdir(parents=True, exist_ok=True)
+        for stale in (root / "tmp").iterdir():  # a fetch cut off by a crash
+            stale.unlink(missing_ok=True)
+
+    def path(self, digest: str) -> Path:
+        return self.root / digest[:2] / digest
+
+    @contextlib.contextmanager
+    def pinned(self, digests: set[str]) -> Iterator[None]:
+        """While a job is written from these contents, trimming leaves them be."""
+        with self._lock:
+            self._pinned.update(digests)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._pinned.subtract(digests)
+                self._pinned = +self._pinned
+
+    def ensure(self, digest: str, size: int, fetch: Fetch) -> bool:
+        """Have ``digest`` in the cache; True if it was fetched now."""
+        with self._lock:
+            one = self._fetching.setdefault(digest, threading.Lock())
+        with one:
+            path = self.path(digest)
+            if path.is_file() and path.stat().st_size == size:
+                os.utime(path)  # used now: trimming goes by least recent use
+                return False
+            tmp = self.root / "tmp" / f"{digest}.{uuid.uuid4().hex}"
+            try:
+                h = hashlib.sha256()
+                with open(tmp, "wb") as f:
+                    for chunk in fetch(digest):
+                        h.update(chunk)
+                        f.write(chunk)
+                got = tmp.stat().st_size
+                if h.hexdigest() != digest or got != size:
+                    raise JobError(
+                        f"code content {digest[:16]} from the API does not match its digest "
+                        f"(sha256 {h.hexdigest()[:16]}, {got} bytes): refused"
+                    )
+                tmp.chmod(0o444)
+                path.parent.mkdir(exist_ok=True)
+                os.replace(tmp, path)
+            finally:
+                tmp.unlink(missing_ok=True)
+            return True
+
+    def trim(self) -> None:
+        """Remove the least recently used contents until the cache fits its cap."""
+        with self._lock:
+            pinned = set(self._pinned)
+        files = []
+        for sub in self.root.iterdir():
+            if sub.name == "tmp" or not sub.is_dir():
+                continue
+            for p in sub.iterdir():
+                with contextlib.suppress(FileNotFoundError):
+                    st = p.stat()
+                    files.append((st.st_mtime, st.st_size, p))
+        total = sum(size for _, size, _ in files)
+        for _, size, p in sorted(files):
+            if total <= self.max_bytes:
+                break
+            if p.name in pinned:
+                continue
+            p.unlink(missing_ok=True)
+            total -= size
+
+
+@dataclass
+class Written:
+    """What writing a job's directory took: contents fetched, and how long."""
+
+    fetched: int
+    fetched_bytes: int
+    files: int
+    seconds: float
+    reused: bool = False
+
+
+def write_tree(
+    manifest: list[dict[str, Any]], cache: BlobCache, dest: Path, fetch: Fetch
+) -> Written:
+    """Write the snapshot's files (copied from the cache) and links into ``dest``, which
+    must not exist yet; a manifest that breaks a rule is refused before anything is."""
+    started = time.monotonic()
+    try:
+        entries = checked(manifest)
+    except Refused as exc:
+        raise JobError(f"code snapshot refused: {exc}") from None
+    files = [e for e in entries if e.digest is not None]
+    fetched = fetched_bytes = 0
+
+    def fill(e: Entry, fd: int) -> None:
+        nonlocal fetched, fetched_bytes
+        assert e.digest is not None
+        if cache.ensure(e.digest, e.size, fetch):
+            fetched += 1
+            fetched_bytes += e.size
+        _copy(cache.path(e.digest), fd)
+
+    with cache.pinned({e.digest for e in files if e.digest}):
+        try:
+            write_out(entries, dest, fill)
+        except Refused as exc:
+            raise JobError(f"code snapshot refused: {exc}") from None
+    cache.trim()
+    return Written(fetched, fetched_bytes, len(files), time.monotonic() - started)
+
+
+def _copy(src: Path, out: int) -> None:
+    """A private copy into ``out`` (a reflink where the filesystem shares blocks): never
+    a hard link, through which a program could rewrite the cache."""
+    with open(src, "rb") as f:
+        try:
+            fcntl.ioctl(out, FICLONE, f.fileno())
+            return
+        except OSError:
+            pass
+        size = os.fstat(f.fileno()).st_size
+        copied = 0
+        while copied < size:
+            n = os.copy_file_range(f.fileno(), out, size - copied)
+            if n == 0:
+                break
+            copied += n
+
+
+class Workdirs:
+    """The jobs' working directories on this worker, and when each may go."""
+
+    def __init__(self, data_dir: Path, cache_bytes: int, keep_s: float) -> None:
+        self.root = data_dir / "jobs"
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.cache = BlobCache(data_dir / "code-cache", cache_bytes)
+        self.keep_s = keep_s
+        self._lock = threading.Lock()
+        self._jobs: dict[int, threading.Lock] = {}
+        self._ended: dict[int, float] = {}  # job id -> when the service said it ended
+
+    def path(self, job_id: int) -> Path:
+        return self.root / f"job-{job_id}"
+
+    def prepare(
+        self, job_id: int, snapshot_id: str, manifest: Callable[[], list[dict[str, Any]]],
+        fetch: Fetch,
+    ) -> tuple[Path, Written]:  # fmt: skip
+        """The job's directory holding snapshot ``snapshot_id``: the one an earlier attempt
+        left here, else written now."""
+        with self._lock:
+            one = self._jobs.setdefault(job_id, threading.Lock())
+            self._ended.pop(job_id, None)
+        with one:
+            dest = self.path(job_id)
+            mark = dest.with_name(dest.name + SNAPSHOT_MARK)
+            if dest.is_dir() and _read(mark) == snapshot_id:
+                return dest, Written(0, 0, 0, 0.0, reused=True)
+            _remove(dest)
+            written = write_tree(manifest(), self.cache, dest, fetch)
+            mark.write_text(snapshot_id + "\n")
+            return dest, written
+
+    def kept(self) -> list[int]:
+        """The jobs whose directories are here."""
+        out = []
+        for p in self.root.glob("job-*"):
+            name = p.name.removeprefix("job-")
+            if name.isdigit() and p.is_dir():
+                out.append(int(name))
+        return sorted(out)
+
+    def ended(self, job_ids: list[int], running: set[int]) -> None:
+        """The service says these jobs ended: remove their directories once the
+        retention period has passed (unless an attempt of one runs here again)."""
+        now = time.monotonic()
+        with self._lock:
+            for job_id in job_ids:
+                self._ended.setdefault(job_id, now)
+            due = [j for j, t in self._ended.items() if now - t >= self.keep_s and j not in running]
+        for job_id in due:
+            with self._lock:
+                one = self._jobs.setdefault(job_id, threading.Lock())
+            with one:
+                _remove(self.path(job_id))
+            with self._lock:
+                self._ended.pop(job_id, None)
+                self._jobs.pop(job_id, None)
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+def _remove(dest: Path) -> None:
+    """Remove a job's directory and its mark, whatever its program left in it."""
+    dest.with_name(dest.name + SNAPSHOT_MARK).unlink(missing_ok=True)
+    if dest.is_symlink():
+        dest.unlink()
+        return
+    if not dest.is_dir():
+        return
+    # A program may have made parts of its directory read-only or unreadable.
+    with contextlib.suppress(OSError):
+        dest.chmod(0o700)
+    for top, dirs, _ in os.walk(dest):  # top-down: a directory is opened after this
+        for d in dirs:
+            with contextlib.suppress(OSError):
+                if not os.path.islink(os.path.join(top, d)):
+                    os.chmod(os.path.join(top, d), 0o700)
+    shutil.rmtree(dest, ignore_errors=True)
+
+
+def describe(snapshot_id: str, workdir: Path, w: Written) -> str:
+    """The job log's line about its code."""
+    if w.reused:
+        return f"[ddpq] code {snapshot_id[:12]}: reusing {workdir} from an earlier attempt\n"
+    return (
+        f"[ddpq] code {snapshot_id[:12]}: {w.files} files in {workdir} "
+        f"({w.fetched} fetched, {human_bytes(w.fetched_bytes)}; {w.seconds:.1f} s)\n"
+    )

@@ -46,6 +46,7 @@ bench: venv
 	$(BIN)/python bench/claim.py
 	$(BIN)/python bench/recipes.py
 	$(BIN)/python bench/api.py
+	$(BIN)/python bench/code.py
 
 clean:
 	rm -rf $(VENV) var .pytest_cache .mypy_cache .ruff_cache

@@ -10,7 +10,6 @@ import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
-import psycopg
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exception_handlers import http_exception_handler
@@ -185,6 +184,8 @@ async def _sweep_leases(app: FastAPI) -> None:
 def _listen_for_jobs(url: str, wakeup: Wakeup, stop: threading.Event) -> None:
     """Postgres LISTEN: wake this process's claimers when any API process queues or
     frees something (the in-process wakeup covers only requests it served itself)."""
+    import psycopg  # here: an API on SQLite never loads the Postgres driver
+
     conninfo = libpq_conninfo(url)
     while not stop.is_set():
         try:

@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any, cast
 
-from sqlalchemy import delete, exists, insert, select, update
+from sqlalchemy import delete, exists, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import CursorResult
 from sqlalchemy.exc import IntegrityError
@@ -73,14 +73,18 @@ def put_blob(db: Database, digest: str, data: bytes) -> None:
             ("path", "digest"),
             f"the body's sha256 is {actual}, not {digest}: the upload was damaged or misnamed",
         )
-    upsert = postgresql.insert if db.dialect == "postgresql" else sqlite.insert
     now = utcnow()
-    stmt = upsert(CodeBlob).values(
+    stmt = _upsert(db)(CodeBlob).values(
         digest=digest, size=len(data), data=data, created_at=now, used_at=now
     )
     with db.write() as s:
         # Two clients uploading the same content race harmlessly: the second is a no-op.
         s.execute(stmt.on_conflict_do_nothing(index_elements=["digest"]))
+
+
+def _upsert(db: Database) -> Any:
+    """The dialect's INSERT, which has ON CONFLICT DO NOTHING."""
+    return postgresql.insert if db.dialect == "postgresql" else sqlite.insert
 
 
 def blob(db: Database, digest: str) -> bytes:
@@ -122,23 +126,29 @@ def create_snapshot(db: Database, entries: list[Entry], limits: Limits) -> CodeS
             raise Invalid(("body", "files"), f"size differs from the uploaded content: {wrong[0]}")
         for part in _chunks(list(declared), 500):
             s.execute(update(CodeBlob).where(CodeBlob.digest.in_(part)).values(used_at=now))
-        row = s.get(CodeSnapshot, sid)
-        if row is None:
-            row = CodeSnapshot(
+        # Two submits of one tree at once (a sweep script) race harmlessly: the second
+        # insert does nothing, and both name the same snapshot.
+        added = s.execute(
+            _upsert(db)(CodeSnapshot)
+            .values(
                 id=sid,
                 files=len(files),
-                bytes=sum(declared[d] for d in declared),
+                bytes=sum(declared.values()),
                 manifest=[e.wire() for e in files],
                 created_at=now,
                 used_at=now,
             )
-            s.add(row)
-            s.flush()
+            .on_conflict_do_nothing(index_elements=["id"])
+        )
+        if cast(CursorResult[Any], added).rowcount and declared:
             s.execute(
-                insert(CodeSnapshotBlob), [{"snapshot_id": sid, "digest": d} for d in declared]
+                _upsert(db)(CodeSnapshotBlob).on_conflict_do_nothing(),
+                [{"snapshot_id": sid, "digest": d} for d in declared],
             )
         else:
-            row.used_at = now
+            s.execute(update(CodeSnapshot).where(CodeSnapshot.id == sid).values(used_at=now))
+        row = s.get(CodeSnapshot, sid)
+        assert row is not None
         return CodeSummary(id=row.id, files=row.files, bytes=row.bytes)
 
 

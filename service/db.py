@@ -17,9 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psycopg
-from alembic import command
-from alembic.config import Config
 from sqlalchemy import create_engine, event, text
 from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.exc import InterfaceError, OperationalError
@@ -42,6 +39,10 @@ class UnsupportedDatabase(Exception):
     """A database ddpq cannot run on; the message says how to make one it can."""
 
 
+class Unreachable(Exception):
+    """The database server did not answer (yet)."""
+
+
 def libpq_conninfo(url: str) -> str:
     """A SQLAlchemy Postgres URL as plain libpq connection info, for psycopg itself."""
     return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
@@ -52,12 +53,17 @@ def refuse_unsupported(url: str) -> None:
 
     psycopg returns text as bytes from a SQL_ASCII database, and the first thing to
     notice is SQLAlchemy parsing the server version (a TypeError, a crash); metric names
-    and job names in any script need UTF8 anyway. Raises psycopg's OperationalError while
-    the server is unreachable."""
+    and job names in any script need UTF8 anyway. Raises Unreachable while the server
+    does not answer."""
     if make_url(url).get_backend_name() != "postgresql":
         return
-    with psycopg.connect(libpq_conninfo(url), connect_timeout=5) as conn:
-        row = conn.execute("SHOW server_encoding").fetchone()
+    import psycopg  # here: an API on SQLite never loads the Postgres driver
+
+    try:
+        with psycopg.connect(libpq_conninfo(url), connect_timeout=5) as conn:
+            row = conn.execute("SHOW server_encoding").fetchone()
+    except psycopg.OperationalError as exc:
+        raise Unreachable(str(exc)) from exc
     value = row[0] if row else ""
     encoding = value.decode() if isinstance(value, bytes) else str(value)
     if encoding.upper().replace("-", "") != "UTF8":
@@ -222,7 +228,9 @@ class Database:
         self.engine.dispose()
 
 
-def alembic_config(url: str) -> Config:
+def alembic_config(url: str) -> Any:
+    from alembic.config import Config  # only when migrating
+
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
     # ConfigParser interpolation would read a '%' in a password as a directive.
@@ -232,4 +240,6 @@ def alembic_config(url: str) -> Config:
 
 def upgrade(url: str) -> None:
     """Bring the schema to the newest migration (run by ``ddpq serve`` at start)."""
+    from alembic import command
+
     command.upgrade(alembic_config(url), "head")

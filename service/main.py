@@ -6,7 +6,6 @@ import logging
 import time
 from types import FrameType
 
-import psycopg
 import uvicorn
 from fastapi import FastAPI
 from sqlalchemy.exc import OperationalError
@@ -28,7 +27,7 @@ def wait_for_database(database: dbmod.Database, timeout_s: float = DB_WAIT_S) ->
             return
         except dbmod.UnsupportedDatabase as exc:
             raise SystemExit(f"ddpq: {exc}") from None
-        except (OperationalError, psycopg.OperationalError) as exc:
+        except (OperationalError, dbmod.Unreachable) as exc:
             if time.monotonic() > deadline:
                 raise SystemExit(f"ddpq: the database is unreachable: {exc}") from exc
             log.warning("waiting for the database: %s", str(exc).splitlines()[0])

@@ -479,7 +479,7 @@ class ManifestEntry(Strict):
 class SnapshotIn(Strict):
     """POST /code/snapshots: a manifest whose contents are all uploaded."""
 
-    files: Annotated[list[ManifestEntry], Field(max_length=1_000_000)]
+    files: Annotated[list[ManifestEntry], Field(min_length=1, max_length=1_000_000)]
 
 
 class SnapshotPublic(CodeSummary):

@@ -3,7 +3,11 @@ and what several test files share: a stub JobRunner, reading a program's JSON re
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import io
 import json
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -123,3 +127,30 @@ def records(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def make_wheel(where: Path, name: str = "ddpqtestpkg", version: str = "0.1") -> Path:
+    """A pure-Python wheel built here (no network, no build backend): MAGIC = 42."""
+    files = {
+        f"{name}/__init__.py": b"MAGIC = 42\n",
+        f"{name}-{version}.dist-info/METADATA": (
+            f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode()
+        ),
+        f"{name}-{version}.dist-info/WHEEL": (
+            b"Wheel-Version: 1.0\nGenerator: ddpq-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        ),
+    }
+    record = []
+    for path, data in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        record.append(f"{path},sha256={digest},{len(data)}")
+    record.append(f"{name}-{version}.dist-info/RECORD,,")
+    files[f"{name}-{version}.dist-info/RECORD"] = ("\n".join(record) + "\n").encode()
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        for path, data in files.items():
+            z.writestr(path, data)
+    wheel = where / f"{name}-{version}-py3-none-any.whl"
+    wheel.parent.mkdir(parents=True, exist_ok=True)
+    wheel.write_bytes(buf.getvalue())
+    return wheel

@@ -149,10 +149,11 @@ def test_submit_from_yaml_and_json_files_with_flags_over_them(
         )
     )
     # Flags override the file; -- ARGS replace its args; --env adds to its env; an
-    # --entrypoint replaces the file's recipe rather than clash with it.
+    # --entrypoint replaces the file's recipe rather than clash with it (--no-code: a
+    # file of the worker's workspace, as no code is sent).
     r = ddpq(
         server,
-        *["submit", "-f", str(json_file), "--world-size", "4", "--name", "renamed"],
+        *["submit", "-f", str(json_file), "--world-size", "4", "--name", "renamed", "--no-code"],
         *["--entrypoint", "train.py", "--env", "B=2", "--json", "--", "--total-epochs", "1"],
     )
     assert r.returncode == 0, r.stderr

@@ -5,12 +5,11 @@ built here, one-line re-submits, private working directories, two nodes)."""
 
 from __future__ import annotations
 
-import base64
 import hashlib
-import io
+import importlib.util
 import os
+import subprocess
 import threading
-import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from ddpq.codepack import collect
 from ddpq.snapshot import Entry
 from service.models import CodeBlob, CodeSnapshot
 from tests.conftest import Server, run_ddpq, start_server, stop_server, wait_for
+from tests.helpers import make_wheel
 from worker.code import BlobCache, Workdirs, write_tree
 from worker.torchrun import JobError
 
@@ -396,33 +396,6 @@ def test_the_cache_keeps_to_its_cap_by_least_recent_use(tmp_path: Path) -> None:
 # ---- real jobs from a user's directory -----------------------------------------------------
 
 
-def make_wheel(where: Path, name: str = "ddpqtestpkg", version: str = "0.1") -> Path:
-    """A pure-Python wheel built here (no network, no build backend): MAGIC = 42."""
-    files = {
-        f"{name}/__init__.py": b"MAGIC = 42\n",
-        f"{name}-{version}.dist-info/METADATA": (
-            f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode()
-        ),
-        f"{name}-{version}.dist-info/WHEEL": (
-            b"Wheel-Version: 1.0\nGenerator: ddpq-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
-        ),
-    }
-    record = []
-    for path, data in files.items():
-        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-        record.append(f"{path},sha256={digest},{len(data)}")
-    record.append(f"{name}-{version}.dist-info/RECORD,,")
-    files[f"{name}-{version}.dist-info/RECORD"] = ("\n".join(record) + "\n").encode()
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w") as z:
-        for path, data in files.items():
-            z.writestr(path, data)
-    wheel = where / f"{name}-{version}-py3-none-any.whl"
-    wheel.parent.mkdir(parents=True, exist_ok=True)
-    wheel.write_bytes(buf.getvalue())
-    return wheel
-
-
 TRAIN = r"""
 import os, pathlib
 import torch
@@ -507,10 +480,9 @@ def test_a_users_directory_runs_with_its_requirements_and_resubmits_send_one_fil
     losses = [i["values"]["loss"] for i in c.get(f"/jobs/{one}/metrics").json()["items"]]
     assert len(losses) == 30 and losses[-1] < losses[0], losses
 
+    # One rank from here on: what is tested now is what is sent and where it runs.
     (proj / "helper.py").write_text("# shared by the training script\nSCALE = 2.0\n")
-    second, code = _cli(
-        server, proj, "submit", "--entrypoint", "train.py", "--world-size", "2", "--wait"
-    )
+    second, code = _cli(server, proj, "submit", "--entrypoint", "train.py", "--wait")
     assert code == 0, second
     assert second.startswith("code: 5 files,") and "(1 new," in second, second
     two = _job_id(second)
@@ -567,7 +539,8 @@ dist.destroy_process_group()
 def test_a_two_node_job_runs_its_code_on_both_workers(
     server: Server, start_worker: Any, tmp_path: Path
 ) -> None:
-    local = ("--advertise-addr", "127.0.0.1", "--rdzv-ports", "29400-29999")
+    # Ports of its own: another multi-node test may run at the same time on this host.
+    local = ("--advertise-addr", "127.0.0.1", "--rdzv-ports", "30400-30999")
     for name in ("a", "b"):
         start_worker(server, *local, name=name, cpu_slots=1)
     proj = tmp_path / "two"
@@ -583,3 +556,53 @@ def test_a_two_node_job_runs_its_code_on_both_workers(
     assert code == 0, log
     for node in (0, 1):
         assert f"node {node} rank {node} read from the snapshot in job-{jid}" in log, log
+
+
+def test_one_environment_is_built_for_two_jobs_and_torch_is_never_replaced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from worker.venvs import Venvs
+
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # the wheel is local: pip needs no index
+    make_wheel(tmp_path / "wheels")
+    reqs = tmp_path / "requirements.txt"
+    reqs.write_text("./wheels/ddpqtestpkg-0.1-py3-none-any.whl\n")
+    venvs = Venvs(tmp_path / "venvs", max_envs=1)
+    said: list[str] = []
+    pythons: list[str] = []
+
+    def job() -> None:
+        with venvs.using(
+            reqs, [], tmp_path, dict(os.environ), said.append, threading.Event()
+        ) as py:
+            pythons.append(str(py))
+
+    threads = [threading.Thread(target=job) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(pythons)) == 1 and len(pythons) == 2
+    assert sum("building an environment" in line for line in said) == 1, said
+    assert sum("reusing environment" in line for line in said) == 1, said
+    out = subprocess.run(
+        [
+            pythons[0],
+            "-c",
+            "import ddpqtestpkg, torch, ddpq; print(ddpqtestpkg.MAGIC, torch.__file__)",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    spec = importlib.util.find_spec("torch")
+    assert spec is not None and spec.origin is not None
+    assert out.strip() == f"42 {spec.origin}", "the worker's own torch, not another"
+
+    # Another torch than the worker's fails the build (the constraints pin it).
+    bad = tmp_path / "bad.txt"
+    bad.write_text("torch==1.0.0\n")
+    building = venvs.using(bad, [], tmp_path, dict(os.environ), said.append, threading.Event())
+    with pytest.raises(JobError, match="requirements failed"), building:
+        pass
+    assert len([d for d in (tmp_path / "venvs").iterdir() if (d / ".ddpq-ready").exists()]) == 1

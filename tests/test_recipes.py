@@ -205,7 +205,8 @@ def test_char_gpt_loss_at_least_halves_and_resumes(
     server: Server, start_worker, tmp_path: Path
 ) -> None:
     worker = start_worker(server)
-    small = ["--block-size", "32", "--stride", "4", "--n-embd", "96", "--sample-chars", "80"]
+    small = ["--block-size", "32", "--stride", "6", "--lr", "0.006", "--n-embd", "96"]
+    small += ["--sample-chars", "80"]
     job = _run_job(
         server, "char-gpt", [*small, "--total-epochs", "4", "--save-every", "2", "--log-every", "5"]
     )

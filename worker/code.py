@@ -190,6 +190,8 @@ class Workdirs:
     def __init__(self, data_dir: Path, cache_bytes: int, keep_s: float) -> None:
         self.root = data_dir / "jobs"
         self.root.mkdir(parents=True, exist_ok=True)
+        for partial in self.root.glob(".job-*"):  # a write cut off by a crash
+            _remove(partial)
         self.cache = BlobCache(data_dir / "code-cache", cache_bytes)
         self.keep_s = keep_s
         self._lock = threading.Lock()

@@ -252,6 +252,9 @@ class JobRunner:
             with self._python(cwd, env, shipper) as python:
                 if self.stop_requested.is_set():
                     return self._never_started()
+                if python != sys.executable:  # the job's environment, as if activated
+                    venv = str(Path(python).parent.parent)
+                    env.update(VIRTUAL_ENV=venv, PATH=f"{venv}/bin:{env.get('PATH', '')}")
                 rdzv = torchrun.rendezvous(self.gang, self.ctx.advertise_addr)
                 argv = torchrun.argv(python, self.claim, rdzv, program, log_dir)
                 return self._supervise(argv, log_dir, env, shipper, cwd)

@@ -173,11 +173,12 @@ class Venvs:
         watcher = threading.Thread(target=_kill_on, args=(stop, proc), daemon=True)
         watcher.start()
         errors: list[str] = []
-        for raw in proc.stdout:
-            line = raw.decode(errors="replace").rstrip()
-            say(f"[pip] {line}\n")
-            if line.startswith("ERROR:"):
-                errors.append(line.removeprefix("ERROR:").strip())
+        with proc.stdout:
+            for raw in proc.stdout:
+                line = raw.decode(errors="replace").rstrip()
+                say(f"[pip] {line}\n")
+                if line.startswith("ERROR:"):
+                    errors.append(line.removeprefix("ERROR:").strip())
         code = proc.wait(timeout=PIP_TIMEOUT_S)
         if stop.is_set():
             raise Stopped()

@@ -318,6 +318,11 @@ def status(job_id: int, as_json: JsonOpt = False) -> None:
                 for k, v in m["values"].items()
             )
             fields.append(("latest", f"step {m['step']}: {values}"))
+        if job.get("code"):
+            snap = job["code"]
+            fields.append(
+                ("code", f"{snap['id'][:12]} ({snap['files']} files, {human_bytes(snap['bytes'])})")
+            )
         if job.get("latest_checkpoint"):
             fields.append(("checkpoint", job["latest_checkpoint"]["path"]))
         if job.get("metrics_dropped"):

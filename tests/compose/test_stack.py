@@ -18,7 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import free_port, wait_for
+from tests.conftest import free_port, run_ddpq, wait_for
+from tests.helpers import make_wheel
 
 REPO = Path(__file__).resolve().parent.parent.parent
 pytestmark = pytest.mark.skipif(
@@ -127,11 +128,43 @@ def test_the_examples_run_as_the_readme_says(stack: Stack) -> None:
     assert job["status"] == "succeeded", (job, stack.log(jid))
 
 
+MY_TRAIN = """
+import torch.distributed as dist
+import ddpqtestpkg
+import helper
+dist.init_process_group("gloo")
+print(f"my code: rank {dist.get_rank()} magic {ddpqtestpkg.MAGIC} {helper.WORD}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_your_own_code_from_your_laptop(stack: Stack, tmp_path: Path) -> None:
+    """`ddpq submit` on the host sends a directory; the worker installs its requirements."""
+    proj = tmp_path / "my-model"
+    proj.mkdir()
+    (proj / "train.py").write_text(MY_TRAIN)
+    (proj / "helper.py").write_text('WORD = "from my laptop"\n')
+    make_wheel(proj / "wheels")
+    (proj / "requirements.txt").write_text("./wheels/ddpqtestpkg-0.1-py3-none-any.whl\n")
+    out = run_ddpq(
+        "submit", "--entrypoint", "train.py", "--world-size", "2", "--device", "cpu", "--wait",
+        env={"DDPQ_URL": f"http://127.0.0.1:{stack.port}", "DDPQ_TOKEN": stack.api_token},
+        cwd=proj,
+        timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, (out.stdout, out.stderr)
+    assert out.stdout.startswith("code: 4 files"), out.stdout
+    jid = int(out.stdout.split(" · job ", 1)[1].split()[0])
+    log = stack.log(jid)
+    assert "Successfully installed ddpqtestpkg" in log, log
+    assert "my code: rank 1 magic 42 from my laptop" in log, log
+
+
 def test_your_own_program_with_docker_compose_cp(stack: Stack, tmp_path: Path) -> None:
     program = tmp_path / "mine.py"
     program.write_text(PROGRAM)
     stack.compose("cp", str(program), "worker:/workspace/mine.py")
-    jid = stack.submit(entrypoint="mine.py", world_size=2, device="cpu")
+    jid = stack.submit(entrypoint="mine.py", world_size=2, device="cpu")  # no code: the volume
     job = stack.ended(jid)
     log = stack.log(jid)
     assert job["status"] == "succeeded", (job, log)

@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # torch and torchvision come from this machine's disk through pip (uv/poetry would download 3 GB).
 TORCH_PINS := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: venv browser run test test-fast compose-test lint fmt bench clean
+.PHONY: venv browser run test test-learning compose-test lint fmt bench clean
 
 venv: $(VENV)/.installed
 
@@ -25,8 +25,12 @@ browser:
 	test -x /usr/bin/chromium || { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium; }
 
 test: venv browser
-	$(BIN)/pytest -n 2 --dist worksteal -m 'not exclusive'
+	$(BIN)/pytest -n 3 --dist worksteal -m 'not exclusive and not learning'
 	$(BIN)/pytest -m exclusive
+
+# The recipes trained until they learn (minutes of CPU each): CI runs these after `make test`.
+test-learning: venv
+	$(BIN)/pytest -n 2 --dist worksteal -m learning
 
 # docker compose up for real (slow: builds images; cached in /var/cache/ddpq-compose-test).
 compose-test: venv

@@ -169,6 +169,7 @@ def test_recipes_are_listed_with_their_rules(server: Server) -> None:
 
 
 @pytest.mark.torchrun
+@pytest.mark.learning
 def test_mlp_classifier_learns_the_digits_and_resumes(
     server: Server, start_worker, tmp_path: Path
 ) -> None:
@@ -201,6 +202,7 @@ def test_mlp_classifier_learns_the_digits_and_resumes(
 
 
 @pytest.mark.torchrun
+@pytest.mark.learning
 def test_char_gpt_loss_at_least_halves_and_resumes(
     server: Server, start_worker, tmp_path: Path
 ) -> None:
@@ -241,6 +243,7 @@ def _cifar_like(n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarra
 
 
 @pytest.mark.torchrun
+@pytest.mark.learning
 def test_resnet_cifar10_reads_cifar_format_data_and_resumes(
     server: Server, start_worker, tmp_path: Path
 ) -> None:

@@ -108,11 +108,17 @@ class Client:
             detail = r.text
         raise ApiError(r.status_code, detail)
 
-    def submit(self, spec: dict[str, Any], idempotency_key: str | None = None) -> dict[str, Any]:
+    def submit(
+        self, spec: dict[str, Any], idempotency_key: str | None = None, strict: bool = False
+    ) -> dict[str, Any]:
+        """Queue a job; ``strict``: refused (409) if no registered worker could ever run it."""
         # An empty key is sent too, for the API to refuse: dropping it would submit
         # without the protection the caller asked for.
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key is not None else {}
-        result: dict[str, Any] = self._call("POST", "/jobs", json=spec, headers=headers).json()
+        params = {"strict": "true"} if strict else {}
+        result: dict[str, Any] = self._call(
+            "POST", "/jobs", json=spec, headers=headers, params=params
+        ).json()
         return result
 
     # ---- code snapshots -------------------------------------------------------------

@@ -20,6 +20,14 @@ MAX_METRIC_NAMES = 100  # values in one point
 MAX_METRIC_ITEMS = 1000  # points in one request
 MAX_NAME_CHARS = 200
 
+# The first word of the reason of a queued job that no registered worker could ever
+# run: the API writes it (service/queue/reasons.py), `ddpq submit --wait` stops on it.
+UNSCHEDULABLE = "unschedulable"
+
+
+def is_unschedulable(reason: str | None) -> bool:
+    return reason is not None and reason.startswith(UNSCHEDULABLE + ":")
+
 
 def metric_name_problem(name: object) -> str | None:
     if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS:

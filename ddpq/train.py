@@ -1,15 +1,19 @@
 """The in-training API: what a rank calls to report metrics and keep checkpoints.
 
-    from ddpq import train
-    train.report(step, loss=loss, epoch=epoch)          # rank 0 sends, in the background
-    train.save_checkpoint(state, step=step, epoch=epoch) # rank 0 writes, then registers
-    state = train.load_checkpoint()                      # resume point, or None
+    import ddpq
+    ddpq.report(step, loss=loss, epoch=epoch)          # rank 0 sends, in the background
+    ddpq.save_checkpoint(state, step=step, epoch=epoch) # rank 0 writes, then registers
+    state = ddpq.load_checkpoint()                      # resume point, or None
+
+(``from ddpq import report, save_checkpoint, load_checkpoint`` works too; so does
+``from ddpq import train`` where no ``def train`` of the script's own is in the way.)
 
 Only rank 0 (``RANK`` unset or 0) reports and checkpoints; on other ranks these
 calls return at once. None of them is collective. ``report`` checks the point
 where it is called (a bad step or name raises ValueError there, never taking good
 points down with it) and never blocks a training step: it appends to a bounded
-buffer that a daemon thread sends in batches cut by count and by bytes, retrying
+buffer that a daemon thread sends (the first point at once, so that a progress bar
+and chart show from the start; then in batches cut by count and by bytes), retrying
 with backoff while the API is unreachable. A batch the API refuses is split until
 the one point it refuses is found; points that cannot be stored (that one, or the
 oldest when the buffer overflows during a long outage) are counted on the job
@@ -17,9 +21,10 @@ oldest when the buffer overflows during a long outage) are counted on the job
 tensors: they are turned into floats on the sender thread, so reporting a CUDA
 loss does not synchronise the device on every step.
 
-Without ``DDPQ_URL`` (a plain ``torchrun`` run) nothing is sent: reports go to
-the ``ddpq.train`` logger and checkpoints to ``DDPQ_CHECKPOINT_DIR`` or
-``./checkpoints``, so the same script runs anywhere.
+Without ``DDPQ_URL`` (a plain ``torchrun`` run) nothing is sent: rank 0 prints a
+compact line to stderr for the first report, then at most one every
+PLAIN_INTERVAL_S and the last at exit, formatting nothing in between; checkpoints
+go to ``DDPQ_CHECKPOINT_DIR`` or ``./checkpoints``, so the same script runs anywhere.
 
 With ``DDPQ_TENSORBOARD_DIR`` set (a worker passes on its own), the sender thread
 also writes the reported scalars as TensorBoard event files into
@@ -35,6 +40,7 @@ import logging
 import numbers
 import os
 import re
+import sys
 import threading
 import time
 from pathlib import Path
@@ -65,6 +71,9 @@ BATCH_BYTES = 256 * 1024
 # Points wait up to this long to be batched with later ones: a POST per step would
 # cost the API a core and rank 0 its GIL (measured by bench/overhead.py).
 SEND_INTERVAL_S = 1.0
+# Without ddpq (a bare torchrun), a line per this many seconds: readable, and the steps
+# between cost one clock read each.
+PLAIN_INTERVAL_S = 5.0
 EXIT_FLUSH_TIMEOUT_S = 30.0
 
 
@@ -93,6 +102,9 @@ class _Sender:
         self._dropped = 0  # points never stored: the buffer overflowed, or refused alone
         self._dropped_sent = 0  # of those, how many the job already counts
         self._flushing = 0  # callers waiting in flush(): send without lingering
+        # The first point goes without lingering: the job's progress bar and chart show
+        # from its start, not a batch interval (or a batch of 1000) later.
+        self._eager = True
         self._thread = threading.Thread(target=self._run, name="ddpq-train-sender", daemon=True)
         self._thread.start()
 
@@ -104,7 +116,7 @@ class _Sender:
                 if self._dropped in (1, 1000) or self._dropped % 100_000 == 0:
                     log.warning("ddpq: metric buffer full, %d oldest points dropped", self._dropped)
             self._points.append(item)
-            if len(self._points) >= BATCH_ITEMS:
+            if len(self._points) >= BATCH_ITEMS or self._eager:
                 self._cond.notify_all()
 
     def add_checkpoint(self, body: dict[str, Any]) -> None:
@@ -138,10 +150,13 @@ class _Sender:
                 len(self._points) < BATCH_ITEMS
                 and not self._checkpoints
                 and not (self._flushing and (self._points or self._unsent_drops()))
+                and not (self._eager and self._points)
                 and (left := deadline - time.monotonic()) > 0
             ):
                 self._cond.wait(left)
             n = min(len(self._points), BATCH_ITEMS)
+            if n:
+                self._eager = False
             points = [self._points.popleft() for _ in range(n)]
             checkpoints = list(self._checkpoints)
             self._checkpoints.clear()
@@ -284,6 +299,40 @@ def _materialise(point: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+class _Plain:
+    """Reports under a bare torchrun (no API to send to), on rank 0: a line on stderr
+    for the first, then at most one per PLAIN_INTERVAL_S, and the last one not shown
+    yet when the program exits. Between lines a report costs a clock read."""
+
+    def __init__(self) -> None:
+        self._next = 0.0
+        self._unshown: tuple[int, float | None, dict[str, Any]] | None = None
+        self._lock = threading.Lock()
+
+    def report(self, step: int, epoch: float | None, values: dict[str, Any]) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now < self._next:
+                self._unshown = (step, epoch, values)
+                return
+            if self._next == 0.0:
+                atexit.register(self._at_exit)
+            self._next = now + PLAIN_INTERVAL_S
+            self._unshown = None
+        _print_point(step, epoch, values)
+
+    def _at_exit(self) -> None:
+        if self._unshown is not None:
+            _print_point(*self._unshown)
+
+
+def _print_point(step: int, epoch: float | None, values: dict[str, Any]) -> None:
+    where = f"step {step}" + ("" if epoch is None else f" epoch {_to_float(epoch):g}")
+    shown = ", ".join(f"{k}={_to_float(v):.6g}" for k, v in values.items())
+    print(f"ddpq: {where}: {shown}", file=sys.stderr, flush=True)
+
+
+_plain = _Plain()
 _sender: _Sender | None = None
 _sender_lock = threading.Lock()
 
@@ -328,12 +377,7 @@ def report(step: int, *, epoch: float | None = None, **values: Any) -> None:
             return
         sender = _get_sender()
     if sender is None:
-        log.info(
-            "step %d%s: %s",
-            step,
-            "" if epoch is None else f" epoch {epoch}",
-            ", ".join(f"{k}={_to_float(v):.6g}" for k, v in values.items()),
-        )
+        _plain.report(step, epoch, values)
         return
     sender.add_point(
         {"step": step, "epoch": epoch, "values": {k: _detach(v) for k, v in values.items()}}

@@ -1,4 +1,4 @@
-"""A plain torchrun DDP script that uses only ``ddpq.train``: the shape of a user's own program.
+"""A plain torchrun DDP script with ddpq's in-training calls: the shape of a user's program.
 
 It trains a small MLP on a synthetic regression task, reports the loss on rank 0,
 checkpoints every ``--save-every`` steps, and resumes from ddpq's checkpoint
@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddpq import train
+import ddpq
 
 
 def main() -> None:
@@ -47,7 +47,7 @@ def main() -> None:
     opt = torch.optim.AdamW(ddp_model.parameters(), lr=args.lr)
     teacher = torch.randn(32, 1)
     start = 0
-    state = train.load_checkpoint()
+    state = ddpq.load_checkpoint()
     if state is not None:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
@@ -63,11 +63,11 @@ def main() -> None:
         opt.step()
         # total_steps, once: `ddpq watch` shows a progress bar from it.
         extra = {"total_steps": args.steps} if step == start + 1 else {}
-        train.report(step, loss=loss.detach(), **extra)
+        ddpq.report(step, loss=loss.detach(), **extra)
         if args.save_every and step % args.save_every == 0:
             state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}
-            train.save_checkpoint(state, step=step)
-    train.flush()
+            ddpq.save_checkpoint(state, step=step)
+    ddpq.flush()
     if distributed:
         dist.destroy_process_group()
 

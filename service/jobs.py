@@ -277,7 +277,12 @@ def cancel_job(db: Database, job_id: int) -> JobPublic:
             job.status = JobStatus.CANCELLING
             job.reason = "cancel requested; stopping its processes"
         elif job.status in TERMINAL:
-            raise Conflict(f"job {job_id} is already {job.status}")
+            ended = (
+                "was already cancelled"
+                if job.status == JobStatus.CANCELLED
+                else f"already {job.status}"
+            )
+            raise Conflict(f"job {job_id} {ended}: there is nothing to cancel")
         s.flush()
         return _publics(s, [job])[0]
 

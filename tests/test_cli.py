@@ -32,7 +32,7 @@ from tests.conftest import (
     stop_server,
     wait_for,
 )
-from tests.helpers import finish, report, send_log, submit_and_claim
+from tests.helpers import finish, register, report, send_log, submit_and_claim
 
 SPARK = set("▁▂▃▄▅▆▇█")
 
@@ -100,7 +100,7 @@ class Running:
         code = self.proc.wait(timeout)
         self._reader.join(5)
         assert self.proc.stderr is not None
-        stderr = self.proc.stderr.read().decode()
+        self.stderr = stderr = self.proc.stderr.read().decode()
         self.close()
         assert "Traceback" not in stderr, stderr
         return code
@@ -221,9 +221,43 @@ def test_submit_wait_exits_4_when_the_job_is_cancelled(server: Server) -> None:
         items = c.get("/jobs", params={"status": "queued"}).json()["items"]
         return next((j["id"] for j in items if j["name"] == "waited"), None)
 
-    c.post(f"/jobs/{wait_for(submitted, 30, 'the submitted job')}/cancel")
+    job_id = wait_for(submitted, 30, "the submitted job")
+    # The id at once, before anything happens to the job.
+    wait_for(lambda: f"job {job_id} queued (toy-regression" in run.text, 30, "the job's id")
+    c.post(f"/jobs/{job_id}/cancel")
     assert run.wait() == 4
-    assert "cancelled" in run.text
+    lines = run.text.splitlines()
+    assert lines[0].startswith(f"job {job_id} queued (toy-regression, world size 1)"), lines
+    # Then a line per change (stdout is not a terminal), the last the end.
+    assert lines[-1].startswith(f"job {job_id} cancelled"), lines
+
+
+def test_submit_wait_exits_5_at_once_when_no_worker_can_ever_run_the_job(server: Server) -> None:
+    register(server, "two-slots", cpu_slots=2)
+    too_big = ["--recipe", "toy-regression", "--world-size", "64", "--device", "cpu"]
+    r = ddpq(server, "submit", *too_big, "--name", "too-big", "--wait")
+    assert r.returncode == 5, (r.stdout, r.stderr)
+    job_id = int(re.match(r"job (\d+) queued \(toy-regression, world size 64\)", r.stdout)[1])
+    assert "no registered worker can ever run" in r.stderr, r.stderr
+    assert "needs 64 CPU slots on one worker" in r.stderr, r.stderr
+    assert f"ddpq cancel {job_id}" in r.stderr
+    assert server.client().get(f"/jobs/{job_id}").json()["status"] == "queued"
+    # --strict: refused, not queued.
+    r = ddpq(server, "submit", *too_big, "--name", "too-big-strict", "--strict")
+    assert r.returncode == 1 and "HTTP 409" in r.stderr and "unschedulable" in r.stderr, r.stderr
+    named = server.client().get("/jobs", params={"name": "too-big-strict"}).json()["items"]
+    assert named == []
+
+
+def test_submit_wait_interrupted_says_the_job_goes_on_and_how_to_cancel(server: Server) -> None:
+    run = Running(server, "submit", "--recipe", "toy-regression", "--name", "left", "--wait")
+    seen = wait_for(lambda: re.search(r"job (\d+) queued", run.text), 30, "the job's id")
+    job_id = int(seen[1])
+    run.proc.send_signal(signal.SIGINT)
+    assert run.wait() == 130
+    assert f"job {job_id} is still queued" in run.stderr, run.stderr
+    assert f"ddpq cancel {job_id}" in run.stderr and f"ddpq watch {job_id}" in run.stderr
+    assert server.client().get(f"/jobs/{job_id}").json()["status"] == "queued"
 
 
 # ---- ls and workers -----------------------------------------------------------------------
@@ -496,8 +530,35 @@ def test_exit_codes_for_errors_and_their_table_in_help(server: Server) -> None:
 
     r = ddpq(None, "--help", COLUMNS="100")
     codes = r.stdout[r.stdout.index("Exit codes") :]
-    for code in ("0", "1", "2", "3", "4", "130"):
+    for code in ("0", "1", "2", "3", "4", "5", "130"):
         assert re.search(rf"^\s+{code}  \w", codes, re.MULTILINE), codes
+
+
+def test_help_says_where_the_api_and_token_come_from_and_fits_80_columns() -> None:
+    for cmd in ([], ["submit"], ["resubmit"], ["ls"], ["status"], ["watch"], ["logs"], ["worker"]):
+        r = ddpq(None, *cmd, "--help", COLUMNS="80")
+        assert r.returncode == 0, r.stderr
+        lines = r.stdout.splitlines()
+        assert max(map(len, lines)) <= 80, cmd
+        assert "…" not in r.stdout, cmd  # no option name cut short
+        assert not re.search(r"<(?:str|int|bool|float|path|list)", r.stdout), cmd  # no types
+        if cmd != ["worker"]:  # the worker has its own --url (and its worker token)
+            assert "DDPQ_URL" in r.stdout and "DDPQ_TOKEN" in r.stdout, cmd
+            assert "var/api-token" in r.stdout, cmd
+    r = ddpq(None, "submit", "--help", COLUMNS="80")
+    assert "--retry-on-error / --no-retry-on-error" in r.stdout
+    assert "--strict" in r.stdout and "--env KEY=VALUE" in r.stdout
+
+
+def test_url_and_token_options_stand_in_for_the_variables(server: Server) -> None:
+    r = ddpq(None, "--url", server.url, "--token", server.api_token, "ls", "--json")
+    assert r.returncode == 0, r.stderr
+    assert "items" in json.loads(r.stdout)
+    r = ddpq(None, "--url", server.url, "--token", "wrong-token-wrong-token", "ls")
+    assert r.returncode == 1 and "invalid token" in r.stderr and "--token" in r.stderr
+    # The options win over the variables.
+    r = ddpq(server, "--token", "wrong-token-wrong-token", "ls")
+    assert r.returncode == 1 and "invalid token" in r.stderr
 
 
 def test_logs_of_a_capped_log_print_it_once_with_offsets_past_the_cut(tmp_path: Path) -> None:

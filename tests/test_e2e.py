@@ -238,3 +238,46 @@ def test_a_cancelled_job_says_so_in_one_line(server: Server, start_worker) -> No
     assert "SignalException" not in log and "Traceback" not in log, log
     last = log.rstrip().splitlines()[-1]
     assert last.startswith("[ddpq] cancelled by user: stopped the ranks with SIGTERM in "), log
+
+
+PIECES = r"""
+import os, sys, time
+rank = os.environ["RANK"]
+for i in range(60):
+    sys.stdout.write(f"r{rank} line {i} part one, ")
+    sys.stdout.flush()
+    if i % 20 == 0:
+        time.sleep(0.5)  # torchrun's tail reads in between: the old tee split the line here
+    sys.stdout.write("part two\n")
+    sys.stdout.flush()
+    print(f"r{rank} err {i}", file=sys.stderr, flush=True)
+print("x" * 100_000)  # longer than one read
+sys.stdout.write(f"r{rank} ends without a newline")
+sys.stdout.flush()
+"""
+
+
+def test_rank_lines_arrive_whole_each_with_its_rank(server: Server, start_worker) -> None:
+    worker = start_worker(server)
+    (worker.workspace / "pieces.py").write_text(PIECES)
+    c = server.client()
+    job = c.post("/jobs", json={"entrypoint": "pieces.py", "world_size": 2}).json()
+    final = terminal(c, job["id"])
+    log = c.get(f"/jobs/{job['id']}/logs").text
+    assert final["status"] == "succeeded", log
+    ranks = [line for line in log.splitlines() if line.startswith("[rank")]
+    expected = [
+        f"[rank{r}]: {text}"
+        for r in (0, 1)
+        for text in (
+            *(f"r{r} line {i} part one, part two" for i in range(60)),
+            *(f"r{r} err {i}" for i in range(60)),
+            "x" * 100_000,
+            f"r{r} ends without a newline",
+        )
+    ]
+    assert sorted(ranks) == sorted(expected), [x[:120] for x in set(ranks) ^ set(expected)]
+    # Each rank's lines keep their order.
+    for r in (0, 1):
+        own = [x for x in ranks if x.startswith(f"[rank{r}]: r{r} line")]
+        assert own == [f"[rank{r}]: r{r} line {i} part one, part two" for i in range(60)]

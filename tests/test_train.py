@@ -198,3 +198,95 @@ def test_without_a_server_train_is_a_plain_logger(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     assert "step 1: loss=0.5" in r.stderr
     assert (tmp_path / "ck" / "step-000000001.pt").is_file()
+
+
+FIRST_AT_ONCE = r"""
+import sys, time
+from pathlib import Path
+import ddpq
+import ddpq.train
+ddpq.train.SEND_INTERVAL_S = 3600.0  # later points wait an hour to be batched; the first not
+ddpq.report(0, loss=2.5, total_steps=100)
+print("reported", flush=True)
+go = Path(sys.argv[1])
+deadline = time.monotonic() + 60
+while not go.exists() and time.monotonic() < deadline:
+    time.sleep(0.05)
+ddpq.report(1, loss=2.0)
+assert ddpq.flush(timeout=60)
+print("flushed", flush=True)
+"""
+
+
+def test_the_first_point_is_sent_at_once(server: Server, tmp_path: Path) -> None:
+    claim = submit_and_claim(server)
+    out, go = tmp_path / "out", tmp_path / "go"
+    with open(out, "wb") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", FIRST_AT_ONCE, str(go)],
+            env=_child_env(
+                {
+                    "DDPQ_URL": server.url,
+                    "DDPQ_JOB_ID": str(claim["job_id"]),
+                    "DDPQ_JOB_TOKEN": claim["token"],
+                    "RANK": "0",
+                }
+            ),
+            stdout=f,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        user = server.client()
+
+        def stored() -> list[int]:
+            items = user.get(f"/jobs/{claim['job_id']}/metrics").json()["items"]
+            return [i["step"] for i in items]
+
+        # While the program waits (and its batch interval is an hour), the point is there.
+        assert wait_for(stored, 30, "the first point") == [0], out.read_text()
+        go.touch()
+        assert proc.wait(timeout=90) == 0, out.read_text()
+        assert stored() == [0, 1]
+    finally:
+        stop_process(proc)
+
+
+def test_a_bare_run_prints_the_first_point_then_a_line_now_and_then_and_the_last(
+    tmp_path: Path,
+) -> None:
+    code = (
+        "from ddpq import report\n"
+        "for step in range(10_000):\n"
+        "    report(step, loss=1.0 / (step + 1), epoch=step // 1000)\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code], env=_child_env({}), capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0, r.stderr
+    lines = [x for x in r.stderr.splitlines() if x.startswith("ddpq: step")]
+    # 10,000 reports in well under PLAIN_INTERVAL_S (5 s): the first and the last only.
+    assert lines[0] == "ddpq: step 0 epoch 0: loss=1", lines
+    assert lines[-1] == "ddpq: step 9999 epoch 9: loss=0.0001", lines
+    assert len(lines) <= 4, lines
+    # Other ranks print nothing.
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        env=_child_env({"RANK": "1"}),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0 and "ddpq:" not in r.stderr, r.stderr
+
+
+def test_ddpq_offers_the_in_training_calls_under_names_that_do_not_clash() -> None:
+    import ddpq
+    from ddpq import train
+
+    assert sorted(ddpq._TRAIN) == sorted(train.__all__)
+    for name in train.__all__:
+        assert getattr(ddpq, name) is getattr(train, name)
+    # A script's own `def train(...)` no longer shadows anything it needs.
+    namespace: dict[str, object] = {}
+    exec("from ddpq import report, save_checkpoint, load_checkpoint\ndef train(): pass", namespace)
+    assert namespace["report"] is train.report

@@ -113,9 +113,10 @@ def argv(
     python: str, claim: ClaimedJob, rdzv: list[str], program: list[str], log_dir: Path
 ) -> list[str]:
     """torchrun's command line. Its ranks' output goes to a file with a [rankN] prefix
-    on every line (--tee 3), which the runner ships as the job's log."""
+    on every line (--tee 3), which the runner ships as the job's log; worker.tee runs
+    torchrun so that those lines arrive whole."""
     return [
-        python, "-m", "torch.distributed.run",
+        python, "-m", "worker.tee",
         *rdzv,
         "--nproc-per-node", str(claim.nproc_per_node),
         "--max-restarts", str(claim.spec.get("max_restarts", 0)),

@@ -3,21 +3,67 @@
 Exit codes (base.EXIT_CODES is the one table; ``ddpq --help`` prints it): 0 ok;
 1 the API refused the request (4xx) or failed (5xx); 2 bad usage; 3 the API could
 not be reached; 4 the job failed or was cancelled (``watch``, ``status``,
-``submit --wait``); 130 interrupted. Every command that prints accepts ``--json``.
+``submit --wait``); 5 ``submit --wait``: no worker can ever run the job;
+130 interrupted. Every command that prints accepts ``--json``.
 
-One module per group of commands; importing each registers its commands on the app,
-in the order ``ddpq --help`` lists them.
+One module per group of commands; importing each registers its commands on the app.
 """
 
 from __future__ import annotations
 
-# The order of these imports is the order help lists the commands in.
-# isort: off
-from ddpq.cli import servers, jobs, code, logs, live, info  # noqa: F401
+from typing import Any
 
-# isort: on
+import typer
+
+from ddpq.cli import code, info, jobs, live, logs, servers  # noqa: F401
 from ddpq.cli.base import app
+
+# The order `ddpq --help` lists the commands in: starting things, then a job's life.
+ORDER = [
+    "serve", "worker", "up",
+    "submit", "resubmit", "status", "ls", "cancel", "code", "logs", "watch",
+    "workers", "recipes",
+]  # fmt: skip
+
+
+def _metavar(param: Any) -> str:
+    """What help shows for a value: N for a count, SECONDS for a time (options named
+    *_s), else the option's name (``--recipe RECIPE``), as argparse does; typer's own
+    would be a Python type (``<list[str]>``)."""
+    name = (param.name or "value").upper()
+    if param.param_type_name == "argument":
+        return name
+    bare = getattr(param, "bare_type", lambda: "")()
+    if bare in ("int", "list[int]"):
+        return "N"
+    if bare == "float":
+        return "SECONDS" if name.endswith("_S") else "X"
+    return name
+
+
+def _name_values(command: Any) -> None:
+    """Give every option and argument without a metavar of its own a readable one.
+    (Any: typer ships its own copy of click, whose classes these are.)"""
+    for param in command.params:
+        if param.metavar is None and not getattr(param, "is_flag", False):
+            many = param.nargs == -1 and param.param_type_name == "option"
+            param.metavar = _metavar(param) + ("..." if many else "")
+        if param.param_type_name == "argument":
+            # typer lists an argument as "ARGS... <list[str]>": the name says enough.
+            param.display_type_rich = lambda ctx: None
+    for sub in getattr(command, "commands", {}).values():
+        _name_values(sub)
+
+
+def _ordered() -> None:
+    def name(command: typer.models.CommandInfo) -> str:
+        return command.name or command.callback.__name__  # type: ignore[union-attr]
+
+    app.registered_commands.sort(key=lambda command: ORDER.index(name(command)))
 
 
 def main() -> None:
-    app()
+    _ordered()
+    command = typer.main.get_command(app)
+    _name_values(command)
+    command()

@@ -10,7 +10,7 @@ import sys
 import threading
 from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import Annotated, Any, NoReturn, TypeVar
+from typing import Annotated, Any, NoReturn, TypeVar, cast
 
 import httpx
 import typer
@@ -29,25 +29,84 @@ EXIT_UNREACHABLE = 3
 EXIT_JOB_FAILED = 4
 EXIT_INTERRUPTED = 130
 
+EXIT_UNSCHEDULABLE = 5
+EXIT_INTERRUPTED = 130
+
 EXIT_CODES = {
     EXIT_OK: "ok (watch, status, submit --wait: the job succeeded)",
     EXIT_API: "the API refused the request or failed (4xx/5xx), with its reason",
     EXIT_USAGE: "bad usage: a flag, or a spec file that is not YAML/JSON",
-    EXIT_UNREACHABLE: "the API could not be reached (DDPQ_URL)",
+    EXIT_UNREACHABLE: "the API could not be reached (--url, DDPQ_URL)",
     EXIT_JOB_FAILED: "the job failed or was cancelled (watch, status, submit --wait)",
+    EXIT_UNSCHEDULABLE: "submit --wait: no registered worker can ever run the job",
     EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
 }
 
+# Where every client command finds the API: said under each one's help, since that is
+# where a user looks when a command cannot reach it or is refused.
+API_HELP = (
+    "The API: --url or DDPQ_URL (default "
+    + config.DEFAULT_URL
+    + "); the user token: --token or DDPQ_TOKEN, else the file var/api-token that "
+    "`ddpq serve` wrote (DDPQ_DATA_DIR/api-token). Both go before the command: "
+    "ddpq --url URL --token TOKEN ls."
+)
+
+# "\b" keeps click from re-wrapping a paragraph into one line.
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     help="Run PyTorch DDP jobs on shared GPU machines.",
-    epilog="Exit codes:\n" + "\n".join(f"{code:>5}  {what}" for code, what in EXIT_CODES.items()),
+    epilog=API_HELP
+    + "\n\n\b\nExit codes:\n"
+    + "\n".join(f"{code:>5}  {what}" for code, what in EXIT_CODES.items()),
     # An error is a sentence with the API's detail, never a traceback with locals.
     pretty_exceptions_show_locals=False,
+    # Click's plain help: Rich's boxes cut option names ("--no-retry-on-er…") and
+    # typer's Rich help names Python types ("<list[str]>") at 80 columns.
+    rich_markup_mode=None,
 )
 out = Console()
 err = Console(stderr=True)
+
+
+class _Api:
+    """The API and token the global --url/--token chose (None: ddpq.config decides)."""
+
+    url: str | None = None
+    token: str | None = None
+
+
+@app.callback()
+def _global_options(
+    url: Annotated[
+        str | None,
+        typer.Option(
+            "--url",
+            envvar="DDPQ_URL",
+            show_envvar=True,
+            metavar="URL",
+            help=f"the API (default {config.DEFAULT_URL})",
+        ),
+    ] = None,
+    token: Annotated[
+        str | None,
+        typer.Option(
+            "--token",
+            envvar="DDPQ_TOKEN",
+            show_envvar=True,
+            metavar="TOKEN",
+            help="the user token (default: the file var/api-token `ddpq serve` wrote)",
+        ),
+    ] = None,
+) -> None:
+    _Api.url = url.rstrip("/") if url else None
+    _Api.token = token.strip() if token else None
+
+
+def _api_url() -> str:
+    return _Api.url or config.api_url()
+
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON for scripts")]
 F = TypeVar("F", bound=Callable[..., Any])
@@ -111,7 +170,17 @@ def _client_command(fn: F) -> F:
 
 
 def _client() -> Client:
-    return Client()
+    return Client(_Api.url, _Api.token)
+
+
+def client_command(**settings: Any) -> Callable[[F], F]:
+    """Register a command that talks to the API: Ctrl-C and closed pipes handled
+    (_client_command), and the help saying where the API and token come from."""
+
+    def register(fn: F) -> F:
+        return cast(F, app.command(epilog=API_HELP, **settings)(_client_command(fn)))
+
+    return register
 
 
 def _call(fn: Any, *args: Any, **kw: Any) -> Any:
@@ -120,14 +189,15 @@ def _call(fn: Any, *args: Any, **kw: Any) -> Any:
     except ApiError as exc:
         if exc.status == 401:
             _fail(
-                f"{format_detail(exc.detail)} (set DDPQ_TOKEN, or run where ./var/api-token is)",
+                f"{format_detail(exc.detail)} (give --token or set DDPQ_TOKEN, or run where"
+                " ./var/api-token is)",
                 EXIT_API,
             )
         _fail(f"HTTP {exc.status}: {format_detail(exc.detail)}", EXIT_API)
     except httpx.HTTPError as exc:
-        _fail(f"cannot reach the ddpq API at {config.api_url()}: {exc}", EXIT_UNREACHABLE)
+        _fail(f"cannot reach the ddpq API at {_api_url()}: {exc}", EXIT_UNREACHABLE)
     except json.JSONDecodeError:
-        _fail(f"{config.api_url()} answered something that is not the ddpq API's JSON", EXIT_API)
+        _fail(f"{_api_url()} answered something that is not the ddpq API's JSON", EXIT_API)
 
 
 def _print_json(data: Any) -> None:

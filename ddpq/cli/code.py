@@ -14,20 +14,18 @@ from ddpq.cli.base import (
     JsonOpt,
     _call,
     _client,
-    _client_command,
     _fail,
     _fit_table,
     _print_json,
     _print_table,
     _say,
-    app,
+    client_command,
 )
 from ddpq.client import Client
 from ddpq.snapshot import Entry, Refused, checked, human_bytes, write_out
 
 
-@app.command("code")
-@_client_command
+@client_command(name="code")
 def code(
     job_id: int,
     download: Annotated[

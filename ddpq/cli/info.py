@@ -7,20 +7,21 @@ from ddpq.cli.base import (
     _age,
     _call,
     _client,
-    _client_command,
     _fit_table,
     _print_json,
     _print_table,
     _say,
     _text,
-    app,
+    client_command,
 )
 
 
-@app.command()
-@_client_command
+@client_command()
 def workers(as_json: JsonOpt = False) -> None:
-    """List workers: CPU slots and GPUs (free of all), running jobs, last heartbeat."""
+    """List workers and what they have free.
+
+    CPU slots and GPUs (free of all), running jobs, last heartbeat.
+    """
     with _client() as c:
         items = _call(c.workers)
     if as_json:
@@ -48,8 +49,7 @@ def workers(as_json: JsonOpt = False) -> None:
     _print_table(table)
 
 
-@app.command()
-@_client_command
+@client_command()
 def recipes(as_json: JsonOpt = False) -> None:
     """List the built-in recipes."""
     with _client() as c:

@@ -7,18 +7,20 @@ from typing import Annotated, Any, cast
 
 import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+from rich.table import Table
 from rich.text import Text
 
 from ddpq import codepack
 from ddpq.cli.base import (
     EXIT_API,
+    EXIT_INTERRUPTED,
     EXIT_JOB_FAILED,
+    EXIT_UNSCHEDULABLE,
     EXIT_USAGE,
     JsonOpt,
     _age,
     _call,
     _client,
-    _client_command,
     _fail,
     _fit_table,
     _loss,
@@ -28,11 +30,14 @@ from ddpq.cli.base import (
     _say,
     _text,
     _waiting,
-    app,
+    client_command,
     err,
+    out,
 )
+from ddpq.cli.live import Interrupted, follow
 from ddpq.cli.spec import _parse_env, _read_spec_file
 from ddpq.client import Client
+from ddpq.rules import UNSCHEDULABLE, is_unschedulable
 from ddpq.snapshot import human_bytes
 
 PROGRESS_MIN_BYTES = 1_000_000  # a smaller upload is over before a bar would help
@@ -42,7 +47,9 @@ PROGRESS_MIN_BYTES = 1_000_000  # a smaller upload is over before a bar would he
 Name = Annotated[str | None, typer.Option(help="a name to find the job by")]
 WorldSize = Annotated[int | None, typer.Option(help="total ranks (default 1)")]
 Nnodes = Annotated[int | None, typer.Option(help="nodes (default 1)")]
-Device = Annotated[str | None, typer.Option(help="auto, cpu or cuda (default auto)")]
+Device = Annotated[
+    str | None, typer.Option(metavar="auto|cpu|cuda", help="where the ranks run (default auto)")
+]
 Priority = Annotated[int | None, typer.Option(help="higher first (default 0)")]
 MaxAttempts = Annotated[int | None, typer.Option(help="(default 3)")]
 MaxRestarts = Annotated[int | None, typer.Option(help="(default 0)")]
@@ -55,12 +62,30 @@ RetryOnError = Annotated[
     ),
 ]
 TimeoutS = Annotated[int | None, typer.Option(help="stop the job after this many seconds")]
-EnvOpt = Annotated[list[str] | None, typer.Option(help="KEY=VALUE for the ranks (repeatable)")]
+EnvOpt = Annotated[
+    list[str] | None,
+    typer.Option(metavar="KEY=VALUE", help="an environment variable for the ranks (repeatable)"),
+]
 PipOpt = Annotated[
     list[str] | None,
-    typer.Option("--pip", help="a Python requirement for the job (repeatable)"),
+    typer.Option(
+        "--pip", metavar="REQUIREMENT", help="a Python requirement for the job (repeatable)"
+    ),
 ]
-Wait = Annotated[bool, typer.Option(help="wait for the job to end; exit 4 unless it succeeded")]
+Wait = Annotated[
+    bool,
+    typer.Option(
+        "--wait",
+        help="follow the job until it ends (the live view on a terminal, a line per change"
+        " otherwise); exit 4 unless it succeeded, 5 at once if no worker can ever run it",
+    ),
+]
+Strict = Annotated[
+    bool,
+    typer.Option(
+        "--strict", help="refuse, rather than queue, a job no registered worker could ever run"
+    ),
+]
 Args = Annotated[list[str] | None, typer.Argument(help="arguments for the program, after --")]
 
 
@@ -77,8 +102,7 @@ def _override(spec: dict[str, Any], flags: dict[str, Any], args: Any, env: Any, 
         spec["pip"] = [*(old if isinstance(old, list) else []), *pip]
 
 
-@app.command(context_settings={"allow_interspersed_args": False})
-@_client_command
+@client_command(context_settings={"allow_interspersed_args": False})
 def submit(
     args: Args = None,
     file: Annotated[
@@ -87,17 +111,22 @@ def submit(
             "--file", "-f", help="a job spec in YAML or JSON (- for stdin); flags override it"
         ),
     ] = None,
-    recipe: Annotated[str | None, typer.Option(help="a built-in recipe (ddpq recipes)")] = None,
+    recipe: Annotated[
+        str | None, typer.Option(metavar="NAME", help="a built-in recipe (ddpq recipes)")
+    ] = None,
     entrypoint: Annotated[
         str | None,
         typer.Option(
+            metavar="FILE",
             help="a script in the code sent with the job (or, with --no-code, in "
-            "the worker's workspace)"
+            "the worker's workspace)",
         ),
     ] = None,
     workdir: Annotated[
         Path | None,
-        typer.Option(help="the directory sent as the job's code (default: the current one)"),
+        typer.Option(
+            metavar="DIR", help="the directory sent as the job's code (default: the current one)"
+        ),
     ] = None,
     no_code: Annotated[
         bool, typer.Option("--no-code", help="send no code: run from the worker's workspace")
@@ -113,12 +142,20 @@ def submit(
     timeout_s: TimeoutS = None,
     env: EnvOpt = None,
     pip: PipOpt = None,
-    idempotency_key: str | None = None,
+    idempotency_key: Annotated[
+        str | None,
+        typer.Option(
+            metavar="KEY", help="a repeat with the same key and spec returns the first job"
+        ),
+    ] = None,
     wait: Wait = False,
+    strict: Strict = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """Submit a job: --entrypoint FILE (with the current directory as its code), --recipe
-    NAME, or -f job.yaml; [-- ARGS...] for the program.
+    """Submit a job.
+
+    --entrypoint FILE (with the current directory as its code), --recipe NAME, or
+    -f job.yaml; [-- ARGS...] for the program.
 
     The spec file (YAML or JSON, - for stdin) holds the fields of POST /jobs, and may
     say `workdir: DIR` (relative to the file) or `no_code: true`.
@@ -159,7 +196,7 @@ def submit(
         code_words = _code_words(pushed)
     else:
         code_words = ""
-    _submit(spec, idempotency_key, wait, as_json, code_words)
+    _submit(spec, idempotency_key, wait, strict, as_json, code_words)
 
 
 def _code_dir(
@@ -220,29 +257,60 @@ def _code_words(p: codepack.Pushed) -> str:
 
 
 def _submit(
-    spec: dict[str, Any], idempotency_key: str | None, wait: bool, as_json: bool, code_words: str
+    spec: dict[str, Any],
+    idempotency_key: str | None,
+    wait: bool,
+    strict: bool,
+    as_json: bool,
+    code_words: str,
 ) -> None:
     with _client() as c:
-        job = _call(c.submit, spec, idempotency_key)
-        if wait:
-            job = _call(c.wait, job["id"])
-    if as_json:
-        _print_json(job)
-    else:
+        job = _call(c.submit, spec, idempotency_key, strict)
         line = (
             f"job {job['id']} {job['status']} ({_program(job)},"
             f" world size {job['spec']['world_size']})"
         )
-        _say(f"{code_words} · {line}" if code_words else line)
-        if job.get("reason"):
-            _say(f"  {job['reason']}")
-    if wait and job["status"] != "succeeded":
+        if as_json:
+            if wait:  # stdout is for the final Job; the id, at once, goes to stderr
+                err.print(_text(f"{line}; waiting for it to end"), highlight=False)
+        else:
+            _say(f"{code_words} · {line}" if code_words else line)
+            if job.get("reason") and not wait:
+                _say(f"  {job['reason']}")
+        if not wait:
+            if as_json:
+                _print_json(job)
+            return
+        try:
+            job = _call(follow, c, job["id"], 1.0, False, _never_runs, quiet=as_json)
+        except Interrupted as exc:
+            seen = exc.job or job
+            _fail(
+                f"interrupted: job {seen['id']} is still {seen['status']} (Ctrl-C stops the"
+                f" waiting, not the job); `ddpq watch {seen['id']}` follows it, `ddpq cancel"
+                f" {seen['id']}` cancels it",
+                EXIT_INTERRUPTED,
+            )
+    if as_json:
+        _print_json(job)
+    if _never_runs(job):
+        why = job["reason"].removeprefix(f"{UNSCHEDULABLE}: ")
+        _fail(
+            f"no registered worker can ever run job {job['id']}: {why}. It stays queued"
+            f" until one that can registers; `ddpq cancel {job['id']}` cancels it",
+            EXIT_UNSCHEDULABLE,
+        )
+    if job["status"] != "succeeded":
         raise typer.Exit(EXIT_JOB_FAILED)
 
 
+def _never_runs(job: dict[str, Any]) -> bool:
+    """A queued job no registered worker could ever run (the API says so in its reason)."""
+    return job["status"] == "queued" and is_unschedulable(job.get("reason"))
+
+
 # Options may follow the job's id; program arguments come after --.
-@app.command()
-@_client_command
+@client_command()
 def resubmit(
     job_id: int,
     args: Args = None,
@@ -258,10 +326,14 @@ def resubmit(
     env: EnvOpt = None,
     pip: PipOpt = None,
     wait: Wait = False,
+    strict: Strict = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """Run a job's program again: the same code and spec, with these flags overriding it
-    ([-- ARGS...] replaces its arguments)."""
+    """Run a job's program again.
+
+    The same code and spec, with these flags overriding it ([-- ARGS...] replaces its
+    arguments).
+    """
     with _client() as c:
         old = _call(c.job, job_id)
     spec = {k: v for k, v in old["spec"].items() if v is not None}
@@ -283,11 +355,10 @@ def resubmit(
         "timeout_s": timeout_s,
     }
     _override(spec, flags, args, env, pip)
-    _submit(spec, None, wait, as_json, "")
+    _submit(spec, None, wait, strict, as_json, "")
 
 
-@app.command()
-@_client_command
+@client_command()
 def status(job_id: int, as_json: JsonOpt = False) -> None:
     """Show one job. Exits 0 unless it failed or was cancelled (4)."""
     with _client() as c:
@@ -327,11 +398,24 @@ def status(job_id: int, as_json: JsonOpt = False) -> None:
             fields.append(("checkpoint", job["latest_checkpoint"]["path"]))
         if job.get("metrics_dropped"):
             fields.append(("metrics lost", f"{job['metrics_dropped']} points never stored"))
-        for key, value in fields:
-            if value != "":
-                _say(Text(f"{key:>15}", style="bold"), f"  {value}")
+        _print_fields([(key, str(value)) for key, value in fields if value != ""])
     if job["status"] in ("failed", "cancelled"):
         raise typer.Exit(EXIT_JOB_FAILED)
+
+
+def _print_fields(fields: list[tuple[str, str]]) -> None:
+    """Key and value per line; on a terminal a long value wraps under its own column
+    (the "latest" metrics) instead of under the keys."""
+    if not out.is_terminal:
+        for key, value in fields:
+            _say(Text(f"{key:>15}", style="bold"), f"  {value}")
+        return
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(justify="right", style="bold", no_wrap=True)
+    grid.add_column(overflow="fold")
+    for key, value in fields:
+        grid.add_row(key, _text(value))
+    out.print(grid)
 
 
 def _find_jobs(
@@ -348,8 +432,7 @@ def _find_jobs(
             return found, cursor
 
 
-@app.command("ls")
-@_client_command
+@client_command(name="ls")
 def list_jobs(
     status: Annotated[
         list[str] | None,
@@ -364,7 +447,10 @@ def list_jobs(
     ] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """List jobs, newest first (--json: {"items": [Job], "next_cursor"})."""
+    """List jobs, newest first.
+
+    --json prints {"items": [Job], "next_cursor"}.
+    """
     statuses = [x.strip() for s in status or [] for x in s.split(",") if x.strip()]
     with _client() as c:
         items, next_cursor = _call(_find_jobs, c, statuses, name, limit, cursor)
@@ -395,8 +481,7 @@ def list_jobs(
         _say(_text(f"more: --cursor {next_cursor}", style="dim"))
 
 
-@app.command()
-@_client_command
+@client_command()
 def cancel(job_id: int, as_json: JsonOpt = False) -> None:
     """Cancel a job."""
     with _client() as c:

@@ -6,7 +6,7 @@ import math
 import sys
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Annotated, Any
 
 import typer
@@ -18,13 +18,12 @@ from ddpq.cli.base import (
     STATUS_STYLE,
     _call,
     _client,
-    _client_command,
     _number,
     _print_json_line,
     _program,
     _text,
     _waiting,
-    app,
+    client_command,
     out,
 )
 from ddpq.client import TERMINAL, Client
@@ -196,8 +195,64 @@ class _Watched:
         return grid
 
 
-@app.command()
-@_client_command
+def follow(
+    c: Client,
+    job_id: int,
+    interval: float = 1.0,
+    as_json: bool = False,
+    stop: Callable[[dict[str, Any]], bool] | None = None,
+    quiet: bool = False,
+) -> dict[str, Any]:
+    """Show a job live until it ends (or ``stop(job)`` says so) and return the last Job
+    seen: the live view on a terminal, else one line (--json: one object) per change;
+    nothing if ``quiet``. ``ddpq watch`` and ``ddpq submit --wait`` both follow a job
+    through here. Ctrl-C raises Interrupted with the last Job seen."""
+    from rich.live import Live
+
+    watched = _Watched(job_id)
+
+    def polls() -> Iterator[None]:
+        """Poll until the job ends; yields after each poll."""
+        while True:
+            watched.poll(c)
+            yield
+            if watched.job["status"] in TERMINAL or (stop is not None and stop(watched.job)):
+                return
+            time.sleep(interval)
+
+    try:
+        if quiet:
+            for _ in polls():
+                pass
+        elif as_json or not out.is_terminal:
+            last: Any = None
+            for _ in polls():
+                now: Any = watched.snapshot() if as_json else watched.line()
+                if now != last:
+                    if as_json:
+                        _print_json_line(now)
+                    else:
+                        sys.stdout.write(f"{now}\n")
+                        sys.stdout.flush()
+                    last = now
+        else:
+            with Live(console=out, auto_refresh=False, transient=False) as live:
+                for _ in polls():
+                    live.update(watched.render(), refresh=True)
+    except KeyboardInterrupt:
+        raise Interrupted(watched.job or None) from None
+    return watched.job
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C while following a job: carries the last Job seen (None before the first)."""
+
+    def __init__(self, job: dict[str, Any] | None) -> None:
+        super().__init__()
+        self.job = job
+
+
+@client_command()
 def watch(
     job_id: int,
     interval: Annotated[float, typer.Option(min=0.1, help="seconds between polls")] = 1.0,
@@ -205,7 +260,9 @@ def watch(
         bool, typer.Option("--json", help="one JSON object per line, at every change")
     ] = False,
 ) -> None:
-    """Follow a job live: status, progress, metrics, loss; exits 0 or 4 as the job ends.
+    """Follow a job live until it ends.
+
+    Exits 0 if it succeeded, 4 if it failed or was cancelled.
 
     Status, attempt, worker, GPUs, why it waits, latest metrics, a loss sparkline.
 
@@ -213,37 +270,7 @@ def watch(
 
     When stdout is not a terminal: one line at each change (--json: one object).
     """
-    from rich.live import Live
-
-    watched = _Watched(job_id)
     with _client() as c:
-
-        def polls() -> Iterator[None]:
-            """Poll until the job ends; yields after each poll."""
-            while True:
-                watched.poll(c)
-                yield
-                if watched.job["status"] in TERMINAL:
-                    return
-                time.sleep(interval)
-
-        def run() -> None:
-            if as_json or not out.is_terminal:
-                last: Any = None
-                for _ in polls():
-                    now: Any = watched.snapshot() if as_json else watched.line()
-                    if now != last:
-                        if as_json:
-                            _print_json_line(now)
-                        else:
-                            sys.stdout.write(f"{now}\n")
-                            sys.stdout.flush()
-                        last = now
-                return
-            with Live(console=out, auto_refresh=False, transient=False) as live:
-                for _ in polls():
-                    live.update(watched.render(), refresh=True)
-
-        _call(run)
-    if watched.job["status"] != "succeeded":
+        job = _call(follow, c, job_id, interval, as_json)
+    if job["status"] != "succeeded":
         raise typer.Exit(EXIT_JOB_FAILED)

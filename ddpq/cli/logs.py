@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from ddpq.cli.base import _call, _client, _client_command, _print_json_line, app
+from ddpq.cli.base import _call, _client, _print_json_line, client_command
 from ddpq.client import Client
 from ddpq.rules import visible
 from ddpq.wire import marker_resume
@@ -45,8 +45,7 @@ def _log_lines(chunks: Iterable[tuple[int, bytes]]) -> Iterator[tuple[int, bytes
         yield start, pending
 
 
-@app.command()
-@_client_command
+@client_command()
 def logs(
     job_id: int,
     follow: Annotated[

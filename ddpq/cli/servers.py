@@ -92,7 +92,10 @@ def worker(
     ] = 8,
     log_level: str = "info",
 ) -> None:
-    """Run a worker: claim jobs from the API and run them with torchrun."""
+    """Run a worker on this host.
+
+    It claims jobs from the API and runs them with torchrun.
+    """
     import logging
 
     from worker import datadir
@@ -158,7 +161,10 @@ def up(
         str | None, typer.Option(help="GPU indices, or none (default: all torch sees)")
     ] = None,
 ) -> None:
-    """Run the API and one local worker together (SQLite under DDPQ_DATA_DIR by default)."""
+    """Run the API and one local worker together.
+
+    SQLite under DDPQ_DATA_DIR by default.
+    """
     import logging
 
     from service.config import TokenError

@@ -13,6 +13,7 @@ from datetime import datetime
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from ddpq.rules import UNSCHEDULABLE
 from service.db import Policy
 from service.models import Job, utcnow
 from service.queue import rules
@@ -51,13 +52,13 @@ def _unschedulable_on(caps: list[Capacity], job: Job) -> str | None:
     units = {rules.unit(job.device, bool(c.gpus)) for c in caps} - {None}
     if units == {"gpu", "cpu"}:  # an auto job, with GPU and CPU-only workers about
         return (
-            f"unschedulable: needs {_words(n, 'gpu')} on one GPU worker or {_words(n, 'cpu')} "
+            f"{UNSCHEDULABLE}: needs {_words(n, 'gpu')} on one GPU worker or {_words(n, 'cpu')} "
             f"on one CPU-only worker; the largest have {_words(best['gpu'], 'gpu')} and "
             f"{_words(best['cpu'], 'cpu')}"
         )
     unit = "cpu" if units == {"cpu"} else "gpu"
     return (
-        f"unschedulable: needs {_words(n, unit)} on one worker; the largest worker has "
+        f"{UNSCHEDULABLE}: needs {_words(n, unit)} on one worker; the largest worker has "
         f"{_words(best[unit], unit)}"
     )
 

@@ -30,9 +30,9 @@ def upgrade() -> None:
     )
     op.create_index("ix_code_blobs_used_at", "code_blobs", ["used_at"])
     if op.get_bind().dialect.name == "postgresql":
-        # Stored as sent, uncompressed: pglz on every upload cost more than the space
-        # it saved on source trees (bench/code.py), and wheels and archives are
-        # compressed already.
+        # Stored as sent, out of line and uncompressed: wheels and archives are
+        # compressed already, and pglz would spend the API's and the database's CPU on
+        # every upload and every worker's fetch to save little on source files.
         op.execute("ALTER TABLE code_blobs ALTER COLUMN data SET STORAGE EXTERNAL")
     op.create_table(
         "code_snapshots",

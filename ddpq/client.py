@@ -199,13 +199,17 @@ class Client:
         job_id: int,
         name: str | list[str] | None = None,
         since_step: int | None = None,
+        max_points: int | None = None,
     ) -> list[dict[str, Any]]:
-        """Metric points, oldest step first; ``since_step`` includes that step."""
+        """Metric points, oldest step first; ``since_step`` includes that step;
+        ``max_points``: at most that many per name, downsampled as the API does."""
         params: dict[str, Any] = {}
         if name:
             params["name"] = name
         if since_step is not None:
             params["since_step"] = since_step
+        if max_points is not None:
+            params["max_points"] = max_points
         items: list[dict[str, Any]] = self._call(
             "GET", f"/jobs/{job_id}/metrics", params=params
         ).json()["items"]

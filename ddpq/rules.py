@@ -37,14 +37,26 @@ def metric_name_problem(name: object) -> str | None:
     return None
 
 
-def metric_point_problem(step: object, names: Iterable[object]) -> str | None:
-    """What is wrong with a point at ``step`` with values named ``names``, or None."""
+def total_steps_problem(total: object) -> str | None:
+    """What is wrong with a job's ``total_steps`` (its progress bar's end), or None."""
+    if isinstance(total, bool) or not isinstance(total, numbers.Integral):
+        return f"total_steps must be an int, not {type(total).__name__}"
+    if not 1 <= int(total) <= MAX_STEP:
+        return f"total_steps must be between 1 and 2**63 - 1, not {total}"
+    return None
+
+
+def metric_point_problem(
+    step: object, names: Iterable[object], *, with_total: bool = False
+) -> str | None:
+    """What is wrong with a point at ``step`` with values named ``names``, or None.
+    A point that carries a total_steps (``with_total``) may have no values."""
     if isinstance(step, bool) or not isinstance(step, numbers.Integral):
         return f"step must be an int, not {type(step).__name__}"
     if not 0 <= int(step) <= MAX_STEP:
         return f"step must be between 0 and 2**63 - 1, not {step}"
     names = list(names)
-    if not names:
+    if not names and not with_total:
         return "a point needs at least one metric, e.g. report(step, loss=...)"
     if len(names) > MAX_METRIC_NAMES:
         return f"at most {MAX_METRIC_NAMES} metrics in one point, not {len(names)}"

@@ -48,7 +48,7 @@ from typing import Any
 
 import httpx
 
-from ddpq.rules import MAX_METRIC_ITEMS, metric_point_problem
+from ddpq.rules import MAX_METRIC_ITEMS, metric_point_problem, total_steps_problem
 from ddpq.tensorboard import EventWriter
 from ddpq.wire import Backoff, encode_number, retryable
 
@@ -254,7 +254,8 @@ class _Sender:
             if p.get("epoch") is not None:
                 p["epoch"] = scalars["epoch"] = _to_float(p["epoch"])
             p["tensorboard"] = True
-            fresh.append((p["step"], scalars))
+            if scalars:  # a point may carry only the job's total_steps
+                fresh.append((p["step"], scalars))
         try:
             writer.write(fresh)
         except OSError as exc:
@@ -296,6 +297,8 @@ def _materialise(point: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"step": point["step"], "values": values}
     if point.get("epoch") is not None:
         out["epoch"] = encode_number(_to_float(point["epoch"]))
+    if point.get("total_steps") is not None:
+        out["total_steps"] = point["total_steps"]
     return out
 
 
@@ -358,15 +361,29 @@ def _detach(value: Any) -> Any:
     return value.detach() if getattr(value, "requires_grad", False) else value
 
 
-def report(step: int, *, epoch: float | None = None, **values: Any) -> None:
+def report(
+    step: int, *, epoch: float | None = None, total_steps: int | None = None, **values: Any
+) -> None:
     """Record metric values at ``step`` (rank 0 only; returns at once).
 
-    Raises ValueError (TypeError for a step that is not an int) for a point the API
-    would refuse, here, where it is made: a step below 0, a name that is empty, too
-    long or not printable, more than 100 values."""
+    ``total_steps``, the number of steps the run will take, is the job's, not a
+    metric: the job keeps the latest one sent (a new attempt keeps it too), and
+    ``ddpq watch`` and the dashboard draw their progress bar from it. Sending it
+    once is enough; ``report(0, total_steps=N)`` with no values is a valid point.
+
+    Raises ValueError (TypeError for a step or total_steps that is not an int) for a
+    point the API would refuse, here, where it is made: a step below 0, a total_steps
+    below 1, a name that is empty, too long or not printable, more than 100 values."""
     if isinstance(step, bool) or not isinstance(step, int):
         raise TypeError(f"step must be an int, not {type(step).__name__}")
-    problem = metric_point_problem(step, values)
+    if total_steps is not None:
+        if isinstance(total_steps, bool) or not isinstance(total_steps, numbers.Integral):
+            raise TypeError(f"total_steps must be an int, not {type(total_steps).__name__}")
+        total_steps = int(total_steps)  # a numpy integer travels as a plain int
+        problem = total_steps_problem(total_steps)
+        if problem:
+            raise ValueError(f"report(): {problem}")
+    problem = metric_point_problem(step, values, with_total=total_steps is not None)
     if problem:
         raise ValueError(f"report(): {problem}")
     # Every step comes here: once the sender exists (rank 0 under ddpq), nothing is
@@ -379,9 +396,10 @@ def report(step: int, *, epoch: float | None = None, **values: Any) -> None:
     if sender is None:
         _plain.report(step, epoch, values)
         return
-    sender.add_point(
-        {"step": step, "epoch": epoch, "values": {k: _detach(v) for k, v in values.items()}}
-    )
+    point = {"step": step, "epoch": epoch, "values": {k: _detach(v) for k, v in values.items()}}
+    if total_steps is not None:
+        point["total_steps"] = total_steps
+    sender.add_point(point)
 
 
 def checkpoint_dir() -> Path:

@@ -61,9 +61,9 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        # total_steps, once: `ddpq watch` shows a progress bar from it.
-        extra = {"total_steps": args.steps} if step == start + 1 else {}
-        ddpq.report(step, loss=loss.detach(), **extra)
+        # total_steps, once: the job keeps it; `ddpq watch` shows a progress bar from it.
+        total = args.steps if step == start + 1 else None
+        ddpq.report(step, loss=loss.detach(), total_steps=total)
         if args.save_every and step % args.save_every == 0:
             state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}
             ddpq.save_checkpoint(state, step=step)

@@ -209,7 +209,8 @@ class Trainer:
         self.grad_clip = grad_clip
         self.lr_at = lr_at
         self.extra_state: dict[str, Any] = {}
-        # Sent once, with the first report: `ddpq watch` draws a progress bar from it.
+        # Sent once, with the first report: the job keeps it, and `ddpq watch` and the
+        # dashboard draw their progress bar from it.
         self._total_steps: int | None = None
         self.epoch = 0
         self.step = 0
@@ -321,9 +322,8 @@ class Trainer:
 
     def report(self, epoch: int, values: dict[str, float]) -> None:
         """Report at the current step (rank 0) and print the line (rank 0)."""
-        extra = {} if self._total_steps is None else {"total_steps": self._total_steps}
-        self._total_steps = None
-        train.report(self.step, epoch=epoch, **values, **extra)
+        total, self._total_steps = self._total_steps, None
+        train.report(self.step, epoch=epoch, total_steps=total, **values)
         shown = " | ".join(
             f"{k} {v:.0f}" if abs(v) >= 1000 else f"{k} {v:.4g}" for k, v in values.items()
         )

@@ -143,6 +143,7 @@ def _publics(s: Session, jobs: list[Job]) -> list[JobPublic]:
                 queue_position=positions.get(j.id),
                 metrics_dropped=j.metrics_dropped or 0,
                 code=snapshots.get(j.code) if j.code else None,
+                total_steps=j.total_steps,
             )
         )
     return out

@@ -17,6 +17,7 @@ then the picked points are fetched by primary key.
 from __future__ import annotations
 
 import json
+import math
 import operator
 from datetime import datetime
 from typing import Any, cast
@@ -31,7 +32,14 @@ from service.db import Database
 from service.errors import NotFound
 from service.jobs import current_job
 from service.models import Attempt, Job, MetricPoint, utcnow
-from service.schemas import AttemptPublic, MetricsIn, metric_in, metric_out
+from service.schemas import (
+    AttemptPublic,
+    MetricItemIn,
+    MetricsIn,
+    MetricValueIn,
+    metric_in,
+    metric_out,
+)
 
 MAX_POINTS = 100_000
 
@@ -332,20 +340,54 @@ def _upsert_points(
     conn.exec_driver_sql(sql, params)
 
 
+# What an older ddpq.train sent the total under, among the values.
+TOTAL_STEPS = "total_steps"
+
+
+def total_and_values(item: MetricItemIn) -> tuple[int | None, dict[str, MetricValueIn]]:
+    """The job's total_steps an item carries, and its metric values without it.
+
+    The one place that decides what ``total_steps`` among the values means: the
+    run's length, sent by an older ddpq.train, never a series. It is taken as the
+    job's total when it is a number from 1 up (its whole part: 128.0 is 128);
+    anything else is ignored. The item's own total_steps field wins over it."""
+    values = item.values
+    if TOTAL_STEPS not in values:
+        return item.total_steps, values
+    values = {k: v for k, v in values.items() if k != TOTAL_STEPS}
+    total = item.total_steps
+    if total is None:
+        legacy = metric_in(item.values[TOTAL_STEPS])
+        if math.isfinite(legacy) and 1 <= legacy < 2**63:
+            total = int(legacy)
+    return total, values
+
+
 def ingest_metrics(db: Database, attempt: Attempt, body: MetricsIn) -> int:
     """Store metric points; a step reported again keeps the newest attempt's value.
-    Points the sender says it dropped are counted on the job."""
+    Points the sender says it dropped are counted on the job; the last total_steps
+    sent becomes the job's."""
     now = utcnow()
     rows: dict[tuple[str, int], tuple[str, int, float, float | None]] = {}
+    total: int | None = None
+    series: list[tuple[MetricItemIn, dict[str, MetricValueIn]]] = []  # items with values
     for item in body.items:
+        item_total, values = total_and_values(item)
+        if item_total is not None:
+            total = item_total
+        if not values:
+            continue
+        series.append((item, values))
         epoch = metric_in(item.epoch) if item.epoch is not None else None
-        for name, value in item.values.items():
+        for name, value in values.items():
             rows[(name, item.step)] = (name, item.step, metric_in(value), epoch)
     with db.write() as s:
         # Locked before the check (jobs.current_job); latest_metrics is read-modify-write.
         job = current_job(s, attempt)
         if body.dropped:
             job.metrics_dropped = (job.metrics_dropped or 0) + body.dropped
+        if total is not None and job.total_steps != total:
+            job.total_steps = total
         if not rows:
             return 0
         # Number the batch in the database, so batches commit in seq order: the events
@@ -357,12 +399,12 @@ def ingest_metrics(db: Database, attempt: Attempt, body: MetricsIn) -> int:
             .returning(Job.metrics_seq)
         )
         _upsert_points(s, attempt, now, int(seq or 0), list(rows.values()))
-        last = max(body.items, key=lambda i: i.step)
+        last = max((item for item, _ in series), key=lambda i: i.step)
         latest_values = {
             name: metric_out(metric_in(v))
-            for item in body.items
+            for item, values in series
             if item.step == last.step
-            for name, v in item.values.items()
+            for name, v in values.items()
         }
         latest = job.latest_metrics
         if latest is None or last.step > latest["step"]:

@@ -102,6 +102,9 @@ class Job(Base):
     latest_metrics: Mapped[dict[str, Any] | None]
     # Metric points its ranks reported that were never stored (schemas.MetricsIn.dropped).
     metrics_dropped: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # How many steps the run takes, the latest its program reported (a property of the
+    # job, never a metric series): the progress bar's end. A new attempt keeps it.
+    total_steps: Mapped[int | None] = mapped_column(BigInteger)
     # Bytes of log stored so far: the offset the next chunk must start at.
     log_size: Mapped[int] = mapped_column(BigInteger, default=0)
     # Metric batches ingested so far; each point carries the batch that last wrote it,

@@ -40,6 +40,7 @@ MAX_PATH_CHARS = 4096
 
 StrictPosInt = Annotated[int, Field(strict=True, ge=1)]
 Step = Annotated[int, Field(strict=True, ge=0, le=INT64_MAX)]
+TotalSteps = Annotated[int, Field(strict=True, ge=1, le=INT64_MAX)]
 
 
 def _printable_name(v: str) -> str:
@@ -259,6 +260,9 @@ class JobPublic(BaseModel):
     metrics_dropped: int = 0
     # The code snapshot the program runs among (spec.code), while it is kept.
     code: CodeSummary | None = None
+    # How many steps the run takes, as its program last reported it (ddpq.train's
+    # report(total_steps=)): the progress bar's end. Kept across attempts.
+    total_steps: int | None = None
 
 
 class JobsPublic(BaseModel):
@@ -270,7 +274,17 @@ class MetricItemIn(Strict):
     _strings_checked = True  # names: MetricName; values: numbers or NonFinite
     step: Step
     epoch: MetricValueIn | None = None
-    values: dict[MetricName, MetricValueIn] = Field(min_length=1, max_length=MAX_METRIC_NAMES)
+    # The job's, not a series: how many steps the run takes (the progress bar's end).
+    # The job keeps the latest one sent. An older ddpq.train sends it among the
+    # values instead; metrics.ingest_metrics takes it from there too.
+    total_steps: TotalSteps | None = None
+    values: dict[MetricName, MetricValueIn] = Field(default={}, max_length=MAX_METRIC_NAMES)
+
+    @model_validator(mode="after")
+    def _values_or_total(self) -> MetricItemIn:
+        if not self.values and self.total_steps is None:
+            raise ValueError("values: a point needs at least one metric (or a total_steps)")
+        return self
 
 
 class MetricsIn(Strict):

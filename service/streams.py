@@ -3,7 +3,8 @@
 Events, in this order on every poll of the database:
 
 - ``event: job``: the Job (as GET /jobs/{id}) when what a person watches changed: its
-  status, attempt, reason, worker, exit code or queue position. Sent first on connect.
+  status, attempt, reason, worker, exit code, queue position or total_steps. Sent first
+  on connect.
 - ``event: metrics``: ``{"items": [...]}`` (GET /jobs/{id}/metrics's shape), the points
   written since the last event: new steps, and steps a later attempt reported again.
 - ``event: end``: ``{"status": ...}`` once the job is terminal and everything is sent;
@@ -62,7 +63,15 @@ def parse_cursor(value: str | None, loc: tuple[str, str]) -> Cursor | None:
 
 
 def fingerprint(job: JobPublic) -> str:
-    watched = [job.status, job.attempt, job.reason, job.worker, job.exit_code, job.queue_position]
+    watched = [
+        job.status,
+        job.attempt,
+        job.reason,
+        job.worker,
+        job.exit_code,
+        job.queue_position,
+        job.total_steps,
+    ]
     return f"{zlib.crc32(json.dumps(watched).encode()):08x}"
 
 

@@ -407,6 +407,84 @@ def test_metrics_keep_one_point_per_step_and_non_finite_values(server: Server) -
     assert math.isclose(items[0]["values"]["loss"], 1.0)
 
 
+def test_total_steps_is_the_jobs_never_a_series(server: Server) -> None:
+    claim = submit_and_claim(server)
+    rank0 = server.client(claim["token"])
+    user = server.client()
+    jid = claim["job_id"]
+
+    def post(*items: dict[str, Any]) -> httpx.Response:
+        return rank0.post(f"/jobs/{jid}/metrics", json={"items": list(items)})
+
+    def job() -> dict[str, Any]:
+        result: dict[str, Any] = user.get(f"/jobs/{jid}").json()
+        return result
+
+    assert job()["total_steps"] is None
+    r = post(
+        {"step": 1, "total_steps": 100, "values": {"loss": 2.0}},
+        {"step": 2, "values": {"loss": 1.0}},
+    )
+    assert r.status_code == 202 and r.json()["accepted"] == 2, r.text
+    assert job()["total_steps"] == 100
+    # An older ddpq.train sends it among the values: still the job's total, not a series.
+    assert post({"step": 3, "values": {"loss": 0.5, "total_steps": 120.0}}).status_code == 202
+    assert job()["total_steps"] == 120
+    assert job()["latest_metrics"]["values"] == {"loss": 0.5}
+    # A point may carry only the total; it leaves the latest metrics alone.
+    r = post({"step": 9, "total_steps": 130})
+    assert r.status_code == 202 and r.json()["accepted"] == 0, r.text
+    assert job()["total_steps"] == 130 and job()["latest_metrics"]["step"] == 3
+    # The field wins over an old-style value in the same point; the last point sent wins.
+    post({"step": 4, "total_steps": 140, "values": {"loss": 0.4, "total_steps": 150}})
+    assert job()["total_steps"] == 140
+    post({"step": 5, "total_steps": 145, "values": {"loss": 0.3}}, {"step": 5, "total_steps": 150})
+    assert job()["total_steps"] == 150
+    # An old-style total that cannot be one is ignored, never stored as a series.
+    for useless in (0.5, 0, -3, "NaN", "Infinity"):
+        r = post({"step": 6, "values": {"total_steps": useless}})
+        assert r.status_code == 202 and r.json()["accepted"] == 0, (useless, r.text)
+    assert job()["total_steps"] == 150
+
+    for params in ({}, {"max_points": 4}, {"name": "total_steps"}, {"since_step": 3}):
+        items = user.get(f"/jobs/{jid}/metrics", params=params).json()["items"]
+        assert all("total_steps" not in i["values"] for i in items), (params, items)
+        assert params.get("name") != "total_steps" or items == []
+    steps = [i["step"] for i in user.get(f"/jobs/{jid}/metrics").json()["items"]]
+    assert steps == [1, 2, 3, 4, 5]
+
+    # Refused with the field named: not a whole number of at least 1 (no coercion).
+    for bad in (0, -1, 1.5, "10", True, 2**63, None):
+        r = post({"step": 7, "total_steps": bad, "values": {"loss": 1.0}})
+        if bad is None:  # null: the same as leaving it out
+            assert r.status_code == 202, r.text
+            continue
+        assert r.status_code == 422 and _field_named(r, "total_steps"), (bad, r.text)
+    r = post({"step": 7})
+    assert r.status_code == 422 and _field_named(r, "values"), r.text
+    assert job()["total_steps"] == 150
+
+    # A new attempt (the job handed back, claimed again) keeps the total until it sends its own.
+    r = server.client("worker").post(
+        f"/workers/jobs/{jid}/finish", json={"worker": "hand", "attempt": 1, "outcome": "requeue"}
+    )
+    assert r.status_code == 200 and r.json()["status"] == "queued"
+    assert r.json()["total_steps"] == 150
+    r = server.client("worker").post(
+        "/workers/claim", json={"name": "hand", "free_cpu_slots": 8, "free_gpus": [], "wait_s": 5}
+    )
+    assert r.status_code == 200 and r.json()["attempt"] == 2, r.text
+    assert job()["attempt"] == 2 and job()["total_steps"] == 150
+    again = server.client(r.json()["token"])
+    r = again.post(f"/jobs/{jid}/metrics", json={"items": [{"step": 5, "total_steps": 200}]})
+    assert r.status_code == 202 and job()["total_steps"] == 200
+    # The OpenAPI document shows the field on the point and on the Job.
+    spec = httpx.get(f"{server.url}/openapi.json").json()
+    assert "total_steps" in spec["components"]["schemas"]["JobPublic"]["properties"]
+    body = spec["paths"]["/jobs/{job_id}/metrics"]["post"]["requestBody"]
+    assert "total_steps" in json.dumps(body)
+
+
 def test_checkpoint_paths_must_stay_in_the_jobs_directory(server: Server) -> None:
     claim = submit_and_claim(server)
     rank0 = server.client(claim["token"])

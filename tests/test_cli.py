@@ -20,7 +20,9 @@ from typing import Any
 
 import pytest
 
-from ddpq.cli.live import sparkline
+from ddpq.cli import live
+from ddpq.cli.live import HISTORY_POINTS, SPARK_POINTS, _Watched, columns, sparkline, thin
+from ddpq.client import Client
 from tests.conftest import (
     REPO,
     Server,
@@ -449,14 +451,32 @@ def test_sparkline_scales_between_min_and_max() -> None:
     assert sparkline([2, 2]) == "▄▄" and sparkline([]) == ""
 
 
+def test_columns_span_the_whole_run_and_thin_keeps_its_shape() -> None:
+    assert columns([(1, 3.0), (2, "NaN"), (3, 1.0)]) == [3.0, 1.0]  # few: each its own
+    # 1000 steps in 10 spans of 100: each span's mean; a span with none repeats the last.
+    spans = columns([(s, float(s)) for s in range(1000)], width=10)
+    assert spans == [49.5 + 100 * i for i in range(10)]
+    gap = columns([(s, 1.0) for s in range(10)] + [(s, 5.0) for s in range(90, 100)], width=10)
+    assert gap == [1.0] * 9 + [5.0]
+    # As the API downsamples: the first and last points, each span's lowest and highest,
+    # NaN ranked above every number.
+    points = [(s, 1.0 / s, 1) for s in range(1, 1001)]
+    points[500] = (501, "NaN", 1)
+    points[700] = (701, -5.0, 1)
+    kept = thin(points, 20)
+    assert len(kept) <= 20 and kept[0] == points[0] and kept[-1] == points[-1]
+    assert (501, "NaN", 1) in kept and (701, -5.0, 1) in kept
+    assert thin(points[:20], 20) == points[:20]
+
+
 def test_watch_shows_progress_and_loss_then_exits_with_the_outcome(server: Server) -> None:
     claim = submit_and_claim(server, name="cli-watch")
     job_id = str(claim["job_id"])
-    # total_steps comes once, with the first report, as the recipes send it.
+    # total_steps comes once, with the first report, as the recipes send it: the job's.
     report(
         server,
         claim,
-        [{"step": 1, "values": {"loss": 2.0, "total_steps": 8}}]
+        [{"step": 1, "total_steps": 8, "values": {"loss": 2.0}}]
         + [{"step": s, "values": {"loss": 2.0 / s}} for s in range(2, 5)],
     )
     run = Running(server, "watch", job_id, "--interval", "0.2")
@@ -493,6 +513,121 @@ def test_watch_shows_progress_and_loss_then_exits_with_the_outcome(server: Serve
     server.client().post(f"/jobs/{job['id']}/cancel")
     assert run.wait() == 4
     assert run.text.splitlines()[-1].startswith(f"job {job['id']} cancelled")
+
+
+def _loss(step: int) -> float:
+    """High and falling for the first half of the run, then flat with noise: the last
+    60 points alone look like noise."""
+    return 10.0 - step / 100 if step <= 500 else 1.0 + 0.01 * (step % 7)
+
+
+def test_watch_sparkline_draws_the_whole_run(server: Server) -> None:
+    claim = submit_and_claim(server, name="cli-watch")
+    job_id = str(claim["job_id"])
+    # An older ddpq.train: total_steps among the values still makes the progress bar.
+    report(server, claim, [{"step": 1, "values": {"loss": _loss(1), "total_steps": 1000.0}}])
+    report(server, claim, [{"step": s, "values": {"loss": _loss(s)}} for s in range(2, 1001)])
+    run = Running(server, "watch", job_id, "--interval", "0.2")
+    wait_for(lambda: "step 1000/1000 (100%)" in run.text, 30, "the progress line")
+    line = run.text.splitlines()[-1]
+    spark = line.split()[-1]
+    assert len(spark) == SPARK_POINTS and set(spark) <= SPARK, line
+    # The run's start is there: highest first, falling, then flat at the bottom.
+    assert spark[0] == "█" and spark[-1] == "▁", spark
+    assert spark[SPARK_POINTS // 4] in "▄▅▆", spark
+    finish(server, claim, name="cli-watch")
+    assert run.wait() == 0
+
+
+class _Recording(Client):
+    """The CLI's client, noting each metrics request it sends."""
+
+    def __init__(self, server: Server) -> None:
+        super().__init__(server.url, server.api_token)
+        self.asked: list[dict[str, Any]] = []
+
+    def metrics(self, job_id: int, **kw: Any) -> list[dict[str, Any]]:
+        self.asked.append(kw)
+        return super().metrics(job_id, **kw)
+
+
+def test_watch_fetches_the_history_once_then_what_is_new_and_follows_the_attempt(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    claim = submit_and_claim(server, name="cli-watch")
+    job_id = claim["job_id"]
+    report(server, claim, [{"step": s, "values": {"loss": _loss(s)}} for s in range(1, 601)])
+    rank0 = server.client(claim["token"])
+    r = rank0.post(
+        f"/jobs/{job_id}/checkpoints", json={"path": f"{claim['checkpoint_dir']}/a.pt", "step": 400}
+    )
+    assert r.status_code == 201, r.text
+    watched = _Watched(job_id)
+    with _Recording(server) as c:
+        watched.poll(c)
+        # The whole run, downsampled: its first step and its last.
+        assert c.asked == [{"name": "loss", "max_points": HISTORY_POINTS}]
+        assert len(watched.loss.points) <= HISTORY_POINTS
+        assert watched.loss.points[0][0] == 1 and watched.loss.points[-1][0] == 600
+        watched.poll(c)
+        assert len(c.asked) == 1  # nothing new: nothing asked
+        # Then only what is new, bounded however much that is; kept bounded here too.
+        for end in (700, 1500, 1600):
+            first = watched.loss.points[-1][0] + 1
+            report(
+                server,
+                claim,
+                [{"step": s, "values": {"loss": _loss(s)}} for s in range(first, end + 1)],
+            )
+            watched.poll(c)
+            assert c.asked[-1] == {
+                "name": "loss", "since_step": first - 1, "max_points": HISTORY_POINTS
+            }  # fmt: skip
+            assert watched.loss.points[0][0] == 1 and watched.loss.points[-1][0] == end
+            assert len(watched.loss.points) <= 2 * HISTORY_POINTS
+        assert len(c.asked) == 4
+        losses = watched.losses
+        assert len(losses) == SPARK_POINTS and losses[0] == max(losses)
+
+        # Attempt 2 resumes from the checkpoint at step 400 and reports 401.. again,
+        # below the step attempt 1 reached: the line ends where attempt 2 is.
+        w = server.client("worker")
+        r = w.post(
+            f"/workers/jobs/{job_id}/finish",
+            json={"worker": "cli-watch", "attempt": 1, "outcome": "requeue"},
+        )
+        assert r.status_code == 200, r.text
+        r = w.post(
+            "/workers/claim",
+            json={"name": "cli-watch", "free_cpu_slots": 8, "free_gpus": [], "wait_s": 5},
+        )
+        assert r.status_code == 200 and r.json()["attempt"] == 2, r.text
+        again = r.json()
+        report(server, again, [{"step": s, "values": {"loss": 0.5}} for s in range(401, 451)])
+        watched.poll(c)
+        assert c.asked[-1] == {"name": "loss", "max_points": HISTORY_POINTS}  # all again, once
+        steps = [(step, attempt) for step, _, attempt in watched.loss.points]
+        # Attempt 1's points past 400 are gone; the history before it is kept. (The
+        # answer is downsampled over steps 1..1600: the newest point may be a little
+        # before 450.)
+        assert steps[0] == (1, 1) and steps[-1][1] == 2 and 401 <= steps[-1][0] <= 450
+        assert all(attempt == 2 for step, attempt in steps if step > 400), steps
+        assert any(attempt == 1 and step <= 400 for step, attempt in steps), steps
+        assert watched.loss.behind  # attempt 1 reached 1600: the job's latest step stays
+        # While it catches up, the job's latest step does not move: asked on a timer,
+        # from the attempt's newest step.
+        monkeypatch.setattr(live, "BEHIND_REFRESH_S", 0.0)
+        newest = steps[-1][0]
+        report(server, again, [{"step": s, "values": {"loss": 0.25}} for s in range(451, 461)])
+        watched.poll(c)
+        assert c.asked[-1] == {
+            "name": "loss", "since_step": newest, "max_points": HISTORY_POINTS
+        }  # fmt: skip
+        step, value, attempt = watched.loss.points[-1]
+        assert attempt == 2 and value == 0.25 and 451 <= step <= 460
+        assert all(a == 2 for s, _, a in watched.loss.points if s > 400)
+        assert watched.job["latest_metrics"]["step"] == 1600
+    finish(server, again, name="cli-watch")
 
 
 def test_watch_interrupted_exits_130(server: Server) -> None:

@@ -21,7 +21,7 @@ import pytest
 from playwright.sync_api import expect, sync_playwright
 
 from tests.conftest import Server, start_server, stop_server
-from tests.helpers import register
+from tests.helpers import finish, register, report, submit_and_claim
 
 CHROMIUM = os.environ.get("DDPQ_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = [
@@ -149,6 +149,8 @@ class HandWorker:
                             "step": step,
                             "epoch": step / 10,
                             "values": {"loss": loss, "lr": 0.9**step},
+                            # The job's, sent once: the progress bar's end.
+                            **({"total_steps": 500} if step == 1 else {}),
                         }
                     ]
                 },
@@ -262,15 +264,27 @@ def test_dashboard_follows_a_job_and_cancels_it(sqlite_server: Server) -> None:
             first = int(chart.get_attribute("data-points") or 0)
             expect(chart).not_to_have_attribute("data-points", str(first))
             assert int(chart.get_attribute("data-points") or 0) > first
-            expect(chart.locator("path.chart-line")).to_have_count(1)
-            # Another metric, on a log scale: the chart redraws from the points it holds.
-            expect(page.locator("#metric-select option")).to_have_count(2)
-            page.select_option("#metric-select", "lr")
+            expect(chart.locator("path.chart-line")).to_have_count(1)  # the loss, at first
+            expect(page.locator("#job-facts")).to_contain_text(re.compile(r"step \d+ of 500"))
+            # Another series on the same chart, each its own colour, named in the legend;
+            # then on a log scale: the chart redraws from the points it holds.
+            expect(page.locator("#metric-list input")).to_have_count(2)
+            page.check('#metric-list input[value="lr"]')
+            expect(chart.locator("path.chart-line")).to_have_count(2)
+            expect(chart.locator(".chart-legend-item")).to_have_text(["loss", "lr"])
+            colours = {
+                chart.locator(f'path.chart-line[data-name="{n}"]').get_attribute("class")
+                for n in ("loss", "lr")
+            }
+            assert len(colours) == 2, colours
             page.check("#log-scale")
+            expect(chart.locator("svg")).to_have_attribute("aria-label", re.compile(r"^loss, lr: "))
+            page.uncheck('#metric-list input[value="loss"]')
             expect(chart.locator("svg")).to_have_attribute("aria-label", re.compile(r"^lr: "))
             expect(chart.locator("path.chart-line")).to_have_count(1)
             _screenshot(page, "job-lr-log")
-            page.select_option("#metric-select", "loss")
+            page.check('#metric-list input[value="loss"]')
+            page.uncheck('#metric-list input[value="lr"]')
             page.uncheck("#log-scale")
             expect(chart.locator("svg")).to_have_attribute("aria-label", re.compile(r"^loss: "))
             expect(page.locator("#log")).to_contain_text("[rank0] step 2 loss")
@@ -318,3 +332,81 @@ def test_dashboard_follows_a_job_and_cancels_it(sqlite_server: Server) -> None:
             browser.close()
     assert hand is not None and hand.error is None, hand.error if hand else None
     assert not hand.thread.is_alive(), "the hand worker did not stop"
+
+
+def _loss(step: int) -> float:
+    """High at the first step, then low and slowly falling: a chart of only the newest
+    points would never reach 4."""
+    return 4.0 if step == 1 else 1.0 + 1.0 / step
+
+
+def test_the_chart_draws_the_whole_run_of_several_series_and_follows_it(
+    sqlite_server: Server,
+) -> None:
+    if not os.access(CHROMIUM, os.X_OK):
+        pytest.fail(f"no Chromium at {CHROMIUM}: run `make browser` (or set DDPQ_CHROMIUM)")
+    expect.set_options(timeout=TIMEOUT_MS)
+    server = sqlite_server
+    claim = submit_and_claim(server, name="hand")
+    job_id = claim["job_id"]
+
+    def points(first: int, last: int) -> list[dict[str, Any]]:
+        return [
+            {
+                "step": s,
+                "values": {
+                    "loss": _loss(s),
+                    **({"val_loss": 2.0 - s / 10_000} if s % 500 == 0 else {}),
+                },
+            }
+            for s in range(first, last + 1)
+        ]
+
+    # An older ddpq.train sends total_steps among the values: the job's, never a series.
+    report(server, claim, [{"step": 1, "values": {"loss": _loss(1), "total_steps": 6000.0}}])
+    report(server, claim, points(2, 6000))
+    asked: list[str] = []
+    problems: list[str] = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page()
+            page.set_default_timeout(TIMEOUT_MS)
+            page.on("console", lambda m: _console(m, problems))
+            page.on("pageerror", lambda e: problems.append(str(e)))
+            page.on("request", lambda r: asked.append(r.url) if "/metrics" in r.url else None)
+            page.goto(f"{server.url}/#/jobs/{job_id}")
+            page.fill("#token-input", server.api_token)
+            page.click("#login button[type=submit]")
+
+            chart = page.locator("#chart")
+            # The series offered are the metrics: total_steps is the job's progress.
+            expect(page.locator("#metric-list input")).to_have_count(2)
+            names = page.locator("#metric-list input").evaluate_all("l => l.map(i => i.value)")
+            assert names == ["loss", "val_loss"], names
+            expect(page.locator("#job-facts")).to_contain_text("step 6000 of 6000 (100%)")
+            # loss and val_loss share the chart at first, over the whole run: from the
+            # first step (its point, 4.0, is the highest) to the last.
+            expect(chart.locator("path.chart-line")).to_have_count(2)
+            expect(chart).to_have_attribute("data-first-step", "1")
+            expect(chart).to_have_attribute("data-last-step", "6000")
+            expect(page.locator("#chart-info")).to_contain_text("steps 1 to 6000")
+            expect(chart.locator(".tick.y").last).to_have_text(re.compile(r"^4(\.0*)?$"))
+            # Downsampled by the API: fewer points than the run has, the shape kept.
+            drawn = int(chart.get_attribute("data-points") or 0)
+            assert 100 < drawn < 6000, drawn
+            _screenshot(page, "whole-run")
+
+            # Live: what the running job reports next is drawn, asked for alone.
+            report(server, claim, points(6001, 6500))
+            expect(chart).to_have_attribute("data-last-step", "6500")
+            expect(chart).to_have_attribute("data-first-step", "1")
+            expect(page.locator("#chart-info")).to_contain_text("val_loss 1.35 at step 6500")
+            assert not problems, problems
+        finally:
+            browser.close()
+    # Every fetch is bounded: the whole run once, then only what is new since.
+    queries = [httpx.URL(u).params for u in asked]
+    assert queries and all("max_points" in q for q in queries), asked
+    assert "since_step" not in queries[0] and all("since_step" in q for q in queries[1:]), asked
+    finish(server, claim)

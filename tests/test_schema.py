@@ -1,13 +1,18 @@
-"""The migrations produce exactly the models' schema, on SQLite and on Postgres."""
+"""The migrations produce exactly the models' schema, on SQLite and on Postgres, and
+move the data they promise to."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
+from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import create_engine
+from sqlalchemy import create_engine, insert, select, update
+from sqlalchemy.orm import Session
 
-from service.db import upgrade
-from service.models import Base
+from service.db import alembic_config, upgrade
+from service.models import Base, Job, MetricPoint
 
 
 def test_migrations_match_models(db_url: str) -> None:
@@ -19,3 +24,49 @@ def test_migrations_match_models(db_url: str) -> None:
         )
     engine.dispose()
     assert diff == []
+
+
+def test_total_steps_moves_from_a_series_to_the_job(db_url: str) -> None:
+    upgrade(db_url)
+    engine = create_engine(db_url)
+    with Session(engine) as s, s.begin():
+        jobs = [
+            Job(status="running", spec={}, nproc_per_node=1, device="cpu", max_attempts=1)
+            for _ in range(3)
+        ]
+        s.add_all(jobs)
+        s.flush()
+        ids = [j.id for j in jobs]
+    command.downgrade(alembic_config(db_url), "0008")  # as a database of before it was
+    now = datetime.now(UTC)
+
+    def point(job_id: int, name: str, step: int, value: float | None) -> dict[str, object]:
+        return dict(job_id=job_id, name=name, step=step, value=value, attempt=1, time=now, seq=1)
+
+    latest = {"step": 5, "epoch": None, "values": {"loss": 0.5, "total_steps": 120.0}}
+    with engine.begin() as conn:
+        conn.execute(
+            insert(MetricPoint),
+            [
+                # Sent twice; the newest is the job's, as a whole number.
+                point(ids[0], "total_steps", 1, 100.0),
+                point(ids[0], "total_steps", 5, 120.0),
+                point(ids[0], "loss", 1, 2.0),
+                point(ids[0], "loss", 5, 0.5),
+                # A total that cannot be one (NaN) is not kept.
+                point(ids[1], "total_steps", 1, None),
+                point(ids[1], "loss", 1, 1.0),
+            ],
+        )
+        conn.execute(update(Job).where(Job.id == ids[0]).values(latest_metrics=latest))
+    upgrade(db_url)
+    with engine.connect() as conn:
+        rows = {r.id: r for r in conn.execute(select(Job.id, Job.total_steps, Job.latest_metrics))}
+        names = conn.execute(select(MetricPoint.job_id, MetricPoint.name, MetricPoint.step))
+        left = sorted(tuple(r) for r in names)
+    engine.dispose()
+    assert rows[ids[0]].total_steps == 120
+    assert rows[ids[0]].latest_metrics == {"step": 5, "epoch": None, "values": {"loss": 0.5}}
+    assert rows[ids[1]].total_steps is None and rows[ids[2]].total_steps is None
+    assert rows[ids[2]].latest_metrics is None
+    assert left == [(ids[0], "loss", 1), (ids[0], "loss", 5), (ids[1], "loss", 1)]

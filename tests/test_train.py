@@ -111,6 +111,53 @@ def test_one_bad_point_never_drops_good_ones(server: Server, tmp_path: Path) -> 
     assert user.get(f"/jobs/{claim['job_id']}").json()["metrics_dropped"] == 1
 
 
+TOTAL_STEPS = r"""
+from ddpq import train
+train.report(0, total_steps=300)                     # the total alone, before any loss
+for step in range(1, 11):
+    train.report(step, loss=1.0 / step, total_steps=400 if step == 1 else None)
+for bad in (0, -1, 2**63, 1.5, "400", True, 400.0):
+    try:
+        train.report(11, loss=0.1, total_steps=bad)
+    except (TypeError, ValueError) as exc:
+        print("refused:", type(exc).__name__, exc, flush=True)
+try:
+    train.report(11)
+except ValueError as exc:
+    print("refused:", type(exc).__name__, exc, flush=True)
+assert train.flush(timeout=60)
+print("flushed", flush=True)
+"""
+
+
+def test_total_steps_is_sent_as_the_jobs_and_checked_where_it_is_made(
+    server: Server, tmp_path: Path
+) -> None:
+    claim = submit_and_claim(server)
+    out = tmp_path / "out"
+    proc = _reporter(server, claim, TOTAL_STEPS, out)
+    assert proc.wait(timeout=120) == 0, out.read_text()
+    refused = [line for line in out.read_text().splitlines() if line.startswith("refused:")]
+    assert refused == [
+        "refused: ValueError report(): total_steps must be between 1 and 2**63 - 1, not 0",
+        "refused: ValueError report(): total_steps must be between 1 and 2**63 - 1, not -1",
+        f"refused: ValueError report(): total_steps must be between 1 and 2**63 - 1, not {2**63}",
+        "refused: TypeError total_steps must be an int, not float",
+        "refused: TypeError total_steps must be an int, not str",
+        "refused: TypeError total_steps must be an int, not bool",
+        "refused: TypeError total_steps must be an int, not float",
+        "refused: ValueError report(): a point needs at least one metric, e.g. "
+        "report(step, loss=...)",
+    ]
+    user = server.client()
+    job = user.get(f"/jobs/{claim['job_id']}").json()
+    assert job["total_steps"] == 400 and job["metrics_dropped"] == 0
+    assert job["latest_metrics"]["values"] == {"loss": 0.1}
+    items = user.get(f"/jobs/{claim['job_id']}/metrics").json()["items"]
+    assert [i["step"] for i in items] == list(range(1, 11))
+    assert all(set(i["values"]) == {"loss"} for i in items)
+
+
 WIDE = r"""
 from ddpq import train
 for step in range(1, 3001):

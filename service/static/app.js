@@ -2,12 +2,15 @@
 // JSON routes. Every piece of data goes into the page as text (textContent or
 // attributes), never as HTML, and the page's CSP forbids inline script and eval.
 
-import { LineChart, formatNumber } from "./chart.js";
+import { COLOURS, LineChart, formatNumber } from "./chart.js";
 
 const TOKEN_KEY = "ddpq.token";
 const POLL_MS = 2000;
-const FIRST_LOAD_POINTS = 2000; // max_points for the first metrics fetch of a job
-const KEEP_POINTS = 50000; // client-side cap on a job's metric history
+// max_points of every metrics fetch: about two points per pixel of the chart's width.
+const HISTORY_POINTS = { min: 500, max: 4000, perPixel: 2 };
+// While a new attempt reports again steps an earlier one reached, the job's latest step
+// does not move: its metrics are then fetched again at most this often.
+const BEHIND_REFRESH_MS = 10000;
 const LOG_KEEP_CHARS = 256 * 1024; // the log tail kept on the page
 const LOG_READS_PER_POLL = 8;
 const TERMINAL = new Set(["succeeded", "failed", "cancelled"]);
@@ -241,11 +244,131 @@ function jobsView() {
   };
 }
 
+// ---- a job's metric history --------------------------------------------------------------
+
+// A value as a number: the API sends NaN and the infinities as names.
+const numberOf = (v) =>
+  typeof v === "number" ? v : v === "Infinity" ? Infinity : v === "-Infinity" ? -Infinity : NaN;
+
+// Lowest to highest as the API ranks values (service/metrics.py): NaN above every number.
+const rankBelow = (a, b) => (Number.isNaN(a) ? false : Number.isNaN(b) ? true : a < b);
+
+// At most `maxPoints` of `pts` (sorted by x) that keep their shape, as the API
+// downsamples: equal spans of steps, each keeping its lowest and highest point, and the
+// first and the last point.
+function thinHistory(pts, maxPoints) {
+  if (pts.length <= maxPoints) return pts;
+  const buckets = Math.max(1, Math.floor((maxPoints - 2) / 2));
+  const lo = pts[0].x;
+  const span = pts[pts.length - 1].x - lo + 1;
+  const low = new Map();
+  const high = new Map();
+  pts.forEach((p, i) => {
+    const b = Math.floor(((p.x - lo) * buckets) / span);
+    if (!low.has(b) || rankBelow(p.y, pts[low.get(b)].y)) low.set(b, i);
+    if (!high.has(b) || rankBelow(pts[high.get(b)].y, p.y)) high.set(b, i);
+  });
+  const keep = new Set([0, pts.length - 1, ...low.values(), ...high.values()]);
+  return [...keep].sort((a, b) => a - b).map((i) => pts[i]);
+}
+
+// A job's metric series over the whole run, as its current attempt sees it, at a bounded
+// cost (as `ddpq watch` keeps its loss, ddpq/cli/live.py). It is fetched once downsampled
+// (max_points), then only what is new: from the current attempt's newest step on, still
+// with max_points, so an answer stays small however far the job got meanwhile; never the
+// whole history again until the attempt changes. A series kept here is thinned as the API
+// downsamples once it passes twice max_points. A new attempt resumes from a checkpoint
+// and reports its steps again: points of earlier attempts from the step it started
+// reporting at are left out, so the lines end where the attempt is.
+class MetricHistory {
+  constructor(maxPoints) {
+    this.maxPoints = maxPoints;
+    this.reset(0);
+  }
+
+  reset(attempt) {
+    this.attempt = attempt;
+    this.series = new Map(); // name -> [{x: step, y: number, a: attempt}] by step
+    this.loaded = false;
+    this.behind = false; // earlier attempts' points lie past the current one's newest
+    this.fetchedAt = -Infinity;
+  }
+
+  names() {
+    return [...this.series.keys()].sort();
+  }
+
+  // The current attempt's newest step, or -1.
+  newest() {
+    let newest = -1;
+    for (const pts of this.series.values()) {
+      for (let i = pts.length - 1; i >= 0; i--) {
+        if (pts[i].a >= this.attempt) {
+          newest = Math.max(newest, pts[i].x);
+          break;
+        }
+      }
+    }
+    return newest;
+  }
+
+  // The query of the next fetch and where it starts (null: the whole run). Before the
+  // current attempt reported anything, it starts at the step the attempt resumes from.
+  next(resumeStep) {
+    const q = new URLSearchParams({ max_points: String(this.maxPoints) });
+    if (!this.loaded) return { q, since: null };
+    const newest = this.newest();
+    const since = newest >= 0 ? newest : resumeStep;
+    q.set("since_step", String(since));
+    return { q, since };
+  }
+
+  // Take an answer to next()'s query.
+  take(items, since) {
+    this.loaded = true;
+    this.fetchedAt = Date.now();
+    if (since === null) this.series = new Map();
+    else for (const [name, pts] of this.series) this.series.set(name, pts.filter((p) => p.x < since));
+    for (const item of items) {
+      for (const [name, v] of Object.entries(item.values)) {
+        if (!this.series.has(name)) this.series.set(name, []);
+        this.series.get(name).push({ x: item.step, y: numberOf(v), a: item.attempt });
+      }
+    }
+    let first = Infinity;
+    for (const pts of this.series.values()) {
+      const own = pts.find((p) => p.a >= this.attempt);
+      if (own) first = Math.min(first, own.x);
+    }
+    const newest = this.newest();
+    this.behind = false;
+    for (const [name, pts] of this.series) {
+      if (pts.some((p) => p.a < this.attempt && (newest < 0 || p.x > newest))) this.behind = true;
+      const kept = first === Infinity ? pts : pts.filter((p) => p.a >= this.attempt || p.x < first);
+      this.series.set(name, kept.length > 2 * this.maxPoints ? thinHistory(kept, this.maxPoints) : kept);
+    }
+  }
+}
+
 // ---- one job ------------------------------------------------------------------------------
 
 function fact(dl, term, value) {
   if (value === null || value === undefined || value === "") return;
   dl.append(el("dt", {}, term), el("dd", {}, value));
+}
+
+// The progress bar: the latest step of the job's total_steps (its program reports it).
+function progress(job) {
+  const total = job.total_steps;
+  if (!Number.isInteger(total) || total < 1) return null;
+  const step = job.latest_metrics ? job.latest_metrics.step : 0;
+  const done = Math.min(step, total);
+  return el(
+    "span",
+    { class: "progress" },
+    el("progress", { max: total, value: done }),
+    `step ${done} of ${total} (${Math.floor((100 * done) / total)}%)`,
+  );
 }
 
 function renderFacts(job) {
@@ -259,6 +382,7 @@ function renderFacts(job) {
   fact(dl, "worker", job.worker);
   fact(dl, "gpus", job.gpus && job.gpus.length ? job.gpus.join(", ") : null);
   fact(dl, "exit code", job.exit_code);
+  fact(dl, "progress", progress(job));
   const program = spec.recipe ? `recipe ${spec.recipe}` : spec.entrypoint;
   fact(dl, "program", [program, ...(spec.args || [])].join(" "));
   fact(
@@ -324,16 +448,17 @@ function jobView(id) {
   $("log").textContent = "";
   $("log-info").textContent = "";
   $("chart-info").textContent = "";
-  $("metric-select").replaceChildren();
+  $("metric-list").replaceChildren($("metric-list").querySelector("legend"));
   renderAttempts([]);
   renderCheckpoints([]);
 
   const chart = new LineChart($("chart"));
+  const width = $("chart").clientWidth || 600;
+  const { min, max, perPixel } = HISTORY_POINTS;
+  const history = new MetricHistory(Math.min(max, Math.max(min, perPixel * width)));
   const st = {
     job: null,
-    points: [],
     metricsSeen: null, // latest_metrics as last fetched, to skip fetches that bring nothing
-    attempt: null,
     logOffset: 0,
     logText: "",
     decoder: new TextDecoder(),
@@ -342,50 +467,76 @@ function jobView(id) {
     attemptsSeen: null,
     settled: false, // terminal and fetched once more after it
   };
+  // The series on the chart: loss and val_loss (or the first) until the user picks.
+  const picks = { chosen: null, colours: new Map() };
   let stopped = false;
 
-  const selected = () => $("metric-select").value || "loss";
+  const selected = () => {
+    const names = history.names();
+    if (picks.chosen) return names.filter((n) => picks.chosen.has(n));
+    const usual = names.filter((n) => n === "loss" || n === "val_loss");
+    return usual.length ? usual : names.slice(0, 1);
+  };
+
+  // A series keeps the colour it got when it first showed up.
+  const colourOf = (name) => {
+    if (!picks.colours.has(name)) picks.colours.set(name, picks.colours.size % COLOURS);
+    return picks.colours.get(name);
+  };
 
   const drawChart = () => {
-    const name = selected();
-    const pts = [];
-    for (const p of st.points) {
-      const v = p.values[name];
-      if (typeof v === "number") pts.push({ x: p.step, y: v });
+    const names = selected();
+    const series = names.map((name) => ({
+      name,
+      colour: colourOf(name),
+      points: history.series.get(name) || [],
+    }));
+    const empty = history.names().length ? "pick a series to draw" : "no metrics reported yet";
+    chart.setData(series, { logY: $("log-scale").checked, empty });
+    const latest = [];
+    let first = Infinity;
+    let last = -Infinity;
+    for (const s of chart.series) {
+      const p = s.points[s.points.length - 1];
+      latest.push(`${s.name} ${formatNumber(p.y)} at step ${p.x}`);
+      first = Math.min(first, s.points[0].x);
+      last = Math.max(last, p.x);
     }
-    chart.setData(pts, { logY: $("log-scale").checked, label: name });
-    $("chart-info").textContent = pts.length
-      ? `${pts.length} points, latest ${formatNumber(pts[pts.length - 1].y)} at step ${pts[pts.length - 1].x}`
+    $("chart-info").textContent = latest.length
+      ? `steps ${first} to ${last}; latest: ${latest.join(", ")}`
       : "";
   };
 
-  const updateMetricNames = () => {
-    const select = $("metric-select");
-    const names = new Set();
-    for (const p of st.points) for (const k of Object.keys(p.values)) names.add(k);
-    const have = [...select.options].map((o) => o.value);
-    const want = [...names].sort();
-    if (want.join("\n") === have.join("\n")) return;
-    const current = select.value || (names.has("loss") ? "loss" : want[0]);
-    select.replaceChildren(...want.map((n) => el("option", { value: n }, n)));
-    if (current) select.value = current;
+  const updateMetricList = () => {
+    const list = $("metric-list");
+    const names = history.names();
+    const have = [...list.querySelectorAll("input")].map((i) => i.value);
+    const on = new Set(selected());
+    if (names.join("\n") === have.join("\n")) {
+      for (const input of list.querySelectorAll("input")) input.checked = on.has(input.value);
+      return;
+    }
+    const items = names.map((name) =>
+      el(
+        "label",
+        {},
+        el("input", { type: "checkbox", value: name }),
+        el("span", { class: `swatch series-${colourOf(name)}` }),
+        name,
+      ),
+    );
+    list.replaceChildren(list.querySelector("legend"), ...items);
+    for (const input of list.querySelectorAll("input")) input.checked = on.has(input.value);
   };
 
-  const loadMetrics = async (full) => {
-    if (full || !st.points.length) {
-      const data = await api(`/jobs/${id}/metrics?max_points=${FIRST_LOAD_POINTS}`);
-      if (stopped) return;
-      st.points = data.items;
-    } else {
-      // since_step is inclusive: the last step comes again, with any values added since.
-      const since = st.points[st.points.length - 1].step;
-      const data = await api(`/jobs/${id}/metrics?since_step=${since}`);
-      if (stopped) return;
-      while (st.points.length && st.points[st.points.length - 1].step >= since) st.points.pop();
-      for (const p of data.items) st.points.push(p);
-      if (st.points.length > KEEP_POINTS) st.points = st.points.filter((_, i) => i % 2 === 0 || i === st.points.length - 1);
-    }
-    updateMetricNames();
+  const loadMetrics = async () => {
+    const resume = st.job && st.job.latest_checkpoint ? st.job.latest_checkpoint.step : 0;
+    const { q, since } = history.next(resume);
+    const attempt = history.attempt;
+    const data = await api(`/jobs/${id}/metrics?${q}`);
+    if (stopped || attempt !== history.attempt) return;
+    history.take(data.items, since);
+    updateMetricList();
     drawChart();
   };
 
@@ -452,13 +603,17 @@ function jobView(id) {
     }
     if (stopped) return;
     renderJob(job);
-    const newAttempt = st.attempt !== null && job.attempt !== st.attempt;
-    st.attempt = job.attempt;
     const work = [loadLog()];
+    if (job.attempt !== history.attempt) {
+      // A new attempt may report steps again (resuming from a checkpoint): the whole
+      // run is fetched again, once.
+      history.reset(job.attempt);
+      st.metricsSeen = null;
+    }
     const metricsNow = JSON.stringify(job.latest_metrics);
-    if (newAttempt || metricsNow !== st.metricsSeen) {
-      // A new attempt may report steps again (resuming from a checkpoint): refetch all.
-      work.push(loadMetrics(newAttempt).then(() => { st.metricsSeen = metricsNow; }));
+    const behind = history.behind && Date.now() - history.fetchedAt >= BEHIND_REFRESH_MS;
+    if (metricsNow !== st.metricsSeen || behind) {
+      work.push(loadMetrics().then(() => { st.metricsSeen = metricsNow; }));
     }
     const checkpointNow = job.latest_checkpoint ? job.latest_checkpoint.id : null;
     if (checkpointNow !== st.checkpointSeen) {
@@ -487,13 +642,18 @@ function jobView(id) {
     }
   };
   const onMetric = () => drawChart();
+  const onPick = () => {
+    const checked = [...$("metric-list").querySelectorAll("input:checked")].map((i) => i.value);
+    picks.chosen = new Set(checked);
+    drawChart();
+  };
   const onScroll = () => {
     const pre = $("log");
     $("log-follow").checked = pre.scrollTop + pre.clientHeight >= pre.scrollHeight - 4;
   };
 
   $("cancel").addEventListener("click", onCancel);
-  $("metric-select").addEventListener("change", onMetric);
+  $("metric-list").addEventListener("change", onPick);
   $("log-scale").addEventListener("change", onMetric);
   $("log").addEventListener("scroll", onScroll);
   const stopPolling = poll(refresh);
@@ -502,7 +662,7 @@ function jobView(id) {
     stopPolling();
     chart.destroy();
     $("cancel").removeEventListener("click", onCancel);
-    $("metric-select").removeEventListener("change", onMetric);
+    $("metric-list").removeEventListener("change", onPick);
     $("log-scale").removeEventListener("change", onMetric);
     $("log").removeEventListener("scroll", onScroll);
   };

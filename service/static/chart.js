@@ -1,8 +1,10 @@
-// A small SVG line chart for one metric over steps: nice ticks, optional log scale,
-// min/max-per-pixel thinning for long histories, and a hover read-out. No library.
+// A small SVG line chart of one or more metrics over steps, on one shared y axis: nice
+// ticks, optional log scale, min/max-per-pixel thinning for long histories, a legend and
+// a hover read-out. No library.
 
 const SVG = "http://www.w3.org/2000/svg";
-const PAD = { left: 64, right: 16, top: 12, bottom: 28 };
+const PAD = { left: 64, right: 16, top: 28, bottom: 28 };
+export const COLOURS = 8; // .series-0 .. .series-7 in style.css
 
 function svg(tag, attrs = {}) {
   const e = document.createElementNS(SVG, tag);
@@ -63,13 +65,27 @@ function thin(points, width, xOf) {
   return out;
 }
 
+// The index of the point of `pts` (sorted by x) nearest to `x`.
+function nearest(pts, x) {
+  let lo = 0;
+  let hi = pts.length - 1;
+  while (lo < hi) {
+    const mid = (lo + hi) >> 1;
+    if (pts[mid].x < x) lo = mid + 1;
+    else hi = mid;
+  }
+  if (lo > 0 && Math.abs(pts[lo - 1].x - x) < Math.abs(pts[lo].x - x)) lo -= 1;
+  return lo;
+}
+
 export class LineChart {
   constructor(container) {
     this.container = container;
-    this.points = [];
+    this.series = [];
+    this.names = [];
+    this.empty = "no metrics reported yet";
     this.hoverX = null;
     this.logY = false;
-    this.label = "";
     this.root = svg("svg", { class: "chart-svg", role: "img" });
     this.container.replaceChildren(this.root);
     this.observer = new ResizeObserver(() => this.draw());
@@ -82,13 +98,35 @@ export class LineChart {
     this.observer.disconnect();
   }
 
-  // points: [{x: step, y: value}] sorted by x; non-finite values are left out.
-  setData(points, { logY = false, label = "" } = {}) {
-    this.points = points.filter((p) => Number.isFinite(p.y) && (!logY || p.y > 0));
+  // series: [{name, colour (0..COLOURS-1), points: [{x: step, y: value}] sorted by x}];
+  // non-finite values are left out (and values <= 0 on a log scale).
+  setData(series, { logY = false, empty = "no metrics reported yet" } = {}) {
     this.logY = logY;
-    this.label = label;
-    this.container.dataset.points = String(this.points.length);
+    this.empty = empty;
+    this.names = series.map((s) => s.name);
+    this.series = series
+      .map((s) => ({
+        ...s,
+        points: s.points.filter((p) => Number.isFinite(p.y) && (!logY || p.y > 0)),
+      }))
+      .filter((s) => s.points.length);
+    const d = this.container.dataset;
+    d.points = String(this.series.reduce((n, s) => n + s.points.length, 0));
+    d.series = String(this.series.length);
+    const [x0, x1] = this.xRange();
+    d.firstStep = this.series.length ? String(x0) : "";
+    d.lastStep = this.series.length ? String(x1) : "";
     this.draw();
+  }
+
+  xRange() {
+    let x0 = Infinity;
+    let x1 = -Infinity;
+    for (const s of this.series) {
+      x0 = Math.min(x0, s.points[0].x);
+      x1 = Math.max(x1, s.points[s.points.length - 1].x);
+    }
+    return [x0, x1];
   }
 
   draw() {
@@ -98,25 +136,26 @@ export class LineChart {
     root.setAttribute("width", width);
     root.setAttribute("height", height);
     root.setAttribute("viewBox", `0 0 ${width} ${height}`);
-    root.setAttribute("aria-label", `${this.label}: ${this.points.length} points`);
+    const count = this.series.reduce((n, s) => n + s.points.length, 0);
+    root.setAttribute("aria-label", `${this.names.join(", ")}: ${count} points`);
     root.replaceChildren();
     this.layout = null;
-    const pts = this.points;
-    if (!pts.length) {
+    if (!this.series.length) {
       const t = svg("text", { x: width / 2, y: height / 2, class: "chart-empty" });
-      t.textContent = this.label ? `no ${this.label} reported yet` : "no metrics reported yet";
+      t.textContent = this.names.length ? `no ${this.names.join(", ")} reported yet` : this.empty;
       root.append(t);
       return;
     }
     const fy = this.logY ? Math.log10 : (v) => v;
-    let x0 = pts[0].x;
-    let x1 = pts[pts.length - 1].x;
+    let [x0, x1] = this.xRange();
     let y0 = Infinity;
     let y1 = -Infinity;
-    for (const p of pts) {
-      const v = fy(p.y);
-      if (v < y0) y0 = v;
-      if (v > y1) y1 = v;
+    for (const s of this.series) {
+      for (const p of s.points) {
+        const v = fy(p.y);
+        if (v < y0) y0 = v;
+        if (v > y1) y1 = v;
+      }
     }
     if (x1 === x0) x1 = x0 + 1;
     if (y1 === y0) {
@@ -165,18 +204,36 @@ export class LineChart {
     grid.append(axisLabel);
     root.append(grid);
 
-    const shown = thin(pts, pw, xOf);
-    let d = "";
-    for (const p of shown) d += `${d ? "L" : "M"}${xOf(p.x).toFixed(1)},${yOf(p.y).toFixed(1)}`;
-    root.append(svg("path", { d, class: "chart-line" }));
-    const last = pts[pts.length - 1];
-    root.append(svg("circle", { cx: xOf(last.x), cy: yOf(last.y), r: 3, class: "chart-dot" }));
+    // The legend, in the band above the plot: a stroke of each series' colour, its name.
+    const legend = svg("g", { class: "chart-legend" });
+    let lx = PAD.left;
+    for (const s of this.series) {
+      const item = svg("g", { class: `chart-legend-item series-${s.colour}`, "data-name": s.name });
+      item.append(svg("line", { x1: lx, x2: lx + 16, y1: 14, y2: 14 }));
+      const label = svg("text", { x: lx + 21, y: 18 });
+      label.textContent = s.name;
+      item.append(label);
+      legend.append(item);
+      lx += 21 + 7 * s.name.length + 16;
+    }
+    root.append(legend);
+
+    for (const s of this.series) {
+      const shown = thin(s.points, pw, xOf);
+      let d = "";
+      for (const p of shown) d += `${d ? "L" : "M"}${xOf(p.x).toFixed(1)},${yOf(p.y).toFixed(1)}`;
+      root.append(svg("path", { d, class: `chart-line series-${s.colour}`, "data-name": s.name }));
+      const last = s.points[s.points.length - 1];
+      root.append(
+        svg("circle", { cx: xOf(last.x), cy: yOf(last.y), r: 3, class: `chart-dot series-${s.colour}` }),
+      );
+    }
 
     this.cursor = svg("g", { class: "chart-cursor", visibility: "hidden" });
     this.cursorLine = svg("line", { y1: PAD.top, y2: height - PAD.bottom });
-    this.cursorDot = svg("circle", { r: 4 });
+    this.cursorDots = this.series.map((s) => svg("circle", { r: 4, class: `series-${s.colour}` }));
     this.cursorText = svg("text", { y: PAD.top + 12 });
-    this.cursor.append(this.cursorLine, this.cursorDot, this.cursorText);
+    this.cursor.append(this.cursorLine, ...this.cursorDots, this.cursorText);
     root.append(this.cursor);
     this.layout = { xOf, yOf, x0, x1, pw, width };
     // A redraw for new points keeps the read-out where the mouse still is.
@@ -193,25 +250,25 @@ export class LineChart {
     const { xOf, yOf, x0, x1, pw, width } = this.layout;
     const rect = this.root.getBoundingClientRect();
     const step = x0 + ((ev.clientX - rect.left - PAD.left) / pw) * (x1 - x0);
-    const pts = this.points;
-    let lo = 0;
-    let hi = pts.length - 1;
-    while (lo < hi) {
-      const mid = (lo + hi) >> 1;
-      if (pts[mid].x < step) lo = mid + 1;
-      else hi = mid;
-    }
-    if (lo > 0 && Math.abs(pts[lo - 1].x - step) < Math.abs(pts[lo].x - step)) lo -= 1;
-    const p = pts[lo];
-    const x = xOf(p.x);
+    // Each series' point nearest the mouse; the line stands at the nearest of them.
+    const near = this.series.map((s) => s.points[nearest(s.points, step)]);
+    let at = near[0].x;
+    for (const p of near) if (Math.abs(p.x - step) < Math.abs(at - step)) at = p.x;
+    const x = xOf(at);
     this.cursorLine.setAttribute("x1", x);
     this.cursorLine.setAttribute("x2", x);
-    this.cursorDot.setAttribute("cx", x);
-    this.cursorDot.setAttribute("cy", yOf(p.y));
-    const right = x > width - 160;
+    near.forEach((p, i) => {
+      this.cursorDots[i].setAttribute("cx", xOf(p.x));
+      this.cursorDots[i].setAttribute("cy", yOf(p.y));
+    });
+    const right = x > width - 240;
     this.cursorText.setAttribute("x", right ? x - 6 : x + 6);
     this.cursorText.setAttribute("text-anchor", right ? "end" : "start");
-    this.cursorText.textContent = `step ${p.x}: ${formatNumber(p.y)}`;
+    const values = this.series.map((s, i) => {
+      const p = near[i];
+      return `${s.name} ${formatNumber(p.y)}${p.x === at ? "" : ` (step ${p.x})`}`;
+    });
+    this.cursorText.textContent = `step ${at}: ${values.join(" · ")}`;
     this.cursor.setAttribute("visibility", "visible");
   }
 }

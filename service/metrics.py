@@ -30,7 +30,7 @@ from sqlalchemy.orm import Session
 from service.db import Database
 from service.errors import NotFound
 from service.jobs import current_job
-from service.models import Attempt, Job, MetricPoint, utcnow
+from service.models import Attempt, AttemptOutcome, Job, MetricPoint, utcnow
 from service.schemas import AttemptPublic, MetricsIn, metric_in, metric_out
 
 MAX_POINTS = 100_000
@@ -232,7 +232,7 @@ def attempts(db: Database, job_id: int) -> list[AttemptPublic]:
                 started_at=a.started_at,
                 finished_at=a.ended_at,
                 exit_code=a.exit_code,
-                outcome=a.outcome,
+                outcome=cast(AttemptOutcome, a.outcome),  # the column holds no other
                 reason=a.reason,
             )
             for a in rows

@@ -4,6 +4,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 # torch and torchvision come from this machine's disk through pip (uv/poetry would download 3 GB).
 TORCH_PINS := torch==2.14.1 torchvision==0.29.1
+# Pinned: tests/test_openapi_client.py asserts the generated code's names and shapes.
+OPENAPI_GENERATOR := openapi-python-client==0.29.1
 
 .PHONY: venv browser run test test-learning compose-test lint fmt bench clean
 
@@ -14,6 +16,9 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH_PINS)
 	$(BIN)/pip install -q -e '.[dev]'
+	# The OpenAPI client generator the integrators' test runs, apart: it pins its own typer.
+	test -x $(VENV)/tools/bin/python || $(PY) -m venv $(VENV)/tools
+	$(VENV)/tools/bin/pip install -q $(OPENAPI_GENERATOR)
 	touch $@
 
 run: venv

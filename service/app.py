@@ -16,6 +16,8 @@ from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
+from pydantic import BaseModel
 from sqlalchemy.exc import IntegrityError, InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -27,6 +29,7 @@ from service.config import Settings
 from service.db import Database, libpq_conninfo
 from service.errors import DomainError, Invalid, not_utf8_json
 from service.routes import code, jobs, meta, reports, ui, workers
+from service.schemas import Error
 from service.telemetry import RequestMetrics, Telemetry
 from service.wakeup import Wakeup
 
@@ -231,6 +234,7 @@ def create_app(
         # the dashboard keeps the user token. The OpenAPI document stays at /openapi.json.
         docs_url=None,
         redoc_url=None,
+        generate_unique_id_function=_operation_id,
     )
     app.state.settings = settings
     app.state.api_token = api_token
@@ -264,6 +268,13 @@ def create_app(
     app.add_middleware(RequestMetrics, telemetry=app.state.telemetry)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
+
+
+def _operation_id(route: APIRoute) -> str:
+    """An operation's id is its route's name, the handler's own unless the route names
+    itself: what a generated client calls its function (submit_job, not FastAPI's
+    submit_job_jobs_post). Ids are stable and unique (tests/test_openapi_client.py)."""
+    return route.name
 
 
 # ---- errors: what a client may send never answers 500 ----------------------------------
@@ -335,12 +346,6 @@ def _utf8_safe(value: Any) -> Any:
     return value
 
 
-ERROR_SCHEMA = {
-    "title": "Error",
-    "type": "object",
-    "properties": {"detail": {"title": "Detail"}},
-    "required": ["detail"],
-}
 SECURITY_SCHEMES = {
     "userToken": {
         "type": "http",
@@ -361,15 +366,16 @@ SECURITY_SCHEMES = {
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:
-    """The generated document plus what TokenGate and the limits add to every route:
-    the token it takes, and the refusals any request may get."""
+    """The generated document plus what TokenGate, the limits and the database add to
+    a route by its kind alone: the token it takes, and the refusals that come with it.
+    A route's own errors (404, 409, ...) are declared on the route (errors.responses)."""
     if app.openapi_schema:
         return app.openapi_schema
     doc = get_openapi(
         title=app.title, version=app.version, description=app.description, routes=app.routes
     )
     doc.setdefault("components", {}).setdefault("securitySchemes", {}).update(SECURITY_SCHEMES)
-    doc["components"].setdefault("schemas", {})["Error"] = ERROR_SCHEMA
+    _add_component(doc, Error)
     error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
     for rule in route_rules(app):
         paths = doc["paths"].get(rule.path, {})
@@ -377,20 +383,25 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
             op = paths.get(method.lower())
             if op is None:
                 continue
-            responses = op.setdefault("responses", {})
-            extra: dict[str, str] = {"503": "the database is unavailable; retry shortly"}
+            shared: dict[str, str] = {}
             if rule.kind != "open":
                 op["security"] = [{f"{rule.kind}Token": []}] if rule.kind != "closed" else []
-                extra["401"] = "no token, or not a token ddpq issued"
-                extra["403"] = "a token of another kind, job or attempt"
-            if "{" in rule.path or rule.kind != "open":
-                extra["404"] = "no such job or worker"
-            if method in ("POST", "PUT", "PATCH"):
-                extra["409"] = "the request conflicts with the job's state"
-                extra["413"] = "the body is larger than the limit (1 MiB by default)"
-            if rule.has_params or method in ("POST", "PUT", "PATCH"):
-                extra["422"] = "a field or parameter is invalid (named in detail)"
-            for status, description in extra.items():
+                shared["401"] = "no token, or not a token ddpq issued"
+                shared["403"] = "a token of another kind, job or attempt"
+            if "requestBody" in op:  # app.BodyLimit; GET /code/limits has those of code uploads
+                shared["413"] = "the body is larger than the limit (1 MiB by default)"
+            if rule.uses_database:
+                shared["503"] = "the database is unavailable; retry shortly"
+            responses = op.setdefault("responses", {})
+            for status, description in shared.items():
                 responses.setdefault(status, {"description": description, **error})
+            op["responses"] = dict(sorted(responses.items()))
     app.openapi_schema = doc
     return doc
+
+
+def _add_component(doc: dict[str, Any], model: type[BaseModel]) -> None:
+    """``model``'s schema (and those it refers to) among the document's components."""
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    for name, definition in {**schema.pop("$defs", {}), model.__name__: schema}.items():
+        doc["components"].setdefault("schemas", {}).setdefault(name, definition)

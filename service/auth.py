@@ -25,7 +25,7 @@ import re
 import secrets
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, get_args
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
@@ -35,6 +35,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service import queue
+from service.deps import DB
 from service.models import Attempt, Job, JobNode
 
 log = logging.getLogger("ddpq.service")
@@ -151,7 +152,12 @@ class RouteRule:
     regex: re.Pattern[str]
     methods: frozenset[str] | None  # None: any (a mount)
     kind: str  # user, worker, job, open, or closed (declares nothing and is not open)
-    has_params: bool
+    # It reads the database (its handler takes DB, or the gate looks its job token up):
+    # only such a route can answer 503 when the database is down.
+    uses_database: bool
+
+
+_DATABASE = get_args(DB)[1].dependency
 
 
 def _kind(path: str, dependant: Dependant | None) -> str:
@@ -182,14 +188,18 @@ def route_rules(app: FastAPI) -> list[RouteRule]:
         path = getattr(ctx, "path_format", None) or getattr(ctx, "path", "") or ""
         dependant = getattr(ctx, "dependant", None)
         methods = getattr(ctx, "methods", None)
-        has_params = bool(dependant and (dependant.path_params or dependant.query_params))
+        kind = _kind(path, dependant if isinstance(dependant, Dependant) else None)
+        uses_database = kind == "job" or (
+            isinstance(dependant, Dependant)
+            and any(call is _DATABASE for call in _calls(dependant))
+        )
         rules.append(
             RouteRule(
                 path=path,
                 regex=regex,
                 methods=frozenset(methods) if methods else None,
-                kind=_kind(path, dependant if isinstance(dependant, Dependant) else None),
-                has_params=has_params,
+                kind=kind,
+                uses_database=uses_database,
             )
         )
     return rules

@@ -1,6 +1,9 @@
-"""Domain errors raised below the routes; app.py maps each to its HTTP status."""
+"""Domain errors raised below the routes; app.py maps each to its HTTP status, and
+``responses`` documents a route's own ones."""
 
 from typing import Any
+
+from service.schemas import Error
 
 
 def not_utf8_json(cause: Exception) -> dict[str, Any]:
@@ -37,3 +40,10 @@ class Invalid(DomainError):
     def __init__(self, loc: tuple[str, str], detail: str) -> None:
         super().__init__(detail)
         self.loc = loc
+
+
+def responses(errors: dict[int, str]) -> dict[int | str, dict[str, Any]]:
+    """A route's own error answers, by status, for its OpenAPI document. Those that
+    follow from the route's kind alone are added for it: 401 and 403 with a token, 413
+    with a body, 503 with the database (app._openapi), 422 with parameters (FastAPI)."""
+    return {status: {"model": Error, "description": words} for status, words in errors.items()}

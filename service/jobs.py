@@ -31,6 +31,7 @@ from service.schemas import (
     FinishRequest,
     JobPublic,
     JobSpec,
+    JobSpecPublic,
     LatestMetrics,
     metric_in,
     metric_out,
@@ -128,8 +129,8 @@ def _publics(s: Session, jobs: list[Job]) -> list[JobPublic]:
             JobPublic(
                 id=j.id,
                 name=j.name,
-                status=j.status,
-                spec=j.spec,
+                status=JobStatus(j.status),
+                spec=JobSpecPublic.model_validate(j.spec),
                 created_at=j.created_at,
                 started_at=j.started_at,
                 finished_at=j.finished_at,

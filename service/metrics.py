@@ -31,7 +31,7 @@ from sqlalchemy.orm import Session
 from service.db import Database
 from service.errors import NotFound
 from service.jobs import current_job
-from service.models import Attempt, Job, MetricPoint, utcnow
+from service.models import Attempt, AttemptOutcome, Job, MetricPoint, utcnow
 from service.schemas import (
     AttemptPublic,
     MetricItemIn,
@@ -240,7 +240,7 @@ def attempts(db: Database, job_id: int) -> list[AttemptPublic]:
                 started_at=a.started_at,
                 finished_at=a.ended_at,
                 exit_code=a.exit_code,
-                outcome=a.outcome,
+                outcome=cast(AttemptOutcome, a.outcome),  # the column holds no other
                 reason=a.reason,
             )
             for a in rows

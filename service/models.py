@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal
 
 from sqlalchemy import (
     JSON,
@@ -22,6 +22,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from typing_extensions import TypeAliasType
 
 
 class JobStatus(enum.StrEnum):
@@ -32,6 +33,14 @@ class JobStatus(enum.StrEnum):
     FAILED = "failed"  # the program failed, timed out, or its attempts ran out
     CANCELLED = "cancelled"  # cancelled, and no process of it is left
 
+
+# How an attempt stands or ended: running, succeeded, failed, cancelled, lost (its worker
+# stopped answering), requeued (handed back by a worker that shut down). A named alias:
+# the OpenAPI document shows it as one enum, and mypy holds queue.leases to its values.
+AttemptOutcome = TypeAliasType(
+    "AttemptOutcome",
+    Literal["running", "succeeded", "failed", "cancelled", "lost", "requeued"],
+)
 
 TERMINAL = frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED})
 ACTIVE = frozenset({JobStatus.RUNNING, JobStatus.CANCELLING})
@@ -154,7 +163,7 @@ class Attempt(Base):
     exit_code: Mapped[int | None] = mapped_column(Integer)
     # Bytes of this attempt's own output stored so far (the worker's resend check).
     log_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
-    # running, succeeded, failed, cancelled, lost, requeued
+    # An AttemptOutcome.
     outcome: Mapped[str] = mapped_column(String(16), default="running")
     # Why it ended as it did, in words (the job's reason keeps only the latest).
     reason: Mapped[str | None] = mapped_column(Text)

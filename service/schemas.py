@@ -25,6 +25,7 @@ from ddpq.catalog import recipe_names
 from ddpq.rules import entrypoint_problem, env_problem, unsafe_char
 from ddpq.snapshot import entry_problem
 from ddpq.wire import NonFinite, decode_number, encode_number
+from service.models import AttemptOutcome, JobStatus
 
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
@@ -215,6 +216,36 @@ class JobSpec(Strict):
         return self
 
 
+class JobSpecPublic(BaseModel):
+    """A job's spec as stored (JobSpec at its submission), in answers.
+
+    The fields of JobSpec without its validators: a spec that passed them when it was
+    submitted must still be shown after a rule tightens (a recipe removed, a variable
+    newly reserved). Unknown keys are kept, as stored (a spec written by a newer API
+    process during a rolling upgrade); a key missing from an older spec shows its default.
+    """
+
+    # Every field is in every answer: required in the document, so a generated client
+    # types them without "unset".
+    model_config = ConfigDict(extra="allow", json_schema_serialization_defaults_required=True)
+
+    name: str | None = None
+    recipe: str | None = None
+    entrypoint: str | None = None
+    args: list[str] = []
+    env: dict[str, str] = {}
+    world_size: int = 1
+    nnodes: int = 1
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    max_restarts: int = 0
+    max_attempts: int = 3
+    retry_on_error: bool = False
+    priority: int = 0
+    timeout_s: int | None = None
+    code: str | None = None
+    pip: list[str] = []
+
+
 class CheckpointPublic(BaseModel):
     id: int
     path: str
@@ -242,8 +273,8 @@ class CodeSummary(BaseModel):
 class JobPublic(BaseModel):
     id: int
     name: str | None
-    status: str
-    spec: dict[str, Any]
+    status: JobStatus
+    spec: JobSpecPublic
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
@@ -320,9 +351,7 @@ class AttemptPublic(BaseModel):
     started_at: datetime
     finished_at: datetime | None
     exit_code: int | None
-    # running, succeeded, failed, cancelled, lost (its worker stopped answering),
-    # requeued (handed back by a worker that shut down)
-    outcome: str
+    outcome: AttemptOutcome
     reason: str | None
 
 
@@ -343,8 +372,8 @@ class CheckpointsPublic(BaseModel):
 
 class RecipeArg(BaseModel):
     name: str
-    type: str
-    default: Any
+    type: Literal["int", "float", "str"]  # recipes._common parses these three
+    default: int | float | str | None
     help: str
     # Bounds and choices the recipe enforces (its arguments fail the job otherwise).
     min: int | float | None = None
@@ -360,6 +389,13 @@ class RecipePublic(BaseModel):
 
 class RecipesPublic(BaseModel):
     items: list[RecipePublic]
+
+
+class Health(BaseModel):
+    """GET /healthz: liveness, and whether the database answers."""
+
+    status: Literal["ok", "degraded"]
+    database: Literal["ok", "unreachable"]
 
 
 class Accepted(BaseModel):
@@ -443,7 +479,7 @@ class FinishRequest(Strict):
 class WorkerJob(BaseModel):
     job_id: int
     name: str | None
-    status: str
+    status: JobStatus
     attempt: int
     nproc_per_node: int
     gpus: list[int]
@@ -516,6 +552,26 @@ class CodeLimits(BaseModel):
     max_files: int
     max_bytes: int
     max_file_bytes: int
+
+
+# ---- errors -----------------------------------------------------------------------------
+
+
+class ErrorItem(BaseModel):
+    """One invalid field: where (body, query, path or header, then its name), why, and
+    pydantic's error type."""
+
+    loc: list[str | int]
+    msg: str
+    type: str
+
+
+class Error(BaseModel):
+    """An error answer (a 422 has FastAPI's HTTPValidationError instead): what went
+    wrong, in words, or, for a code snapshot over a limit (413), the field as a 422
+    names it."""
+
+    detail: str | list[ErrorItem]
 
 
 def metric_out(value: float | None) -> MetricValue:

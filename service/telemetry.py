@@ -216,9 +216,14 @@ router = APIRouter(tags=["meta"])
     "/metrics",
     dependencies=[UserAuth],
     response_class=Response,
-    responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"}},
+    responses={
+        200: {
+            "content": {"text/plain": {"schema": {"type": "string"}}},
+            "description": "Prometheus text format",
+        }
+    },
 )
-async def metrics(request: Request) -> Response:
+async def get_prometheus_metrics(request: Request) -> Response:
     """Prometheus metrics of the queue, the workers and this API process."""
     telemetry: Telemetry = request.app.state.telemetry
     body = await run_in_threadpool(telemetry.exposition)

@@ -21,7 +21,17 @@ from sqlalchemy.orm import Session
 
 from service.db import STALL_S, Database, Policy
 from service.errors import Conflict
-from service.models import ACTIVE, TERMINAL, Attempt, Job, JobNode, JobStatus, Worker, utcnow
+from service.models import (
+    ACTIVE,
+    TERMINAL,
+    Attempt,
+    AttemptOutcome,
+    Job,
+    JobNode,
+    JobStatus,
+    Worker,
+    utcnow,
+)
 from service.queue.gangs import node_of, nodes_of, release_nodes
 from service.queue.rules import (
     NODE_LIVE,
@@ -90,7 +100,7 @@ class Ending:
     """What an ending attempt does to its job (new column values) and its own outcome."""
 
     values: dict[str, Any]
-    outcome: str
+    outcome: AttemptOutcome
 
 
 def lost(

@@ -18,6 +18,7 @@ from ddpq.snapshot import Entry
 from service import code
 from service.auth import UserAuth, WorkerAuth
 from service.deps import DB, SettingsDep
+from service.errors import responses
 from service.schemas import (
     CodeLimits,
     CodeSummary,
@@ -35,10 +36,17 @@ DigestPath = Annotated[
     str, Path(pattern=r"^[0-9a-f]{64}$", description="sha256 of the content, lower-case hex")
 ]
 BLOB_HEADERS = {"Cache-Control": "private, max-age=31536000, immutable"}
+NO_SNAPSHOT = {404: "no such snapshot (never created, or collected)"}
+NO_BLOB = {404: "no such content (never uploaded, or collected)"}
+BINARY = {"schema": {"type": "string", "format": "binary"}}
+BLOB_ANSWER = {
+    200: {"content": {"application/octet-stream": BINARY}, "description": "the content"},
+    **responses(NO_BLOB),
+}
 
 
-@router.get("/limits", response_model=CodeLimits, operation_id="code_limits")
-async def limits(settings: SettingsDep) -> CodeLimits:
+@router.get("/limits", response_model=CodeLimits)
+async def get_code_limits(settings: SettingsDep) -> CodeLimits:
     """What one snapshot may hold: files, bytes in all, bytes in one file."""
     lim = settings.code_limits()
     return CodeLimits(
@@ -46,8 +54,8 @@ async def limits(settings: SettingsDep) -> CodeLimits:
     )
 
 
-@router.post("/missing", response_model=MissingReply, operation_id="code_missing")
-async def missing(body: MissingRequest, db: DB) -> MissingReply:
+@router.post("/missing", response_model=MissingReply)
+async def find_missing_blobs(body: MissingRequest, db: DB) -> MissingReply:
     """Which of these contents the API lacks: upload only those."""
     return MissingReply(missing=await run_in_threadpool(code.missing, db, body.digests))
 
@@ -55,11 +63,10 @@ async def missing(body: MissingRequest, db: DB) -> MissingReply:
 @router.put(
     "/blobs/{digest}",
     status_code=204,
-    operation_id="code_put_blob",
     openapi_extra={
         "requestBody": {
             "required": True,
-            "content": {"application/octet-stream": {"schema": {"type": "string"}}},
+            "content": {"application/octet-stream": BINARY},
         }
     },
 )
@@ -70,24 +77,32 @@ async def put_blob(digest: DigestPath, request: Request, db: DB) -> Response:
     return Response(status_code=204)
 
 
-@router.post(
-    "/snapshots", status_code=201, response_model=CodeSummary, operation_id="code_snapshot"
-)
+@router.post("/snapshots", status_code=201, response_model=CodeSummary)
 async def create_snapshot(body: SnapshotIn, db: DB, settings: SettingsDep) -> CodeSummary:
     """Store a manifest whose contents are uploaded; answer its id for POST /jobs."""
     entries = [Entry.of(e.model_dump(exclude_none=True)) for e in body.files]
     return await run_in_threadpool(code.create_snapshot, db, entries, settings.code_limits())
 
 
-@router.get("/snapshots/{snapshot_id}", response_model=SnapshotPublic, operation_id="code_get")
-@workers_router.get("/snapshots/{snapshot_id}", response_model=SnapshotPublic)
+# One handler under both tokens; the worker's route has a name (its operation id) of its own.
+@router.get(
+    "/snapshots/{snapshot_id}", response_model=SnapshotPublic, responses=responses(NO_SNAPSHOT)
+)
+@workers_router.get(
+    "/snapshots/{snapshot_id}",
+    response_model=SnapshotPublic,
+    responses=responses(NO_SNAPSHOT),
+    name="worker_get_snapshot",
+)
 async def get_snapshot(snapshot_id: DigestPath, db: DB) -> SnapshotPublic:
     """A snapshot's manifest: every path with its size, digest and mode."""
     return await run_in_threadpool(code.snapshot, db, snapshot_id)
 
 
-@router.get("/blobs/{digest}", operation_id="code_get_blob")
-@workers_router.get("/blobs/{digest}")
+@router.get("/blobs/{digest}", response_class=Response, responses=BLOB_ANSWER)
+@workers_router.get(
+    "/blobs/{digest}", response_class=Response, responses=BLOB_ANSWER, name="worker_get_blob"
+)
 async def get_blob(digest: DigestPath, db: DB) -> Response:
     """One content, as uploaded."""
     data = await run_in_threadpool(code.blob, db, digest)

@@ -12,7 +12,7 @@ from fastapi.responses import Response, StreamingResponse
 from service import jobs, logs, metrics, streams
 from service.auth import UserAuth
 from service.deps import DB, JobId, SettingsDep, WakeupDep, gone
-from service.errors import Invalid
+from service.errors import Invalid, responses
 from service.models import JobStatus
 from service.schemas import (
     MAX_METRIC_NAMES,
@@ -27,9 +27,20 @@ from service.schemas import (
 )
 
 router = APIRouter(dependencies=[UserAuth], tags=["jobs"])
+NO_JOB = {404: "no such job"}
 
 
-@router.post("/jobs", status_code=201, response_model=JobPublic)
+@router.post(
+    "/jobs",
+    status_code=201,
+    response_model=JobPublic,
+    responses=responses(
+        {
+            409: "the Idempotency-Key was used with another body, or strict=true and no "
+            "registered worker could ever run the job"
+        }
+    ),
+)
 async def submit_job(
     spec: JobSpec,
     db: DB,
@@ -89,7 +100,7 @@ def list_jobs(
     return JobsPublic(items=items, next_cursor=next_cursor)
 
 
-@router.get("/jobs/{job_id}", response_model=JobPublic)
+@router.get("/jobs/{job_id}", response_model=JobPublic, responses=responses(NO_JOB))
 async def get_job(job_id: JobId, db: DB) -> Response:
     """One job, with its latest metrics and checkpoint."""
     # Serialised once, here: a returned model is validated again and then encoded
@@ -104,7 +115,12 @@ async def get_job(job_id: JobId, db: DB) -> Response:
     return Response(job.model_dump_json(), media_type="application/json")
 
 
-@router.post("/jobs/{job_id}/cancel", status_code=202, response_model=JobPublic)
+@router.post(
+    "/jobs/{job_id}/cancel",
+    status_code=202,
+    response_model=JobPublic,
+    responses=responses({**NO_JOB, 409: "the job has already ended"}),
+)
 async def cancel_job(job_id: JobId, db: DB, wakeup: WakeupDep) -> JobPublic:
     """Cancel a job: at once while queued; once its processes are gone while running."""
     job = await run_in_threadpool(jobs.cancel_job, db, job_id)
@@ -115,9 +131,9 @@ async def cancel_job(job_id: JobId, db: DB, wakeup: WakeupDep) -> JobPublic:
 @router.get(
     "/jobs/{job_id}/metrics",
     response_model=MetricsPublic,
-    responses={200: {"description": "one item per step, oldest first"}},
+    responses={200: {"description": "one item per step, oldest first"}, **responses(NO_JOB)},
 )
-async def job_metrics(
+async def get_job_metrics(
     job_id: JobId,
     db: DB,
     name: Annotated[
@@ -150,8 +166,8 @@ async def job_metrics(
     return Response(metrics.to_json(items), media_type="application/json")
 
 
-@router.get("/jobs/{job_id}/attempts", response_model=AttemptsPublic)
-async def job_attempts(job_id: JobId, db: DB) -> AttemptsPublic:
+@router.get("/jobs/{job_id}/attempts", response_model=AttemptsPublic, responses=responses(NO_JOB))
+async def list_job_attempts(job_id: JobId, db: DB) -> AttemptsPublic:
     """Every attempt of the job, oldest first: worker, GPUs, start, end, exit code, why."""
     return AttemptsPublic(items=await run_in_threadpool(metrics.attempts, db, job_id))
 
@@ -164,10 +180,11 @@ async def job_attempts(job_id: JobId, db: DB) -> AttemptsPublic:
         200: {
             "content": {"text/event-stream": {"schema": {"type": "string"}}},
             "description": "server-sent events: job, metrics, end (then the stream closes)",
-        }
+        },
+        **responses(NO_JOB),
     },
 )
-async def job_events(
+async def get_job_events(
     job_id: JobId,
     request: Request,
     db: DB,
@@ -197,8 +214,10 @@ async def job_events(
     )
 
 
-@router.get("/jobs/{job_id}/checkpoints", response_model=CheckpointsPublic)
-def job_checkpoints(job_id: JobId, db: DB) -> CheckpointsPublic:
+@router.get(
+    "/jobs/{job_id}/checkpoints", response_model=CheckpointsPublic, responses=responses(NO_JOB)
+)
+def list_job_checkpoints(job_id: JobId, db: DB) -> CheckpointsPublic:
     """Checkpoints the job registered, oldest first."""
     return CheckpointsPublic(items=jobs.list_checkpoints(db, job_id))
 
@@ -221,13 +240,14 @@ _STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
                 },
                 "X-Job-Status": {
                     "description": "the job's status when the answer started",
-                    "schema": {"type": "string"},
+                    "schema": {"type": "string", "enum": [s.value for s in JobStatus]},
                 },
             },
-        }
+        },
+        **responses(NO_JOB),
     },
 )
-async def job_logs(
+async def get_job_logs(
     job_id: JobId,
     request: Request,
     db: DB,

@@ -11,6 +11,7 @@ from service import queue
 from service.auth import UserAuth
 from service.deps import DB
 from service.schemas import (
+    Health,
     RecipeArg,
     RecipePublic,
     RecipesPublic,
@@ -21,8 +22,14 @@ from service.schemas import (
 router = APIRouter(tags=["meta"])
 
 
-@router.get("/healthz", responses={503: {"description": "the database is unreachable"}})
-async def healthz(db: DB) -> JSONResponse:
+@router.get(
+    "/healthz",
+    responses={
+        200: {"model": Health, "description": "the API and its database answer"},
+        503: {"model": Health, "description": "the database is unreachable"},
+    },
+)
+async def get_health(db: DB) -> JSONResponse:
     """Liveness and database reachability (no token needed)."""
     try:
         await run_in_threadpool(db.ping)

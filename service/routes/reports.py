@@ -13,11 +13,14 @@ from service import jobs, metrics
 from service.auth import JobAttempt
 from service.db import Database
 from service.deps import DB, JobId
-from service.errors import not_utf8_json
+from service.errors import not_utf8_json, responses
 from service.models import Attempt
 from service.schemas import Accepted, CheckpointIn, CheckpointPublic, MetricsIn
 
 router = APIRouter(tags=["reports"])
+# The token names the attempt; it may end (a finish, a lost lease) between the gate's
+# check and the write.
+FENCED = {409: "the token's attempt is no longer the job's current one"}
 
 
 def _standalone(schema: dict[str, Any]) -> dict[str, Any]:
@@ -68,6 +71,7 @@ def _ingest(db: Database, attempt: Attempt, raw: bytes) -> int:
     status_code=202,
     response_model=Accepted,
     openapi_extra=_METRICS_BODY,
+    responses=responses(FENCED),
 )
 async def report_metrics(job_id: JobId, request: Request, attempt: JobAttempt, db: DB) -> Accepted:
     """Add metric points (at most 1000 items a request)."""
@@ -75,7 +79,12 @@ async def report_metrics(job_id: JobId, request: Request, attempt: JobAttempt, d
     return Accepted(accepted=await run_in_threadpool(_ingest, db, attempt, raw))
 
 
-@router.post("/jobs/{job_id}/checkpoints", status_code=201, response_model=CheckpointPublic)
+@router.post(
+    "/jobs/{job_id}/checkpoints",
+    status_code=201,
+    response_model=CheckpointPublic,
+    responses=responses(FENCED),
+)
 def report_checkpoint(
     job_id: JobId, body: CheckpointIn, attempt: JobAttempt, db: DB
 ) -> CheckpointPublic:

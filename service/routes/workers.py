@@ -15,7 +15,7 @@ from ddpq.messages import AttemptRef, ClaimedJob, GangReply, HeartbeatReply, Wor
 from service import jobs, logs, queue
 from service.auth import WorkerAuth, mint_job_token
 from service.deps import DB, JobId, SettingsDep, WakeupDep, gone
-from service.errors import DomainError, NotFound
+from service.errors import DomainError, NotFound, responses
 from service.schemas import (
     ClaimRequest,
     FinishRequest,
@@ -35,6 +35,8 @@ MAX_LOG_CHUNK_BYTES = 1024 * 1024
 # claims proceed side by side and each spends most of its time waiting on the server.
 CLAIM_THREADS = {"sqlite": 1, "postgresql": 4}
 _claim_pools: dict[str, ThreadPoolExecutor] = {}
+NOT_REGISTERED = {404: "no worker of this name is registered"}
+NAME_TAKEN = {409: "another worker process holds this name (another identity heartbeats)"}
 
 
 def _claim_pool(dialect: str) -> ThreadPoolExecutor:
@@ -47,8 +49,8 @@ def _claim_pool(dialect: str) -> ThreadPoolExecutor:
     return pool
 
 
-@router.post("/register", response_model=WorkerRegistered)
-def register(
+@router.post("/register", response_model=WorkerRegistered, responses=responses(NAME_TAKEN))
+def register_worker(
     body: WorkerRegister, db: DB, settings: SettingsDep, wakeup: WakeupDep
 ) -> WorkerRegistered:
     """Announce a worker and what it has (again after a restart)."""
@@ -72,9 +74,12 @@ class UnknownWorker(NotFound):
 @router.post(
     "/claim",
     response_model=ClaimedJob,
-    responses={204: {"description": "no job fitted before wait_s ran out"}},
+    responses={
+        204: {"description": "no job fitted before wait_s ran out"},
+        **responses(NOT_REGISTERED),
+    },
 )
-async def claim(
+async def claim_job(
     body: ClaimRequest, request: Request, db: DB, settings: SettingsDep, wakeup: WakeupDep
 ) -> ClaimedJob | Response:
     """Long-poll for the next job that fits the worker's free slots."""
@@ -115,7 +120,7 @@ async def claim(
 
 
 @router.post("/gang", response_model=GangReply)
-async def gang(
+async def wait_for_gang(
     body: GangRequest, request: Request, db: DB, settings: SettingsDep, wakeup: WakeupDep
 ) -> GangReply:
     """Long-poll on a held node slot of a multi-node job until its gang is complete
@@ -143,8 +148,12 @@ async def gang(
         await wakeup.wait(seen, min(left, settings.claim_recheck_s))
 
 
-@router.post("/heartbeat", response_model=HeartbeatReply)
-def heartbeat(body: Heartbeat, db: DB) -> HeartbeatReply:
+@router.post(
+    "/heartbeat",
+    response_model=HeartbeatReply,
+    responses=responses({**NOT_REGISTERED, **NAME_TAKEN}),
+)
+def send_heartbeat(body: Heartbeat, db: DB) -> HeartbeatReply:
     """Extend the leases of the worker's attempts; learn which to stop."""
     try:
         cancel, abandon = queue.record_heartbeat(
@@ -159,8 +168,29 @@ def heartbeat(body: Heartbeat, db: DB) -> HeartbeatReply:
     )
 
 
-@router.post("/jobs/{job_id}/logs", status_code=202, response_model=LogAppended)
-async def append_log(
+@router.post(
+    "/jobs/{job_id}/logs",
+    status_code=202,
+    response_model=LogAppended,
+    # The body is read raw (the attempt's output bytes), so it is declared here.
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}
+            },
+        }
+    },
+    responses=responses(
+        {
+            400: f"the chunk is larger than {MAX_LOG_CHUNK_BYTES} bytes",
+            404: "no such job",
+            409: "the attempt is not this worker's or was replaced, or the chunk starts "
+            "past what is stored",
+        }
+    ),
+)
+async def append_job_log(
     job_id: JobId,
     request: Request,
     db: DB,
@@ -180,8 +210,18 @@ class FinishBody(FinishRequest):
     worker: WorkerName
 
 
-@router.post("/jobs/{job_id}/finish", response_model=JobPublic)
-async def finish(job_id: JobId, body: FinishBody, db: DB, wakeup: WakeupDep) -> JobPublic:
+@router.post(
+    "/jobs/{job_id}/finish",
+    response_model=JobPublic,
+    responses=responses(
+        {
+            404: "no such job",
+            409: "the attempt is not this worker's, a newer one replaced it, or it was "
+            "declared lost",
+        }
+    ),
+)
+async def finish_attempt(job_id: JobId, body: FinishBody, db: DB, wakeup: WakeupDep) -> JobPublic:
     """Report how an attempt ended (after its processes are gone)."""
     job = await run_in_threadpool(jobs.finish_attempt, db, job_id, body.worker, body)
     wakeup.notify()  # its slots are free again

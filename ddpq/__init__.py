@@ -13,9 +13,9 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-# ddpq.train's public calls, offered at the top: `import ddpq; ddpq.report(...)` or
-# `from ddpq import report`; the same names as ddpq.train.__all__ (a test holds them equal).
-_TRAIN = (
+# ddpq.train's public calls (its __all__ is this list), offered at the top too:
+# `import ddpq; ddpq.report(...)` or `from ddpq import report`.
+TRAINING_CALLS = (
     "flush",
     "is_master",
     "latest_checkpoint",
@@ -23,11 +23,11 @@ _TRAIN = (
     "report",
     "save_checkpoint",
 )
-__all__ = ["__version__", *_TRAIN]
+__all__ = ["TRAINING_CALLS", "__version__", *TRAINING_CALLS]
 
 
 def __getattr__(name: str) -> Any:
-    if name in _TRAIN:
+    if name in TRAINING_CALLS:
         from ddpq import train
 
         return getattr(train, name)

@@ -59,11 +59,11 @@ def test_reports_survive_an_api_outage(server: Server, db_url: str, tmp_path: Pa
 
 
 def _reporter(
-    server: Server, claim: dict[str, object], code: str, out: Path
+    server: Server, claim: dict[str, object], code: str, out: Path, *args: str
 ) -> subprocess.Popen[bytes]:
     with open(out, "wb") as f:
         return subprocess.Popen(
-            [sys.executable, "-c", code],
+            [sys.executable, "-c", code, *args],
             env=_child_env(
                 {
                     "DDPQ_URL": server.url,
@@ -268,20 +268,7 @@ print("flushed", flush=True)
 def test_the_first_point_is_sent_at_once(server: Server, tmp_path: Path) -> None:
     claim = submit_and_claim(server)
     out, go = tmp_path / "out", tmp_path / "go"
-    with open(out, "wb") as f:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", FIRST_AT_ONCE, str(go)],
-            env=_child_env(
-                {
-                    "DDPQ_URL": server.url,
-                    "DDPQ_JOB_ID": str(claim["job_id"]),
-                    "DDPQ_JOB_TOKEN": claim["token"],
-                    "RANK": "0",
-                }
-            ),
-            stdout=f,
-            stderr=subprocess.STDOUT,
-        )
+    proc = _reporter(server, claim, FIRST_AT_ONCE, out, str(go))
     try:
         user = server.client()
 
@@ -330,7 +317,7 @@ def test_ddpq_offers_the_in_training_calls_under_names_that_do_not_clash() -> No
     import ddpq
     from ddpq import train
 
-    assert sorted(ddpq._TRAIN) == sorted(train.__all__)
+    assert train.__all__ == list(ddpq.TRAINING_CALLS)
     for name in train.__all__:
         assert getattr(ddpq, name) is getattr(train, name)
     # A script's own `def train(...)` no longer shadows anything it needs.

@@ -746,3 +746,12 @@ def test_follow_resumes_after_a_cut_marker_at_the_offset_it_names() -> None:
     # A rank that prints the marker's words does not move the offset: its line starts "[rankN]:".
     fake = b"[rank0]: " + cut_marker(1, 1, 99_999_999)
     assert _Offsets(0).feed(fake) == len(fake)
+
+
+def test_status_shows_the_latest_step_of_the_total(server: Server) -> None:
+    claim = submit_and_claim(server, "status-hand")
+    report(server, claim, [{"step": 3, "values": {"loss": 0.5}, "total_steps": 10}])
+    r = ddpq(server, "status", str(claim["job_id"]))
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"latest  step 3 of 10: loss=0\.5$", r.stdout, re.MULTILINE), r.stdout
+    finish(server, claim, 0, name="status-hand")

@@ -388,7 +388,8 @@ def status(job_id: int, as_json: JsonOpt = False) -> None:
                 f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}"
                 for k, v in m["values"].items()
             )
-            fields.append(("latest", f"step {m['step']}: {values}"))
+            of = f" of {job['total_steps']}" if job.get("total_steps") else ""
+            fields.append(("latest", f"step {m['step']}{of}: {values}"))
         if job.get("code"):
             snap = job["code"]
             fields.append(

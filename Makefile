@@ -11,12 +11,13 @@ OPENAPI_GENERATOR := openapi-python-client==0.29.1
 
 venv: $(VENV)/.installed
 
+# .venv/tools holds the OpenAPI client generator tests/test_openapi_client.py runs, apart
+# from the rest: it pins its own (older) typer.
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH_PINS)
 	$(BIN)/pip install -q -e '.[dev]'
-	# The OpenAPI client generator the integrators' test runs, apart: it pins its own typer.
 	test -x $(VENV)/tools/bin/python || $(PY) -m venv $(VENV)/tools
 	$(VENV)/tools/bin/pip install -q $(OPENAPI_GENERATOR)
 	touch $@

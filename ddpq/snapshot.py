@@ -246,6 +246,11 @@ def snapshot_id(entries: Iterable[Entry]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+def file_count(n: int) -> str:
+    """'1 file', '2 files'."""
+    return f"{n} file" + ("" if n == 1 else "s")
+
+
 def human_bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if n < 1000 or unit == "GB":

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddpq.snapshot import Entry, Refused, checked, human_bytes, write_out
+from ddpq.snapshot import Entry, Refused, checked, file_count, human_bytes, write_out
 from worker.torchrun import JobError
 
 log = logging.getLogger("ddpq.worker")
@@ -278,6 +278,6 @@ def describe(snapshot_id: str, workdir: Path, w: Written) -> str:
     if w.reused:
         return f"[ddpq] code {snapshot_id[:12]}: reusing {workdir} from an earlier attempt\n"
     return (
-        f"[ddpq] code {snapshot_id[:12]}: {w.files} files in {workdir} "
+        f"[ddpq] code {snapshot_id[:12]}: {file_count(w.files)} in {workdir} "
         f"({w.fetched} fetched, {human_bytes(w.fetched_bytes)}; {w.seconds:.1f} s)\n"
     )

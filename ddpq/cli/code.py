@@ -22,7 +22,7 @@ from ddpq.cli.base import (
     client_command,
 )
 from ddpq.client import Client
-from ddpq.snapshot import Entry, Refused, checked, human_bytes, write_out
+from ddpq.snapshot import Entry, Refused, checked, file_count, human_bytes, write_out
 
 
 @client_command(name="code")
@@ -52,14 +52,14 @@ def code(
         _print_json(snap)
         return
     if download is not None:
-        _say(f"job {job_id}: {snap['files']} files written to {download}")
+        _say(f"job {job_id}: {file_count(snap['files'])} written to {download}")
         return
     rows = [
         [e["path"], human_bytes(e["size"]) if "digest" in e else f"-> {e['symlink']}"]
         for e in snap["manifest"]
     ]
     _print_table(_fit_table(["PATH", "SIZE"], rows, caps={}))
-    _say(f"code {snap['id'][:12]}: {snap['files']} files, {human_bytes(snap['bytes'])}")
+    _say(f"code {snap['id'][:12]}: {file_count(snap['files'])}, {human_bytes(snap['bytes'])}")
 
 
 def _download(c: Client, manifest: list[dict[str, Any]], dest: Path) -> None:

@@ -38,7 +38,7 @@ from ddpq.cli.live import Interrupted, follow
 from ddpq.cli.spec import _parse_env, _read_spec_file
 from ddpq.client import Client
 from ddpq.rules import UNSCHEDULABLE, is_unschedulable
-from ddpq.snapshot import human_bytes
+from ddpq.snapshot import file_count, human_bytes
 
 PROGRESS_MIN_BYTES = 1_000_000  # a smaller upload is over before a bar would help
 
@@ -248,9 +248,8 @@ def _push(root: Path, quiet: bool) -> codepack.Pushed:
 
 
 def _code_words(p: codepack.Pushed) -> str:
-    words = (
-        f"code: {p.files} files, {human_bytes(p.bytes)} ({p.new} new, {human_bytes(p.sent)} sent)"
-    )
+    sent = f"{p.new} new, {human_bytes(p.sent)} sent"
+    words = f"code: {file_count(p.files)}, {human_bytes(p.bytes)} ({sent})"
     if p.skipped:
         words += f"; left out: {'; '.join(p.skipped)}"
     return words
@@ -392,9 +391,8 @@ def status(job_id: int, as_json: JsonOpt = False) -> None:
             fields.append(("latest", f"step {m['step']}{of}: {values}"))
         if job.get("code"):
             snap = job["code"]
-            fields.append(
-                ("code", f"{snap['id'][:12]} ({snap['files']} files, {human_bytes(snap['bytes'])})")
-            )
+            size = f"{file_count(snap['files'])}, {human_bytes(snap['bytes'])}"
+            fields.append(("code", f"{snap['id'][:12]} ({size})"))
         if job.get("latest_checkpoint"):
             fields.append(("checkpoint", job["latest_checkpoint"]["path"]))
         if job.get("metrics_dropped"):

@@ -9,26 +9,20 @@ and loads ``ddpq.train`` only when one of its names is first used.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 __version__ = "0.1.0"
 
-# ddpq.train's public calls (its __all__ is this list), offered at the top too:
-# `import ddpq; ddpq.report(...)` or `from ddpq import report`.
-TRAINING_CALLS = (
-    "flush",
-    "is_master",
-    "latest_checkpoint",
-    "load_checkpoint",
-    "report",
-    "save_checkpoint",
-)
-__all__ = ["TRAINING_CALLS", "__version__", *TRAINING_CALLS]
+__all__ = ["__version__"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in TRAINING_CALLS:
-        from ddpq import train
-
-        return getattr(train, name)
+    """ddpq.train's public calls (its ``__all__``, the one list of them) offered at the
+    top too: ``import ddpq; ddpq.report(...)`` or ``from ddpq import report``."""
+    if not name.startswith("_") and name != "train":
+        # import_module, not `from ddpq import train`: that asks this function again.
+        train = importlib.import_module("ddpq.train")
+        if name in train.__all__:
+            return getattr(train, name)
     raise AttributeError(f"module 'ddpq' has no attribute {name!r}")

@@ -48,12 +48,19 @@ from typing import Any
 
 import httpx
 
-from ddpq import TRAINING_CALLS
 from ddpq.rules import MAX_METRIC_ITEMS, metric_point_problem, total_steps_problem
 from ddpq.tensorboard import EventWriter
 from ddpq.wire import Backoff, encode_number, retryable
 
-__all__ = list(TRAINING_CALLS)  # flush, is_master, latest_checkpoint, load_checkpoint, ...
+# Also offered as ddpq.report etc. (ddpq/__init__.py reads this list).
+__all__ = [
+    "flush",
+    "is_master",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "report",
+    "save_checkpoint",
+]
 
 log = logging.getLogger("ddpq.train")
 

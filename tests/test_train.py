@@ -317,9 +317,20 @@ def test_ddpq_offers_the_in_training_calls_under_names_that_do_not_clash() -> No
     import ddpq
     from ddpq import train
 
-    assert train.__all__ == list(ddpq.TRAINING_CALLS)
     for name in train.__all__:
         assert getattr(ddpq, name) is getattr(train, name)
+    # In a fresh interpreter, before ddpq.train is loaded: the names, and submodules.
+    code = (
+        "import ddpq\n"
+        "from ddpq import client, report\n"
+        "from ddpq import train\n"
+        "assert report is train.report and client.Client\n"
+        "try:\n    ddpq.nothing\nexcept AttributeError:\n    print('ok')\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code], env=_child_env({}), capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0 and r.stdout == "ok\n", r.stderr
     # A script's own `def train(...)` no longer shadows anything it needs.
     namespace: dict[str, object] = {}
     exec("from ddpq import report, save_checkpoint, load_checkpoint\ndef train(): pass", namespace)

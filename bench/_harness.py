@@ -70,6 +70,16 @@ def postgres_available() -> bool:
         return False
 
 
+def backends(choice: str) -> Iterator[str]:
+    """The backends a --backend of sqlite, postgres or both names, saying so and
+    leaving Postgres out when it cannot be reached."""
+    for backend in ["sqlite", "postgres"] if choice == "both" else [choice]:
+        if backend == "postgres" and not postgres_available():
+            print("postgres: unreachable, skipped")
+            continue
+        yield backend
+
+
 @contextlib.contextmanager
 def database(backend: str) -> Iterator[str]:
     if backend == "sqlite":

@@ -19,7 +19,7 @@ import argparse
 import threading
 import time
 
-from _harness import Api, database, percentile, postgres_available, register, serve
+from _harness import Api, backends, database, percentile, register, serve
 
 CLAIMERS = 8
 
@@ -108,11 +108,7 @@ def main() -> None:
     ap.add_argument("--latency-jobs", type=int, default=200)
     ap.add_argument("--jobs", type=int, default=2000)
     args = ap.parse_args()
-    backends = ["sqlite", "postgres"] if args.backend == "both" else [args.backend]
-    for backend in backends:
-        if backend == "postgres" and not postgres_available():
-            print("postgres: unreachable, skipped")
-            continue
+    for backend in backends(args.backend):
         with database(backend) as url, serve(url) as api:
             p50, p99 = latency(api, args.latency_jobs)
             print(

@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _harness import Api, database, postgres_available, serve
+from _harness import Api, backends, database, serve
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -98,11 +98,7 @@ def main() -> None:
     ap.add_argument("--files", type=int, default=2000)
     ap.add_argument("--mb", type=int, default=100)
     args = ap.parse_args()
-    backends = ["sqlite", "postgres"] if args.backend == "both" else [args.backend]
-    for backend in backends:
-        if backend == "postgres" and not postgres_available():
-            print("postgres: unreachable, skipped")
-            continue
+    for backend in backends(args.backend):
         with database(backend) as url, serve(url) as api:
             run(api, backend, args.files, args.mb)
 

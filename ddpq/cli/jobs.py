@@ -89,6 +89,13 @@ Strict = Annotated[
 Args = Annotated[list[str] | None, typer.Argument(help="arguments for the program, after --")]
 
 
+# The flags submit and resubmit share that override the spec field of their name.
+SPEC_FLAGS = (
+    "name", "world_size", "nnodes", "device", "priority", "max_attempts", "max_restarts",
+    "retry_on_error", "timeout_s",
+)  # fmt: skip
+
+
 def _override(spec: dict[str, Any], flags: dict[str, Any], args: Any, env: Any, pip: Any) -> None:
     """Flags given on the command line override the spec's fields; --env adds to its env."""
     spec.update({k: v for k, v in flags.items() if v is not None})
@@ -170,20 +177,8 @@ def submit(
         spec.pop("entrypoint", None)
     if entrypoint is not None:
         spec.pop("recipe", None)
-    flags = {
-        "recipe": recipe,
-        "entrypoint": entrypoint,
-        "name": name,
-        "world_size": world_size,
-        "nnodes": nnodes,
-        "device": device,
-        "priority": priority,
-        "max_attempts": max_attempts,
-        "max_restarts": max_restarts,
-        "retry_on_error": retry_on_error,
-        "timeout_s": timeout_s,
-    }
-    _override(spec, flags, args, env, pip)
+    flags = {k: v for k, v in locals().items() if k in SPEC_FLAGS}
+    _override(spec, {"recipe": recipe, "entrypoint": entrypoint, **flags}, args, env, pip)
     if spec.get("recipe") is None and spec.get("entrypoint") is None:
         _fail(
             "give exactly one of --recipe and --entrypoint (or recipe/entrypoint in -f FILE)",
@@ -342,17 +337,7 @@ def resubmit(
             "submit it again from its directory",
             EXIT_API,
         )
-    flags = {
-        "name": name,
-        "world_size": world_size,
-        "nnodes": nnodes,
-        "device": device,
-        "priority": priority,
-        "max_attempts": max_attempts,
-        "max_restarts": max_restarts,
-        "retry_on_error": retry_on_error,
-        "timeout_s": timeout_s,
-    }
+    flags = {k: v for k, v in locals().items() if k in SPEC_FLAGS}
     _override(spec, flags, args, env, pip)
     _submit(spec, None, wait, strict, as_json, "")
 

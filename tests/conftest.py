@@ -4,6 +4,9 @@
 Postgres: every test gets its own database cloned from a migrated template.
 Without a reachable Postgres those tests are skipped with the reason, unless
 DDPQ_REQUIRE_POSTGRES=1 (set by .ci/run), when they fail instead.
+
+Slurm: a one-node cluster (tests/slurmcluster.py) set up once per session; without one
+those tests are skipped, unless DDPQ_REQUIRE_SLURM=1 (set by .ci/run).
 """
 
 from __future__ import annotations
@@ -25,10 +28,12 @@ import httpx
 import psycopg
 import pytest
 
+from tests import slurmcluster
 from worker.procs import launch_prefix
 
 PG_ADMIN = os.environ.get("DDPQ_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 REQUIRE_PG = os.environ.get("DDPQ_REQUIRE_POSTGRES") == "1"
+REQUIRE_SLURM = os.environ.get("DDPQ_REQUIRE_SLURM") == "1"
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -104,6 +109,27 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
         return f"sqlite:///{tmp_path / 'ddpq.db'}"
     url: str = request.getfixturevalue("pg_url")
     return url
+
+
+# ---- Slurm ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def slurm() -> slurmcluster.Cluster:
+    """The one-node Slurm cluster, installed and started when missing."""
+    try:
+        return slurmcluster.ensure()
+    except Exception as exc:
+        if REQUIRE_SLURM:
+            pytest.fail(f"Slurm is required (DDPQ_REQUIRE_SLURM=1) but could not be set up: {exc}")
+        pytest.skip(f"no one-node Slurm cluster: {exc}")
+
+
+@pytest.fixture
+def slurm_clean(slurm: slurmcluster.Cluster) -> Iterator[slurmcluster.Cluster]:
+    """The cluster with none of this user's jobs queued or running."""
+    slurm.cancel_all()
+    yield slurm
 
 
 # ---- processes --------------------------------------------------------------------------

@@ -7,7 +7,7 @@ TORCH_PINS := torch==2.14.1 torchvision==0.29.1
 # Pinned: tests/test_openapi_client.py asserts the generated code's names and shapes.
 OPENAPI_GENERATOR := openapi-python-client==0.29.1
 
-.PHONY: venv browser run test test-learning compose-test lint fmt bench clean
+.PHONY: venv browser slurm run test test-learning compose-test lint fmt bench clean
 
 venv: $(VENV)/.installed
 
@@ -30,9 +30,15 @@ run: venv
 browser:
 	test -x /usr/bin/chromium || { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium; }
 
-test: venv browser
-	$(BIN)/pytest -n 3 --dist worksteal -m 'not exclusive and not learning'
+# The slurm tests run a one-node cluster from Debian's packages (tests/slurmcluster.py
+# configures and starts it): install them only when they are missing, without prompts.
+slurm:
+	command -v sbatch >/dev/null && command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v munged >/dev/null || { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y slurmctld slurmd slurm-client munge; }
+
+test: venv browser slurm
+	$(BIN)/pytest -n 3 --dist worksteal -m 'not exclusive and not learning and not slurm'
 	$(BIN)/pytest -m exclusive
+	$(BIN)/pytest -m slurm
 
 # The recipes trained until they learn (minutes of CPU each): CI runs these after `make test`.
 test-learning: venv
@@ -57,6 +63,7 @@ bench: venv
 	$(BIN)/python bench/recipes.py
 	$(BIN)/python bench/api.py
 	$(BIN)/python bench/code.py
+	$(BIN)/python bench/slurm.py
 
 clean:
 	rm -rf $(VENV) var .pytest_cache .mypy_cache .ruff_cache

@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -134,3 +135,30 @@ def serve(db_url: str, **env: str) -> Iterator[Api]:
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def run_job(client: httpx.Client, spec: dict[str, object]) -> tuple[float, dict]:
+    """Submit ``spec`` and wait for its end: the wall time from the POST to the job's own
+    finished_at (stamped once its processes are gone, so observing it needs no fast
+    polling, which would itself load the API on 2 cores), and the job as it ended."""
+    t0 = time.time()
+    job = client.post("/jobs", json=spec)
+    job.raise_for_status()
+    job_id = job.json()["id"]
+    while client.get(f"/jobs/{job_id}").json()["status"] not in (
+        "succeeded",
+        "failed",
+        "cancelled",
+    ):
+        time.sleep(0.5)
+    final: dict = client.get(f"/jobs/{job_id}").json()
+    return datetime.fromisoformat(final["finished_at"]).timestamp() - t0, final
+
+
+def phases(job: dict) -> str:
+    """Queue wait (submit to claim) and run time (claim to end), from the job's own stamps."""
+    created, started, finished = (
+        datetime.fromisoformat(job[k]) for k in ("created_at", "started_at", "finished_at")
+    )
+    waited, ran = (started - created).total_seconds(), (finished - started).total_seconds()
+    return f"queued {waited:.2f}s, ran {ran:.2f}s"

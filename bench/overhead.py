@@ -16,11 +16,10 @@ import statistics
 import subprocess
 import sys
 import time
-from datetime import datetime
 from pathlib import Path
 
 import httpx
-from _harness import child_env, database, serve
+from _harness import child_env, database, phases, run_job, serve
 
 REPO = Path(__file__).resolve().parent.parent
 PROGRAM = "examples/ddp_plain.py"
@@ -48,34 +47,12 @@ def run_direct(steps: int) -> float:
     return time.perf_counter() - t0
 
 
-def _phases(job: dict) -> str:
-    """Queue wait (submit to claim) and run time (claim to end), from the job's own stamps."""
-    created, started, finished = (
-        datetime.fromisoformat(job[k]) for k in ("created_at", "started_at", "finished_at")
-    )
-    waited, ran = (started - created).total_seconds(), (finished - started).total_seconds()
-    return f"queued {waited:.2f}s, ran {ran:.2f}s"
-
-
 def run_ddpq(client: httpx.Client, steps: int) -> tuple[float, str]:
-    # The end is the job's own finished_at (stamped once its processes are gone), so
-    # observing it needs no fast polling, which would itself load the API on 2 cores.
-    t0 = time.time()
-    job = client.post(
-        "/jobs", json={"entrypoint": PROGRAM, "world_size": 2, "args": ["--steps", str(steps)]}
-    )
-    job.raise_for_status()
-    job_id = job.json()["id"]
-    while True:
-        status = client.get(f"/jobs/{job_id}").json()["status"]
-        if status in ("succeeded", "failed", "cancelled"):
-            break
-        time.sleep(0.5)
-    final = client.get(f"/jobs/{job_id}").json()
-    elapsed = datetime.fromisoformat(final["finished_at"]).timestamp() - t0
-    if status != "succeeded":
-        raise SystemExit(f"job {job_id} {status}: {final['reason']}")
-    return elapsed, _phases(final)
+    spec = {"entrypoint": PROGRAM, "world_size": 2, "args": ["--steps", str(steps)]}
+    elapsed, final = run_job(client, spec)
+    if final["status"] != "succeeded":
+        raise SystemExit(f"job {final['id']} {final['status']}: {final['reason']}")
+    return elapsed, phases(final)
 
 
 def main() -> None:

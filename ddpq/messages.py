@@ -66,12 +66,24 @@ class HeartbeatReply(BaseModel):
     ended: list[int] = []
 
 
+class HeldAttempt(BaseModel):
+    """An attempt the books give a bridge, which a restarted bridge re-adopts: the
+    Slurm job id it was given, if the bridge recorded one before it stopped."""
+
+    job_id: int
+    attempt: int
+    external_id: str | None = None
+    timeout_s: float | None = None  # the job's, which the bridge enforces
+
+
 class WorkerRegistered(BaseModel):
     """POST /workers/register: the heartbeat interval and lease the service keeps."""
 
     name: str
     heartbeat_s: float
     lease_s: float
+    # A bridge's attempts that have not ended (empty for a worker).
+    held: list[HeldAttempt] = []
 
 
 class CodeSnapshot(BaseModel):

@@ -13,6 +13,7 @@ from fastapi import Depends, Path, Request
 
 from service.config import Settings
 from service.db import Database
+from service.errors import DomainError
 from service.schemas import INT64_MAX
 from service.wakeup import Wakeup
 
@@ -48,3 +49,23 @@ DB = Annotated[Database, Depends(_db)]
 SettingsDep = Annotated[Settings, Depends(_settings)]
 WakeupDep = Annotated[Wakeup, Depends(_wakeup)]
 JobId = Annotated[int, Path(ge=1, le=INT64_MAX, description="the job's id")]
+
+
+# A log chunk: raw output bytes, read whole (the worker's stream, or a Slurm node's).
+MAX_LOG_CHUNK_BYTES = 1024 * 1024
+# The body is read raw, so routes that take a chunk declare it for the OpenAPI document.
+LOG_CHUNK_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+    }
+}
+LOG_CHUNK_TOO_BIG = {400: f"the chunk is larger than {MAX_LOG_CHUNK_BYTES} bytes"}
+
+
+async def log_chunk(request: Request) -> bytes:
+    """A request's raw body as a log chunk, refused when over the limit."""
+    data = await request.body()
+    if len(data) > MAX_LOG_CHUNK_BYTES:
+        raise DomainError(f"a log chunk is at most {MAX_LOG_CHUNK_BYTES} bytes")
+    return data

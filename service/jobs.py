@@ -10,7 +10,7 @@ import json
 import posixpath
 from typing import Any, cast
 
-from sqlalchemy import Table, and_, bindparam, func, or_, select
+from sqlalchemy import Table, and_, bindparam, func, or_, select, tuple_
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -122,6 +122,7 @@ def _publics(s: Session, jobs: list[Job]) -> list[JobPublic]:
     positions = _queue_positions(s, jobs)
     pending = queue.pending_reasons(s, [j for j in jobs if j.status == JobStatus.QUEUED], positions)
     snapshots = code.summaries(s, (j.code for j in jobs))
+    external = _external_ids(s, jobs)
     out = []
     for j in jobs:
         c = checkpoints.get(j.id)
@@ -145,9 +146,24 @@ def _publics(s: Session, jobs: list[Job]) -> list[JobPublic]:
                 metrics_dropped=j.metrics_dropped or 0,
                 code=snapshots.get(j.code) if j.code else None,
                 total_steps=j.total_steps,
+                external_id=external.get(j.id),
             )
         )
     return out
+
+
+def _external_ids(s: Session, jobs: list[Job]) -> dict[int, str]:
+    """The scheduler's id (a Slurm job id) of each job's current attempt, where a bridge
+    gave it one."""
+    current = [(j.id, j.attempt) for j in jobs if j.attempt > 0]
+    if not current:
+        return {}
+    rows = s.execute(
+        select(Attempt.job_id, Attempt.external_id).where(
+            tuple_(Attempt.job_id, Attempt.number).in_(current), Attempt.external_id.is_not(None)
+        )
+    )
+    return {job_id: str(external) for job_id, external in rows}
 
 
 def _get(s: Session, job_id: int, lock: bool = False) -> Job:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi.concurrency import run_in_threadpool
 from sqlalchemy import delete, func, select, update
@@ -62,25 +63,57 @@ def append(db: Database, job_id: int, number: int, worker: str, offset: int, dat
         ).first()
         if row is None:
             raise NotFound(f"no job {job_id}")
-        size = row.log_size
         # Each node of a multi-node attempt ships its own stream into the one log.
         attempt, node = queue.workers_attempt(s, row, number, worker)
         stream: Attempt | JobNode = node if node is not None else attempt
         have = stream.log_bytes
-        if offset > have:
-            raise Conflict(
-                f"log gap: this attempt has {have} bytes stored, chunk starts at {offset}"
-            )
-        fresh = data[have - offset :]
-        if not fresh:
-            return have
-        stream.log_bytes = have + len(fresh)
-        if have == 0 and size > 0 and not _ends_line(s, job_id):
-            # An earlier attempt died mid-line: this attempt's output starts on a line
-            # of its own, as every line must start with its [rankN] or [ddpq] mark.
-            fresh = b"\n" + fresh
-        _store(s, job_id, number, size, fresh, cap)
+        stream.log_bytes = have + _write(s, row, number, have, offset, data, cap)
         return stream.log_bytes
+
+
+def append_node(
+    db: Database, attempt_id: int, job_id: int, number: int, node: int, offset: int, data: bytes
+) -> int:
+    """Append a chunk of node ``node``'s own output of attempt ``number``, sent with the
+    attempt's job token (a Slurm attempt's nodes ship their own); returns the bytes of
+    that node's stream stored. Refused once the attempt no longer acts for its job."""
+    cap = db.policy.log_max_bytes
+    with db.write() as s:
+        row = s.execute(
+            select(Job.id, Job.log_size, Job.attempt, Job.nnodes, Job.status)
+            .where(Job.id == job_id)
+            .with_for_update()
+        ).first()
+        attempt = s.get(Attempt, attempt_id)
+        if row is None or attempt is None:
+            raise NotFound(f"no job {job_id}")
+        stale = queue.fenced(number, attempt.ended_at is not None, row.attempt, row.status)
+        if stale:
+            raise Conflict(stale)
+        if node >= row.nnodes:
+            raise Invalid(("query", "node"), f"this job has {row.nnodes} node(s), numbered from 0")
+        streams = dict(attempt.node_log_bytes or {})
+        have = int(streams.get(str(node), 0))
+        streams[str(node)] = have + _write(s, row, number, have, offset, data, cap)
+        attempt.node_log_bytes = streams  # a new dict: the ORM sees the change
+        return int(streams[str(node)])
+
+
+def _write(s: Session, row: Any, number: int, have: int, offset: int, data: bytes, cap: int) -> int:
+    """Store what of a chunk starting at ``offset`` of a stream that has ``have`` bytes
+    stored is new (a resent chunk is stored once); returns the new bytes' count."""
+    if offset > have:
+        raise Conflict(f"log gap: this attempt has {have} bytes stored, chunk starts at {offset}")
+    fresh = data[have - offset :]
+    if not fresh:
+        return 0
+    new = len(fresh)
+    if have == 0 and row.log_size > 0 and not _ends_line(s, row.id):
+        # An earlier attempt (or another node) stopped mid-line: this stream starts on a
+        # line of its own, as every line must start with its [rankN] or [ddpq] mark.
+        fresh = b"\n" + fresh
+    _store(s, row.id, number, row.log_size, fresh, cap)
+    return new
 
 
 def _ends_line(s: Session, job_id: int) -> bool:

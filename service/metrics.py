@@ -242,6 +242,7 @@ def attempts(db: Database, job_id: int) -> list[AttemptPublic]:
                 exit_code=a.exit_code,
                 outcome=cast(AttemptOutcome, a.outcome),  # the column holds no other
                 reason=a.reason,
+                external_id=a.external_id,
             )
             for a in rows
         ]

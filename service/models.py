@@ -167,6 +167,12 @@ class Attempt(Base):
     outcome: Mapped[str] = mapped_column(String(16), default="running")
     # Why it ended as it did, in words (the job's reason keeps only the latest).
     reason: Mapped[str | None] = mapped_column(Text)
+    # The id another scheduler gave this attempt (a Slurm bridge's Slurm job id): what a
+    # restarted bridge re-adopts, and what users see next to the job.
+    external_id: Mapped[str | None] = mapped_column(String(64))
+    # Bytes stored so far of each node's own stream, by node rank, for the nodes that
+    # ship their output with the job token (a Slurm attempt's ranks; worker.slurmnode).
+    node_log_bytes: Mapped[dict[str, Any] | None]
 
     __table_args__ = (UniqueConstraint("job_id", "number", name="uq_attempts_job_number"),)
 
@@ -229,6 +235,11 @@ class Worker(Base):
     # The random id a worker keeps in its data dir (worker.datadir): a registration with
     # another one while this one heartbeats is a second process under the same name.
     identity: Mapped[str | None] = mapped_column(String(32), default=None)
+    # A bridge to another scheduler (a Slurm partition): the shape of the nodes it hands
+    # jobs to (ddpq.messages.ClusterShape); None for a worker that runs jobs itself.
+    # none_as_null: a worker's is SQL NULL, which the gang pick's `IS NULL` looks for
+    # (a JSON column stores Python None as the JSON text 'null' otherwise).
+    cluster: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True), default=None)
 
 
 class MetricPoint(Base):

@@ -294,6 +294,8 @@ class JobPublic(BaseModel):
     # How many steps the run takes, as its program last reported it (ddpq.train's
     # report(total_steps=)): the progress bar's end. Kept across attempts.
     total_steps: int | None = None
+    # The current attempt's id in the scheduler a bridge handed it to (a Slurm job id).
+    external_id: str | None = None
 
 
 class JobsPublic(BaseModel):
@@ -353,6 +355,8 @@ class AttemptPublic(BaseModel):
     exit_code: int | None
     outcome: AttemptOutcome
     reason: str | None
+    # The Slurm job id of an attempt a Slurm bridge ran.
+    external_id: str | None = None
 
 
 class AttemptsPublic(BaseModel):
@@ -416,9 +420,34 @@ AttemptNumber = Annotated[int, Field(strict=True, ge=1, le=INT32_MAX)]
 WaitS = Annotated[float, Field(strict=True, ge=0, le=60, allow_inf_nan=False)]
 
 
+# An id another scheduler gave an attempt (a Slurm job id, "81234" or "81234_7").
+ExternalId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:+-]+$")]
+
+
 class RunningAttempt(Strict):
     job_id: JobIdIn
     attempt: AttemptNumber
+    # A bridge's attempt: the id its scheduler gave it (stored on the attempt at once,
+    # what a restarted bridge re-adopts), and while that scheduler holds it pending,
+    # why, in words (the job's reason until it starts).
+    external_id: ExternalId | None = None
+    pending: Annotated[str | None, Field(min_length=1, max_length=500)] = None
+
+
+class ClusterShape(Strict):
+    """What a bridge to another scheduler hands jobs to: a Slurm partition's nodes (the
+    largest node's CPUs and GPUs, as sinfo reports them). A job fits it when each of
+    its nodes fits one node and it asks no more nodes than the partition has; Slurm,
+    not ddpq, decides when it starts."""
+
+    kind: Literal["slurm"] = "slurm"
+    partition: Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._-]+$")]
+    nodes: Annotated[int, Field(strict=True, ge=1, le=1_000_000)]
+    cpus_per_node: Annotated[int, Field(strict=True, ge=1, le=100_000)]
+    gpus_per_node: Annotated[int, Field(strict=True, ge=0, le=1024)] = 0
+    # How many of its jobs the bridge lets wait in Slurm at once: the rest wait in
+    # ddpq's queue, in ddpq's order.
+    max_pending: Annotated[int, Field(strict=True, ge=1, le=100_000)] = 1
 
 
 # worker.datadir's identity: 32 hex digits, kept in the worker's data dir.
@@ -436,6 +465,10 @@ class WorkerRegister(Strict):
     # What this worker process still runs (empty when it has just started): any other
     # attempt the service has on its books for this name died with an earlier process.
     running: Annotated[list[RunningAttempt], Field(max_length=10_000)] = []
+    # A bridge to a Slurm partition instead of a worker that runs jobs itself. A bridge
+    # keeps its attempts across its restarts (they run in Slurm, not in its process):
+    # the reply lists them for it to re-adopt, and `running` releases nothing.
+    cluster: ClusterShape | None = None
 
 
 class ClaimRequest(Strict):
@@ -471,8 +504,10 @@ class FinishRequest(Strict):
     attempt: AttemptNumber
     exit_code: Annotated[int | None, Field(strict=True, ge=-255, le=INT32_MAX)] = None
     # exited: the program ended by itself; cancelled: the worker stopped it on request;
-    # timeout: it ran past timeout_s; requeue: the worker is shutting down.
-    outcome: Literal["exited", "cancelled", "timeout", "requeue", "error"] = "exited"
+    # timeout: it ran past timeout_s; requeue: the worker is shutting down; lost: the
+    # scheduler a bridge hands jobs to ended it (node failure, preemption, a cancel from
+    # outside ddpq): as when a worker is lost, it is retried at once while attempts remain.
+    outcome: Literal["exited", "cancelled", "timeout", "requeue", "error", "lost"] = "exited"
     reason: Annotated[str | None, Field(max_length=4000)] = None
 
 
@@ -496,6 +531,8 @@ class WorkerPublic(BaseModel):
     last_heartbeat: datetime
     registered_at: datetime
     running: list[WorkerJob]
+    # A Slurm bridge: the partition it hands jobs to.
+    cluster: ClusterShape | None = None
 
 
 class WorkersPublic(BaseModel):

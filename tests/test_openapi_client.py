@@ -44,6 +44,7 @@ OPERATIONS = {
     ("get", "/jobs/{job_id}/checkpoints"): ("jobs", "list_job_checkpoints"),
     ("get", "/jobs/{job_id}/logs"): ("jobs", "get_job_logs"),
     ("post", "/jobs/{job_id}/metrics"): ("reports", "report_metrics"),
+    ("post", "/jobs/{job_id}/logs"): ("reports", "report_log"),
     ("post", "/jobs/{job_id}/checkpoints"): ("reports", "report_checkpoint"),
     ("post", "/workers/register"): ("workers", "register_worker"),
     ("post", "/workers/claim"): ("workers", "claim_job"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -12,7 +13,7 @@ from pathlib import Path
 from ddpq.messages import ClaimedJob
 from ddpq.wire import Backoff
 from worker import health, procs
-from worker.api import Refused, Unavailable, WorkerAPI, retry
+from worker.api import Refused, Unavailable, WorkerAPI, claim_or_wait, retry
 from worker.code import Workdirs
 from worker.runner import JobRunner, RunContext
 from worker.venvs import Venvs
@@ -194,20 +195,14 @@ class Agent:
                 self._slots_changed.clear()
                 continue
             port = self.rdzv_port()
-            try:
-                claim = self.api.claim(free_cpu, free_gpus, CLAIM_WAIT_S, self.advertise_addr, port)
-                backoff.reset()
-            except Unavailable as exc:
-                log.warning("claim: API unavailable (%s)", exc)
-                backoff.wait(self.stopping)
-                continue
-            except Refused as exc:
-                if exc.status == 404:
-                    self.register()
-                    continue
-                log.error("claim refused: %s", exc)
-                self.stopping.wait(5.0)
-                continue
+            claim = claim_or_wait(
+                functools.partial(
+                    self.api.claim, free_cpu, free_gpus, CLAIM_WAIT_S, self.advertise_addr, port
+                ),
+                stop=self.stopping,
+                backoff=backoff,
+                register=self.register,
+            )
             if claim is not None:
                 # Node 0 of a gang hosts the rendezvous on the port offered with the claim.
                 hosting = claim.nnodes > 1 and claim.node_rank == 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -109,7 +109,7 @@ class WorkerAPI:
         )
         return GangReply.model_validate_json(r.content)
 
-    def heartbeat(self, running: list[dict[str, int]], kept: list[int]) -> HeartbeatReply:
+    def heartbeat(self, running: list[dict[str, Any]], kept: list[int]) -> HeartbeatReply:
         body: dict[str, Any] = {"name": self.name, "running": running}
         if self.identity:
             body["identity"] = self.identity
@@ -170,3 +170,30 @@ def retry(
             log.warning("%s: API unavailable (%s); retrying in %.1fs", what, exc, backoff.delay)
             if backoff.wait(stop):
                 raise
+
+
+def claim_or_wait(
+    claim: Callable[[], ClaimedJob | None],
+    *,
+    stop: threading.Event,
+    backoff: Backoff,
+    register: Callable[[], Any],
+) -> ClaimedJob | None:
+    """One claim long-poll of a claim loop: the job, or None once what went wrong is
+    waited out (the API away: the backoff; this worker forgotten: register again; a
+    refusal: 5 s)."""
+    try:
+        claimed = claim()
+    except Unavailable as exc:
+        log.warning("claim: API unavailable (%s)", exc)
+        backoff.wait(stop)
+        return None
+    except Refused as exc:
+        if exc.status == 404:
+            register()
+        else:
+            log.error("claim refused: %s", exc)
+            stop.wait(5.0)
+        return None
+    backoff.reset()
+    return claimed

@@ -2,23 +2,36 @@
 
 from __future__ import annotations
 
+import collections
 import logging
+import subprocess
 import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
 
 from ddpq.wire import Backoff
-from worker.api import Refused, Unavailable, WorkerAPI
+from worker.api import Refused, Unavailable
 
 log = logging.getLogger("ddpq.worker")
 
 LOG_SEND_INTERVAL_S = 0.5
 LOG_CHUNK_BYTES = 512 * 1024
 LOG_BUFFER_MAX_BYTES = 64 * 1024 * 1024
+OUTPUT_POLL_S = 0.05  # how often the ranks' output file is read while it is quiet
+
+
+class LogSink(Protocol):
+    """Where an attempt's stream goes: the worker's API client, or a Slurm node's."""
+
+    def append_log(self, job_id: int, attempt: int, offset: int, data: bytes) -> int: ...
 
 
 class LogShipper(threading.Thread):
     """Sends an attempt's output to the API in order, resending after failures."""
 
-    def __init__(self, api: WorkerAPI, job_id: int, attempt: int) -> None:
+    def __init__(self, api: LogSink, job_id: int, attempt: int) -> None:
         super().__init__(name=f"logs-{job_id}.{attempt}", daemon=True)
         self.api = api
         self.job_id = job_id
@@ -77,3 +90,34 @@ class LogShipper(threading.Thread):
             backoff.reset()
             with self._cond:
                 del self._buf[: len(chunk)]
+
+
+def pump(
+    proc: subprocess.Popen[bytes],
+    output: Path,
+    write: Callable[[bytes], None],
+    tail: collections.deque[str],
+    skip: Callable[[bytes], bool] | None = None,
+) -> None:
+    """Pass torchrun's output file on line by line as it is written, to the end (after
+    ``proc`` exits), keeping the last lines in ``tail``; lines ``skip`` says are noise
+    are dropped."""
+    pending = b""
+    with open(output, "rb") as f:
+        while True:
+            exited = proc.poll() is not None
+            chunk = f.read(1 << 16)
+            if chunk:
+                *lines, pending = (pending + chunk).split(b"\n")
+                for line in lines:
+                    if skip is not None and skip(line):
+                        continue
+                    write(line + b"\n")
+                    tail.append(line.decode(errors="replace").rstrip())
+            elif exited:  # read to the end after the exit: nothing more comes
+                break
+            else:
+                time.sleep(OUTPUT_POLL_S)
+    if pending:
+        write(pending + b"\n")
+        tail.append(pending.decode(errors="replace").rstrip())

@@ -25,7 +25,7 @@ from ddpq.messages import ClaimedJob, GangReply
 from worker import procs, torchrun
 from worker.api import Refused, Unavailable, WorkerAPI, retry
 from worker.code import Workdirs, describe
-from worker.logship import LogShipper
+from worker.logship import LogShipper, pump
 from worker.torchrun import JobError, Outcome
 from worker.venvs import Stopped, Venvs
 
@@ -35,7 +35,6 @@ POLL_S = 0.1
 TAIL_LINES = 60
 CLAIM_HANDBACK_WAIT_S = 30.0
 GANG_POLL_S = 2.0  # one long-poll on a forming gang; a stop request waits at most this
-OUTPUT_POLL_S = 0.05  # how often the ranks' output file is read while it is quiet
 
 __all__ = ["JobError", "JobRunner", "RunContext"]
 
@@ -318,7 +317,9 @@ class JobRunner:
                 start_new_session=True,  # its own process group, signalled as one
             )
         reader = threading.Thread(
-            target=self._pump, args=(proc, output, shipper, tail), name=f"out-{self.job_id}"
+            target=pump,
+            args=(proc, output, shipper.write, tail, self._noise),
+            name=f"out-{self.job_id}",
         )
         reader.daemon = True
         reader.start()
@@ -344,33 +345,9 @@ class JobRunner:
             )
         return torchrun.outcome(code, list(tail), self.stop_reason, timeout_s)
 
-    def _pump(
-        self,
-        proc: subprocess.Popen[bytes],
-        output: Path,
-        shipper: LogShipper,
-        tail: collections.deque[str],
-    ) -> None:
-        """Ship the ranks' output line by line as torchrun writes it, to the end."""
-        pending = b""
-        with open(output, "rb") as f:
-            while True:
-                exited = proc.poll() is not None
-                chunk = f.read(1 << 16)
-                if chunk:
-                    *lines, pending = (pending + chunk).split(b"\n")
-                    for line in lines:
-                        if self.stopping_since is not None and not line.startswith(b"[rank"):
-                            continue
-                        shipper.write(line + b"\n")
-                        tail.append(line.decode(errors="replace").rstrip())
-                elif exited:  # read to the end after the exit: nothing more comes
-                    break
-                else:
-                    time.sleep(OUTPUT_POLL_S)
-        if pending:
-            shipper.write(pending + b"\n")
-            tail.append(pending.decode(errors="replace").rstrip())
+    def _noise(self, line: bytes) -> bool:
+        """Once the worker stops the attempt, torchrun's own output is not the user's."""
+        return self.stopping_since is not None and not line.startswith(b"[rank")
 
     def _terminate(self, proc: subprocess.Popen[bytes]) -> None:
         """SIGTERM the supervisor, which forwards it to torchrun (which stops its ranks);

@@ -23,6 +23,7 @@ ORDER = [
     "serve", "worker", "up",
     "submit", "resubmit", "status", "ls", "cancel", "code", "logs", "watch",
     "workers", "recipes",
+    "slurm-node",  # hidden: what the Slurm bridge starts on each node
 ]  # fmt: skip
 
 

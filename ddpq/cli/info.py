@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from ddpq.cli.base import (
     JsonOpt,
     _age,
@@ -32,9 +34,7 @@ def workers(as_json: JsonOpt = False) -> None:
             w["name"],
             w["hostname"],
             "alive" if w["alive"] else "lost",
-            f"{w['free_cpu_slots']}/{w['cpu_slots']}",
-            ",".join(map(str, w["gpus"])) or "-",
-            ",".join(map(str, w["free_gpus"])) or "-",
+            *_slots(w),
             f"{_age(w['last_heartbeat'])} ago",
             " ".join(
                 f"{j['job_id']}" + (f"[gpus {','.join(map(str, j['gpus']))}]" if j["gpus"] else "")
@@ -47,6 +47,23 @@ def workers(as_json: JsonOpt = False) -> None:
     headers = ["NAME", "HOST", "STATE", "CPU FREE", "GPUS", "GPUS FREE", "HEARTBEAT", "RUNNING"]
     table = _fit_table(headers, rows, caps={"NAME": 24, "HOST": 24, "GPUS": 24})
     _print_table(table)
+
+
+def _slots(w: dict[str, Any]) -> list[str]:
+    """CPU free, GPUs, GPUs free; for a Slurm bridge, its partition's nodes instead (Slurm
+    keeps their books)."""
+    shape = w.get("cluster")
+    if shape:
+        return [
+            f"slurm {shape['partition']}",
+            f"{shape['nodes']} node(s) x {shape['cpus_per_node']} CPUs",
+            f"{shape['gpus_per_node']} GPUs/node",
+        ]
+    return [
+        f"{w['free_cpu_slots']}/{w['cpu_slots']}",
+        ",".join(map(str, w["gpus"])) or "-",
+        ",".join(map(str, w["free_gpus"])) or "-",
+    ]
 
 
 @client_command()

@@ -342,6 +342,13 @@ def resubmit(
     _submit(spec, None, wait, strict, as_json, "")
 
 
+def _where(job: dict[str, Any]) -> str:
+    """The job's worker, and its Slurm job id when a Slurm bridge runs it."""
+    worker = job.get("worker") or ""
+    external = job.get("external_id")
+    return f"{worker} (Slurm job {external})" if worker and external else worker
+
+
 @client_command()
 def status(job_id: int, as_json: JsonOpt = False) -> None:
     """Show one job. Exits 0 unless it failed or was cancelled (4)."""
@@ -357,7 +364,7 @@ def status(job_id: int, as_json: JsonOpt = False) -> None:
             ("program", _program(job)),
             ("world size", job["spec"]["world_size"]),
             ("attempt", job["attempt"]),
-            ("worker", job["worker"] or ""),
+            ("worker", _where(job)),
             ("gpus", ",".join(map(str, job["gpus"] or [])) or "-"),
             ("created", job["created_at"]),
             ("started", job["started_at"] or ""),
@@ -451,7 +458,7 @@ def list_jobs(
                 _program(j),
                 j["status"],
                 f"{j['attempt']}/{j['spec'].get('max_attempts', '?')}",
-                j["worker"] or "",
+                _where(j),
                 str(m.get("step", "")),
                 _loss(j),
                 _age(j["created_at"]),
@@ -459,7 +466,7 @@ def list_jobs(
             ]
         )
     headers = ["ID", "NAME", "PROGRAM", "STATUS", "ATTEMPT", "WORKER", "STEP", "LOSS", "AGE"]
-    table = _fit_table([*headers, "REASON"], rows, caps={"NAME": 24, "PROGRAM": 20, "WORKER": 16})
+    table = _fit_table([*headers, "REASON"], rows, caps={"NAME": 24, "PROGRAM": 20, "WORKER": 32})
     _print_table(table)
     if next_cursor:
         _say(_text(f"more: --cursor {next_cursor}", style="dim"))

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -90,11 +90,31 @@ def worker(
     max_envs: Annotated[
         int, typer.Option(help="environments kept for jobs' Python requirements")
     ] = 8,
+    executor: Annotated[
+        str,
+        typer.Option(
+            help="local: run jobs on this host; slurm: a bridge that hands each job to Slurm"
+        ),
+    ] = "local",
+    partition: Annotated[
+        str | None, typer.Option(help="slurm: the partition jobs go to (required)")
+    ] = None,
+    account: Annotated[str | None, typer.Option(help="slurm: sbatch --account")] = None,
+    sbatch_arg: Annotated[
+        list[str] | None,
+        typer.Option(help="slurm: an argument passed to sbatch as is (repeat for several)"),
+    ] = None,
+    max_pending: Annotated[
+        int, typer.Option(help="slurm: jobs the bridge lets wait in Slurm at once")
+    ] = 2,
+    poll_s: Annotated[float, typer.Option(help="slurm: how often squeue is asked")] = 2.0,
     log_level: str = "info",
 ) -> None:
-    """Run a worker on this host.
+    """Run a worker on this host, or a bridge to a Slurm partition.
 
-    It claims jobs from the API and runs them with torchrun.
+    A worker claims jobs from the API and runs them with torchrun. With --executor
+    slurm, it hands each job to Slurm as one batch job instead (run it on a login
+    node; the compute nodes need this Python with ddpq and must reach the API).
     """
     import logging
 
@@ -128,27 +148,71 @@ def worker(
         identity = datadir.hold(data_dir)
     except datadir.DataDirBusy as exc:
         _fail(str(exc), EXIT_USAGE)
+    common: dict[str, Any] = {
+        "url": url, "token": token, "name": name, "workspace": workspace,
+        "data_dir": data_dir, "checkpoint_dir": checkpoint_dir, "identity": identity,
+        "code_cache_bytes": int(code_cache_gb * 1000**3), "max_envs": max(1, max_envs),
+    }  # fmt: skip
+    if executor == "slurm":
+        if not partition:
+            _fail("--executor slurm needs --partition", EXIT_USAGE)
+        _run_bridge(
+            common, partition, account, tuple(sbatch_arg or ()), max(1, max_pending), poll_s
+        )
+        return
+    if executor != "local":
+        _fail(f"--executor takes local or slurm, not {executor!r}", EXIT_USAGE)
     agent = Agent(
-        url=url,
-        token=token,
-        name=name,
-        workspace=workspace,
-        data_dir=data_dir,
-        checkpoint_dir=checkpoint_dir,
+        **common,
         cpu_slots=cpu_slots if cpu_slots is not None else default_cpu_slots(),
         gpus=_parse_gpus(gpus),
         kill_grace_s=kill_grace_s,
         advertise_addr=advertise_addr,
         rdzv_ports=ports,
-        identity=identity,
-        code_cache_bytes=int(code_cache_gb * 1000**3),
         keep_workdirs_s=keep_workdirs_s,
-        max_envs=max(1, max_envs),
     )
     try:
         agent.run()
     except Refused as exc:  # a live worker holds this name (409), or a bad token
         _fail(f"the API refused this worker: {exc}", EXIT_USAGE)
+
+
+def _run_bridge(
+    common: dict[str, Any],
+    partition: str,
+    account: str | None,
+    sbatch_args: tuple[str, ...],
+    max_pending: int,
+    poll_s: float,
+) -> None:
+    """Run a Slurm bridge, or exit with why the partition or the API refuse it."""
+    from worker.api import Refused
+    from worker.bridge import Bridge, SlurmError
+
+    bridge = Bridge(
+        **common,
+        partition=partition,
+        account=account,
+        sbatch_args=sbatch_args,
+        max_pending=max_pending,
+        poll_s=max(0.2, poll_s),
+    )
+    try:
+        bridge.shape()
+    except (SlurmError, ValueError) as exc:
+        _fail(f"Slurm partition {partition}: {exc}", EXIT_USAGE)
+    try:
+        bridge.run()
+    except Refused as exc:
+        _fail(f"the API refused this bridge: {exc}", EXIT_USAGE)
+
+
+@app.command("slurm-node", hidden=True)
+def slurm_node() -> None:
+    """Run one node of a Slurm attempt (the bridge's batch script starts it with srun)."""
+    from worker import slurmnode
+
+    raise typer.Exit(slurmnode.main())
 
 
 @app.command()

@@ -15,11 +15,13 @@ from service.queue.books import overview as workers_overview
 from service.queue.claim import Claim, claim_next_job
 from service.queue.gangs import expire_gangs, gang_status, leave_gang, node_of, nodes_of
 from service.queue.leases import (
+    Elsewhere,
     NameTaken,
     end_attempt,
     expire_leases,
     expire_nodes,
     fenced,
+    held_attempts,
     record_heartbeat,
     register_worker,
     release_worker,
@@ -32,6 +34,7 @@ from service.queue.rules import NOTIFY_CHANNEL, as_utc, notify_claimers
 __all__ = [
     "NOTIFY_CHANNEL",
     "Claim",
+    "Elsewhere",
     "NameTaken",
     "as_utc",
     "claim_next_job",
@@ -41,6 +44,7 @@ __all__ = [
     "expire_nodes",
     "fenced",
     "gang_status",
+    "held_attempts",
     "leave_gang",
     "node_of",
     "nodes_of",

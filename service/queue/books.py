@@ -35,6 +35,9 @@ class Capacity:
     free_gpus: list[int]
     live: bool
     checkpoint_root: str
+    # A bridge's partition (schemas.ClusterShape as a dict): Slurm holds its jobs'
+    # resources, so its cpu_slots and gpus are none and hold nothing.
+    cluster: dict[str, Any] | None = None
 
 
 @functools.cache
@@ -65,6 +68,7 @@ _WORKER_BOOKS = select(
     w.cpu_slots,
     w.gpus,
     w.checkpoint_root,
+    w.cluster,
     select(func.coalesce(func.sum(_HERE.c.cpu), 0)).scalar_subquery().label("used_cpu"),
     select(func.min(j.queued_at)).where(j.status == JobStatus.QUEUED).scalar_subquery(),
     select(j.id).where(j.status == JobStatus.QUEUED, j.nnodes > 1).exists().label("gangs"),
@@ -84,13 +88,15 @@ def of_worker(conn: Connection, worker: str) -> WorkerBooks | None:
     row = conn.execute(_WORKER_BOOKS, {"worker": worker}).first()
     if row is None:
         return None
-    cpu_slots, gpus, checkpoint_root, used_cpu, oldest_queued, gangs = row
+    cpu_slots, gpus, checkpoint_root, cluster, used_cpu, oldest_queued, gangs = row
     held: set[int] = set()
     if gpus:  # a CPU-only worker holds no GPUs: skip the query on the hot path
         for (taken,) in conn.execute(_HELD_GPUS, {"worker": worker}):
             held.update(taken or ())
     free_cpu, free_gpus = _free(cpu_slots, gpus, int(used_cpu), held)
-    capacity = Capacity(worker, cpu_slots, list(gpus), free_cpu, free_gpus, True, checkpoint_root)
+    capacity = Capacity(
+        worker, cpu_slots, list(gpus), free_cpu, free_gpus, True, checkpoint_root, cluster
+    )
     return WorkerBooks(capacity, oldest_queued, bool(gangs))
 
 
@@ -105,7 +111,7 @@ def capacities(s: Session, lease_s: float) -> list[Capacity]:
     """Every worker's slots and what of them is free; live if it heartbeat within the lease."""
     conn = s.connection()
     rows = conn.execute(
-        select(w.name, w.cpu_slots, w.gpus, w.last_heartbeat, w.checkpoint_root)
+        select(w.name, w.cpu_slots, w.gpus, w.last_heartbeat, w.checkpoint_root, w.cluster)
     ).all()
     if not rows:
         return []
@@ -124,7 +130,14 @@ def capacities(s: Session, lease_s: float) -> list[Capacity]:
         live = r.last_heartbeat >= cutoff
         out.append(
             Capacity(
-                r.name, r.cpu_slots, list(r.gpus), free_cpu, free_gpus, live, r.checkpoint_root
+                r.name,
+                r.cpu_slots,
+                list(r.gpus),
+                free_cpu,
+                free_gpus,
+                live,
+                r.checkpoint_root,
+                r.cluster,
             )
         )
     return out
@@ -171,6 +184,7 @@ def overview(db: Database) -> list[dict[str, Any]]:
                 "free_cpu_slots": caps[r.name].free_cpu,
                 "free_gpus": caps[r.name].free_gpus,
                 "alive": caps[r.name].live,
+                "cluster": caps[r.name].cluster,
                 "last_heartbeat": r.last_heartbeat,
                 "registered_at": r.registered_at,
                 "running": running.get(r.name, []),

@@ -18,7 +18,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from pydantic import Field
-from sqlalchemy import JSON, and_, bindparam, case, func, or_, select, update
+from sqlalchemy import JSON, and_, bindparam, case, or_, select, update
 from sqlalchemy.engine import Connection
 
 from ddpq.messages import ClaimedJob
@@ -28,15 +28,19 @@ from service.queue import books, gangs
 from service.queue.rules import (
     ORDER,
     QUEUED_SINGLE,
+    SQL,
     as_utc,
     checkpoint_dir_of,
     fits_bound,
+    fits_partition,
     j,
+    jn,
     jobs,
     new_attempt,
     ready,
     resolve,
     resume_from,
+    starting,
 )
 
 
@@ -100,17 +104,86 @@ def _take(dialect: str, worker_has_gpus: bool, guarded: bool) -> Any:
         update(jobs)
         .where(j.id == pick.scalar_subquery(), j.status == JobStatus.QUEUED)
         .values(
-            status=JobStatus.RUNNING,
-            attempt=j.attempt + 1,
-            worker=bindparam("worker"),
-            started_at=func.coalesce(j.started_at, bindparam("now", type_=UTCDateTime)),
-            reason=None,
-            exit_code=None,
-            not_before=None,
-            held_cpu_slots=held_cpu,
-            gpus=bindparam("no_gpus", type_=JSON),
+            starting(
+                attempt=j.attempt + 1,
+                held_cpu_slots=held_cpu,
+                gpus=bindparam("no_gpus", type_=JSON),
+            )
         )
         .returning(j.id, j.attempt, j.spec, j.device, j.nproc_per_node, j.queued_at)
+    )
+
+
+@functools.cache
+def _take_whole(dialect: str, nodes_have_gpus: bool) -> Any:
+    """A bridge's claim: mark the best queued job that fits its partition running, as
+    one attempt of all its nodes. Slurm holds the resources, so the job row holds
+    none; a multi-node job whose node slots workers have begun to gather is theirs."""
+    gathering = select(jn.id).where(jn.job_id == j.id, jn.attempt == j.attempt + 1).exists()
+    pick = (
+        select(j.id)
+        .where(
+            j.status == JobStatus.QUEUED,
+            ready(),
+            fits_partition(
+                nodes_have_gpus,
+                j.nnodes,
+                j.device,
+                j.nproc_per_node,
+                bindparam("nodes"),
+                bindparam("node_cpu"),
+                bindparam("node_gpus"),
+                SQL,
+            ),
+            ~gathering,
+        )
+        .order_by(*ORDER)
+        .limit(1)
+    )
+    if dialect == "postgresql":
+        pick = pick.with_for_update(skip_locked=True, of=jobs)
+    return (
+        update(jobs)
+        .where(j.id == pick.scalar_subquery(), j.status == JobStatus.QUEUED)
+        .values(
+            starting(attempt=j.attempt + 1, held_cpu_slots=0, gpus=bindparam("no_gpus", type_=JSON))
+        )
+        .returning(j.id, j.attempt, j.spec, j.device, j.nproc_per_node, j.queued_at, j.nnodes)
+    )
+
+
+def _claim_whole(
+    conn: Connection, db: Database, cap: books.Capacity, token_hash: str, now: datetime
+) -> Claim | None:
+    """The next job a bridge hands to its partition, whole (every node in one attempt),
+    or None. The bridge asks only while it has room for another pending job."""
+    shape = cap.cluster or {}
+    has_gpus = int(shape.get("gpus_per_node", 0)) > 0
+    params = {
+        "worker": cap.name,
+        "now": now,
+        "nodes": int(shape.get("nodes", 1)),
+        "node_cpu": int(shape.get("cpus_per_node", 0)),
+        "node_gpus": int(shape.get("gpus_per_node", 0)),
+        "no_gpus": [],
+    }
+    row = conn.execute(_take_whole(db.dialect, has_gpus), params).first()
+    if row is None:
+        return None
+    job_id, number, spec, device, nproc, queued_at, nnodes = row
+    checkpoint_dir = checkpoint_dir_of(cap.checkpoint_root, job_id)
+    new_attempt(conn, job_id, number, cap.name, token_hash, [], checkpoint_dir, now)
+    return Claim(
+        job_id=job_id,
+        attempt=number,
+        spec=spec,
+        device=resolve(device, has_gpus),
+        nproc_per_node=nproc,
+        gpus=[],
+        checkpoint_dir=checkpoint_dir,
+        resume_from=resume_from(conn, job_id, number),
+        queued_at=queued_at,
+        nnodes=nnodes,
     )
 
 
@@ -146,6 +219,9 @@ def claim_next_job(
     A worker that gives an address other nodes reach it at (and a free port for a
     rendezvous) may be given a node slot of a multi-node job instead: a Claim with
     ``nnodes`` > 1, whose attempt starts once every slot is held.
+
+    A bridge to a Slurm partition is handed whole jobs, multi-node ones too, that fit
+    its partition's nodes (``_claim_whole``); Slurm decides when they start.
     """
     now = utcnow()
     with db.write_conn() as conn:
@@ -153,6 +229,8 @@ def claim_next_job(
         if mine is None:
             raise LookupError(worker)
         cap = mine.capacity
+        if cap.cluster is not None:
+            return _claim_whole(conn, db, cap, token_hash, now)
         has_gpus = bool(cap.gpus)
         # The worker's view may lag (a job it is still stopping); the books may too
         # (a finish in flight). Only slots free in both are offered.

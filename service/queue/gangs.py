@@ -41,6 +41,7 @@ from service.queue.rules import (
     resume_from,
     rowcount,
     started,
+    starting,
     w,
     workers,
 )
@@ -54,11 +55,14 @@ def _pick(dialect: str, worker_has_gpus: bool) -> Any:
     held = select(func.count()).select_from(nodes).where(slots).scalar_subquery()
     mine = select(jn.id).where(slots, jn.worker == bindparam("worker")).exists()
     # No slot is held while fewer workers are alive than the job has nodes: it could
-    # only sit idle until the gang timeout.
+    # only sit idle until the gang timeout. (A bridge's jobs hold no slots here.)
     live = (
         select(func.count())
         .select_from(workers)
-        .where(w.last_heartbeat >= bindparam("live_since", type_=UTCDateTime))
+        .where(
+            w.last_heartbeat >= bindparam("live_since", type_=UTCDateTime),
+            w.cluster.is_(None),  # a bridge is no node: it takes whole jobs
+        )
         .scalar_subquery()
     )
     pick = (
@@ -107,16 +111,8 @@ _START_GANG = (
         j.attempt == bindparam("number") - 1,
     )
     .values(
-        status=JobStatus.RUNNING,
-        attempt=bindparam("number"),
-        worker=bindparam("worker"),
-        started_at=func.coalesce(j.started_at, bindparam("now", type_=UTCDateTime)),
-        reason=None,
-        exit_code=None,
-        not_before=None,
         # The node slots hold the workers' slots (job_nodes); the job row holds none.
-        held_cpu_slots=0,
-        gpus=bindparam("gpus", type_=JSON),
+        starting(attempt=bindparam("number"), held_cpu_slots=0, gpus=bindparam("gpus", type_=JSON))
     )
 )
 

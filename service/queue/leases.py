@@ -200,7 +200,11 @@ def end_attempt(s: Session, job: Job, worker: str, report: FinishRequest, policy
     if node is not None and _other_nodes_run_on(s, job, report, node):
         return  # this node ended well (or stopped on cancel): the others go on
     where = f" on node {node.node_rank} (worker {worker})" if node is not None else ""
-    ending = reported(job, report, where, worker, policy, now)
+    if report.outcome == "lost":  # its scheduler ended it (a bridge's attempt)
+        words = report.reason or f"attempt {report.attempt} was lost"
+        ending = lost(job.status, job.attempt, job.failures, job.max_attempts, words, now)
+    else:
+        ending = reported(job, report, where, worker, policy, now)
     for column, value in ending.values.items():
         setattr(job, column, value)
     job.exit_code = report.exit_code
@@ -237,11 +241,14 @@ def register_worker(
     cpu_slots: int,
     gpus: list[int],
     checkpoint_root: str,
+    cluster: dict[str, Any] | None = None,
 ) -> None:
-    """Record a worker and what it has. The same identity (or none, from a worker of an
-    earlier version) is the same worker starting again; another identity is refused
-    while the name's heartbeats are fresh (a second process would take the first one's
-    jobs), and takes the name over once they have been silent for a lease."""
+    """Record a worker and what it has (a bridge: the partition it hands jobs to).
+
+    The same identity (or none, from a worker of an earlier version) is the same
+    worker starting again; another identity is refused while the name's heartbeats are
+    fresh (a second process would take the first one's jobs), and takes the name over
+    once they have been silent for a lease."""
     now = utcnow()
     with db.write() as s:
         w = s.scalars(select(Worker).where(Worker.name == name).with_for_update()).first()
@@ -261,7 +268,25 @@ def register_worker(
         w.cpu_slots = cpu_slots
         w.gpus = sorted(set(gpus))
         w.checkpoint_root = checkpoint_root
+        w.cluster = cluster
         w.last_heartbeat = now
+
+
+def held_attempts(db: Database, worker: str) -> list[tuple[int, int, str | None, Any]]:
+    """(job, attempt, external id, timeout_s) of the attempts the books give ``worker``
+    that have not ended: what a restarted bridge re-adopts."""
+    with db.read() as s:
+        rows = s.execute(
+            select(Attempt.job_id, Attempt.number, Attempt.external_id, Job.spec)
+            .join(Job, and_(Job.id == Attempt.job_id, Job.attempt == Attempt.number))
+            .where(
+                Attempt.worker == worker,
+                Attempt.ended_at.is_(None),
+                Job.status.in_(list(ACTIVE)),
+            )
+            .order_by(Attempt.job_id)
+        )
+        return [(r.job_id, r.number, r.external_id, r.spec.get("timeout_s")) for r in rows]
 
 
 def _touch_worker(s: Session, worker: str, identity: str | None, now: datetime) -> None:
@@ -279,16 +304,31 @@ def _touch_worker(s: Session, worker: str, identity: str | None, now: datetime) 
         raise LookupError(worker)
 
 
+@dataclass(frozen=True)
+class Elsewhere:
+    """What a bridge says of an attempt it handed to another scheduler: that scheduler's
+    id for it, and why it holds it pending (None once it runs)."""
+
+    external_id: str | None = None
+    pending: str | None = None
+
+
 def record_heartbeat(
-    db: Database, worker: str, running: list[tuple[int, int]], identity: str | None = None
+    db: Database,
+    worker: str,
+    running: list[tuple[int, int]],
+    identity: str | None = None,
+    elsewhere: dict[tuple[int, int], Elsewhere] | None = None,
 ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """Extend the leases of a worker's attempts.
+    """Extend the leases of a worker's attempts (a bridge's: with their Slurm job ids
+    and pending reasons, ``elsewhere``).
 
     Returns (cancel, abandon): attempts a user cancelled, and attempts that are no
     longer this worker's to run (lost and requeued, or ended); the worker stops both.
     Raises NameTaken when another process has taken the name over.
     """
     now = utcnow()
+    elsewhere = elsewhere or {}
     with db.write() as s:
         _touch_worker(s, worker, identity, now)
         if not running:
@@ -297,6 +337,10 @@ def record_heartbeat(
         if beat.slots:
             s.execute(update(JobNode).where(JobNode.id.in_(beat.slots)).values(heartbeat_at=now))
         for job_id, number in sorted(beat.live):  # the lock order: by job id
+            there = elsewhere.get((job_id, number))
+            values: dict[str, Any] = {"heartbeat_at": now}
+            if there is not None and there.external_id:
+                values["external_id"] = there.external_id
             s.execute(
                 update(Attempt)
                 .where(
@@ -304,9 +348,26 @@ def record_heartbeat(
                     Attempt.number == number,
                     Attempt.ended_at.is_(None),
                 )
-                .values(heartbeat_at=now)
+                .values(**values)
             )
+            if there is not None:
+                _pending_reason(s, job_id, number, there.pending)
     return beat.cancel, beat.abandon
+
+
+def _pending_reason(s: Session, job_id: int, number: int, pending: str | None) -> None:
+    """A running job's reason is why Slurm holds it pending, and none once it runs (a
+    cancelling job keeps its own); written only when it changes."""
+    s.execute(
+        update(Job)
+        .where(
+            Job.id == job_id,
+            Job.attempt == number,
+            Job.status == JobStatus.RUNNING,
+            Job.reason.is_distinct_from(pending),
+        )
+        .values(reason=pending)
+    )
 
 
 @dataclass
@@ -337,9 +398,10 @@ def _sort_out(s: Session, worker: str, running: list[tuple[int, int]]) -> _Beat:
     beat = _Beat([], [], [], [])
     for job_id, number in running:
         job = jobs.get(job_id)
-        if job is not None and job.nnodes > 1:
-            # A node slot: ours while its attempt forms or runs and we hold it.
-            slot = slots.get((job_id, number))
+        slot = slots.get((job_id, number))
+        # A node slot: ours while its attempt forms or runs and we hold it. (A bridge's
+        # multi-node attempt has no node slots: it is the bridge's whole, as below.)
+        if job is not None and job.nnodes > 1 and (slot is not None or job.worker != worker):
             gathering = forming(job.status, job.attempt, number)
             if slot is None or not (gathering or started(job.status, job.attempt, number)):
                 beat.abandon.append((job_id, number))

@@ -35,7 +35,60 @@ def _words(n: int, unit: str) -> str:
     return f"{n} CPU slot" + ("" if n == 1 else "s")
 
 
+# ---- bridges: a Slurm partition fits a job, or names why it never can -----------------
+
+
+def _partition_fits(cap: Capacity, job: Job) -> bool:
+    """Whether ``cap``, a bridge, could hand ``job`` to its partition, by the claim's
+    own rule (rules.fits_partition)."""
+    shape = cap.cluster or {}
+    gpus = int(shape.get("gpus_per_node", 0))
+    return bool(
+        rules.fits_partition(
+            gpus > 0,
+            job.nnodes,
+            job.device,
+            job.nproc_per_node,
+            int(shape.get("nodes", 0)),
+            int(shape.get("cpus_per_node", 0)),
+            gpus,
+        )
+    )
+
+
+def _partition_words(cap: Capacity) -> str:
+    shape = cap.cluster or {}
+    nodes, cpus, gpus = shape.get("nodes"), shape.get("cpus_per_node"), shape.get("gpus_per_node")
+    return (
+        f"Slurm partition {shape.get('partition')} (bridge {cap.name}) has {nodes} "
+        f"node{'' if nodes == 1 else 's'} of {cpus} CPUs and {gpus} GPUs"
+    )
+
+
+def _bridge_words(cap: Capacity, ahead: int) -> str:
+    pending = int((cap.cluster or {}).get("max_pending", 1))
+    words = (
+        f"waiting for the Slurm bridge {cap.name} to hand it to Slurm (it lets at most "
+        f"{pending} of its jobs wait in Slurm)"
+    )
+    return words + (f"; {ahead} job(s) ahead in the queue" if ahead else "")
+
+
 def _unschedulable_on(caps: list[Capacity], job: Job) -> str | None:
+    bridges = [c for c in caps if c.cluster is not None]
+    if any(_partition_fits(c, job) for c in bridges):
+        return None
+    plain = [c for c in caps if c.cluster is None]
+    found = _unschedulable_on_workers(plain, job)
+    if not bridges or (plain and found is None):
+        return found
+    n, unit = job.nproc_per_node, "gpu" if job.device == "cuda" else "cpu"
+    limits = "; ".join(_partition_words(c) for c in bridges)
+    need = f"{UNSCHEDULABLE}: needs {job.nnodes} node(s) of {_words(n, unit)}; {limits}"
+    return f"{found}; {limits}" if found else need
+
+
+def _unschedulable_on_workers(caps: list[Capacity], job: Job) -> str | None:
     if job.nnodes > 1:
         return None  # multi-node placement is not decided per worker
     best = {"gpu": 0, "cpu": 0}
@@ -118,11 +171,19 @@ def _no_worker(view: _View) -> str | None:
     return None
 
 
+def _live_bridge(view: _View, job: Job) -> Capacity | None:
+    """A live bridge whose partition fits ``job``: it waits for that bridge's turn."""
+    return next((c for c in view.live if c.cluster is not None and _partition_fits(c, job)), None)
+
+
 def _reason(job: Job, ahead: int, view: _View) -> str:
     """A single-node job's reason: what it waits for, by the claim's own rules."""
     first = _unschedulable_on(view.caps, job) or _backoff(job, view.now) or _no_worker(view)
     if first:
         return first
+    bridge = _live_bridge(view, job)
+    if bridge is not None:
+        return _bridge_words(bridge, ahead)
     best_free = {"gpu": 0, "cpu": 0}
     fits_now = False
     for cap in view.live:
@@ -152,10 +213,13 @@ def _reason(job: Job, ahead: int, view: _View) -> str:
 
 def _gang_reason(job: Job, held: int, view: _View) -> str:
     """Why a multi-node job waits: its slots so far, and how many workers could be a node."""
-    backoff = _backoff(job, view.now)
+    backoff = _unschedulable_on(view.caps, job) or _backoff(job, view.now)
     if backoff:
         return backoff
-    live = view.live
+    bridge = _live_bridge(view, job)
+    if bridge is not None and not held:
+        return _bridge_words(bridge, 0)
+    live = [c for c in view.live if c.cluster is None]
     n, per_node = job.nnodes, job.nproc_per_node
     fit = 0
     unit = "cpu"

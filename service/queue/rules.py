@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal, cast
 
-from sqlalchemy import Table, and_, bindparam, insert, or_, select, text
+from sqlalchemy import Table, and_, bindparam, func, insert, or_, select, text
 from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
@@ -89,6 +89,27 @@ def fits_bound(worker_has_gpus: bool, cpu: str, gpus: str) -> Any:
     return or_(*terms)
 
 
+def fits_partition(
+    nodes_have_gpus: bool,
+    nnodes: Any,
+    device: Any,
+    nproc: Any,
+    nodes: Any,
+    node_cpus: Any,
+    node_gpus: Any,
+    logic: Logic = PY,
+) -> Any:
+    """A job fits a bridge's Slurm partition: no more nodes than it has, and each node's
+    ranks within one node's GPUs or CPUs, by ``unit``. (Slurm, not ddpq, decides when.)"""
+    terms = []
+    for d in DEVICES:
+        counted = unit(d, nodes_have_gpus)
+        if counted is not None:
+            bound = node_gpus if counted == "gpu" else node_cpus
+            terms.append(logic.all_(device == d, nproc <= bound))
+    return logic.all_(nnodes <= nodes, logic.any_(*terms))
+
+
 # ---- job and node states ---------------------------------------------------------------
 
 
@@ -120,6 +141,23 @@ NODE_LIVE = and_(
         started(j.status, j.attempt, jn.attempt, SQL),
     ),
 )
+
+
+def starting(**more: Any) -> dict[str, Any]:
+    """A job row's new values when an attempt of it starts (a worker's claim, a bridge's,
+    a gang's last slot), with what the attempt holds (``more``): it runs on the bound
+    ``worker`` from the bound ``now``, and its last attempt's words are gone."""
+    return {
+        "status": JobStatus.RUNNING,
+        "worker": bindparam("worker"),
+        "started_at": func.coalesce(j.started_at, bindparam("now", type_=UTCDateTime)),
+        "reason": None,
+        "exit_code": None,
+        "not_before": None,
+        **more,
+    }
+
+
 # A single-node job that may be claimed (a multi-node one is claimed by node slots).
 QUEUED_SINGLE = and_(j.status == JobStatus.QUEUED, j.nnodes == 1)
 

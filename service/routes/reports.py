@@ -2,20 +2,27 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from service import jobs, metrics
+from service import jobs, logs, metrics
 from service.auth import JobAttempt
 from service.db import Database
-from service.deps import DB, JobId
+from service.deps import DB, LOG_CHUNK_BODY, LOG_CHUNK_TOO_BIG, JobId, log_chunk
 from service.errors import not_utf8_json, responses
 from service.models import Attempt
-from service.schemas import Accepted, CheckpointIn, CheckpointPublic, MetricsIn
+from service.schemas import (
+    MAX_WORLD_SIZE,
+    Accepted,
+    CheckpointIn,
+    CheckpointPublic,
+    LogAppended,
+    MetricsIn,
+)
 
 router = APIRouter(tags=["reports"])
 # The token names the attempt; it may end (a finish, a lost lease) between the gate's
@@ -90,3 +97,35 @@ def report_checkpoint(
 ) -> CheckpointPublic:
     """Register a checkpoint file written inside the job's checkpoint directory."""
     return jobs.register_checkpoint(db, attempt, body)
+
+
+@router.post(
+    "/jobs/{job_id}/logs",
+    status_code=202,
+    response_model=LogAppended,
+    openapi_extra=LOG_CHUNK_BODY,
+    responses=responses(
+        {
+            **LOG_CHUNK_TOO_BIG,
+            # (422, as a validation error, also when node is not one of the job's nodes)
+            409: "the token's attempt is no longer the job's current one, or the chunk "
+            "starts past what is stored of this node's output",
+        }
+    ),
+)
+async def report_log(
+    job_id: JobId,
+    request: Request,
+    attempt: JobAttempt,
+    db: DB,
+    node: Annotated[int, Query(ge=0, lt=MAX_WORLD_SIZE)],
+    offset: Annotated[int, Query(ge=0, le=2**62)],
+) -> LogAppended:
+    """Append raw output bytes of one node of the token's attempt, starting at
+    ``offset`` of that node's own stream (each node of a Slurm attempt ships its own;
+    the lines carry their global rank)."""
+    data = await log_chunk(request)
+    stored = await run_in_threadpool(
+        logs.append_node, db, attempt.id, job_id, attempt.number, node, offset, data
+    )
+    return LogAppended(next_offset=stored)

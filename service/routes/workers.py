@@ -11,11 +11,27 @@ from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 
-from ddpq.messages import AttemptRef, ClaimedJob, GangReply, HeartbeatReply, WorkerRegistered
+from ddpq.messages import (
+    AttemptRef,
+    ClaimedJob,
+    GangReply,
+    HeartbeatReply,
+    HeldAttempt,
+    WorkerRegistered,
+)
 from service import jobs, logs, queue
 from service.auth import WorkerAuth, mint_job_token
-from service.deps import DB, JobId, SettingsDep, WakeupDep, gone
-from service.errors import DomainError, NotFound, responses
+from service.deps import (
+    DB,
+    LOG_CHUNK_BODY,
+    LOG_CHUNK_TOO_BIG,
+    JobId,
+    SettingsDep,
+    WakeupDep,
+    gone,
+    log_chunk,
+)
+from service.errors import NotFound, responses
 from service.schemas import (
     ClaimRequest,
     FinishRequest,
@@ -28,7 +44,6 @@ from service.schemas import (
 )
 
 router = APIRouter(prefix="/workers", dependencies=[WorkerAuth], tags=["workers"])
-MAX_LOG_CHUNK_BYTES = 1024 * 1024
 # Claims run on threads of their own, not the request pool. SQLite: one thread, since
 # claims serialise on its write lock anyway and the claim holding the lock must not
 # wait for the GIL behind a crowd of others. Postgres: several, since SKIP LOCKED lets
@@ -54,16 +69,31 @@ def register_worker(
     body: WorkerRegister, db: DB, settings: SettingsDep, wakeup: WakeupDep
 ) -> WorkerRegistered:
     """Announce a worker and what it has (again after a restart)."""
+    cluster = body.cluster.model_dump() if body.cluster is not None else None
     queue.register_worker(
-        db, body.name, body.identity, body.hostname, body.cpu_slots, body.gpus, body.checkpoint_root
+        db,
+        body.name,
+        body.identity,
+        body.hostname,
+        body.cpu_slots,
+        body.gpus,
+        body.checkpoint_root,
+        cluster,
     )
+    held: list[HeldAttempt] = []
+    if cluster is not None:
+        # A bridge's attempts run in Slurm, not in its process: it re-adopts them.
+        held = [
+            HeldAttempt(job_id=j, attempt=a, external_id=x, timeout_s=t)
+            for j, a, x, t in queue.held_attempts(db, body.name)
+        ]
     # Attempts the books give this worker but it does not list died with an earlier
     # process of it (whose leftovers it killed before registering): requeue them now
     # rather than at the end of their lease.
-    if queue.release_worker(db, body.name, keep=[(r.job_id, r.attempt) for r in body.running]):
+    elif queue.release_worker(db, body.name, keep=[(r.job_id, r.attempt) for r in body.running]):
         wakeup.notify()
     return WorkerRegistered(
-        name=body.name, heartbeat_s=settings.heartbeat_s, lease_s=settings.lease_s
+        name=body.name, heartbeat_s=settings.heartbeat_s, lease_s=settings.lease_s, held=held
     )
 
 
@@ -157,7 +187,15 @@ def send_heartbeat(body: Heartbeat, db: DB) -> HeartbeatReply:
     """Extend the leases of the worker's attempts; learn which to stop."""
     try:
         cancel, abandon = queue.record_heartbeat(
-            db, body.name, [(r.job_id, r.attempt) for r in body.running], body.identity
+            db,
+            body.name,
+            [(r.job_id, r.attempt) for r in body.running],
+            body.identity,
+            {
+                (r.job_id, r.attempt): queue.Elsewhere(r.external_id, r.pending)
+                for r in body.running
+                if r.external_id is not None or r.pending is not None
+            },
         )
     except LookupError:
         raise UnknownWorker(f"worker {body.name} is not registered") from None
@@ -172,18 +210,10 @@ def send_heartbeat(body: Heartbeat, db: DB) -> HeartbeatReply:
     "/jobs/{job_id}/logs",
     status_code=202,
     response_model=LogAppended,
-    # The body is read raw (the attempt's output bytes), so it is declared here.
-    openapi_extra={
-        "requestBody": {
-            "required": True,
-            "content": {
-                "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}
-            },
-        }
-    },
+    openapi_extra=LOG_CHUNK_BODY,
     responses=responses(
         {
-            400: f"the chunk is larger than {MAX_LOG_CHUNK_BYTES} bytes",
+            **LOG_CHUNK_TOO_BIG,
             404: "no such job",
             409: "the attempt is not this worker's or was replaced, or the chunk starts "
             "past what is stored",
@@ -199,9 +229,7 @@ async def append_job_log(
     offset: Annotated[int, Query(ge=0, le=2**62)],
 ) -> LogAppended:
     """Append raw output bytes of an attempt, starting at ``offset`` of its own stream."""
-    data = await request.body()
-    if len(data) > MAX_LOG_CHUNK_BYTES:
-        raise DomainError(f"a log chunk is at most {MAX_LOG_CHUNK_BYTES} bytes")
+    data = await log_chunk(request)
     next_offset = await run_in_threadpool(logs.append, db, job_id, attempt, worker, offset, data)
     return LogAppended(next_offset=next_offset)
 

@@ -205,7 +205,7 @@ function jobRow(job) {
     el("td", { class: "name" }, el("a", { href }, job.name || job.spec.recipe || job.spec.entrypoint || "")),
     el("td", {}, statusBadge(job.status)),
     el("td", { class: "num" }, job.attempt),
-    el("td", {}, job.worker || ""),
+    el("td", {}, where(job.worker, job.external_id)),
     el("td", { class: "num" }, latest ? latest.step : ""),
     el("td", { class: "num loss" }, loss === undefined ? "" : formatNumber(loss)),
     el("td", { class: "num", title: job.created_at }, age(job.created_at)),
@@ -352,6 +352,12 @@ class MetricHistory {
 
 // ---- one job ------------------------------------------------------------------------------
 
+// A worker, and the Slurm job id of an attempt a Slurm bridge runs (as `ddpq ls` shows it).
+function where(worker, externalId) {
+  if (!worker) return "";
+  return externalId ? `${worker} (Slurm job ${externalId})` : worker;
+}
+
 function fact(dl, term, value) {
   if (value === null || value === undefined || value === "") return;
   dl.append(el("dt", {}, term), el("dd", {}, value));
@@ -379,7 +385,7 @@ function renderFacts(job) {
   fact(dl, "attempt", `${job.attempt} of ${spec.max_attempts ?? "?"}`);
   fact(dl, "reason", job.reason);
   fact(dl, "queue position", job.queue_position);
-  fact(dl, "worker", job.worker);
+  fact(dl, "worker", job.worker ? where(job.worker, job.external_id) : null);
   fact(dl, "gpus", job.gpus && job.gpus.length ? job.gpus.join(", ") : null);
   fact(dl, "exit code", job.exit_code);
   fact(dl, "progress", progress(job));
@@ -412,7 +418,7 @@ function renderAttempts(items) {
       {},
       el("td", { class: "num" }, a.number),
       el("td", {}, statusBadge(a.outcome)),
-      el("td", {}, a.worker),
+      el("td", {}, where(a.worker, a.external_id)),
       el("td", {}, a.gpus.join(",")),
       ago(a.started_at),
       ago(a.finished_at),

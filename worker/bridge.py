@@ -1,0 +1,531 @@
+"""The Slurm bridge: ``ddpq worker --executor slurm`` on a login node.
+
+It registers as a worker whose slots are a Slurm partition's nodes, claims whole ddpq
+jobs (multi-node ones as one attempt), and hands each attempt to Slurm as one batch
+job (worker.slurm decides its command line and script). From then on Slurm runs it:
+the bridge polls squeue/scontrol, tells the API the Slurm job id and why Slurm holds
+it pending (its heartbeat), stops it with scancel on a cancel or a timeout, and
+reports how it ended. Its jobs do not live in its process: a bridge that stops, or is
+killed, leaves them running, and re-adopts them when it starts again (the Slurm job
+id is on each attempt; a job it submitted but had not yet told the API of is found by
+its name). The ranks report to the API themselves, and each node ships its own output
+(worker.slurmnode).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ddpq.messages import ClaimedJob, HeldAttempt
+from ddpq.wire import Backoff
+from worker import health, procs, slurm, torchrun
+from worker.api import Refused, Unavailable, WorkerAPI, claim_or_wait, retry
+from worker.code import Workdirs
+from worker.logship import LogShipper
+from worker.torchrun import JobError, Outcome
+from worker.venvs import Stopped, Venvs
+
+log = logging.getLogger("ddpq.worker")
+
+CLAIM_WAIT_S = 5.0
+SLURM_TIMEOUT_S = 60.0  # a Slurm command that takes longer is retried at the next poll
+MAX_KEPT = 10_000
+
+
+class SlurmError(Exception):
+    """A Slurm command failed; its error output says why."""
+
+
+@dataclass
+class Tracked:
+    """An attempt the bridge handed to Slurm (or is handing: no id yet)."""
+
+    claim: ClaimedJob
+    slurm_id: str | None = None
+    state: str = "PENDING"
+    pending: str | None = None
+    running_since: float | None = None
+    stop_reason: str | None = None  # cancelled, timeout, abandoned: the bridge scancelled it
+    scancelled: bool = False
+    # What the attempt holds on this host until it ends: its environment, and the
+    # stream of the bridge's own lines into the job's log.
+    held: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+    shipper: LogShipper | None = None
+
+    def say(self, line: str) -> None:
+        if self.shipper is not None:
+            self.shipper.write(f"[ddpq] {line}\n".encode())
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.claim.job_id, self.claim.attempt)
+
+
+def run_slurm(argv: list[str], stdin: str | None = None) -> str:
+    """Run a Slurm command; its output, or SlurmError with what it said."""
+    try:
+        done = subprocess.run(
+            argv, input=stdin, capture_output=True, text=True, timeout=SLURM_TIMEOUT_S
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise SlurmError(f"{argv[0]}: {exc}") from None
+    if done.returncode != 0:
+        said = (done.stderr or done.stdout).strip().splitlines()
+        raise SlurmError(f"{argv[0]}: {said[-1] if said else f'exit code {done.returncode}'}")
+    return done.stdout
+
+
+class Bridge:
+    def __init__(
+        self,
+        *,
+        url: str,
+        token: str,
+        name: str | None,
+        workspace: Path,
+        data_dir: Path,
+        checkpoint_dir: Path | None,
+        partition: str,
+        account: str | None = None,
+        sbatch_args: tuple[str, ...] = (),
+        max_pending: int = 2,
+        poll_s: float = 2.0,
+        identity: str | None = None,
+        code_cache_bytes: int = 10 * 1000**3,
+        max_envs: int = 8,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.name = name or f"slurm-{partition}@{socket.gethostname()}"
+        self.workspace = workspace.resolve()
+        self.data_dir = data_dir.resolve()
+        self.checkpoint_root = (checkpoint_dir or self.data_dir / "checkpoints").resolve()
+        self.partition = partition
+        self.max_pending = max_pending
+        self.poll_s = poll_s
+        self.api = WorkerAPI(self.url, token, self.name, identity)
+        self.scripts = self.data_dir / "slurm"
+        self.submission = slurm.Submission(
+            partition=partition,
+            account=account,
+            extra=tuple(sbatch_args),
+            bridge=self.name,
+            identity=identity,
+            output_dir=str(self.scripts),
+        )
+        self.workdirs = Workdirs(self.data_dir, code_cache_bytes, 0.0)
+        # Jobs' environments, built here and run on the nodes: on the shared filesystem.
+        self.venvs = Venvs(self.data_dir / "venvs", max_envs)
+        self.heartbeat_s = 2.0
+        self.stopping = threading.Event()
+        self._lock = threading.Lock()
+        self._tracked: dict[tuple[int, int], Tracked] = {}
+        self._changed = threading.Event()
+
+    # ---- the partition and registration -----------------------------------------------
+
+    def shape(self) -> dict[str, Any]:
+        out = run_slurm(["sinfo", "-h", "-N", "-p", self.partition, "-o", slurm.SINFO_FORMAT])
+        return slurm.partition_shape(self.partition, out, self.max_pending)
+
+    def register(self) -> list[HeldAttempt]:
+        body = {
+            "name": self.name,
+            "hostname": socket.gethostname(),
+            "cpu_slots": 0,
+            "gpus": [],
+            "checkpoint_root": str(self.checkpoint_root),
+            "cluster": self.shape(),
+        }
+        reply = retry(lambda: self.api.register(body), what="register", stop=self.stopping)
+        self.heartbeat_s = reply.heartbeat_s
+        health.record(self.data_dir, self.heartbeat_s)
+        return list(reply.held)
+
+    def adopt(self, held: list[HeldAttempt]) -> None:
+        """Take back the attempts the books give this bridge: by their Slurm job id, or,
+        for one submitted just before the bridge stopped, by its job name. An attempt
+        Slurm never got goes back to the queue; a Slurm job of this bridge's that ddpq
+        no longer runs is cancelled."""
+        ours = self._slurm_jobs_of_mine()
+        by_name = {j.name: j for j in ours}
+        wanted: set[str] = set()
+        for h in held:
+            slurm_id = h.external_id
+            if slurm_id is None:
+                found = by_name.get(slurm.job_name(h.job_id, h.attempt))
+                slurm_id = found.id if found is not None else None
+            if slurm_id is None:
+                log.warning("job %s attempt %s never reached Slurm: requeued", h.job_id, h.attempt)
+                self._finish(
+                    h.job_id,
+                    h.attempt,
+                    Outcome(None, "requeue", "the bridge stopped before handing it to Slurm"),
+                )
+                continue
+            wanted.add(slurm_id)
+            # Of the claim only the timeout is needed again: Slurm runs the job. It counts
+            # from now, the bridge having missed when Slurm started it (--time holds).
+            claim = ClaimedJob(
+                job_id=h.job_id,
+                attempt=h.attempt,
+                token="",
+                spec={"timeout_s": h.timeout_s} if h.timeout_s else {},
+                device="cpu",
+                nproc_per_node=1,
+                gpus=[],
+                checkpoint_dir="",
+                resume_from=[],
+            )
+            with self._lock:
+                self._tracked[(h.job_id, h.attempt)] = Tracked(claim, slurm_id)
+            log.info("job %s attempt %s: re-adopted Slurm job %s", h.job_id, h.attempt, slurm_id)
+        for job in ours:
+            if job.id not in wanted and job.state not in slurm.ENDED:
+                log.warning(
+                    "Slurm job %s (%s) is no longer ddpq's: cancelling it", job.id, job.name
+                )
+                self._scancel(job.id)
+
+    def _slurm_jobs_of_mine(self) -> list[slurm.SlurmJob]:
+        """Every Slurm job this bridge submitted that Slurm still remembers."""
+        out = run_slurm(["scontrol", "show", "job", "-o"])
+        mine = slurm.comment(self.name, self.api.identity)
+        return [
+            j
+            for j in slurm.parse_show_job(out)
+            if slurm.NAME.match(j.name) and (j.comment == mine or j.comment.startswith(mine + ":"))
+        ]
+
+    # ---- handing attempts to Slurm -----------------------------------------------------
+
+    def waiting(self) -> int:
+        """Attempts not yet running in Slurm: the cap on these keeps ddpq's queue order."""
+        with self._lock:
+            return sum(1 for t in self._tracked.values() if t.state in slurm.WAITING)
+
+    def _track(self, claim: ClaimedJob) -> Tracked:
+        tracked = Tracked(claim)
+        tracked.shipper = LogShipper(self.api, claim.job_id, claim.attempt)
+        tracked.shipper.start()
+        tracked.held.callback(tracked.shipper.close, 60.0)
+        with self._lock:
+            self._tracked[tracked.key] = tracked
+        return tracked
+
+    def _hand_over(self, tracked: Tracked) -> None:
+        """Hand one claimed attempt to Slurm (or end it, if it cannot be)."""
+        claim = tracked.claim
+        try:
+            script = self._script(tracked)
+            out = run_slurm(slurm.sbatch_argv(claim, self.submission), stdin=script)
+        except (JobError, SlurmError, Stopped) as exc:
+            with self._lock:
+                self._tracked.pop(tracked.key, None)
+            # Stopped: the bridge is shutting down while the environment was being built.
+            result = (
+                Outcome(None, "requeue", "the bridge shut down")
+                if isinstance(exc, Stopped)
+                else Outcome(None, "error", str(exc))
+            )
+            log.warning("job %s attempt %s: %s", claim.job_id, claim.attempt, result.reason)
+            tracked.say(str(result.reason))
+            tracked.held.close()
+            self._finish(claim.job_id, claim.attempt, result)
+            return
+        tracked.slurm_id = out.strip().split(";")[0]
+        log.info(
+            "job %s attempt %s: submitted as Slurm job %s",
+            claim.job_id,
+            claim.attempt,
+            tracked.slurm_id,
+        )
+        tracked.say(
+            f"attempt {claim.attempt}: handed to Slurm as job {tracked.slurm_id} "
+            f"(partition {self.partition}, {claim.nnodes} node(s) of "
+            f"{claim.nproc_per_node} rank(s)) by the bridge {self.name}"
+        )
+        self.heartbeat_once()  # the Slurm job id is on the attempt before anything else
+        if tracked.stop_reason is not None:  # cancelled while its code or environment came
+            self._stop(tracked, tracked.stop_reason)
+
+    def _script(self, tracked: Tracked) -> str:
+        """The attempt's batch script (it holds the job token: it is written to no
+        file), once its code and environment are ready."""
+        claim = tracked.claim
+        spec = claim.spec
+        if spec.get("code"):
+            cwd, where = self._code_dir(claim), "the job's code"
+        else:
+            cwd, where = self.workspace, "the bridge's workspace"
+        program = torchrun.program(spec, cwd, where)
+        # The checkpoint files are on the filesystem the nodes share with this host.
+        resume = next(
+            (p for p in claim.resume_from if torchrun.inside_job_dir(p, claim.job_id)), None
+        )
+        if resume:
+            tracked.say(f"resuming from {resume}")
+        at = torchrun.Placement(
+            api_url=self.url,
+            checkpoint_dir=claim.checkpoint_dir,
+            launch_var=procs.LAUNCH_ID_VAR,
+            launch_id=f"slurm-{claim.job_id}/{claim.attempt}",
+            resume_from=resume,
+        )
+        env = torchrun.environment(os.environ, claim, at)
+        if claim.device == "cuda":  # Slurm assigns each node's GPUs (and sets the variable)
+            env.pop("CUDA_VISIBLE_DEVICES", None)
+        python = self._python(tracked, cwd, env)
+        if python != sys.executable:  # the job's environment, as if activated
+            venv = str(Path(python).parent.parent)
+            env.update(VIRTUAL_ENV=venv, PATH=f"{venv}/bin:{env.get('PATH', '')}")
+        plan = json.dumps(
+            {
+                "claim": claim.model_dump(exclude={"token"}),
+                "program": program,
+                "comment": slurm.comment(self.name, self.api.identity),
+            }
+        )
+        self.scripts.mkdir(parents=True, exist_ok=True)  # Slurm's own output files
+        return slurm.batch_script(env, python, str(cwd), plan)
+
+    def _python(self, tracked: Tracked, cwd: Path, env: dict[str, str]) -> str:
+        """The interpreter the nodes run: the bridge's own, or an environment with the
+        job's requirements built here (as a worker builds it), held until the job ends."""
+        spec = tracked.claim.spec
+        pip = list(spec.get("pip") or [])
+        requirements = cwd / "requirements.txt" if spec.get("code") else None
+        if requirements is not None and not requirements.is_file():
+            requirements = None
+        if requirements is None and not pip:
+            return sys.executable
+        say = tracked.shipper.write if tracked.shipper else (lambda _: None)
+        used = self.venvs.using(
+            requirements, pip, cwd, env, lambda line: say(line.encode()), self.stopping
+        )
+        return str(tracked.held.enter_context(used))
+
+    def _code_dir(self, claim: ClaimedJob) -> Path:
+        """The job's code, written where the compute nodes read it (the bridge's data dir
+        on a filesystem they share)."""
+        snapshot = str(claim.spec["code"])
+        api = self.api
+        try:
+            workdir, _ = retry(
+                lambda: self.workdirs.prepare(
+                    claim.job_id, snapshot, lambda: api.snapshot(snapshot).manifest, api.blob
+                ),
+                what=f"fetch the code of job {claim.job_id}",
+                stop=self.stopping,
+            )
+        except (Refused, Unavailable) as exc:
+            raise JobError(f"its code could not be fetched: {exc}") from None
+        return Path(workdir)
+
+    # ---- following Slurm ---------------------------------------------------------------
+
+    def poll_once(self) -> None:
+        with self._lock:
+            tracked = [t for t in self._tracked.values() if t.slurm_id]
+        if not tracked:
+            return
+        ids = ",".join(str(t.slurm_id) for t in tracked)
+        try:
+            states = slurm.parse_squeue(
+                run_slurm(["squeue", "-h", "-t", "all", "-j", ids, "-o", slurm.SQUEUE_FORMAT])
+            )
+        except SlurmError as exc:
+            # squeue refuses a list holding an id it no longer knows: look one by one.
+            log.debug("squeue: %s", exc)
+            states = {}
+        for t in tracked:
+            assert t.slurm_id is not None
+            state, reason = states.get(t.slurm_id, ("", ""))
+            if state in slurm.ENDED or not state:
+                self._ended(t)
+                continue
+            t.state = state
+            t.pending = slurm.pending_words(t.slurm_id, reason) if state in slurm.WAITING else None
+            if state == "RUNNING" and t.running_since is None:
+                t.running_since = time.monotonic()
+            self._check_timeout(t)
+
+    def _check_timeout(self, t: Tracked) -> None:
+        timeout_s = t.claim.spec.get("timeout_s")
+        started = t.running_since
+        if timeout_s and started is not None and time.monotonic() - started > float(timeout_s):
+            self._stop(t, "timeout")
+
+    def _ended(self, t: Tracked) -> None:
+        """A job squeue no longer lists as live: report its end, as scontrol tells it."""
+        assert t.slurm_id is not None
+        try:
+            found = slurm.parse_show_job(run_slurm(["scontrol", "show", "job", "-o", t.slurm_id]))
+        except SlurmError as exc:
+            if "Invalid job id" not in str(exc):
+                log.warning("scontrol: %s", exc)
+                return
+            found = []
+        job = next((j for j in found if j.id == t.slurm_id), None)
+        if job is None:
+            # Gone from Slurm's memory (it ended while the bridge was away long enough):
+            # how it ended is not known, so the attempt is lost and retried.
+            outcome = Outcome(None, "lost", f"Slurm no longer knows job {t.slurm_id}")
+        elif job.state not in slurm.ENDED:
+            return  # COMPLETING, or squeue and scontrol disagree for a moment
+        else:
+            outcome = slurm.ending(job, t.stop_reason, t.claim.spec.get("timeout_s"))
+        with self._lock:
+            self._tracked.pop(t.key, None)
+        self._changed.set()
+        if t.stop_reason != "abandoned" and outcome.reason and outcome.outcome != "exited":
+            t.say(outcome.reason)
+        t.held.close()
+        if t.stop_reason != "abandoned":
+            self._finish(t.claim.job_id, t.claim.attempt, outcome)
+        log.info(
+            "job %s attempt %s: Slurm job %s ended %s",
+            t.claim.job_id,
+            t.claim.attempt,
+            t.slurm_id,
+            job.state if job else "(unknown)",
+        )
+
+    def _stop(self, t: Tracked, why: str) -> None:
+        if t.stop_reason is None:
+            t.stop_reason = why
+        if t.slurm_id and not t.scancelled:
+            t.scancelled = self._scancel(t.slurm_id)
+
+    def _scancel(self, slurm_id: str) -> bool:
+        try:
+            run_slurm(["scancel", slurm_id])
+            return True
+        except SlurmError as exc:
+            log.warning("scancel %s: %s", slurm_id, exc)
+            return False
+
+    def _finish(self, job_id: int, attempt: int, result: Outcome) -> None:
+        body = {
+            "attempt": attempt,
+            "exit_code": result.exit_code,
+            "outcome": result.outcome,
+            "reason": result.reason,
+        }
+        try:
+            retry(lambda: self.api.finish(job_id, body), what=f"finish job {job_id}")
+        except Refused as exc:
+            log.warning("job %s: finish refused: %s", job_id, exc)
+
+    # ---- loops -------------------------------------------------------------------------
+
+    def heartbeat_once(self) -> None:
+        with self._lock:
+            tracked = list(self._tracked.values())
+        running: list[dict[str, Any]] = []
+        for t in tracked:
+            item: dict[str, Any] = {"job_id": t.claim.job_id, "attempt": t.claim.attempt}
+            if t.slurm_id:
+                item["external_id"] = t.slurm_id
+                item["pending"] = t.pending
+            running.append(item)
+        try:
+            reply = self.api.heartbeat(running, self.workdirs.kept()[:MAX_KEPT])
+        except Unavailable as exc:
+            log.warning("heartbeat: API unavailable (%s)", exc)
+            return
+        except Refused as exc:
+            if exc.status == 404:
+                self.register()
+            elif exc.status == 409:
+                log.error("stopping: %s", exc)
+                self.stopping.set()
+            else:
+                log.warning("heartbeat refused: %s", exc)
+            return
+        health.record(self.data_dir, self.heartbeat_s)
+        if reply.ended:
+            self.workdirs.ended(reply.ended, running={t.claim.job_id for t in tracked})
+        by_key = {t.key: t for t in tracked}
+        stops = [(i, "cancelled") for i in reply.cancel] + [(i, "abandoned") for i in reply.abandon]
+        for ref, why in stops:
+            stop = by_key.get((ref.job_id, ref.attempt))
+            if stop is not None:
+                log.info("job %s attempt %s: %s; scancel", ref.job_id, ref.attempt, why)
+                self._stop(stop, why)
+
+    def _loop(self, every: float, step: Any, what: str) -> None:
+        while not self.stopping.wait(every):
+            try:
+                step()
+            except Exception:  # a loop of the bridge never dies of one bad round
+                log.exception("%s failed; going on", what)
+
+    def _claim_loop(self) -> None:
+        backoff = Backoff()
+        while not self.stopping.is_set():
+            if self.waiting() >= self.max_pending:
+                self._changed.wait(self.poll_s)
+                self._changed.clear()
+                continue
+            claim = claim_or_wait(
+                lambda: self.api.claim(0, [], CLAIM_WAIT_S),
+                stop=self.stopping,
+                backoff=backoff,
+                register=self.register,
+            )
+            if claim is not None:
+                # Its own thread: fetching code or building an environment may take
+                # minutes, and other jobs go on to Slurm meanwhile (the cap counts it).
+                tracked = self._track(claim)  # counted against the cap from now on
+                threading.Thread(
+                    target=self._hand_over, args=(tracked,), name=f"sbatch-{claim.job_id}",
+                    daemon=True,
+                ).start()  # fmt: skip
+
+    def run(self) -> None:
+        """Serve until SIGTERM or SIGINT. Jobs in Slurm go on running: a bridge started
+        again under this name re-adopts them."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.stopping.set())
+        held = self.register()
+        self.adopt(held)
+        log.info(
+            "Slurm bridge %s: partition %s, at most %d job(s) pending in Slurm, API %s",
+            self.name,
+            self.partition,
+            self.max_pending,
+            self.url,
+        )
+        threads = [
+            threading.Thread(
+                target=self._loop,
+                args=(self.heartbeat_s, self.heartbeat_once, "heartbeat"),
+                daemon=True,
+            ),
+            threading.Thread(
+                target=self._loop, args=(self.poll_s, self.poll_once, "poll"), daemon=True
+            ),
+            threading.Thread(target=self._claim_loop, name="claim", daemon=True),
+        ]
+        for t in threads:
+            t.start()
+        self.stopping.wait()
+        log.info(
+            "Slurm bridge %s: stopping; %d job(s) stay in Slurm for the next start",
+            self.name,
+            len(self._tracked),
+        )
+        threads[2].join(timeout=CLAIM_WAIT_S + 20)
+        self.api.close()

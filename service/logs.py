@@ -27,7 +27,7 @@ from ddpq.wire import cut_marker
 from service import queue
 from service.db import Database
 from service.errors import Conflict, Invalid, NotFound
-from service.models import TERMINAL, Attempt, Job, JobNode, LogChunk
+from service.models import TERMINAL, Attempt, Job, JobNode, LogChunk, Worker
 
 HEAD_SHARE = 0.25
 # One answer carries at most this many stored bytes; X-Next-Offset says where to go on.
@@ -90,6 +90,9 @@ def append_node(
         stale = queue.fenced(number, attempt.ended_at is not None, row.attempt, row.status)
         if stale:
             raise Conflict(stale)
+        if s.scalar(select(Worker.cluster).where(Worker.name == attempt.worker)) is None:
+            # A worker ships its attempts' output itself; only a bridge's nodes do.
+            raise Conflict(f"attempt {number} runs on worker {attempt.worker}, which ships its log")
         if node >= row.nnodes:
             raise Invalid(("query", "node"), f"this job has {row.nnodes} node(s), numbered from 0")
         streams = dict(attempt.node_log_bytes or {})

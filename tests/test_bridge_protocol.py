@@ -167,6 +167,21 @@ def test_each_node_ships_its_own_stream_with_the_job_token(server: Server) -> No
     assert c.get(f"/jobs/{job_id}/logs").text.endswith("[rank1]: c\n")
 
 
+def test_a_workers_job_token_cannot_ship_a_node_log(server: Server) -> None:
+    """A worker ships its attempts' output itself: its ranks' token writes no log."""
+    from tests.helpers import submit_and_claim
+
+    claim = submit_and_claim(server)
+    r = server.client(claim["token"]).post(
+        f"/jobs/{claim['job_id']}/logs",
+        params={"node": 0, "offset": 0},
+        content=b"[ddpq] forged\n",
+        headers={"Content-Type": "application/octet-stream"},
+    )
+    assert r.status_code == 409 and "ships its log" in r.json()["detail"], r.text
+    assert server.client().get(f"/jobs/{claim['job_id']}/logs").text == ""
+
+
 @pytest.mark.parametrize("rounds", [20])
 def test_a_gang_forming_on_workers_and_a_bridge_never_both_take_a_job(
     server: Server, rounds: int
@@ -248,15 +263,42 @@ def test_sbatch_asks_one_task_per_node_with_its_gpus_and_a_time_bound() -> None:
     assert "--gpus-per-node" not in cpu and "--time" not in cpu
 
 
-def test_the_batch_script_carries_the_ranks_environment_and_nothing_else() -> None:
-    script = slurm.batch_script(
-        {"DDPQ_JOB_TOKEN": "tok en", "PATH": "/usr/bin"}, "/venv/bin/python", "/w d", "{}"
-    )
-    assert "export DDPQ_JOB_TOKEN='tok en'" in script
+def test_the_batch_script_exports_only_its_plan_and_ranks_get_only_the_plans_environment() -> None:
+    script = slurm.batch_script("/venv/bin/python", "/w d", '{"env": {}}')
+    assert "export DDPQ_SLURM_PLAN='{\"env\": {}}'" in script
     assert "export SLURM_EXPORT_ENV=ALL" in script  # srun passes the script's environment on
     assert "cd '/w d' || exit 1" in script
     assert script.rstrip().endswith("/venv/bin/python -m worker.slurmnode")
-    assert "WORKER_TOKEN" not in script
+    assert [line for line in script.splitlines() if line.startswith("export ")] == [
+        line for line in script.splitlines() if "DDPQ_SLURM_PLAN" in line or "SLURM_EXPORT" in line
+    ]
+    # A node's login environment (sbatch --export=NONE loads it) reaches no rank: only
+    # the plan's, the allocation's Slurm variables, and on a GPU job Slurm's GPUs.
+    node = {
+        "DDPQ_WORKER_TOKEN": "from-a-profile", "AWS_SECRET_ACCESS_KEY": "k", "PATH": "/login",
+        "SLURM_JOB_ID": "81234", "SLURM_NODEID": "1", "SLURM_STEP_ID": "0",
+        "CUDA_VISIBLE_DEVICES": "2,3",
+    }  # fmt: skip
+    plan = {"PATH": "/usr/bin", "DDPQ_JOB_TOKEN": "t"}
+    assert slurm.ranks_environment(plan, node, "cpu") == {
+        "PATH": "/usr/bin", "DDPQ_JOB_TOKEN": "t", "SLURM_JOB_ID": "81234", "SLURM_NODEID": "1",
+    }  # fmt: skip
+    assert slurm.ranks_environment(plan, node, "cuda")["CUDA_VISIBLE_DEVICES"] == "2,3"
+
+
+def test_sbatch_refusals_fail_the_job_and_an_unreachable_slurm_does_not() -> None:
+    assert slurm.refused(
+        "sbatch: Batch job submission failed: Invalid account or account/partition "
+        "combination specified"
+    )
+    assert not slurm.refused(
+        "sbatch: error: Batch job submission failed: Socket timed out on send/recv operation"
+    )
+    assert not slurm.refused(
+        "sbatch: error: Batch job submission failed: Unable to contact slurm controller "
+        "(connect failure)"
+    )
+    assert not slurm.refused("sbatch: timed out after 60 s")
 
 
 def test_scontrol_lines_and_what_each_ending_means() -> None:
@@ -271,6 +313,12 @@ def test_scontrol_lines_and_what_each_ending_means() -> None:
     assert job.comment == "ddpq bridge b x: ValueError: bad input"
     assert slurm.ending(job, None, None).reason == "ValueError: bad input"
     assert slurm.ending(job, None, None).exit_code == 3
+    # What a job writes into its comment cannot stand in for Slurm's own fields.
+    forged = (
+        "JobId=41 JobName=x JobState=FAILED ExitCode=1:0 Comment=c: JobState=COMPLETED ExitCode=0:0"
+    )
+    [job] = slurm.parse_show_job(forged)
+    assert (job.state, job.exit_code) == ("FAILED", 1)
 
     def end(state: str, code: str = "0:0", stop: str | None = None) -> tuple[Any, ...]:
         [j] = slurm.parse_show_job(f"JobId=5 JobName=x JobState={state} ExitCode={code}")

@@ -295,12 +295,7 @@ def test_two_nodes_of_one_attempt_rendezvous_and_ship_their_own_logs(
     job_id = c.post("/jobs", json=spec).json()["id"]
     claim = _claim(server)
     assert claim is not None and claim["nnodes"] == 2
-    plan = {
-        "claim": {k: v for k, v in claim.items() if k != "token"},
-        "program": [str(workspace / "waiter.py"), str(release)],
-        "comment": "ddpq bridge bridge -",
-    }
-    env = {
+    plan_env = {
         "PATH": os.environ["PATH"],
         "HOME": os.environ.get("HOME", "/root"),
         "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
@@ -311,6 +306,18 @@ def test_two_nodes_of_one_attempt_rendezvous_and_ship_their_own_logs(
         "DDPQ_CHECKPOINT_DIR": str(tmp_path / "ckpt"),
         "DDPQ_DEVICE": "cpu",
         "CUDA_VISIBLE_DEVICES": "",
+    }
+    plan = {
+        "claim": {k: v for k, v in claim.items() if k != "token"},
+        "program": [str(workspace / "waiter.py"), str(release)],
+        "env": plan_env,
+        "comment": "ddpq bridge bridge -",
+    }
+    # What srun gives each task: the script's plan, Slurm's variables, and here a secret
+    # of the node's login environment, which must reach no rank.
+    env = {
+        **plan_env,
+        "DDPQ_WORKER_TOKEN": server.worker_token,
         "SLURM_JOB_ID": "4242",
         "SLURM_JOB_NODELIST": slurm.node,
         "DDPQ_SLURM_PLAN": json.dumps(plan),
@@ -333,6 +340,7 @@ def test_two_nodes_of_one_attempt_rendezvous_and_ship_their_own_logs(
     for rank in range(4):
         assert f"[rank{rank}]: rank {rank} attempt 1 step 1" in logs, logs
     assert _job(c, job_id)["latest_metrics"]["step"] == 1
+    assert server.worker_token not in logs
 
 
 def test_a_users_directory_with_requirements_runs_on_slurm_as_submitted(

@@ -132,6 +132,10 @@ class Bridge:
         self._lock = threading.Lock()
         self._tracked: dict[tuple[int, int], Tracked] = {}
         self._changed = threading.Event()
+        # Set when sbatch could not reach slurmctld: claims wait a while, not to take
+        # jobs only to hand them back at once.
+        self._slurm_away = Backoff()
+        self._slurm_failed = threading.Event()
 
     # ---- the partition and registration -----------------------------------------------
 
@@ -229,36 +233,60 @@ class Bridge:
         claim = tracked.claim
         try:
             script = self._script(tracked)
-            out = run_slurm(slurm.sbatch_argv(claim, self.submission), stdin=script)
-        except (JobError, SlurmError, Stopped) as exc:
+            if tracked.stop_reason is not None:  # cancelled while its code or env came
+                raise Stopped()
+            slurm_id = self._sbatch(claim, script)
+        except Exception as exc:  # whatever it was, the attempt ends and says why
             with self._lock:
                 self._tracked.pop(tracked.key, None)
-            # Stopped: the bridge is shutting down while the environment was being built.
-            result = (
-                Outcome(None, "requeue", "the bridge shut down")
-                if isinstance(exc, Stopped)
-                else Outcome(None, "error", str(exc))
-            )
+            result = self._not_handed(tracked, exc)
             log.warning("job %s attempt %s: %s", claim.job_id, claim.attempt, result.reason)
             tracked.say(str(result.reason))
             tracked.held.close()
-            self._finish(claim.job_id, claim.attempt, result)
+            if tracked.stop_reason != "abandoned":
+                self._finish(claim.job_id, claim.attempt, result)
             return
-        tracked.slurm_id = out.strip().split(";")[0]
-        log.info(
-            "job %s attempt %s: submitted as Slurm job %s",
-            claim.job_id,
-            claim.attempt,
-            tracked.slurm_id,
-        )
+        tracked.slurm_id = slurm_id
+        self._slurm_away.reset()
+        log.info("job %s attempt %s: submitted as Slurm job %s", *tracked.key, slurm_id)
         tracked.say(
-            f"attempt {claim.attempt}: handed to Slurm as job {tracked.slurm_id} "
+            f"attempt {claim.attempt}: handed to Slurm as job {slurm_id} "
             f"(partition {self.partition}, {claim.nnodes} node(s) of "
             f"{claim.nproc_per_node} rank(s)) by the bridge {self.name}"
         )
         self.heartbeat_once()  # the Slurm job id is on the attempt before anything else
-        if tracked.stop_reason is not None:  # cancelled while its code or environment came
+        if tracked.stop_reason is not None:  # cancelled while sbatch ran
             self._stop(tracked, tracked.stop_reason)
+
+    def _sbatch(self, claim: ClaimedJob, script: str) -> str:
+        """Submit; the Slurm job id. An sbatch that failed may still have submitted it
+        (a timeout after slurmctld took it): then the job found by its name is it."""
+        try:
+            out = run_slurm(slurm.sbatch_argv(claim, self.submission), stdin=script)
+        except SlurmError:
+            name = slurm.job_name(claim.job_id, claim.attempt)
+            with contextlib.suppress(SlurmError):
+                found = [j for j in self._slurm_jobs_of_mine() if j.name == name]
+                if found:
+                    return found[-1].id
+            raise
+        return out.strip().split(";")[0]
+
+    def _not_handed(self, tracked: Tracked, exc: Exception) -> Outcome:
+        """How an attempt that never reached Slurm ends: a cancel as a cancel, a shutdown
+        or a Slurm that did not answer back to the queue (not counted), a job that can
+        never start (its code, its entrypoint, a refused submission) as a failure."""
+        if tracked.stop_reason == "cancelled":
+            return Outcome(None, "cancelled", "cancelled by user")
+        if isinstance(exc, Stopped):
+            return Outcome(None, "requeue", "the bridge shut down")
+        if isinstance(exc, SlurmError) and not slurm.refused(str(exc)):
+            self._slurm_failed.set()
+            return Outcome(None, "requeue", f"Slurm did not take it: {exc}")
+        if isinstance(exc, JobError | SlurmError):
+            return Outcome(None, "error", str(exc))
+        log.exception("job %s attempt %s: bridge error", *tracked.key)
+        return Outcome(None, "error", f"bridge error: {exc}")
 
     def _script(self, tracked: Tracked) -> str:
         """The attempt's batch script (it holds the job token: it is written to no
@@ -294,11 +322,12 @@ class Bridge:
             {
                 "claim": claim.model_dump(exclude={"token"}),
                 "program": program,
+                "env": env,  # the ranks' environment, the job token with it
                 "comment": slurm.comment(self.name, self.api.identity),
             }
         )
         self.scripts.mkdir(parents=True, exist_ok=True)  # Slurm's own output files
-        return slurm.batch_script(env, python, str(cwd), plan)
+        return slurm.batch_script(python, str(cwd), plan)
 
     def _python(self, tracked: Tracked, cwd: Path, env: dict[str, str]) -> str:
         """The interpreter the nodes run: the bridge's own, or an environment with the
@@ -392,6 +421,10 @@ class Bridge:
         if t.stop_reason != "abandoned" and outcome.reason and outcome.outcome != "exited":
             t.say(outcome.reason)
         t.held.close()
+        # Slurm's copy of the batch script's output (torchrun's own lines; the ranks' are
+        # in the job's log): kept only while the job runs, for a look on the cluster.
+        name = slurm.job_name(t.claim.job_id, t.claim.attempt)
+        (self.scripts / f"{name}-{t.slurm_id}.out").unlink(missing_ok=True)
         if t.stop_reason != "abandoned":
             self._finish(t.claim.job_id, t.claim.attempt, outcome)
         log.info(
@@ -475,6 +508,10 @@ class Bridge:
     def _claim_loop(self) -> None:
         backoff = Backoff()
         while not self.stopping.is_set():
+            if self._slurm_failed.is_set():
+                self._slurm_failed.clear()
+                self._slurm_away.wait(self.stopping)
+                continue
             if self.waiting() >= self.max_pending:
                 self._changed.wait(self.poll_s)
                 self._changed.clear()

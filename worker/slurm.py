@@ -110,6 +110,15 @@ class Submission:
     output_dir: str  # Slurm's own file of the batch script's output, per job
 
 
+def refused(error: str) -> bool:
+    """Whether sbatch refused the job itself (a bad account, partition or limit: sending
+    it again changes nothing), rather than failing to reach slurmctld."""
+    return "Batch job submission failed" in error and not any(
+        passing in error
+        for passing in ("Socket timed out", "Unable to contact", "Slurm temporarily unable")
+    )
+
+
 def time_limit(timeout_s: Any) -> str | None:
     """Slurm's --time (minutes, at least 1) for a job's timeout_s: a bound the bridge's
     own, exact timeout never reaches, so a job Slurm ends for time is one the bridge
@@ -147,23 +156,45 @@ def sbatch_argv(claim: ClaimedJob, to: Submission) -> list[str]:
     return [*argv, *to.extra]
 
 
-def batch_script(env: Mapping[str, str], python: str, cwd: str, plan: str) -> str:
-    """The batch script: the ranks' environment, then one ``worker.slurmnode`` per node
-    (srun), which starts torchrun there and ships its output to the API."""
-    lines = ["#!/bin/sh", "# Written by the ddpq Slurm bridge: one attempt of a ddpq job."]
-    for name in sorted(env):
-        lines.append(f"export {name}={shlex.quote(env[name])}")
-    lines += [
-        f"export DDPQ_SLURM_PLAN={shlex.quote(plan)}",
-        # sbatch --export=NONE makes srun default to NONE too: the tasks take this
-        # script's environment instead.
-        "export SLURM_EXPORT_ENV=ALL",
-        f"cd {shlex.quote(cwd)} || exit 1",
-        f"exec srun --ntasks-per-node=1 --kill-on-bad-exit=1 {shlex.quote(python)} "
-        "-m worker.slurmnode",
-        "",
-    ]
-    return "\n".join(lines)
+def batch_script(python: str, cwd: str, plan: str) -> str:
+    """The batch script: one ``worker.slurmnode`` per node (srun), which starts torchrun
+    there with the ranks' environment the plan carries, and ships its output to the API.
+    The script exports nothing else: what a node's login environment holds (sbatch
+    --export=NONE loads it) stays with the launcher, never reaching a rank."""
+    return "\n".join(
+        [
+            "#!/bin/sh",
+            "# Written by the ddpq Slurm bridge: one attempt of a ddpq job.",
+            f"export DDPQ_SLURM_PLAN={shlex.quote(plan)}",
+            # sbatch --export=NONE makes srun default to NONE too, and a task started with
+            # no environment at all finds no program: it takes this script's instead.
+            "export SLURM_EXPORT_ENV=ALL",
+            f"cd {shlex.quote(cwd)} || exit 1",
+            f"exec srun --ntasks-per-node=1 --kill-on-bad-exit=1 {shlex.quote(python)} "
+            "-m worker.slurmnode",
+            "",
+        ]
+    )
+
+
+# What of Slurm's own variables on a node a rank gets besides the plan's environment
+# (a program may want to know its allocation), and, on a GPU job, the GPUs Slurm gave.
+SLURM_FOR_RANKS = (
+    "SLURM_JOB_ID", "SLURM_JOB_NAME", "SLURM_JOB_NODELIST", "SLURM_JOB_NUM_NODES",
+    "SLURM_NODEID", "SLURM_JOB_PARTITION", "SLURM_CPUS_PER_TASK",
+)  # fmt: skip
+
+
+def ranks_environment(
+    plan_env: Mapping[str, str], node_env: Mapping[str, str], device: str
+) -> dict[str, str]:
+    """A rank's environment on a node: the plan's (the bridge's allow-listed one, the
+    spec's, ddpq's), with the allocation's Slurm variables, and Slurm's GPUs for a GPU job."""
+    env = dict(plan_env)
+    env.update({k: node_env[k] for k in SLURM_FOR_RANKS if k in node_env})
+    if device == "cuda" and "CUDA_VISIBLE_DEVICES" in node_env:
+        env["CUDA_VISIBLE_DEVICES"] = node_env["CUDA_VISIBLE_DEVICES"]
+    return env
 
 
 # ---- what Slurm says of a job ----------------------------------------------------------
@@ -185,7 +216,11 @@ def parse_show_job(text: str) -> list[SlurmJob]:
     spaces except the last keys')."""
     out = []
     for line in text.splitlines():
-        fields = dict(_pairs(line))
+        fields: dict[str, str] = {}
+        for key, value in _pairs(line):
+            # The first: a Comment (a failure's text, written by the job) comes after
+            # JobState and ExitCode and must not stand in for them.
+            fields.setdefault(key, value)
         if "JobId" not in fields:
             continue
         code = sig = None
@@ -221,6 +256,7 @@ def _pairs(line: str) -> list[tuple[str, str]]:
 
 
 SQUEUE_FORMAT = "%i|%T|%r"  # id, state, reason
+MAX_REASON = 300  # of Slurm's words; the API takes a pending reason of 500 characters
 
 
 def parse_squeue(text: str) -> dict[str, tuple[str, str]]:
@@ -234,7 +270,9 @@ def parse_squeue(text: str) -> dict[str, tuple[str, str]]:
 
 
 def pending_words(job_id: str, reason: str) -> str:
-    """A job Slurm holds pending, as its ddpq reason says it."""
+    """A job Slurm holds pending, as its ddpq reason says it (a reason may list every
+    node it waits for: it is cut to what a heartbeat carries)."""
+    reason = reason if len(reason) <= MAX_REASON else reason[: MAX_REASON - 3] + "..."
     if reason in ("", "None", "(null)"):  # submitted; Slurm's scheduler has not looked yet
         return f"pending in Slurm (job {job_id}): not yet scheduled"
     words = REASON_WORDS.get(reason)

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpq.messages import ClaimedJob, GangReply
-from worker import procs, torchrun
+from worker import procs, slurm, torchrun
 from worker.api import WorkerAPI
 from worker.logship import LogShipper, pump
 
@@ -80,10 +80,10 @@ def rendezvous(claim: ClaimedJob, node: int, slurm_job: str, nodelist: str) -> G
 
 def main() -> int:
     plan: dict[str, Any] = json.loads(os.environ.pop("DDPQ_SLURM_PLAN"))
-    env = dict(os.environ)
-    claim = ClaimedJob.model_validate({**plan["claim"], "token": env["DDPQ_JOB_TOKEN"]})
-    node = int(env.get("SLURM_NODEID", "0"))
-    slurm_job = env.get("SLURM_JOB_ID", "")
+    claim = ClaimedJob.model_validate({**plan["claim"], "token": plan["env"]["DDPQ_JOB_TOKEN"]})
+    env = slurm.ranks_environment(plan["env"], os.environ, claim.device)
+    node = int(os.environ.get("SLURM_NODEID", "0"))
+    slurm_job = os.environ.get("SLURM_JOB_ID", "")
     api = NodeAPI(env["DDPQ_URL"], claim.token, node)
     shipper = LogShipper(api, claim.job_id, claim.attempt)
     shipper.start()
@@ -112,7 +112,7 @@ def _run(
     slurm_job: str,
     shipper: LogShipper,
 ) -> int:
-    gang = rendezvous(claim, node, slurm_job, env.get("SLURM_JOB_NODELIST", ""))
+    gang = rendezvous(claim, node, slurm_job, os.environ.get("SLURM_JOB_NODELIST", ""))
     rdzv = torchrun.rendezvous(gang, socket.gethostname())
     Path(claim.checkpoint_dir).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="ddpq-node-") as tmp:
@@ -175,7 +175,8 @@ def _say_why(slurm_job: str, comment: str, reason: str) -> None:
     it when the job ends (the bridge sees Slurm, not the log)."""
     if not slurm_job:
         return
-    text = f"{comment}: {reason}"[:250].replace("\n", " ")
+    # One line; no "=": scontrol's output is Key=Value pairs.
+    text = f"{comment}: {reason}"[:250].replace("\n", " ").replace("=", ":")
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         subprocess.run(
             ["scontrol", "update", f"JobId={slurm_job}", f"Comment={text}"],

@@ -152,6 +152,15 @@ def _take_whole(dialect: str, nodes_have_gpus: bool) -> Any:
     )
 
 
+class _GangFirst(Exception):
+    """A bridge's claim met a gang of workers' slots for the same attempt: rolled back."""
+
+
+_SLOT_TAKEN = select(jn.id).where(
+    jn.job_id == bindparam("job_id"), jn.attempt == bindparam("number")
+)
+
+
 def _claim_whole(
     conn: Connection, db: Database, cap: books.Capacity, token_hash: str, now: datetime
 ) -> Claim | None:
@@ -171,6 +180,11 @@ def _claim_whole(
     if row is None:
         return None
     job_id, number, spec, device, nproc, queued_at, nnodes = row
+    # Read again now that the row is ours (Postgres): a worker's node slot committed
+    # after this statement's snapshot, under a lock that changed nothing on the row, is
+    # not seen by the pick. The gang came first; this claim is undone.
+    if nnodes > 1 and conn.execute(_SLOT_TAKEN, {"job_id": job_id, "number": number}).first():
+        raise _GangFirst()
     checkpoint_dir = checkpoint_dir_of(cap.checkpoint_root, job_id)
     new_attempt(conn, job_id, number, cap.name, token_hash, [], checkpoint_dir, now)
     return Claim(
@@ -224,6 +238,24 @@ def claim_next_job(
     its partition's nodes (``_claim_whole``); Slurm decides when they start.
     """
     now = utcnow()
+    try:
+        return _claim(
+            db, worker, free_cpu_slots, free_gpus, token_hash, advertise_addr, rdzv_port, now
+        )
+    except _GangFirst:
+        return None
+
+
+def _claim(
+    db: Database,
+    worker: str,
+    free_cpu_slots: int,
+    free_gpus: list[int],
+    token_hash: str,
+    advertise_addr: str | None,
+    rdzv_port: int | None,
+    now: datetime,
+) -> Claim | None:
     with db.write_conn() as conn:
         mine = books.of_worker(conn, worker)
         if mine is None:

@@ -150,7 +150,11 @@ def reported(
     """
     code = report.exit_code
     if report.outcome == "requeue" and job.status == JobStatus.RUNNING:
-        reason = f"worker {worker} shut down; requeued, not counted as a failure"
+        # A worker hands back what it stops when it shuts down; a bridge also what Slurm
+        # would not take for now, and says so.
+        handed = report.reason if report.reason not in (None, "worker shut down") else None
+        why = f"{handed} (worker {worker})" if handed else f"worker {worker} shut down"
+        reason = f"{why}; requeued, not counted as a failure"
         return Ending(requeued(now, reason), "requeued")
     if job.status == JobStatus.CANCELLING or report.outcome == "cancelled":
         return Ending({"status": JobStatus.CANCELLED, "reason": "cancelled by user"}, "cancelled")
@@ -339,8 +343,11 @@ def record_heartbeat(
         for job_id, number in sorted(beat.live):  # the lock order: by job id
             there = elsewhere.get((job_id, number))
             values: dict[str, Any] = {"heartbeat_at": now}
-            if there is not None and there.external_id:
-                values["external_id"] = there.external_id
+            if there is not None:
+                # The job's row before its attempt's, as every other writer locks them.
+                _pending_reason(s, job_id, number, there.pending)
+                if there.external_id:
+                    values["external_id"] = there.external_id
             s.execute(
                 update(Attempt)
                 .where(
@@ -350,8 +357,6 @@ def record_heartbeat(
                 )
                 .values(**values)
             )
-            if there is not None:
-                _pending_reason(s, job_id, number, there.pending)
     return beat.cancel, beat.abandon
 
 

@@ -25,6 +25,13 @@ from tests.slurmcluster import Cluster
 
 pytestmark = pytest.mark.slurm
 
+# What these test is the bridge, Slurm and torchrun; what each needs of the database (a
+# whole-job claim, the Slurm id and pending reason, re-adoption, a lost attempt's retry,
+# node logs, the reasons) is tested on both databases in tests/test_bridge_protocol.py,
+# so most run on SQLite only: the two that go through everything (a job that learns, a
+# bridge killed and re-adopting) run on both.
+SQLITE_ONLY = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+
 # Sleeps until a file appears (or its time is up), reporting a loss each second: a job
 # that runs as long as the test needs it to, and that says which attempt it is.
 WAITER = """
@@ -127,6 +134,7 @@ def test_a_job_runs_on_slurm_learns_and_logs_each_rank(
     assert f"slurm (Slurm job {slurm_id})" in shown.stdout, shown
 
 
+@SQLITE_ONLY
 def test_each_rank_is_logged_and_cancel_leaves_no_process(
     server: Server, start_worker: Any, slurm_clean: Cluster
 ) -> None:
@@ -159,6 +167,7 @@ def test_each_rank_is_logged_and_cancel_leaves_no_process(
     wait_for(lambda: not _processes_of(job_id), 30, "no process of the job left")
 
 
+@SQLITE_ONLY
 def test_an_outside_scancel_ends_the_attempt_with_the_reason_and_it_is_retried(
     server: Server, start_worker: Any, slurm_clean: Cluster
 ) -> None:
@@ -177,6 +186,7 @@ def test_an_outside_scancel_ends_the_attempt_with_the_reason_and_it_is_retried(
     assert attempts[1]["external_id"] not in (None, first)
 
 
+@SQLITE_ONLY
 def test_a_pending_reason_shows_and_the_bridge_keeps_its_cap(
     server: Server, start_worker: Any, slurm_clean: Cluster
 ) -> None:
@@ -244,6 +254,7 @@ def _submitted_by(bridge: Worker) -> list[str]:
             if f.startswith("JobName=")]  # fmt: skip
 
 
+@SQLITE_ONLY
 def test_a_job_larger_than_the_partition_is_unschedulable_with_the_limit_named(
     server: Server, start_worker: Any, slurm_clean: Cluster
 ) -> None:
@@ -272,6 +283,7 @@ def test_a_job_larger_than_the_partition_is_unschedulable_with_the_limit_named(
     assert done.returncode == 5, done
 
 
+@SQLITE_ONLY
 def test_two_nodes_of_one_attempt_rendezvous_and_ship_their_own_logs(
     server: Server, slurm: Cluster, tmp_path: Path
 ) -> None:
@@ -343,6 +355,7 @@ def test_two_nodes_of_one_attempt_rendezvous_and_ship_their_own_logs(
     assert server.worker_token not in logs
 
 
+@SQLITE_ONLY
 def test_a_users_directory_with_requirements_runs_on_slurm_as_submitted(
     server: Server, start_worker: Any, slurm_clean: Cluster, tmp_path: Path
 ) -> None:
@@ -363,6 +376,7 @@ def test_a_users_directory_with_requirements_runs_on_slurm_as_submitted(
     assert "[rank0]: state fresh magic 42 scale 1.0" in log, log
 
 
+@SQLITE_ONLY
 def test_a_failure_and_a_timeout_on_slurm_end_the_job_with_their_reasons(
     server: Server, start_worker: Any, slurm_clean: Cluster
 ) -> None:
@@ -389,6 +403,7 @@ def test_a_failure_and_a_timeout_on_slurm_end_the_job_with_their_reasons(
     wait_for(lambda: not _processes_of(slow), 30, "no process of the timed-out job left")
 
 
+@SQLITE_ONLY
 def test_a_bridge_back_after_its_lease_cancels_the_slurm_job_ddpq_moved_on_from(
     db_url: str, start_worker: Any, slurm_clean: Cluster, tmp_path: Path
 ) -> None:

@@ -21,7 +21,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -35,7 +34,7 @@ from worker.api import Refused, Unavailable, WorkerAPI, claim_or_wait, retry
 from worker.code import Workdirs
 from worker.logship import LogShipper
 from worker.torchrun import JobError, Outcome
-from worker.venvs import Stopped, Venvs
+from worker.venvs import Stopped, Venvs, activate, python_for
 
 log = logging.getLogger("ddpq.worker")
 
@@ -299,9 +298,7 @@ class Bridge:
             cwd, where = self.workspace, "the bridge's workspace"
         program = torchrun.program(spec, cwd, where)
         # The checkpoint files are on the filesystem the nodes share with this host.
-        resume = next(
-            (p for p in claim.resume_from if torchrun.inside_job_dir(p, claim.job_id)), None
-        )
+        resume = torchrun.resume_path(claim)
         if resume:
             tracked.say(f"resuming from {resume}")
         at = torchrun.Placement(
@@ -314,10 +311,12 @@ class Bridge:
         env = torchrun.environment(os.environ, claim, at)
         if claim.device == "cuda":  # Slurm assigns each node's GPUs (and sets the variable)
             env.pop("CUDA_VISIBLE_DEVICES", None)
-        python = self._python(tracked, cwd, env)
-        if python != sys.executable:  # the job's environment, as if activated
-            venv = str(Path(python).parent.parent)
-            env.update(VIRTUAL_ENV=venv, PATH=f"{venv}/bin:{env.get('PATH', '')}")
+        # Built here, run on the nodes: held until the job ends.
+        say = tracked.shipper.write if tracked.shipper else (lambda _: None)
+        python = tracked.held.enter_context(
+            python_for(self.venvs, spec, cwd, env, lambda line: say(line.encode()), self.stopping)
+        )
+        activate(env, python)
         plan = json.dumps(
             {
                 "claim": claim.model_dump(exclude={"token"}),
@@ -329,38 +328,13 @@ class Bridge:
         self.scripts.mkdir(parents=True, exist_ok=True)  # Slurm's own output files
         return slurm.batch_script(python, str(cwd), plan)
 
-    def _python(self, tracked: Tracked, cwd: Path, env: dict[str, str]) -> str:
-        """The interpreter the nodes run: the bridge's own, or an environment with the
-        job's requirements built here (as a worker builds it), held until the job ends."""
-        spec = tracked.claim.spec
-        pip = list(spec.get("pip") or [])
-        requirements = cwd / "requirements.txt" if spec.get("code") else None
-        if requirements is not None and not requirements.is_file():
-            requirements = None
-        if requirements is None and not pip:
-            return sys.executable
-        say = tracked.shipper.write if tracked.shipper else (lambda _: None)
-        used = self.venvs.using(
-            requirements, pip, cwd, env, lambda line: say(line.encode()), self.stopping
-        )
-        return str(tracked.held.enter_context(used))
-
     def _code_dir(self, claim: ClaimedJob) -> Path:
         """The job's code, written where the compute nodes read it (the bridge's data dir
         on a filesystem they share)."""
-        snapshot = str(claim.spec["code"])
-        api = self.api
-        try:
-            workdir, _ = retry(
-                lambda: self.workdirs.prepare(
-                    claim.job_id, snapshot, lambda: api.snapshot(snapshot).manifest, api.blob
-                ),
-                what=f"fetch the code of job {claim.job_id}",
-                stop=self.stopping,
-            )
-        except (Refused, Unavailable) as exc:
-            raise JobError(f"its code could not be fetched: {exc}") from None
-        return Path(workdir)
+        workdir, _ = self.workdirs.fetch(
+            self.api, claim.job_id, str(claim.spec["code"]), self.stopping
+        )
+        return workdir
 
     # ---- following Slurm ---------------------------------------------------------------
 

@@ -35,7 +35,10 @@ from pathlib import Path
 from typing import Any
 
 from ddpq.snapshot import Entry, Refused, checked, file_count, human_bytes, write_out
+from worker.api import Refused as ApiRefused
+from worker.api import Unavailable, WorkerAPI, retry
 from worker.torchrun import JobError
+from worker.venvs import Stopped
 
 log = logging.getLogger("ddpq.worker")
 
@@ -219,6 +222,26 @@ class Workdirs:
             written = write_tree(manifest(), self.cache, dest, fetch)
             mark.write_text(snapshot_id + "\n")
             return dest, written
+
+    def fetch(
+        self, api: WorkerAPI, job_id: int, snapshot_id: str, stop: threading.Event
+    ) -> tuple[Path, Written]:
+        """The job's directory of its code snapshot, fetched through ``api`` if need be: an
+        API that is away is waited for (Stopped once ``stop`` is set), a refusal fails the
+        attempt (JobError)."""
+        try:
+            workdir, written = retry(
+                lambda: self.prepare(
+                    job_id, snapshot_id, lambda: api.snapshot(snapshot_id).manifest, api.blob
+                ),
+                what=f"fetch the code of job {job_id}",
+                stop=stop,
+            )
+        except ApiRefused as exc:
+            raise JobError(f"its code could not be fetched: {exc.detail}") from None
+        except Unavailable:  # only once a stop was asked for: the API is waited out
+            raise Stopped() from None
+        return Path(workdir), written
 
     def kept(self) -> list[int]:
         """The jobs whose directories are here."""

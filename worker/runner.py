@@ -13,10 +13,9 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ from worker.api import Refused, Unavailable, WorkerAPI, retry
 from worker.code import Workdirs, describe
 from worker.logship import LogShipper, pump
 from worker.torchrun import JobError, Outcome
-from worker.venvs import Stopped, Venvs
+from worker.venvs import Stopped, Venvs, activate, python_for
 
 log = logging.getLogger("ddpq.worker")
 
@@ -239,21 +238,20 @@ class JobRunner:
             cwd, where = self.ctx.workspace, "the worker's workspace"
         program = torchrun.program(spec, cwd, where)
         Path(self.claim.checkpoint_dir).mkdir(parents=True, exist_ok=True)
-        resume_from = next(
-            (p for p in self.claim.resume_from if torchrun.inside_job_dir(p, self.job_id)), None
-        )
+        resume_from = torchrun.resume_path(self.claim)
         if resume_from:
             shipper.write(f"[ddpq] resuming from {resume_from}\n".encode())
         log_dir = self.ctx.data_dir / "torchrun-logs" / f"job-{self.job_id}-attempt-{self.attempt}"
         log_dir.mkdir(parents=True, exist_ok=True)
         env = self._env(resume_from)
         try:
-            with self._python(cwd, env, shipper) as python:
+            with python_for(
+                self.ctx.venvs, spec, cwd, env, lambda line: shipper.write(line.encode()),
+                self.stop_requested,
+            ) as python:  # fmt: skip
                 if self.stop_requested.is_set():
                     return self._never_started()
-                if python != sys.executable:  # the job's environment, as if activated
-                    venv = str(Path(python).parent.parent)
-                    env.update(VIRTUAL_ENV=venv, PATH=f"{venv}/bin:{env.get('PATH', '')}")
+                activate(env, python)
                 rdzv = torchrun.rendezvous(self.gang, self.ctx.advertise_addr)
                 argv = torchrun.argv(python, self.claim, rdzv, program, log_dir)
                 return self._supervise(argv, log_dir, env, shipper, cwd)
@@ -261,40 +259,12 @@ class JobRunner:
             shutil.rmtree(log_dir, ignore_errors=True)
 
     def _code_dir(self, snapshot_id: str, shipper: LogShipper) -> Path:
-        """The job's own directory holding its code snapshot, fetched if need be: an API
-        that is away is waited for (until a stop), a refusal fails the attempt."""
-        api = self.ctx.api
-        try:
-            workdir, written = retry(
-                lambda: self.ctx.workdirs.prepare(
-                    self.job_id, snapshot_id, lambda: api.snapshot(snapshot_id).manifest, api.blob
-                ),
-                what=f"fetch the code of job {self.job_id}",
-                stop=self.stop_requested,
-            )
-        except Refused as exc:
-            raise JobError(f"its code could not be fetched: {exc.detail}") from None
-        except Unavailable:  # only once a stop was asked for: the API is waited out
-            raise Stopped() from None
+        """The job's own directory holding its code snapshot, fetched if need be."""
+        workdir, written = self.ctx.workdirs.fetch(
+            self.ctx.api, self.job_id, snapshot_id, self.stop_requested
+        )
         shipper.write(describe(snapshot_id, workdir, written).encode())
-        return Path(workdir)
-
-    def _python(
-        self, cwd: Path, env: dict[str, str], shipper: LogShipper
-    ) -> contextlib.AbstractContextManager[str]:
-        """The interpreter torchrun runs under: the worker's own, or one with the job's
-        requirements (requirements.txt at the top of its code, or the spec's pip list)."""
-        pip = list(self.claim.spec.get("pip") or [])
-        requirements = cwd / "requirements.txt" if self.claim.spec.get("code") else None
-        if requirements is not None and not requirements.is_file():
-            requirements = None
-        if requirements is None and not pip:
-            return contextlib.nullcontext(sys.executable)
-        used = self.ctx.venvs.using(
-            requirements, pip, cwd, env, lambda line: shipper.write(line.encode()),
-            self.stop_requested,
-        )  # fmt: skip
-        return _as_str(used)
+        return workdir
 
     # ---- supervision -------------------------------------------------------------------
 
@@ -360,9 +330,3 @@ class JobRunner:
         except subprocess.TimeoutExpired:
             procs.signal_group(proc.pid, signal.SIGKILL)
             proc.wait()
-
-
-@contextlib.contextmanager
-def _as_str(paths: contextlib.AbstractContextManager[Path]) -> Iterator[str]:
-    with paths as path:
-        yield str(path)

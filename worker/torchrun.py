@@ -179,6 +179,12 @@ def environment(environ: Mapping[str, str], claim: ClaimedJob, at: Placement) ->
     return env
 
 
+def resume_path(claim: ClaimedJob) -> str | None:
+    """The checkpoint an attempt resumes from: the newest offered that is a file inside
+    the job's directory here."""
+    return next((p for p in claim.resume_from if inside_job_dir(p, claim.job_id)), None)
+
+
 def inside_job_dir(path: str, job_id: int) -> bool:
     """A registered checkpoint is a regular file that stays, symlinks resolved, inside
     the ``job-<id>`` directory its path names (the API checked the path's text when it

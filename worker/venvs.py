@@ -34,6 +34,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 from worker.torchrun import JobError
 
@@ -206,6 +207,40 @@ class Venvs:
 
 class Stopped(Exception):
     """The attempt was asked to stop while its requirements were being installed."""
+
+
+def python_for(
+    venvs: Venvs,
+    spec: Mapping[str, Any],
+    cwd: Path,
+    env: Mapping[str, str],
+    say: Callable[[str], None],
+    stop: threading.Event,
+) -> contextlib.AbstractContextManager[str]:
+    """The interpreter a job runs under, held while the block runs: this process's own,
+    or one with the job's requirements (requirements.txt at the top of its code, or the
+    spec's pip list), built if need be."""
+    pip = list(spec.get("pip") or [])
+    requirements = cwd / "requirements.txt" if spec.get("code") else None
+    if requirements is not None and not requirements.is_file():
+        requirements = None
+    if requirements is None and not pip:
+        return contextlib.nullcontext(sys.executable)
+    return _as_str(venvs.using(requirements, pip, cwd, env, say, stop))
+
+
+@contextlib.contextmanager
+def _as_str(paths: contextlib.AbstractContextManager[Path]) -> Iterator[str]:
+    with paths as path:
+        yield str(path)
+
+
+def activate(env: dict[str, str], python: str) -> None:
+    """Put a job's environment into ``env`` as if activated (nothing for this process's
+    own interpreter)."""
+    if python != sys.executable:
+        venv = str(Path(python).parent.parent)
+        env.update(VIRTUAL_ENV=venv, PATH=f"{venv}/bin:{env.get('PATH', '')}")
 
 
 def _kill_on(stop: threading.Event, proc: subprocess.Popen[bytes]) -> None:

@@ -24,6 +24,17 @@ from service.models import JobStatus, utcnow
 from service.queue.rules import NODE_LIVE, SQL, is_active, j, jn, w, workers
 
 
+@dataclass(frozen=True)
+class Partition:
+    """A bridge's Slurm partition, as it registered it (schemas.ClusterShape)."""
+
+    name: str
+    nodes: int
+    cpus_per_node: int
+    gpus_per_node: int
+    max_pending: int
+
+
 @dataclass
 class Capacity:
     """What a worker has, and what of it no running job holds."""
@@ -38,6 +49,20 @@ class Capacity:
     # A bridge's partition (schemas.ClusterShape as a dict): Slurm holds its jobs'
     # resources, so its cpu_slots and gpus are none and hold nothing.
     cluster: dict[str, Any] | None = None
+
+    @functools.cached_property
+    def partition(self) -> Partition | None:
+        """The bridge's partition, read once from ``cluster``; None for a worker."""
+        shape = self.cluster
+        if shape is None:
+            return None
+        return Partition(
+            str(shape["partition"]),
+            int(shape["nodes"]),
+            int(shape["cpus_per_node"]),
+            int(shape.get("gpus_per_node", 0)),
+            int(shape.get("max_pending", 1)),
+        )
 
 
 @functools.cache

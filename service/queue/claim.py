@@ -166,14 +166,15 @@ def _claim_whole(
 ) -> Claim | None:
     """The next job a bridge hands to its partition, whole (every node in one attempt),
     or None. The bridge asks only while it has room for another pending job."""
-    shape = cap.cluster or {}
-    has_gpus = int(shape.get("gpus_per_node", 0)) > 0
+    part = cap.partition
+    assert part is not None
+    has_gpus = part.gpus_per_node > 0
     params = {
         "worker": cap.name,
         "now": now,
-        "nodes": int(shape.get("nodes", 1)),
-        "node_cpu": int(shape.get("cpus_per_node", 0)),
-        "node_gpus": int(shape.get("gpus_per_node", 0)),
+        "nodes": part.nodes,
+        "node_cpu": part.cpus_per_node,
+        "node_gpus": part.gpus_per_node,
         "no_gpus": [],
     }
     row = conn.execute(_take_whole(db.dialect, has_gpus), params).first()
@@ -261,7 +262,7 @@ def _claim(
         if mine is None:
             raise LookupError(worker)
         cap = mine.capacity
-        if cap.cluster is not None:
+        if cap.partition is not None:
             return _claim_whole(conn, db, cap, token_hash, now)
         has_gpus = bool(cap.gpus)
         # The worker's view may lag (a job it is still stopping); the books may too

@@ -17,7 +17,7 @@ from ddpq.rules import UNSCHEDULABLE
 from service.db import Policy
 from service.models import Job, utcnow
 from service.queue import rules
-from service.queue.books import Capacity, capacities
+from service.queue.books import Capacity, Partition, capacities
 from service.queue.rules import FORMING, j, jn, policy_of
 
 
@@ -38,52 +38,48 @@ def _words(n: int, unit: str) -> str:
 # ---- bridges: a Slurm partition fits a job, or names why it never can -----------------
 
 
-def _partition_fits(cap: Capacity, job: Job) -> bool:
-    """Whether ``cap``, a bridge, could hand ``job`` to its partition, by the claim's
-    own rule (rules.fits_partition)."""
-    shape = cap.cluster or {}
-    gpus = int(shape.get("gpus_per_node", 0))
+def _partition_fits(part: Partition, job: Job) -> bool:
+    """Whether a bridge could hand ``job`` to its partition, by the claim's own rule
+    (rules.fits_partition)."""
     return bool(
         rules.fits_partition(
-            gpus > 0,
+            part.gpus_per_node > 0,
             job.nnodes,
             job.device,
             job.nproc_per_node,
-            int(shape.get("nodes", 0)),
-            int(shape.get("cpus_per_node", 0)),
-            gpus,
+            part.nodes,
+            part.cpus_per_node,
+            part.gpus_per_node,
         )
     )
 
 
-def _partition_words(cap: Capacity) -> str:
-    shape = cap.cluster or {}
-    nodes, cpus, gpus = shape.get("nodes"), shape.get("cpus_per_node"), shape.get("gpus_per_node")
+def _partition_words(cap: Capacity, part: Partition) -> str:
     return (
-        f"Slurm partition {shape.get('partition')} (bridge {cap.name}) has {nodes} "
-        f"node{'' if nodes == 1 else 's'} of {cpus} CPUs and {gpus} GPUs"
+        f"Slurm partition {part.name} (bridge {cap.name}) has {part.nodes} "
+        f"node{'' if part.nodes == 1 else 's'} of {part.cpus_per_node} CPUs and "
+        f"{part.gpus_per_node} GPUs"
     )
 
 
-def _bridge_words(cap: Capacity, ahead: int) -> str:
-    pending = int((cap.cluster or {}).get("max_pending", 1))
+def _bridge_words(cap: Capacity, part: Partition, ahead: int) -> str:
     words = (
         f"waiting for the Slurm bridge {cap.name} to hand it to Slurm (it lets at most "
-        f"{pending} of its jobs wait in Slurm)"
+        f"{part.max_pending} of its jobs wait in Slurm)"
     )
     return words + (f"; {ahead} job(s) ahead in the queue" if ahead else "")
 
 
 def _unschedulable_on(caps: list[Capacity], job: Job) -> str | None:
-    bridges = [c for c in caps if c.cluster is not None]
-    if any(_partition_fits(c, job) for c in bridges):
+    bridges = [(c, c.partition) for c in caps if c.partition is not None]
+    if any(_partition_fits(part, job) for _, part in bridges):
         return None
-    plain = [c for c in caps if c.cluster is None]
+    plain = [c for c in caps if c.partition is None]
     found = _unschedulable_on_workers(plain, job)
     if not bridges or (plain and found is None):
         return found
     n, unit = job.nproc_per_node, "gpu" if job.device == "cuda" else "cpu"
-    limits = "; ".join(_partition_words(c) for c in bridges)
+    limits = "; ".join(_partition_words(c, part) for c, part in bridges)
     need = f"{UNSCHEDULABLE}: needs {job.nnodes} node(s) of {_words(n, unit)}; {limits}"
     return f"{found}; {limits}" if found else need
 
@@ -171,9 +167,12 @@ def _no_worker(view: _View) -> str | None:
     return None
 
 
-def _live_bridge(view: _View, job: Job) -> Capacity | None:
+def _live_bridge(view: _View, job: Job) -> tuple[Capacity, Partition] | None:
     """A live bridge whose partition fits ``job``: it waits for that bridge's turn."""
-    return next((c for c in view.live if c.cluster is not None and _partition_fits(c, job)), None)
+    for c in view.live:
+        if c.partition is not None and _partition_fits(c.partition, job):
+            return c, c.partition
+    return None
 
 
 def _reason(job: Job, ahead: int, view: _View) -> str:
@@ -183,7 +182,7 @@ def _reason(job: Job, ahead: int, view: _View) -> str:
         return first
     bridge = _live_bridge(view, job)
     if bridge is not None:
-        return _bridge_words(bridge, ahead)
+        return _bridge_words(*bridge, ahead)
     best_free = {"gpu": 0, "cpu": 0}
     fits_now = False
     for cap in view.live:
@@ -218,8 +217,8 @@ def _gang_reason(job: Job, held: int, view: _View) -> str:
         return backoff
     bridge = _live_bridge(view, job)
     if bridge is not None and not held:
-        return _bridge_words(bridge, 0)
-    live = [c for c in view.live if c.cluster is None]
+        return _bridge_words(*bridge, 0)
+    live = [c for c in view.live if c.partition is None]
     n, per_node = job.nnodes, job.nproc_per_node
     fit = 0
     unit = "cpu"

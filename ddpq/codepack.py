@@ -2,9 +2,11 @@
 
 What is sent: every regular file and every symlink that stays inside the directory,
 except what a ``.gitignore`` or a ``.ddpqignore`` (gitignore syntax, at any level;
-``.ddpqignore`` wins where both speak) leaves out, and never ``.git``, ``__pycache__``
-or a virtualenv (a directory holding ``pyvenv.cfg``). A symlink pointing outside is
-skipped (its target would not exist on the worker) and said so.
+``.ddpqignore`` wins where both speak) leaves out, and never ``.git`` (nor ``.hg``,
+``.svn``, in any case, a directory or a submodule's ``.git`` file), ``__pycache__`` or a
+virtualenv (a directory holding ``pyvenv.cfg``). A symlink pointing outside, directly or
+through other links at any step, or into ``.git``, or in a loop of links, is skipped
+(its target would not exist on the worker, and the API refuses it) and said so.
 
 How: the API is asked which contents it lacks, and only those are uploaded, so sending
 the same tree again after a one-line change uploads one file (ddpq.snapshot).
@@ -15,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
+from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -22,7 +25,16 @@ from pathlib import Path
 
 import pathspec
 
-from ddpq.snapshot import Entry, Limits, limit_problem, path_problem, symlink_problem
+from ddpq.snapshot import (
+    MAX_LINKS,
+    Entry,
+    Limits,
+    is_vcs,
+    limit_problem,
+    link_problems,
+    path_problem,
+    symlink_problem,
+)
 
 NEVER = frozenset({".git", "__pycache__", ".hg", ".svn"})
 IGNORE_FILES = (".gitignore", ".ddpqignore")  # later ones win where both match
@@ -90,25 +102,38 @@ def collect(root: Path) -> Collected:
     entries: list[Entry] = []
     sources: dict[str, Path] = {}
     skipped: list[str] = []
-    outside = 0
+    links = Counter[str]()  # why symlinks were left out -> how many
     for rel, path, st in _walk(root, (), "", skipped):
         problem = path_problem(rel)
         if problem:
             raise CodeError(f"cannot send {rel!r}: {problem} (leave it out with .ddpqignore)")
         if stat.S_ISLNK(st.st_mode):
             target = os.readlink(path)
-            if symlink_problem(rel, target) or not _stays_inside(root, path):
-                outside += 1
-                continue
-            entries.append(Entry(path=rel, symlink=target))
+            if any(is_vcs(part) for part in target.split("/")):
+                links[_INTO_VCS] += 1
+            elif symlink_problem(rel, target) or not _stays_inside(root, path):
+                links[_OUTSIDE] += 1
+            else:
+                entries.append(Entry(path=rel, symlink=target))
         else:
             entries.append(
                 Entry(path=rel, size=st.st_size, executable=bool(st.st_mode & stat.S_IXUSR))
             )
             sources[rel] = path
-    if outside:
-        skipped.append(f"{outside} symlink(s) pointing outside the directory")
+    # Where a link ends (realpath) is not all: a chain may leave the directory on its way
+    # and come back, or loop, and the API would refuse the whole snapshot. A link that goes
+    # through one refused is refused too, so what remains passes the API's check.
+    refused = {p.path: p for p in link_problems(entries)}
+    if refused:
+        entries = [e for e in entries if e.path not in refused]
+        links.update(_OUTSIDE if p.leaves else _LOOPING for p in refused.values())
+    skipped.extend(f"{n} symlink(s) {why}" for why, n in links.items())
     return Collected(entries, sources, skipped)
+
+
+_OUTSIDE = "pointing outside the directory"
+_INTO_VCS = "pointing into a version-control directory (.git, .hg, .svn)"
+_LOOPING = f"in a loop of links, or a chain of more than {MAX_LINKS}"
 
 
 def _walk(
@@ -123,6 +148,10 @@ def _walk(
     for name in names:
         path = directory / name
         rel = f"{rel_dir}/{name}" if rel_dir else name
+        if is_vcs(name):
+            # In any case (macOS's .GIT is .git), and a file or link too: a submodule's
+            # or a worktree's .git file names a repository that would be read from there.
+            continue
         try:
             name.encode("utf-8")
         except UnicodeEncodeError:

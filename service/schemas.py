@@ -23,7 +23,7 @@ from pydantic import (
 from ddpq import rules
 from ddpq.catalog import recipe_names
 from ddpq.rules import entrypoint_problem, env_problem, unsafe_char
-from ddpq.snapshot import entry_problem
+from ddpq.snapshot import MAX_PATH_BYTES, entry_problem
 from ddpq.wire import NonFinite, decode_number, encode_number
 from service.models import AttemptOutcome, JobStatus
 
@@ -549,14 +549,21 @@ class LogAppended(BaseModel):
 class ManifestEntry(Strict):
     """A file (digest, size, executable) or a symlink (target) of a code snapshot."""
 
-    path: Annotated[str, Field(max_length=4096)]
+    # In characters, a bound before the rules (entry_problem) count the bytes.
+    path: Annotated[str, Field(max_length=MAX_PATH_BYTES)]
     digest: Digest | None = None
     size: Annotated[int | None, Field(strict=True, ge=0, le=INT64_MAX)] = None
     executable: Annotated[bool, Field(strict=True)] = False
-    symlink: Annotated[str | None, Field(max_length=4096)] = None
+    symlink: Annotated[str | None, Field(max_length=MAX_PATH_BYTES)] = None
+
+
+class ManifestEntryIn(ManifestEntry):
+    """An entry of a manifest being stored: it keeps every rule of ddpq.snapshot. (An
+    answer is not checked again: a snapshot stored before a rule was added is served as
+    it is, and the worker, which checks every entry before it writes, refuses it.)"""
 
     @model_validator(mode="after")
-    def _file_or_symlink(self) -> ManifestEntry:
+    def _file_or_symlink(self) -> ManifestEntryIn:
         problem = entry_problem(self.model_dump(exclude_none=True))
         if problem:
             raise ValueError(problem)
@@ -566,7 +573,7 @@ class ManifestEntry(Strict):
 class SnapshotIn(Strict):
     """POST /code/snapshots: a manifest whose contents are all uploaded."""
 
-    files: Annotated[list[ManifestEntry], Field(min_length=1, max_length=1_000_000)]
+    files: Annotated[list[ManifestEntryIn], Field(min_length=1, max_length=1_000_000)]
 
 
 class SnapshotPublic(CodeSummary):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -63,9 +64,15 @@ def code(
 
 
 def _download(c: Client, manifest: list[dict[str, Any]], dest: Path) -> None:
-    """Write the snapshot into ``dest`` by the rules the worker keeps (ddpq.snapshot)."""
-    if dest.exists():
-        _fail(f"--download {dest} exists: name a new directory", EXIT_USAGE)
+    """Write the snapshot into ``dest`` by the rules the worker keeps (ddpq.snapshot):
+    nothing is written of a manifest that breaks one (a link out, a .git directory), and
+    what this machine refuses (a name too long here, a full disk) is one line, not a
+    traceback."""
+    try:
+        if dest.exists():
+            _fail(f"--download {dest} exists: name a new directory", EXIT_USAGE)
+    except OSError as exc:  # a name too long here, a directory not readable
+        _fail(f"cannot write the snapshot into {dest}: {_why(exc, dest)}", EXIT_USAGE)
     try:
         entries = checked(manifest)
     except Refused as exc:
@@ -79,5 +86,24 @@ def _download(c: Client, manifest: list[dict[str, Any]], dest: Path) -> None:
         with open(fd, "wb", closefd=False) as f:
             f.write(data)
 
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    write_out(entries, dest.resolve(), fill)
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        write_out(entries, dest.resolve(), fill)
+    except Refused as exc:
+        _fail(f"the API sent a manifest that breaks a rule: {exc}", EXIT_API)
+    except OSError as exc:  # write_out has removed what it wrote
+        _fail(f"cannot write the snapshot into {dest}: {_why(exc, dest)}", EXIT_USAGE)
+
+
+def _why(exc: OSError, dest: Path) -> str:
+    """An OSError in a line: its reason, and the snapshot's path it was writing (the
+    file it names is under write_out's temporary directory beside ``dest``)."""
+    why = exc.strerror or str(exc)
+    if exc.filename is None:
+        return why
+    name = Path(os.fsdecode(exc.filename))
+    if name.is_relative_to(dest.resolve().parent):
+        parts = name.relative_to(dest.resolve().parent).parts[1:]
+        name = Path(*parts) if parts else dest
+    shown = str(name)
+    return f"{why} ({shown[:200]}{'...' if len(shown) > 200 else ''})"

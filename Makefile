@@ -1,5 +1,7 @@
 # The two set-up commands of the README: `make run` and `make test`.
-PY ?= python3.11
+# Debian's python3.11 when there is one: every user may run it, so a worker running as root can
+# start jobs under uids of their own from this venv (pyenv's lives under /root, mode 700).
+PY ?= $(firstword $(wildcard /usr/bin/python3.11) python3.11)
 VENV := .venv
 BIN := $(VENV)/bin
 # torch and torchvision come from this machine's disk through pip (uv/poetry would download 3 GB).

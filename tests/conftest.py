@@ -137,6 +137,10 @@ def slurm_clean(slurm: slurmcluster.Cluster) -> Iterator[slurmcluster.Cluster]:
 
 def _child_env(extra: dict[str, str]) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DDPQ_")}
+    # Tests run as root, where a worker would wall its jobs under uids of their own; the
+    # directories tests make (pytest's, 0700) are closed to those. Jobs run as the worker's
+    # user unless a test asks for walls (tests/test_walls.py).
+    env["DDPQ_JOB_UIDS"] = "off"
     env.update(extra)
     env["PYTHONUNBUFFERED"] = "1"
     return env
@@ -285,6 +289,13 @@ def worker_argv(
     return [
         sys.executable, "-m", "ddpq.cli", "worker", "--url", server.url, "--name", name,
         "--workspace", str(workspace), "--data-dir", str(data_dir), *args,
+    ]  # fmt: skip
+
+
+def up_argv(port: int, *args: str) -> list[str]:
+    """`ddpq up` on ``port`` with no GPUs (tests that run the API and a worker together)."""
+    return [
+        sys.executable, "-m", "ddpq.cli", "up", "--port", str(port), "--gpus", "none", *args,
     ]  # fmt: skip
 
 

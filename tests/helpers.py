@@ -129,10 +129,12 @@ def records(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def make_wheel(where: Path, name: str = "ddpqtestpkg", version: str = "0.1") -> Path:
-    """A pure-Python wheel built here (no network, no build backend): MAGIC = 42."""
+def make_wheel(
+    where: Path, name: str = "ddpqtestpkg", version: str = "0.1", magic: int = 42
+) -> Path:
+    """A pure-Python wheel built here (no network, no build backend): MAGIC = ``magic``."""
     files = {
-        f"{name}/__init__.py": b"MAGIC = 42\n",
+        f"{name}/__init__.py": f"MAGIC = {magic}\n".encode(),
         f"{name}-{version}.dist-info/METADATA": (
             f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode()
         ),

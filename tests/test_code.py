@@ -5,9 +5,12 @@ built here, one-line re-submits, private working directories, two nodes)."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import importlib.util
 import os
+import posixpath
+import random
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -15,10 +18,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import create_engine, func, select
+from sqlalchemy import create_engine, func, select, update
 
 from ddpq.codepack import collect
-from ddpq.snapshot import Entry
+from ddpq.snapshot import (
+    MAX_LINKS,
+    Entry,
+    entry_problem,
+    link_problems,
+    manifest_problem,
+    path_problem,
+    symlink_problem,
+)
 from service.models import CodeBlob, CodeSnapshot
 from tests.conftest import Server, run_ddpq, start_server, stop_server, wait_for
 from tests.helpers import make_wheel
@@ -118,6 +129,22 @@ HOSTILE = {
     "file and link": [{"path": "a.py", "symlink": "b.py", "file": True}],
     "bad digest": [{"path": "a.py", "digest": "XYZ"}],
     "negative size": [{"path": "a.py", "size": -1}],
+    # Inside by its text, outside on disk: l is the root, so x climbs above it.
+    "chained escape": [
+        {"path": "a/b/c/l", "symlink": "../../.."},
+        {"path": "x", "symlink": "a/b/c/l/../../../outside"},
+    ],
+    # The same, deep enough to reach / from any worker's data dir: the host's files.
+    "chained escape to /etc": [
+        {"path": "a/b/c/d/e/f/g/h/l", "symlink": "../" * 7 + ".."},
+        {"path": "hostname", "symlink": "a/b/c/d/e/f/g/h/l/" + "../" * 8 + "etc/hostname"},
+    ],
+    "link loop": [{"path": "a", "symlink": "b"}, {"path": "b", "symlink": "a"}],
+    "git config": [{"path": ".git/config"}],
+    "git in any case": [{"path": "sub/.GIT/hooks/x"}],
+    "link to git config": [{"path": "cfg", "symlink": ".git/config"}],
+    "name over 255 bytes": [{"path": "a/" + "n" * 256}],
+    "path over 4096 bytes": [{"path": "/".join(["é" * 120] * 18)}],  # 2177 characters
 }
 
 
@@ -143,6 +170,73 @@ def test_hostile_manifests_are_refused_by_name_and_change_nothing(
         assert r.status_code == 422, (case, r.status_code, r.text)
         assert "files" in r.text, (case, r.text)
     assert rows(db_url, CodeSnapshot) == 0
+
+
+def test_download_writes_links_refuses_what_breaks_a_rule_and_says_a_write_error_in_a_line(
+    tmp_path: Path,
+) -> None:
+    db_url = f"sqlite:///{tmp_path / 'ddpq.db'}"
+    server = start_server(db_url, tmp_path / "api")
+    try:
+        c = server.client()
+
+        def job_of(files: dict[str, bytes], links: dict[str, str] | None = None) -> int:
+            for data in files.values():
+                assert put(server, data) == 204
+            manifest = [{"path": p, "digest": sha(d), "size": len(d)} for p, d in files.items()]
+            manifest += [{"path": p, "symlink": t} for p, t in (links or {}).items()]
+            made = c.post("/code/snapshots", json={"files": manifest})
+            assert made.status_code == 201, made.text
+            job = c.post("/jobs", json={"entrypoint": "train.py", "code": made.json()["id"]})
+            assert job.status_code == 201, job.text
+            return int(job.json()["id"])
+
+        def download(job_id: int, name: str) -> tuple[int, str]:
+            env = {"DDPQ_URL": server.url, "DDPQ_TOKEN": server.api_token}
+            out = run_ddpq("code", str(job_id), "--download", str(tmp_path / name), env=env)
+            assert "Traceback" not in out.stderr, out.stderr
+            return out.returncode, out.stderr
+
+        # Links that stay inside through each other are written as links.
+        kept = job_of({"train.py": b"print(1)\n"}, {"pkg/up": "..", "again.py": "pkg/up/train.py"})
+        assert download(kept, "kept") == (0, "")
+        assert os.readlink(tmp_path / "kept" / "again.py") == "pkg/up/train.py"
+        assert (tmp_path / "kept" / "again.py").read_text() == "print(1)\n"
+
+        # A path the rules allow, too long for this machine under the directory asked for.
+        deep = "/".join(["d" * 254] * 16) + "/x.py"  # 4084 bytes
+        code, said = download(job_of({"train.py": b"print(2)\n", deep: b"deep\n"}), "long")
+        assert code == 2 and "File name too long" in said and said.count("\n") == 1, said
+        assert said.startswith(f"error: cannot write the snapshot into {tmp_path / 'long'}")
+
+        # What the API refuses to store, served anyway (put in its database by hand).
+        hostile = job_of({"train.py": b"print(3)\n"})
+        sid = c.get(f"/jobs/{hostile}").json()["code"]["id"]
+
+        def stored_as(manifest: list[dict[str, Any]]) -> None:
+            engine = create_engine(db_url)
+            try:
+                with engine.begin() as conn:
+                    conn.execute(
+                        update(CodeSnapshot).where(CodeSnapshot.id == sid).values(manifest=manifest)
+                    )
+            finally:
+                engine.dispose()
+
+        stored_as(_wire([{"path": "train.py"}, *HOSTILE["chained escape"]], b"print(3)\n"))
+        code, said = download(hostile, "hostile")
+        assert code == 1 and said.count("\n") == 1, said
+        assert "breaks a rule: symlink 'x' points outside the snapshot" in said, said
+        # One entry that breaks a rule made after it was stored: served as it is (never a
+        # 500), and refused where it would be written.
+        stored_as(_wire([{"path": "train.py"}, {"path": "sub/.GIT/config"}], b"print(3)\n"))
+        assert c.get(f"/code/snapshots/{sid}").status_code == 200
+        code, said = download(hostile, "hostile")
+        assert code == 1 and "version-control" in said, said
+        left = sorted(p.name for p in tmp_path.iterdir() if p.name not in ("api", "kept"))
+        assert [n for n in left if not n.startswith("ddpq.db")] == [], "nothing else written"
+    finally:
+        stop_server(server)
 
 
 def test_limits_are_named_with_the_largest_files(db_url: str, tmp_path: Path) -> None:
@@ -246,6 +340,177 @@ def test_every_api_process_serves_the_same_code(pg_url: str, tmp_path: Path) -> 
         stop_server(b)
 
 
+# ---- the manifest's rules (no server) ----------------------------------------------------
+
+
+def _link(path: str, target: str) -> Entry:
+    return Entry(path=path, symlink=target)
+
+
+def _file(path: str) -> Entry:
+    return Entry(path=path, digest="0" * 64, size=1)
+
+
+def _chain(n: int) -> list[Entry]:
+    """l0 -> l1 -> ... -> l{n-1} -> f: opening l0 follows n links."""
+    return [_link(f"l{i}", f"l{i + 1}") for i in range(n - 1)] + [_link(f"l{n - 1}", "f")]
+
+
+@pytest.mark.parametrize(
+    "entries",
+    [
+        [_file("a/x.py"), _link("a/y.py", "x.py")],  # a sibling
+        [_file("c.py"), _link("a", "b/../c.py")],  # through a name it does not hold
+        [_file("pkg/m.py"), _link("pkg/up", ".."), _link("m.py", "pkg/up/pkg/up/pkg/m.py")],
+        [_file("d/f"), _link("l1", "l2"), _link("l2", "d/f")],  # a chain, each inside
+        [_link("a/b/c/l", "../../.."), _link("x", "a/b/c/l/a/b/c/l/")],  # the root, twice
+        [_link("here", "."), _link("data", "missing/../dir/")],  # dangling: still inside
+        [*_chain(MAX_LINKS), _file("f")],  # as many links as the kernel follows
+        [_file(".gitignore"), _file(".github/ci.yml"), _link("ignore", ".gitignore")],
+    ],
+)
+def test_links_that_stay_inside_through_the_manifest_are_kept(entries: list[Entry]) -> None:
+    assert manifest_problem(entries) is None
+    assert link_problems(entries) == []
+
+
+@pytest.mark.parametrize(
+    ("case", "refused", "said"),
+    [
+        ("chained escape", "x", "points outside the snapshot: 'a/b/c/l/../../../outside' climbs"
+         " above it through symlink 'a/b/c/l'"),
+        ("chained escape to /etc", "hostname", "through symlink 'a/b/c/d/e/f/g/h/l'"),
+        ("link loop", "a", "symlink 'a' is in a loop of links: 'a' -> 'b' -> 'a'"),
+    ],
+)  # fmt: skip
+def test_a_link_leaving_through_another_or_looping_is_refused_by_name(
+    case: str, refused: str, said: str
+) -> None:
+    entries = [Entry.of(e) for e in _wire(HOSTILE[case], b"x")]
+    for e in entries:
+        assert entry_problem(e.wire()) is None, "each is fine on its own: the whole is not"
+    problem = manifest_problem(entries)
+    assert problem is not None and said in problem, problem
+    assert link_problems(entries)[0].path == refused
+
+
+def test_what_goes_through_a_refused_link_is_refused_with_its_cause() -> None:
+    loop = [_link("c", "a/x"), _link("a", "b"), _link("b", "a"), _link("self", "self/x")]
+    by_path = {p.path: p for p in link_problems(loop)}
+    assert set(by_path) == {"a", "b", "c", "self"}
+    assert by_path["c"].why == (
+        "symlink 'c' goes through symlink 'a': symlink 'a' is in a loop of links: 'a' -> 'b' -> 'a'"
+    )
+    assert "loop of links: 'self' -> 'self'" in by_path["self"].why
+    assert not any(p.leaves for p in by_path.values())
+
+    out = [_link("d/up", "../.."), _link("y", "d/up/x"), _link("z", "y")]
+    by_path = {p.path: p for p in link_problems(out)}
+    assert set(by_path) == {"d/up", "y", "z"} and all(p.leaves for p in by_path.values())
+    assert by_path["z"].why.startswith("symlink 'z' goes through symlink 'y': symlink 'd/up'")
+
+    too_long = link_problems(_chain(MAX_LINKS + 1))
+    assert [p.path for p in too_long] == ["l0"], "l1 on follows 40: the kernel's limit"
+    assert f"more than {MAX_LINKS} links" in too_long[0].why
+    # A chain too deep to resolve in one go: each link is judged by its own length.
+    assert [p.path for p in link_problems(_chain(3 * MAX_LINKS))] == [
+        f"l{i}" for i in range(2 * MAX_LINKS)
+    ]
+
+
+def _under_another(path: str, paths: dict[str, Entry]) -> bool:
+    parent = posixpath.dirname(path)
+    while parent:
+        if parent in paths:
+            return True
+        parent = posixpath.dirname(parent)
+    return False
+
+
+def test_the_resolver_agrees_with_the_kernel(tmp_path: Path) -> None:
+    """Random manifests written to disk: a link the resolver keeps resolves inside (and
+    never with ELOOP); one it says leaves resolves outside. The snapshot's own name is one
+    no target says, so a chain that climbed above it cannot come back."""
+    rng = random.Random(26)
+    names = ["a", "b", "l", "m"]
+    compared = 0
+    for i in range(1000):
+        entries: dict[str, Entry] = {}
+        for _ in range(rng.randint(1, 8)):
+            path = "/".join(rng.choice(names) for _ in range(rng.randint(1, 3)))
+            if rng.random() < 0.6:
+                parts = [rng.choice([*names, "..", "..", "."]) for _ in range(rng.randint(1, 6))]
+                entries[path] = _link(path, "/".join(parts))
+            else:
+                entries[path] = _file(path)
+        listed = list(entries.values())
+        if any(entry_problem(e.wire()) or _under_another(e.path, entries) for e in listed):
+            continue  # refused before links are resolved
+        root = tmp_path / str(i) / "o" / "o" / "o" / "o" / "SNAPSHOT"
+        for e in sorted(listed, key=lambda e: e.symlink is not None):
+            (root / e.path).parent.mkdir(parents=True, exist_ok=True)
+            if e.symlink is None:
+                (root / e.path).touch()
+            else:
+                (root / e.path).symlink_to(e.symlink)
+        refused = {p.path: p for p in link_problems(listed)}
+        for e in listed:
+            if e.symlink is None:
+                continue
+            problem = refused.get(e.path)
+            real = os.path.realpath(root / e.path)
+            inside = real == str(root) or real.startswith(f"{root}/")
+            if problem is None or problem.leaves:
+                assert inside == (problem is None), ([x.wire() for x in listed], e.path, real)
+                compared += 1
+            if problem is None:
+                try:
+                    os.stat(root / e.path)
+                except OSError as exc:
+                    assert exc.errno != errno.ELOOP, ([x.wire() for x in listed], e.path)
+    assert compared > 300  # links compared (most manifests are refused before)
+
+
+@pytest.mark.parametrize(
+    ("path", "said"),
+    [
+        (".git/config", "is in '.git': a version-control directory is never part"),
+        ("sub/.GIT/hooks/post-checkout", "is in '.GIT'"),
+        ("a/.Hg/hgrc", "is in '.Hg'"),
+        ("vendor/.svn/entries", "is in '.svn'"),
+        (".git", "is in '.git'"),  # a worktree's or a submodule's .git file names a repository
+        ("a/" + "n" * 256, "has a name over 255 bytes"),
+        ("a/" + "é" * 128, "has a name over 255 bytes"),  # 128 characters, 256 bytes
+        ("/".join(["é" * 120] * 18), "is over 4096 bytes"),
+    ],
+)
+def test_version_control_directories_and_names_too_long_are_refused(path: str, said: str) -> None:
+    problem = path_problem(path)
+    assert problem is not None and said in problem, problem
+
+
+def test_names_that_fit_and_links_into_version_control_directories() -> None:
+    for fits in ("a/" + "n" * 255, "a/" + "é" * 127, "/".join(["n" * 255] * 16), ".gitignore"):
+        assert path_problem(fits) is None, fits
+    for target in (".git/config", "../.GIT", "sub/.hg/../x"):
+        problem = symlink_problem("sub/link", target)
+        assert problem is not None and "version-control directory" in problem, (target, problem)
+    assert "over 4096 bytes" in (symlink_problem("l", "a/" * 2049) or "")
+    assert symlink_problem("l", "a/" * 2047 + "b") is None
+
+
+def test_the_worker_refuses_a_chained_escape_and_writes_nothing(tmp_path: Path) -> None:
+    data = b"x = 1\n"
+    cache = BlobCache(tmp_path / "cache", 10**9)
+    dest = tmp_path / "jobs" / "job-1"
+    dest.parent.mkdir()
+    manifest = _wire([{"path": "train.py"}, *HOSTILE["chained escape"]], data)
+    with pytest.raises(JobError, match="symlink 'x' points outside the snapshot"):
+        write_tree(manifest, cache, dest, Store({"x": data}).fetch)
+    assert list(dest.parent.iterdir()) == []
+    assert not list((tmp_path / "cache").rglob(sha(data))), "refused before a fetch"
+
+
 # ---- what of a directory is sent ---------------------------------------------------------
 
 
@@ -292,6 +557,36 @@ def test_what_is_sent_honours_ignore_files_and_never_sends_git_or_environments(
     assert by_path["run.sh"].executable and not by_path["train.py"].executable
     assert by_path["latest.py"].symlink == "pkg/model.py"
     assert any("outside" in s for s in found.skipped), found.skipped
+
+
+def test_links_that_leave_on_their_way_or_loop_and_version_control_are_not_sent(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "proj"
+    (root / "a").mkdir(parents=True)
+    (root / "train.py").write_text("x")
+    (root / "a" / "l").symlink_to("..")  # the directory itself: kept
+    (root / "kept.py").symlink_to("a/l/a/l/train.py")
+    # Ends inside (realpath), but through proj's parent: on a worker that is another name.
+    (root / "back.py").symlink_to("a/l/../proj/train.py")
+    (root / "p").symlink_to("q")
+    (root / "q").symlink_to("p")
+    (root / "hooks").symlink_to(".git/hooks")
+    (root / ".git" / "hooks").mkdir(parents=True)
+    (root / "sub").mkdir()
+    (root / "sub" / ".git").write_text("gitdir: ../.git/modules/sub\n")  # a submodule's
+    (root / "sub" / ".GIT").mkdir()  # macOS's .git
+    (root / "sub" / ".GIT" / "config").write_text("[core]\n\tfsmonitor = touch /tmp/pwned\n")
+    (root / "sub" / "m.py").write_text("x")
+    found = collect(root)
+    by_path = {e.path: e for e in found.entries}
+    assert set(by_path) == {"train.py", "a/l", "kept.py", "sub/m.py"}, sorted(by_path)
+    assert sorted(found.skipped) == [
+        "1 symlink(s) pointing into a version-control directory (.git, .hg, .svn)",
+        "1 symlink(s) pointing outside the directory",
+        f"2 symlink(s) in a loop of links, or a chain of more than {MAX_LINKS}",
+    ], found.skipped
+    assert manifest_problem(found.entries) is None, "what is sent, the API takes"
 
 
 # ---- how a worker writes a job's directory -----------------------------------------------
@@ -515,13 +810,16 @@ def test_a_failed_requirements_build_fails_the_job_with_pips_error_once(
     server: Server, start_worker: Any, tmp_path: Path
 ) -> None:
     start_worker(server, cpu_slots=2)
-    proj = _project(tmp_path / "p", requirement="./wheels/not-there-0.1-py3-none-any.whl")
+    # A wheel pip cannot read: what the worker's rules allow (a file of the job's code)
+    # still fails in pip, and the job says pip's error.
+    proj = _project(tmp_path / "p", requirement="./wheels/broken-0.1-py3-none-any.whl")
+    (proj / "wheels" / "broken-0.1-py3-none-any.whl").write_bytes(b"not a zip file\n")
     out, code = _cli(server, proj, "submit", "--entrypoint", "train.py", "--wait")
     assert code == 4, out
     job = server.client().get(f"/jobs/{_job_id(out)}").json()
     assert job["status"] == "failed" and job["attempt"] == 1, job
     assert "installing the job's requirements failed" in job["reason"], job["reason"]
-    assert "not-there" in job["reason"], job["reason"]
+    assert "broken" in job["reason"], job["reason"]
 
 
 TWO_NODES = r"""
@@ -561,20 +859,19 @@ def test_a_two_node_job_runs_its_code_on_both_workers(
 def test_one_environment_is_built_for_two_jobs_and_torch_is_never_replaced(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from worker import requirements
     from worker.venvs import Venvs
 
     monkeypatch.setenv("PIP_NO_INDEX", "1")  # the wheel is local: pip needs no index
     make_wheel(tmp_path / "wheels")
-    reqs = tmp_path / "requirements.txt"
-    reqs.write_text("./wheels/ddpqtestpkg-0.1-py3-none-any.whl\n")
+    (tmp_path / "requirements.txt").write_text("./wheels/ddpqtestpkg-0.1-py3-none-any.whl\n")
+    reqs = requirements.read(tmp_path, [])
     venvs = Venvs(tmp_path / "venvs", max_envs=1)
     said: list[str] = []
     pythons: list[str] = []
 
     def job() -> None:
-        with venvs.using(
-            reqs, [], tmp_path, dict(os.environ), said.append, threading.Event()
-        ) as py:
+        with venvs.using(reqs, tmp_path, dict(os.environ), said.append, threading.Event()) as py:
             pythons.append(str(py))
 
     threads = [threading.Thread(target=job) for _ in range(2)]
@@ -600,9 +897,8 @@ def test_one_environment_is_built_for_two_jobs_and_torch_is_never_replaced(
     assert out.strip() == f"42 {spec.origin}", "the worker's own torch, not another"
 
     # Another torch than the worker's fails the build (the constraints pin it).
-    bad = tmp_path / "bad.txt"
-    bad.write_text("torch==1.0.0\n")
-    building = venvs.using(bad, [], tmp_path, dict(os.environ), said.append, threading.Event())
+    bad = requirements.read(None, ["torch==1.0.0"])
+    building = venvs.using(bad, tmp_path, dict(os.environ), said.append, threading.Event())
     with pytest.raises(JobError, match="requirements failed"), building:
         pass
     assert len([d for d in (tmp_path / "venvs").iterdir() if (d / ".ddpq-ready").exists()]) == 1

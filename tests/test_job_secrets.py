@@ -17,14 +17,17 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.conftest import (
     REPO,
     Server,
     _child_env,
+    free_port,
     stop_process,
     terminal,
+    up_argv,
     wait_for,
     worker_argv,
 )
@@ -66,10 +69,18 @@ def hostile_job(server: Server, tmp_path: Path) -> Iterator[tuple[Server, Path]]
 
 def test_a_job_finds_no_secret_of_the_worker(hostile_job: tuple[Server, Path]) -> None:
     server, data = hostile_job
-    user = server.client()
+    denied, log = probe(server.client(), [str(data)])
+    # It looked: the worker's environment was there to try, and was refused.
+    assert "ddpq.cli worker" in denied, log
+    for value in (server.worker_token, server.api_token, *SECRETS.values()):
+        assert value not in log, f"a job read {value!r}"
+
+
+def probe(user: httpx.Client, args: list[str]) -> tuple[str, str]:
+    """Run the probe as a job: the command lines whose environment it was refused, and
+    its log (everything it could read)."""
     r = user.post(
-        "/jobs",
-        json={"entrypoint": "probe.py", "args": [str(data)], "world_size": 1, "device": "cpu"},
+        "/jobs", json={"entrypoint": "probe.py", "args": args, "world_size": 1, "device": "cpu"}
     )
     assert r.status_code == 201, r.text
     jid = r.json()["id"]
@@ -81,8 +92,42 @@ def test_a_job_finds_no_secret_of_the_worker(hostile_job: tuple[Server, Path]) -
 
     log: str = wait_for(probed, 30, "the probe's report")
     assert job["status"] == "succeeded", (job, log)
-    # It looked: the worker's environment was there to try, and was refused.
-    probe = next(line for line in log.splitlines() if "PROBE " in line)
-    assert "ddpq.cli worker" in probe.split("environ_denied", 1)[1].split("environ_read")[0]
-    for value in (server.worker_token, server.api_token, *SECRETS.values()):
+    report = next(line for line in log.splitlines() if "PROBE " in line)
+    return report.split("environ_denied", 1)[1].split("environ_read")[0], log
+
+
+def test_a_job_under_ddpq_up_finds_no_secret_of_the_api_or_the_worker(tmp_path: Path) -> None:
+    """`ddpq up` holds the API's tokens and database URL and hands the worker its token:
+    it and the launcher it starts the worker with are undumpable too (issue 26, item 9)."""
+    workspace, data = tmp_path / "workspace", tmp_path / "data"
+    workspace.mkdir()
+    shutil.copy(REPO / "tests" / "secret_probe.py", workspace / "probe.py")
+    port = free_port()
+    tokens = {
+        "DDPQ_API_TOKEN": "up-api-token-jobs-must-not-see-7c1d",
+        "DDPQ_WORKER_TOKEN": "up-worker-token-jobs-must-not-see-2b9e",
+    }
+    env = {**SECRETS, **tokens, "DDPQ_DATA_DIR": str(data)}
+    env.pop("DDPQ_DATABASE_URL")  # up's own SQLite under DDPQ_DATA_DIR
+    with open(tmp_path / "up.log", "wb") as out:
+        plain_user = ["setpriv", "--bounding-set=-all", "--inh-caps=-all", "--"]
+        proc = subprocess.Popen(
+            [*plain_user, *up_argv(port, "--cpu-slots", "1", "--workspace", str(workspace))],
+            env=_child_env(env),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=tmp_path,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        user = httpx.Client(
+            base_url=url, headers={"Authorization": f"Bearer {tokens['DDPQ_API_TOKEN']}"}
+        )
+        wait_for(lambda: user.get("/healthz").status_code == 200, 60, "ddpq up to answer")
+        denied, log = probe(user, [])
+        user.close()
+    finally:
+        stop_process(proc)
+    assert "ddpq.cli up" in denied and "worker.launch" in denied, log
+    for value in (*tokens.values(), *SECRETS.values()):
         assert value not in log, f"a job read {value!r}"

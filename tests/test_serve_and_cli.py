@@ -14,6 +14,7 @@ from tests.conftest import (
     run_ddpq,
     serve_on_a_reachable_address,
     stop_process,
+    up_argv,
     wait_for,
 )
 
@@ -88,18 +89,7 @@ def test_up_runs_the_api_and_a_local_worker(tmp_path: Path) -> None:
     log = tmp_path / "up.log"
     with open(log, "wb") as f:
         proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "ddpq.cli",
-                "up",
-                "--port",
-                str(port),
-                "--gpus",
-                "none",
-                "--cpu-slots",
-                "2",
-            ],
+            up_argv(port, "--cpu-slots", "2"),
             env=_child_env({"DDPQ_DATA_DIR": str(tmp_path / "var")}),
             stdout=f,
             stderr=subprocess.STDOUT,

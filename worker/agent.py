@@ -5,18 +5,23 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import shutil
 import signal
 import socket
+import sys
 import threading
 from pathlib import Path
 
 from ddpq.messages import ClaimedJob
 from ddpq.wire import Backoff
 from worker import health, procs
+from worker import walls as walls_
 from worker.api import Refused, Unavailable, WorkerAPI, claim_or_wait, retry
 from worker.code import Workdirs
+from worker.requirements import Policy
 from worker.runner import JobRunner, RunContext
 from worker.venvs import Venvs
+from worker.walls import Walls
 
 log = logging.getLogger("ddpq.worker")
 
@@ -45,6 +50,8 @@ class Agent:
         code_cache_bytes: int = DEFAULT_CODE_CACHE_BYTES,
         keep_workdirs_s: float = 0.0,
         max_envs: int = DEFAULT_MAX_ENVS,
+        walls: Walls | None = None,
+        pip_policy: Policy | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self.name = name or socket.gethostname()
@@ -66,7 +73,10 @@ class Agent:
         self._runners: dict[tuple[int, int], JobRunner] = {}
         self._slots_changed = threading.Event()
         self.claimer_done = threading.Event()  # the claim loop has returned (shutdown)
+        self.walls = walls or Walls(None)
         self.workdirs = Workdirs(self.data_dir, code_cache_bytes, keep_workdirs_s)
+        for d in ("torchrun-logs", "scratch"):
+            (self.data_dir / d).mkdir(exist_ok=True)
         self.context = RunContext(
             api=self.api,
             name=self.name,
@@ -78,7 +88,8 @@ class Agent:
             kill_grace_s=kill_grace_s,
             claimer_done=self.claimer_done,
             workdirs=self.workdirs,
-            venvs=Venvs(self.data_dir / "venvs", max_envs),
+            venvs=Venvs(self.data_dir / "venvs", max_envs, self.walls, pip_policy, token),
+            walls=self.walls,
         )
 
     # ---- slots ------------------------------------------------------------------
@@ -217,6 +228,32 @@ class Agent:
             runner.request_stop("shutdown")
         runner.start()
 
+    def build_walls(self) -> None:
+        """Walled: the worker's directories get the modes that keep each job to its own,
+        the job's uid is checked able to run what jobs run (WallsError says what is
+        wrong and the fix), and whatever a worker killed mid-attempt left goes: its
+        processes, its files in the shared temporary directories, the directories it had."""
+        ctx, walls = self.context, self.walls
+        own = [ctx.workdirs.root, ctx.logs_root, ctx.scratch_root]
+        walls.open_dirs(
+            traverse=[self.data_dir, *own, self.checkpoint_root],
+            closed=[self.workdirs.cache.root],
+            readable=[ctx.venvs.root],
+        )
+        walls.check(
+            sys.executable,
+            reachable=[*own, self.checkpoint_root],
+            readable=[self.workspace],
+            protected=[*walls_.protected_paths(), self.workspace],
+            skip=[self.data_dir, self.checkpoint_root],
+        )
+        if walls.reap():
+            log.warning("killed the processes of an earlier worker's jobs (uids in use)")
+        for leftover in [*ctx.logs_root.iterdir(), *ctx.scratch_root.iterdir()]:
+            shutil.rmtree(leftover, ignore_errors=True)
+        walls.take_back_orphans(self.workdirs.root)
+        walls.take_back_orphans(self.checkpoint_root)
+
     def run(self) -> None:
         """Serve until SIGTERM or SIGINT, then hand running jobs back to the queue."""
         self._all_done = threading.Event()
@@ -229,6 +266,8 @@ class Agent:
         if leftovers:
             log.warning("killing %d leftover process(es) of earlier attempts", len(leftovers))
             procs.kill_all(self.launch_prefix, prefix=True)
+        self.build_walls()
+        (log.info if self.walls.walled else log.warning)("%s", self.walls.describe())
         self.register()
         log.info(
             "worker %s: %d CPU slots, GPUs %s, workspace %s, API %s, advertising %s",

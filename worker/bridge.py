@@ -33,6 +33,7 @@ from worker import health, procs, slurm, torchrun
 from worker.api import Refused, Unavailable, WorkerAPI, claim_or_wait, retry
 from worker.code import Workdirs
 from worker.logship import LogShipper
+from worker.requirements import Policy
 from worker.torchrun import JobError, Outcome
 from worker.venvs import Stopped, Venvs, activate, python_for
 
@@ -104,6 +105,7 @@ class Bridge:
         identity: str | None = None,
         code_cache_bytes: int = 10 * 1000**3,
         max_envs: int = 8,
+        pip_policy: Policy | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self.name = name or f"slurm-{partition}@{socket.gethostname()}"
@@ -125,7 +127,7 @@ class Bridge:
         )
         self.workdirs = Workdirs(self.data_dir, code_cache_bytes, 0.0)
         # Jobs' environments, built here and run on the nodes: on the shared filesystem.
-        self.venvs = Venvs(self.data_dir / "venvs", max_envs)
+        self.venvs = Venvs(self.data_dir / "venvs", max_envs, policy=pip_policy, seal_key=token)
         self.heartbeat_s = 2.0
         self.stopping = threading.Event()
         self._lock = threading.Lock()

@@ -1,17 +1,25 @@
 """A job's code on this worker: contents fetched once into a shared cache, and a working
 directory of its own for each job, written from its snapshot's manifest.
 
-- The cache (DATA_DIR/code-cache) holds contents by sha256, read-only, shared by every
-  job. A content is fetched into a temporary file, checked against its digest and size,
-  and renamed into place: a damaged or forged content is refused, never used; two jobs
+- The cache (DATA_DIR/code-cache) holds contents by sha256, shared by every job. A
+  content is fetched into a temporary file, checked against its digest and size, and
+  renamed into place: a damaged or forged content is refused, never used; two jobs
   needing the same content wait for one fetch. Past its size cap, the contents used
   least recently go (never those a job is being written from).
-- A job's directory (DATA_DIR/jobs/job-ID) is written by copying from the cache
+- What is copied out of the cache is checked against its digest every time, after the
+  copy, in the job's own file: a job of the same user (an unwalled worker, see
+  worker.walls) can rewrite a cached file, and the next job holding that content must
+  run what was uploaded, not what the other job wrote. A content that fails is fetched
+  again. Walled, the cache is the worker's alone (0700) as well.
+- A job's directory (DATA_DIR/jobs/job-ID-RANDOM) is written by copying from the cache
   (a reflink where the filesystem can), never by hard links, through which a program
-  could rewrite the cache and so every later job. It is written under a temporary name
-  and renamed when whole, kept across the job's attempts on this worker (what the
-  program wrote there is still there on a retry), and removed once the service says
-  the job has ended (after a retention period, for debugging).
+  could rewrite the cache and so every later job. Its name is made here, unguessable,
+  and the directory is created by this process: a directory a job planted under a name
+  it could predict is never taken for another job's. It is written under a temporary
+  name and renamed when whole, kept across the job's attempts on this worker while this
+  process lives (what the program wrote there is still there on a retry; nothing on
+  disk says which directory is whose, so a restarted worker writes a new one), and
+  removed once the service says the job has ended (after a retention period).
 - Nothing from the wire is trusted: every path and link of the manifest is checked
   again here (ddpq.snapshot), files are created with O_EXCL|O_NOFOLLOW, and links
   are made last, so no write ever goes through one.
@@ -24,7 +32,9 @@ import fcntl
 import hashlib
 import logging
 import os
+import secrets
 import shutil
+import stat
 import threading
 import time
 import uuid
@@ -43,7 +53,7 @@ from worker.venvs import Stopped
 log = logging.getLogger("ddpq.worker")
 
 FICLONE = 0x40049409  # ioctl: share the source's blocks (btrfs, XFS); else a plain copy
-SNAPSHOT_MARK = ".snapshot"  # beside a job's directory (not inside: the program owns that)
+LEGACY_MARK = ".snapshot"  # what an older worker left beside a job's directory
 
 # Streams a content's bytes: fetch(digest) yields chunks.
 Fetch = Callable[[str], Iterator[bytes]]
@@ -83,9 +93,12 @@ class BlobCache:
             one = self._fetching.setdefault(digest, threading.Lock())
         with one:
             path = self.path(digest)
-            if path.is_file() and path.stat().st_size == size:
-                os.utime(path)  # used now: trimming goes by least recent use
-                return False
+            with contextlib.suppress(OSError):
+                st = os.lstat(path)
+                if stat.S_ISREG(st.st_mode) and st.st_size == size:
+                    os.utime(path, follow_symlinks=False)  # used now: trimming goes by use
+                    return False
+            self.drop(digest)  # a link or a device a job put in its place, or a damaged one
             tmp = self.root / "tmp" / f"{digest}.{uuid.uuid4().hex}"
             try:
                 h = hashlib.sha256()
@@ -105,6 +118,15 @@ class BlobCache:
             finally:
                 tmp.unlink(missing_ok=True)
             return True
+
+    def drop(self, digest: str) -> None:
+        """Forget a content (it failed its digest after a copy): fetched again when next needed."""
+        path = self.path(digest)
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISDIR(os.lstat(path).st_mode):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink()
 
     def trim(self) -> None:
         """Remove the least recently used contents until the cache fits its cap."""
@@ -155,24 +177,45 @@ def write_tree(
     def fill(e: Entry, fd: int) -> None:
         nonlocal fetched, fetched_bytes
         assert e.digest is not None
-        if cache.ensure(e.digest, e.size, fetch):
-            fetched += 1
-            fetched_bytes += e.size
-        _copy(cache.path(e.digest), fd)
+        for _ in range(2):
+            if cache.ensure(e.digest, e.size, fetch):
+                fetched += 1
+                fetched_bytes += e.size
+            os.ftruncate(fd, 0)
+            os.lseek(fd, 0, os.SEEK_SET)  # copy_file_range writes at the file's offset
+            _copy(cache.path(e.digest), fd)
+            if _digest_of(fd) == e.digest:
+                return
+            # Changed in the cache since it was fetched (another job of this user
+            # rewrote it): fetched again, and the copy made again.
+            log.warning("code content %s in the cache was altered; fetching it again", e.digest)
+            cache.drop(e.digest)
+        raise JobError(f"code content {e.digest[:16]} ({e.path}) keeps changing in the cache")
 
     with cache.pinned({e.digest for e in files if e.digest}):
         try:
             write_out(entries, dest, fill)
         except Refused as exc:
             raise JobError(f"code snapshot refused: {exc}") from None
+        except OSError as exc:  # a path the rules allow, too long under this data dir; a full disk
+            where = f" ({str(exc.filename)[-200:]})" if exc.filename else ""
+            raise JobError(f"its code cannot be written here: {exc.strerror}{where}") from None
     cache.trim()
     return Written(fetched, fetched_bytes, len(files), time.monotonic() - started)
 
 
 def _copy(src: Path, out: int) -> None:
     """A private copy into ``out`` (a reflink where the filesystem shares blocks): never
-    a hard link, through which a program could rewrite the cache."""
-    with open(src, "rb") as f:
+    a hard link, through which a program could rewrite the cache. Never through a link,
+    and never from a FIFO or a device a job put in the cache's place (it would block or
+    read forever): what is not a regular file copies as nothing, and fails its digest."""
+    try:
+        fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return
+    with open(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return
         try:
             fcntl.ioctl(out, FICLONE, f.fileno())
             return
@@ -187,6 +230,16 @@ def _copy(src: Path, out: int) -> None:
             copied += n
 
 
+def _digest_of(fd: int) -> str:
+    """The sha256 of what ``fd`` holds (read from its start; the page cache has it)."""
+    h = hashlib.sha256()
+    offset = 0
+    while chunk := os.pread(fd, 1 << 20, offset):
+        h.update(chunk)
+        offset += len(chunk)
+    return h.hexdigest()
+
+
 class Workdirs:
     """The jobs' working directories on this worker, and when each may go."""
 
@@ -195,32 +248,35 @@ class Workdirs:
         self.root.mkdir(parents=True, exist_ok=True)
         for partial in self.root.glob(".job-*"):  # a write cut off by a crash
             _remove(partial)
+        for mark in self.root.glob(f"job-*{LEGACY_MARK}"):
+            mark.unlink(missing_ok=True)
         self.cache = BlobCache(data_dir / "code-cache", cache_bytes)
         self.keep_s = keep_s
         self._lock = threading.Lock()
         self._jobs: dict[int, threading.Lock] = {}
+        # job id -> (its directory, the snapshot written there): only what this process
+        # made. Nothing on disk is trusted to say it.
+        self._made: dict[int, tuple[Path, str]] = {}
         self._ended: dict[int, float] = {}  # job id -> when the service said it ended
-
-    def path(self, job_id: int) -> Path:
-        return self.root / f"job-{job_id}"
 
     def prepare(
         self, job_id: int, snapshot_id: str, manifest: Callable[[], list[dict[str, Any]]],
         fetch: Fetch,
     ) -> tuple[Path, Written]:  # fmt: skip
-        """The job's directory holding snapshot ``snapshot_id``: the one an earlier attempt
-        left here, else written now."""
+        """The job's directory holding snapshot ``snapshot_id``: the one this process
+        wrote for an earlier attempt, else a new one written now."""
         with self._lock:
             one = self._jobs.setdefault(job_id, threading.Lock())
             self._ended.pop(job_id, None)
         with one:
-            dest = self.path(job_id)
-            mark = dest.with_name(dest.name + SNAPSHOT_MARK)
-            if dest.is_dir() and _read(mark) == snapshot_id:
-                return dest, Written(0, 0, 0, 0.0, reused=True)
-            _remove(dest)
+            made = self._made.get(job_id)
+            if made is not None and made[1] == snapshot_id and _is_real_dir(made[0]):
+                return made[0], Written(0, 0, 0, 0.0, reused=True)
+            if made is not None:
+                _remove(made[0])
+            dest = self.root / f"job-{job_id}-{secrets.token_hex(8)}"
             written = write_tree(manifest(), self.cache, dest, fetch)
-            mark.write_text(snapshot_id + "\n")
+            self._made[job_id] = (dest, snapshot_id)
             return dest, written
 
     def fetch(
@@ -244,13 +300,17 @@ class Workdirs:
         return Path(workdir), written
 
     def kept(self) -> list[int]:
-        """The jobs whose directories are here."""
+        """The jobs whose directories are here (this process's, an earlier one's, or
+        what a job made under such a name: each goes once its job has ended)."""
+        return sorted({j for j, _ in self._on_disk()})
+
+    def _on_disk(self) -> list[tuple[int, Path]]:
         out = []
         for p in self.root.glob("job-*"):
-            name = p.name.removeprefix("job-")
-            if name.isdigit() and p.is_dir():
-                out.append(int(name))
-        return sorted(out)
+            name = p.name.removeprefix("job-").partition("-")[0]
+            if name.isdigit():
+                out.append((int(name), p))
+        return out
 
     def ended(self, job_ids: list[int], running: set[int]) -> None:
         """The service says these jobs ended: remove their directories once the
@@ -264,26 +324,28 @@ class Workdirs:
             with self._lock:
                 one = self._jobs.setdefault(job_id, threading.Lock())
             with one:
-                _remove(self.path(job_id))
+                for j, path in self._on_disk():
+                    if j == job_id:
+                        _remove(path)
             with self._lock:
                 self._ended.pop(job_id, None)
                 self._jobs.pop(job_id, None)
+                self._made.pop(job_id, None)
 
 
-def _read(path: Path) -> str | None:
+def _is_real_dir(path: Path) -> bool:
     try:
-        return path.read_text().strip()
+        return stat.S_ISDIR(os.lstat(path).st_mode)
     except OSError:
-        return None
+        return False
 
 
 def _remove(dest: Path) -> None:
-    """Remove a job's directory and its mark, whatever its program left in it."""
-    dest.with_name(dest.name + SNAPSHOT_MARK).unlink(missing_ok=True)
-    if dest.is_symlink():
-        dest.unlink()
-        return
-    if not dest.is_dir():
+    """Remove a job's directory (or whatever a job put under such a name), whatever its
+    program left in it."""
+    if not _is_real_dir(dest):
+        with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+            dest.unlink()
         return
     # A program may have made parts of its directory read-only or unreadable.
     with contextlib.suppress(OSError):

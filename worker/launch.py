@@ -1,20 +1,27 @@
-"""Attempt supervisor: ``python -m worker.launch PARENT_PID GRACE_S -- ARGV...``.
+"""Attempt supervisor: ``python -m worker.launch PARENT_PID GRACE_S UID:GID|- -- ARGV...``.
 
-Runs ARGV (torchrun) as its child and makes sure nothing of the attempt outlives
-the worker. It sets PR_SET_PDEATHSIG, so it gets SIGTERM when the worker thread
-that started it dies (a killed worker); it then SIGTERMs torchrun, which stops its
-ranks. torchrun does not always exit after that (2.14 can hang joining its log-tee
-threads), and a SIGKILLed torchrun leaves its ranks running as orphans, so after
-GRACE_S this process SIGKILLs torchrun and every process carrying the attempt's
-DDPQ_LAUNCH_ID. It exits with torchrun's status (128 + N for death by signal N); once
-it was told to stop, with the signal that stopped the attempt: 143 (SIGTERM) when
-torchrun ended within the grace period, 137 (SIGKILL) when it had to be killed, not
-the 1 torchrun exits with after its SignalException.
+Runs ARGV (torchrun) as its child, under UID:GID when given (a walled attempt: see
+worker.walls; this process stays the worker's, so it can always stop the child), and
+makes sure nothing of the attempt outlives the worker. It sets PR_SET_PDEATHSIG, so it
+gets SIGTERM when the worker thread that started it dies (a killed worker); it then
+SIGTERMs torchrun, which stops its ranks. torchrun does not always exit after that
+(2.14 can hang joining its log-tee threads), and a SIGKILLed torchrun leaves its ranks
+running as orphans, so after GRACE_S this process SIGKILLs torchrun and every process
+carrying the attempt's DDPQ_LAUNCH_ID (walled: every process of the attempt's uid). It
+exits with torchrun's status (128 + N for death by signal N); once it was told to stop,
+with the signal that stopped the attempt: 143 (SIGTERM) when torchrun ended within the
+grace period, 137 (SIGKILL) when it had to be killed, not the 1 torchrun exits with
+after its SignalException.
 
 The worker stops an attempt (cancel, timeout, shutdown) by sending SIGTERM to
 this process, which forwards it, and SIGKILLs the whole process group if that
 takes longer than its grace period. Setting the death signal here rather than in
 ``preexec_fn`` keeps the multi-threaded worker's fork safe.
+
+It is not dumpable: its environment is the job's (the job token) or, under `ddpq up`,
+the worker's (the worker token), and another process of its user must not read it.
+Walled, it sets no_new_privs before it starts the child: nothing the job runs, a
+set-uid file it made among them, gains a privilege by exec.
 """
 
 from __future__ import annotations
@@ -29,14 +36,21 @@ import time
 from worker import procs
 
 PR_SET_PDEATHSIG = 1
+PR_SET_NO_NEW_PRIVS = 38
 
 
 def main() -> None:
+    procs.make_undumpable()
     parent = int(sys.argv[1])
     grace_s = float(sys.argv[2])
-    argv = sys.argv[4:]
+    uid = gid = None
+    if sys.argv[3] != "-":
+        uid, gid = (int(x) for x in sys.argv[3].split(":"))
+    argv = sys.argv[5:]
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
+    if uid is not None and libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        sys.exit(f"prctl(PR_SET_NO_NEW_PRIVS): {os.strerror(ctypes.get_errno())}")
     stop_at: list[float] = []
     started: list[subprocess.Popen[bytes]] = []
 
@@ -51,7 +65,11 @@ def main() -> None:
     signal.signal(signal.SIGINT, on_signal)
     if os.getppid() != parent:  # the worker died before prctl took effect
         sys.exit(128 + signal.SIGTERM)
-    child = subprocess.Popen(argv)
+    # extra_groups=[]: none of the worker's supplementary groups goes with the job.
+    walled: dict[str, object] = (
+        {} if uid is None else {"user": uid, "group": gid, "extra_groups": []}
+    )
+    child = subprocess.Popen(argv, **walled)  # type: ignore[call-overload]
     started.append(child)
     if stop_at:  # stopped while starting
         child.send_signal(signal.SIGTERM)
@@ -66,7 +84,9 @@ def main() -> None:
                 killed = True
     # Ranks run in sessions of their own: whatever torchrun left behind goes now.
     launch_id = os.environ.get(procs.LAUNCH_ID_VAR)
-    if launch_id:
+    if uid is not None:
+        procs.kill_uid(uid)
+    elif launch_id:
         procs.kill_all(launch_id)
     if stop_at:
         sys.exit(128 + (signal.SIGKILL if killed else signal.SIGTERM))

@@ -3,7 +3,9 @@
 torchrun starts each rank in its own session, so signalling torchrun's process
 group does not reach the ranks, and a SIGKILLed torchrun leaves them running as
 orphans. Every process of an attempt therefore carries ``DDPQ_LAUNCH_ID`` in its
-environment, and the worker finds them by it in /proc.
+environment, and the worker finds them by it in /proc. A walled attempt (worker.walls)
+is found by its uid instead: every process under it is the attempt's, and a worker
+without CAP_SYS_PTRACE (the compose worker) cannot read another uid's environment.
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ import ctypes
 import hashlib
 import os
 import signal
+import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 LAUNCH_ID_VAR = "DDPQ_LAUNCH_ID"
@@ -46,9 +50,18 @@ def launch_prefix(worker_name: str, data_dir: Path) -> str:
     return f"{worker_name}@{instance}/"
 
 
-def launcher_argv(argv: list[str], grace_s: float = 10.0) -> list[str]:
-    """Wrap ``argv`` so that it dies with the calling thread (see worker.launch)."""
-    return [sys.executable, "-m", "worker.launch", str(os.getpid()), str(grace_s), "--", *argv]
+def launcher_argv(
+    argv: list[str], grace_s: float = 10.0, uid: int | None = None, gid: int | None = None
+) -> list[str]:
+    """Wrap ``argv`` so that it dies with the calling thread (see worker.launch), run
+    under ``uid``:``gid`` when given (the launcher itself stays the worker's)."""
+    who = "-" if uid is None else f"{uid}:{gid if gid is not None else uid}"
+    # -I: started in the job's directory, it must not import the job's files (a
+    # worker/launch.py of its code) nor heed PYTHON* variables: walled, it runs as root.
+    return [
+        sys.executable, "-I", "-m", "worker.launch", str(os.getpid()), str(grace_s), who, "--",
+        *argv,
+    ]  # fmt: skip
 
 
 def find_by_launch_id(launch_id: str, *, prefix: bool = False) -> list[int]:
@@ -68,11 +81,73 @@ def find_by_launch_id(launch_id: str, *, prefix: bool = False) -> list[int]:
     return found
 
 
+def _uids() -> Iterator[tuple[int, set[int]]]:
+    """Every live process but this one, with its real, effective, saved and filesystem
+    uids (a job that ran a set-uid program is still the job's). A zombie is not: it runs
+    nothing, cannot be killed, and stays until its parent (in a container, possibly the
+    worker as PID 1) reaps it."""
+    me = os.getpid()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == me:
+            continue
+        try:
+            status = (entry / "status").read_text()
+        except OSError:
+            continue
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        if fields.get("State", "").split()[:1] in (["Z"], ["X"]):
+            continue
+        yield int(entry.name), {int(u) for u in fields.get("Uid", "").split()}
+
+
+def find_by_uid(uid: int) -> list[int]:
+    """Processes running under ``uid``."""
+    return [pid for pid, uids in _uids() if uid in uids]
+
+
+def uids_running(pool: range) -> set[int]:
+    """The uids of ``pool`` that some process runs under."""
+    return {u for _, uids in _uids() for u in uids if u in pool}
+
+
+# Run under the job's uid: kill(-1) reaches every process that uid may signal, in one
+# pass the kernel makes with new processes held off, so a process that forks and exits
+# over and over (never at one pid long enough to be found in /proc) dies too.
+_KILL_ALL = """
+import os, signal
+try:
+    os.kill(-1, signal.SIGKILL)
+except ProcessLookupError:
+    pass
+"""
+
+
+def kill_uid(uid: int, timeout_s: float = 10.0) -> bool:
+    """SIGKILL every process of ``uid`` until none is left; True if none is (needs the
+    privilege to become ``uid``: a walled worker's)."""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        subprocess.run(
+            [sys.executable, "-I", "-S", "-c", _KILL_ALL],
+            user=uid,
+            group=uid,
+            extra_groups=[],
+            env={},
+            cwd="/",
+            timeout=timeout_s,
+            check=False,
+        )
+    return _kill_until_none(lambda: find_by_uid(uid), timeout_s)
+
+
 def kill_all(launch_id: str, timeout_s: float = 10.0, *, prefix: bool = False) -> bool:
     """SIGKILL every process carrying ``launch_id`` until none is left; True if none is."""
+    return _kill_until_none(lambda: find_by_launch_id(launch_id, prefix=prefix), timeout_s)
+
+
+def _kill_until_none(find: Callable[[], list[int]], timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while True:
-        pids = find_by_launch_id(launch_id, prefix=prefix)
+        pids = find()
         if not pids:
             return True
         for pid in pids:

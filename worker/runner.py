@@ -10,6 +10,7 @@ import collections
 import contextlib
 import logging
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -27,6 +28,7 @@ from worker.code import Workdirs, describe
 from worker.logship import LogShipper, pump
 from worker.torchrun import JobError, Outcome
 from worker.venvs import Stopped, Venvs, activate, python_for
+from worker.walls import Held, Walls
 
 log = logging.getLogger("ddpq.worker")
 
@@ -55,6 +57,17 @@ class RunContext:
     # Jobs' own directories of their code, and environments for their requirements.
     workdirs: Workdirs
     venvs: Venvs
+    # Whether each attempt runs under a uid of its own (worker.walls).
+    walls: Walls = field(default_factory=lambda: Walls(None))
+
+    @property
+    def logs_root(self) -> Path:
+        return self.data_dir / "torchrun-logs"
+
+    @property
+    def scratch_root(self) -> Path:
+        """Where each attempt's HOME (walled) and TMPDIR are, its own and gone after it."""
+        return self.data_dir / "scratch"
 
 
 @dataclass
@@ -220,43 +233,66 @@ class JobRunner:
     def _program(self, spec: dict[str, Any]) -> list[str]:
         return torchrun.program(spec, self.ctx.workspace)
 
-    def _env(self, resume_from: str | None) -> dict[str, str]:
+    def _env(
+        self, resume_from: str | None, scratch: Path | None = None, held: Held | None = None
+    ) -> dict[str, str]:
         at = torchrun.Placement(
             api_url=self.ctx.url,
             checkpoint_dir=self.claim.checkpoint_dir,
             launch_var=procs.LAUNCH_ID_VAR,
             launch_id=self.launch_id,
             resume_from=resume_from,
+            scratch=str(scratch) if scratch else None,
+            user=held.user.name if held and held.user else None,
         )
         return torchrun.environment(os.environ, self.claim, at)
 
     def _run(self, shipper: LogShipper) -> Outcome:
+        # The attempt's own directories, named so no job can guess them: its scratch
+        # (TMPDIR; HOME when walled), and torchrun's log files (the job's: torchrun runs
+        # under its uid) beside the output file the worker tails (the worker's: a job
+        # that could swap it for a link would have the worker ship whatever it names).
+        name = f"job-{self.job_id}-attempt-{self.attempt}-{secrets.token_hex(6)}"
+        log_dir = self.ctx.logs_root / name
+        scratch = self.ctx.scratch_root / name
+        try:
+            with self.ctx.walls.attempt(self.job_id) as held:
+                log_dir.mkdir(parents=True)
+                log_dir.chmod(0o711)  # not the umask's (`ddpq up` runs with 077)
+                return self._run_held(held, shipper, log_dir, held.own(scratch))
+        finally:
+            shutil.rmtree(log_dir, ignore_errors=True)
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    def _run_held(self, held: Held, shipper: LogShipper, log_dir: Path, scratch: Path) -> Outcome:
         spec = self.claim.spec
         if spec.get("code"):
-            cwd, where = self._code_dir(spec["code"], shipper), "the job's code"
+            cwd, where = held.own(self._code_dir(spec["code"], shipper)), "the job's code"
         else:
             cwd, where = self.ctx.workspace, "the worker's workspace"
         program = torchrun.program(spec, cwd, where)
-        Path(self.claim.checkpoint_dir).mkdir(parents=True, exist_ok=True)
+        checkpoints = Path(self.claim.checkpoint_dir)
+        if self.gang is None or self.gang.node_rank == 0:
+            held.own(checkpoints)
+        else:
+            # Node 0's directory (rank 0 writes there): its worker gives it to its uid,
+            # which the nodes share when their hosts do (the search starts at the job's id).
+            checkpoints.mkdir(parents=True, exist_ok=True)
         resume_from = torchrun.resume_path(self.claim)
         if resume_from:
             shipper.write(f"[ddpq] resuming from {resume_from}\n".encode())
-        log_dir = self.ctx.data_dir / "torchrun-logs" / f"job-{self.job_id}-attempt-{self.attempt}"
-        log_dir.mkdir(parents=True, exist_ok=True)
-        env = self._env(resume_from)
-        try:
-            with python_for(
-                self.ctx.venvs, spec, cwd, env, lambda line: shipper.write(line.encode()),
-                self.stop_requested,
-            ) as python:  # fmt: skip
-                if self.stop_requested.is_set():
-                    return self._never_started()
-                activate(env, python)
-                rdzv = torchrun.rendezvous(self.gang, self.ctx.advertise_addr)
-                argv = torchrun.argv(python, self.claim, rdzv, program, log_dir)
-                return self._supervise(argv, log_dir, env, shipper, cwd)
-        finally:
-            shutil.rmtree(log_dir, ignore_errors=True)
+        env = self._env(resume_from, scratch, held)
+        with python_for(
+            self.ctx.venvs, spec, cwd, env, lambda line: shipper.write(line.encode()),
+            self.stop_requested, held.user,
+        ) as python:  # fmt: skip
+            if self.stop_requested.is_set():
+                return self._never_started()
+            activate(env, python)
+            rdzv = torchrun.rendezvous(self.gang, self.ctx.advertise_addr)
+            ranks_dir = held.own(log_dir / "ranks")
+            argv = torchrun.argv(python, self.claim, rdzv, program, ranks_dir)
+            return self._supervise(argv, log_dir / "output.log", env, shipper, cwd, held)
 
     def _code_dir(self, snapshot_id: str, shipper: LogShipper) -> Path:
         """The job's own directory holding its code snapshot, fetched if need be."""
@@ -269,16 +305,22 @@ class JobRunner:
     # ---- supervision -------------------------------------------------------------------
 
     def _supervise(
-        self, argv: list[str], log_dir: Path, env: dict[str, str], shipper: LogShipper, cwd: Path
+        self,
+        argv: list[str],
+        output: Path,
+        env: dict[str, str],
+        shipper: LogShipper,
+        cwd: Path,
+        held: Held,
     ) -> Outcome:
         tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         # torchrun writes to a file that this worker tails, not to a pipe: were the
         # worker killed, writes to a pipe with no reader would fail and torchrun's
         # log-tee threads hang forever instead of letting it exit (seen with 2.14).
-        output = log_dir / "output.log"
-        with open(output, "wb") as sink:
+        uid = held.user.uid if held.user else None
+        with open(output, "xb") as sink:
             proc = subprocess.Popen(
-                procs.launcher_argv(argv, self.ctx.kill_grace_s),
+                procs.launcher_argv(argv, self.ctx.kill_grace_s, uid, uid),
                 cwd=cwd,
                 env=env,
                 stdin=subprocess.DEVNULL,
@@ -304,7 +346,8 @@ class JobRunner:
         code = proc.wait()
         # Killed itself (the group's SIGKILL after the grace period): 128 + N, as a shell says.
         code = code if code >= 0 else 128 - code
-        procs.kill_all(self.launch_id)
+        if uid is None:  # walled, the attempt's uid is swept as it ends (worker.walls)
+            procs.kill_all(self.launch_id)
         reader.join(timeout=30.0)
         if self.stopping_since is not None:
             took = time.monotonic() - self.stopping_since

@@ -114,9 +114,11 @@ def argv(
 ) -> list[str]:
     """torchrun's command line. Its ranks' output goes to a file with a [rankN] prefix
     on every line (--tee 3), which the runner ships as the job's log; worker.tee runs
-    torchrun so that those lines arrive whole."""
+    torchrun so that those lines arrive whole. -P: torchrun starts in the job's
+    directory, whose own modules (a package named worker, say) must not stand in for
+    ddpq's; the ranks still find theirs beside their script, as under torchrun."""
     return [
-        python, "-m", "worker.tee",
+        python, "-P", "-m", "worker.tee",
         *rdzv,
         "--nproc-per-node", str(claim.nproc_per_node),
         "--max-restarts", str(claim.spec.get("max_restarts", 0)),
@@ -137,6 +139,11 @@ class Placement:
     launch_var: str
     launch_id: str
     resume_from: str | None = None
+    # The attempt's own scratch directory (its TMPDIR), and when it runs walled the name
+    # of its uid (worker.walls): then the scratch is its HOME too, the worker's being
+    # closed to it.
+    scratch: str | None = None
+    user: str | None = None
 
 
 def environment(environ: Mapping[str, str], claim: ClaimedJob, at: Placement) -> dict[str, str]:
@@ -145,6 +152,10 @@ def environment(environ: Mapping[str, str], claim: ClaimedJob, at: Placement) ->
     env = {
         k: v for k, v in environ.items() if k in INHERITED_ENV or k.startswith(INHERITED_PREFIXES)
     }
+    if at.scratch:  # the spec's own env may still name others
+        env["TMPDIR"] = at.scratch
+        if at.user:
+            env.update(HOME=at.scratch, USER=at.user, LOGNAME=at.user)
     for name, value in claim.spec.get("env", {}).items():
         problem = env_problem(str(name), str(value))
         if problem:  # the API refuses these at submission; never trust the wire

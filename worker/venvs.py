@@ -3,7 +3,19 @@
 A job whose code has a requirements.txt at its top, or whose spec lists ``pip``
 requirements, runs under a virtualenv made for exactly those requirements and this
 worker's Python, built once and shared by every job that needs the same (DATA_DIR/venvs,
-at most ``max_envs`` kept, least recently used first out).
+at most ``max_envs`` kept, least recently used first out). What a job may ask pip for
+is worker.requirements' to decide; "the same" means the same content: names and
+version specifiers as written, and a wheel or directory of the job's code by its
+digest, never by its path (two jobs naming ./dist/x.whl may hold different wheels).
+
+An environment is shared, so no job may change what the next one runs in it. Walled
+(worker.walls), pip runs under the building attempt's uid, and the environment then
+becomes the worker's, read-only to every job. Walled or not, the worker seals it when
+built (every entry's inode, mode, owner, size and ctime, which no process can set back)
+and checks the seal each time a job is to use it: one a job changed is put aside and
+built again. A seal is kept in memory; walled, also on disk, root's, so a restarted
+worker trusts what it built before. Unwalled, an environment from before a restart has
+no seal a job could not have written, and is built again.
 
 The new environment sees the worker's packages through a .pth file that adds the
 worker's site-packages after its own (``python -m venv --system-site-packages`` run from
@@ -20,14 +32,18 @@ its output goes to the job's log. A failed build fails the job with pip's error.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
+import hmac
 import importlib.metadata
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
 import site
+import stat
 import subprocess
 import sys
 import threading
@@ -36,13 +52,19 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from worker.torchrun import JobError
+from worker import procs, requirements
+from worker.requirements import Requirement
+from worker.torchrun import INHERITED_ENV, INHERITED_PREFIXES, JobError
+from worker.walls import JobUser, Walls
 
 log = logging.getLogger("ddpq.worker")
 
 READY = ".ddpq-ready"
+SEAL = ".ddpq-seal"
+STALE = ".stale-"  # an environment a job changed, put aside until no job uses it
 PINNED = ("torch", "torchvision", "torchaudio")  # never replaced by a job's requirements
 PIP_TIMEOUT_S = 3600.0
+PIP_GRACE_S = 10.0  # SIGTERM to SIGKILL when a build is stopped
 
 
 def _pins() -> list[str]:
@@ -54,72 +76,143 @@ def _pins() -> list[str]:
 
 
 class Venvs:
-    def __init__(self, root: Path, max_envs: int) -> None:
+    def __init__(
+        self,
+        root: Path,
+        max_envs: int,
+        walls: Walls | None = None,
+        policy: requirements.Policy | None = None,
+        seal_key: str | None = None,
+    ) -> None:
         self.root = root
         self.max_envs = max_envs
+        self.walls = walls or Walls(None)
+        self.policy = policy or requirements.Policy()
+        # The worker's token: what a seal on disk is keyed with (None: none is trusted).
+        self.seal_key = seal_key.encode() if seal_key else None
         self.root.mkdir(parents=True, exist_ok=True)
+        for stale in [*self.root.glob(f"{STALE}*"), *self.root.glob(".inputs-*")]:
+            shutil.rmtree(stale, ignore_errors=True)
         self._lock = threading.Lock()
         self._building: dict[str, threading.Lock] = {}
         self._in_use: Counter[str] = Counter()
+        self._seals: dict[str, str] = {}  # key -> the seal of what was built
         self.pins = _pins()
 
-    def key(self, requirements: bytes, pip: list[str]) -> str:
-        """One environment per distinct requirements and worker Python."""
+    def key(self, reqs: list[Requirement]) -> str:
+        """One environment per distinct content to install and worker Python."""
         basis = {
             "python": sys.version,
             "prefix": sys.prefix,
             "site": site.getsitepackages(),
             "pins": self.pins,
-            "requirements": hashlib.sha256(requirements).hexdigest(),
-            "pip": pip,
+            "requirements": requirements.basis(reqs),
         }
         return hashlib.sha256(json.dumps(basis, sort_keys=True).encode()).hexdigest()[:32]
 
     @contextlib.contextmanager
     def using(
         self,
-        requirements: Path | None,
-        pip: list[str],
+        reqs: list[Requirement],
         cwd: Path,
         environ: Mapping[str, str],
         say: Callable[[str], None],
         stop: threading.Event,
+        user: JobUser | None = None,
     ) -> Iterator[Path]:
-        """The Python of an environment with these requirements, built if need be; it is
-        not evicted while the block runs."""
-        key = self.key(requirements.read_bytes() if requirements else b"", pip)
+        """The Python of an environment with these requirements, built if need be (pip
+        under ``user`` when walled); it is not evicted while the block runs."""
+        key = self.key(reqs)
         with self._lock:
             building = self._building.setdefault(key, threading.Lock())
             self._in_use[key] += 1
         try:
             with building:  # a second job needing the same environment waits for one build
                 env_dir = self.root / key
-                if (env_dir / READY).is_file():
+                if (env_dir / READY).is_file() and self._intact(key, env_dir, say):
                     os.utime(env_dir / READY)
                     say(f"[ddpq] requirements: reusing environment {key[:12]}\n")
                 else:
-                    self._build(env_dir, requirements, pip, cwd, environ, say, stop)
+                    self._build(key, env_dir, reqs, cwd, environ, say, stop, user)
             self._trim()
             yield env_dir / "bin" / "python"
         finally:
             with self._lock:
                 self._in_use[key] -= 1
 
+    def _intact(self, key: str, env_dir: Path, say: Callable[[str], None]) -> bool:
+        """The environment is as it was built; if not, it is put aside (a job may still
+        run in it) for a new build."""
+        actual = seal(env_dir)
+        known = self._seals.get(key)
+        mac = self._mac(actual)
+        if known is None and mac and _read(env_dir / SEAL) == mac:
+            known = actual  # built before this process started: its seal on disk holds
+        if known == actual:
+            self._seals[key] = actual
+            return True
+        why = "changed since it was built" if known else "without a seal this worker can check"
+        say(f"[ddpq] requirements: environment {key[:12]} is {why}; building it again\n")
+        if known:
+            log.warning("environment %s was changed after it was built: rebuilt", key)
+        _put_aside(env_dir)
+        return False
+
     def _build(
         self,
+        key: str,
         env_dir: Path,
-        requirements: Path | None,
-        pip: list[str],
+        reqs: list[Requirement],
         cwd: Path,
         environ: Mapping[str, str],
         say: Callable[[str], None],
         stop: threading.Event,
+        user: JobUser | None,
     ) -> None:
-        shutil.rmtree(env_dir, ignore_errors=True)  # what a crashed build left
-        what = " and ".join(
-            x for x in ("requirements.txt" if requirements else "", " ".join(pip)) if x
-        )
+        self._seals.pop(key, None)
+        _put_aside(env_dir)  # what a crashed or refused build left
+        what = ", ".join(r.text for r in reqs)
         say(f"[ddpq] requirements: building an environment for {what[:300]}\n")
+        # pip reads the worker's own copy of what was asked, never the job's file (it
+        # would follow -r, -c and options written there), beside the pins and the wheels
+        # it names, where the build (walled: under the job's uid) can read and not change
+        # them; pip runs there too, not in the job's directory.
+        inputs = self.root / f".inputs-{key}-{secrets.token_hex(4)}"
+        inputs.mkdir()
+        inputs.chmod(0o755)  # read by the build (walled: the job's uid); the umask may be 077
+        try:
+            constraints = inputs / "constraints.txt"
+            constraints.write_text("".join(f"{p}\n" for p in self.pins))
+            wanted = inputs / "requirements.txt"
+            wanted.write_text("".join(f"{line}\n" for line in _frozen(reqs, inputs)))
+            for f in (constraints, wanted):
+                f.chmod(0o644)
+            self._new_env(env_dir)
+            # -I: pip must import the worker's pip, never a pip/ or a .pth of the job's.
+            argv = [
+                sys.executable, "-I", "-m", "pip", "--python", str(env_dir / "bin" / "python"),
+                "install", "--no-input", "--disable-pip-version-check", "--progress-bar", "off",
+                "-c", str(constraints), "-r", str(wanted),
+            ]  # fmt: skip
+            if user is not None:
+                self.walls.give(env_dir, user)
+            try:
+                self._pip(argv, inputs, _pip_env(environ), say, stop, user)
+            finally:
+                if user is not None:
+                    # Nothing pip started may stay behind to change the environment later.
+                    procs.kill_uid(user.uid)
+                    self.walls.take_back(env_dir)
+        finally:
+            shutil.rmtree(inputs, ignore_errors=True)
+        _read_only(env_dir)
+        (env_dir / READY).touch()
+        sealed = seal(env_dir)
+        (env_dir / SEAL).write_text(self._mac(sealed) + "\n")
+        self._seals[key] = sealed
+
+    def _new_env(self, env_dir: Path) -> None:
+        """A virtualenv of this worker's Python that also sees the worker's packages."""
         subprocess.run(
             [sys.executable, "-m", "venv", "--without-pip", str(env_dir)],
             check=True,
@@ -128,7 +221,7 @@ class Venvs:
         where = "import sysconfig; print(sysconfig.get_path('purelib'))"
         purelib = Path(
             subprocess.run(
-                [str(env_dir / "bin" / "python"), "-c", where],
+                [str(env_dir / "bin" / "python"), "-I", "-c", where],
                 check=True,
                 capture_output=True,
                 text=True,
@@ -138,30 +231,28 @@ class Venvs:
         # installs among them) are processed too.
         lines = [f"import site; site.addsitedir({p!r})" for p in site.getsitepackages()]
         (purelib / "_ddpq_worker_site.pth").write_text("\n".join(lines) + "\n")
-        constraints = env_dir / "ddpq-constraints.txt"
-        constraints.write_text("".join(f"{p}\n" for p in self.pins))
-        argv = [
-            sys.executable, "-m", "pip", "--python", str(env_dir / "bin" / "python"),
-            "install", "--no-input", "--disable-pip-version-check", "--progress-bar", "off",
-            "-c", str(constraints),
-        ]  # fmt: skip
-        if requirements is not None:
-            argv += ["-r", str(requirements)]
-        argv += pip
-        self._pip(argv, cwd, environ, say, stop)
-        (env_dir / READY).touch()
+
+    def _mac(self, sealed: str) -> str:
+        """The seal as written to disk: keyed with the worker's token, which no job has,
+        so a job that changed an environment cannot write the seal that would match."""
+        if self.seal_key is None:
+            return ""
+        return hmac.new(self.seal_key, sealed.encode(), hashlib.sha256).hexdigest()
 
     def _pip(
         self,
         argv: list[str],
         cwd: Path,
-        environ: Mapping[str, str],
+        env: dict[str, str],
         say: Callable[[str], None],
         stop: threading.Event,
+        user: JobUser | None,
     ) -> None:
-        env = {**environ, **{k: v for k, v in os.environ.items() if k.startswith("PIP_")}}
+        # Through the launcher, as torchrun: under the job's uid when walled, without
+        # gaining a privilege by exec, and with nothing it started left after it.
+        uid = user.uid if user else None
         proc = subprocess.Popen(
-            argv,
+            procs.launcher_argv(argv, PIP_GRACE_S, uid, uid),
             cwd=cwd,
             env=env,
             stdin=subprocess.DEVNULL,
@@ -171,7 +262,7 @@ class Venvs:
         )
         assert proc.stdout is not None
         # A cancel (or a shutdown) while pip runs stops pip and what it spawned.
-        watcher = threading.Thread(target=_kill_on, args=(stop, proc), daemon=True)
+        watcher = threading.Thread(target=_stop_on, args=(stop, proc), daemon=True)
         watcher.start()
         errors: list[str] = []
         with proc.stdout:
@@ -189,24 +280,107 @@ class Venvs:
 
     def _trim(self) -> None:
         """Keep at most max_envs built environments: the least recently used go first,
-        never one a job is using."""
-        built = []
-        for d in self.root.iterdir():
-            with contextlib.suppress(FileNotFoundError):
-                built.append(((d / READY).stat().st_mtime, d))
+        never one a job is using (nor one put aside while its key is in use)."""
         with self._lock:
             busy = {k for k, n in self._in_use.items() if n > 0}
+        built = []
+        for d in self.root.iterdir():
+            if d.name.startswith(".inputs-"):
+                continue
+            if d.name.startswith(STALE):
+                if d.name.removeprefix(STALE).split(".")[0] not in busy:
+                    shutil.rmtree(d, ignore_errors=True)
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                built.append(((d / READY).stat().st_mtime, d))
         extra = len(built) - self.max_envs
         for _, d in sorted(built):
             if extra <= 0:
                 break
             if d.name not in busy:
                 shutil.rmtree(d, ignore_errors=True)
+                self._seals.pop(d.name, None)
                 extra -= 1
 
 
 class Stopped(Exception):
     """The attempt was asked to stop while its requirements were being installed."""
+
+
+def seal(env_dir: Path) -> str:
+    """What an environment is, as no process can forge it: each entry's path, type and
+    mode, owner, size, inode and ctime (any write, chmod or rename sets the ctime to now,
+    and nothing sets it back). The marks the worker itself touches are left out."""
+    h = hashlib.sha256()
+    for root, dirs, files in os.walk(env_dir):
+        dirs.sort()
+        for name in sorted(dirs + files):
+            path = os.path.join(root, name)
+            rel = os.path.relpath(path, env_dir)
+            if rel in (READY, SEAL):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                st = os.lstat(path)
+                h.update(
+                    f"{rel}\0{st.st_mode}\0{st.st_uid}\0{st.st_size}\0{st.st_ino}\0"
+                    f"{st.st_ctime_ns}\n".encode(errors="surrogateescape")
+                )
+    return h.hexdigest()
+
+
+def _frozen(reqs: list[Requirement], inputs: Path) -> list[str]:
+    """pip's lines, each file of the job's code it names copied first beside them and
+    checked against the digest the environment is keyed by: a job of the same user
+    could otherwise swap the wheel between the hashing and pip, and every later job
+    keyed by the first wheel would run the second."""
+    frozen = []
+    for n, r in enumerate(reqs):
+        if r.path is not None and r.digest is not None and r.key.startswith("file "):
+            copy = inputs / str(n) / r.path.name
+            copy.parent.mkdir()
+            copy.parent.chmod(0o755)  # read by the build
+            h = hashlib.sha256()
+            with open(r.path, "rb") as src, open(copy, "wb") as dst:
+                while chunk := src.read(1 << 20):
+                    h.update(chunk)
+                    dst.write(chunk)
+            copy.chmod(0o644)
+            if h.hexdigest() != r.digest:
+                raise JobError(f"{r.where}: {r.path.name} changed while its environment was built")
+            r = dataclasses.replace(r, line=str(copy) + r.line[len(str(r.path)) :])
+        frozen.append(r)
+    return requirements.pip_lines(frozen)
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+def _read_only(env_dir: Path) -> None:
+    """Readable by every job, writable by none but the worker."""
+    for root, dirs, files in os.walk(env_dir):
+        for name in [*dirs, *files]:
+            path = os.path.join(root, name)
+            with contextlib.suppress(OSError):
+                st = os.lstat(path)
+                if stat.S_ISLNK(st.st_mode):
+                    continue
+                mode = stat.S_IMODE(st.st_mode) & ~0o022 | 0o444
+                if stat.S_ISDIR(st.st_mode) or st.st_mode & 0o100:
+                    mode |= 0o111
+                os.chmod(path, mode)
+    os.chmod(env_dir, 0o755)  # noqa: S103 - every job reads it, none writes
+
+
+def _put_aside(env_dir: Path) -> None:
+    """Move an environment out of the way (a job may still run in it; it goes once no
+    job of its key does)."""
+    if os.path.lexists(env_dir):
+        aside = env_dir.with_name(f"{STALE}{env_dir.name}.{secrets.token_hex(4)}")
+        os.rename(env_dir, aside)
 
 
 def python_for(
@@ -216,17 +390,21 @@ def python_for(
     env: Mapping[str, str],
     say: Callable[[str], None],
     stop: threading.Event,
+    user: JobUser | None = None,
 ) -> contextlib.AbstractContextManager[str]:
     """The interpreter a job runs under, held while the block runs: this process's own,
     or one with the job's requirements (requirements.txt at the top of its code, or the
-    spec's pip list), built if need be."""
-    pip = list(spec.get("pip") or [])
-    requirements = cwd / "requirements.txt" if spec.get("code") else None
-    if requirements is not None and not requirements.is_file():
-        requirements = None
-    if requirements is None and not pip:
+    spec's pip list), built if need be. Requirements this worker does not install are
+    refused (JobError) before pip runs."""
+    try:
+        reqs = requirements.read(
+            cwd if spec.get("code") else None, list(spec.get("pip") or []), venvs.policy
+        )
+    except requirements.Refused as exc:
+        raise JobError(f"requirements refused: {exc}") from None
+    if not reqs:
         return contextlib.nullcontext(sys.executable)
-    return _as_str(venvs.using(requirements, pip, cwd, env, say, stop))
+    return _as_str(venvs.using(reqs, cwd, env, say, stop, user))
 
 
 @contextlib.contextmanager
@@ -243,9 +421,33 @@ def activate(env: dict[str, str], python: str) -> None:
         env.update(VIRTUAL_ENV=venv, PATH=f"{venv}/bin:{env.get('PATH', '')}")
 
 
-def _kill_on(stop: threading.Event, proc: subprocess.Popen[bytes]) -> None:
+def _stop_on(stop: threading.Event, proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the launcher (it stops pip, then whatever pip left) once ``stop`` is set;
+    SIGKILL its group if that takes longer than its grace."""
     while proc.poll() is None:
         if stop.wait(0.2):
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
+                proc.terminate()
+            try:
+                proc.wait(timeout=PIP_GRACE_S + 5)
+            except subprocess.TimeoutExpired:
+                procs.signal_group(proc.pid, signal.SIGKILL)
             return
+
+
+def _pip_env(job: Mapping[str, str]) -> dict[str, str]:
+    """pip's environment: the worker's allow-listed variables (proxies, CA bundles,
+    locale) and its PIP_* settings (the index is the operator's), and of the job's only
+    where it runs (HOME, TMPDIR, its user's name, the launch id that finds its processes):
+    never a PIP_INDEX_URL or PIP_CONFIG_FILE of the job's spec, which would get around
+    the requirements policy."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k in INHERITED_ENV or k.startswith(INHERITED_PREFIXES) or k.startswith("PIP_")
+    }
+    env.update({k: job[k] for k in _PIP_FROM_JOB if k in job})
+    return env
+
+
+_PIP_FROM_JOB = ("HOME", "TMPDIR", "USER", "LOGNAME", procs.LAUNCH_ID_VAR)

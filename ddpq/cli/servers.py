@@ -28,6 +28,7 @@ def serve(
     from worker.procs import make_undumpable
 
     make_undumpable()  # its tokens and database URL stay out of reach of jobs on this host
+    os.umask(0o077)  # what it writes (the SQLite database, token files) is its own alone
 
     try:
         run_serve(host, port, log_level)
@@ -108,6 +109,22 @@ def worker(
         int, typer.Option(help="slurm: jobs the bridge lets wait in Slurm at once")
     ] = 2,
     poll_s: Annotated[float, typer.Option(help="slurm: how often squeue is asked")] = 2.0,
+    job_uids: Annotated[
+        str,
+        typer.Option(
+            envvar="DDPQ_JOB_UIDS",
+            help="run each job under a uid of its own from FIRST-LAST (walls between jobs; "
+            "needs root or CAP_SETUID/CAP_SETGID); auto: 70000-70999 when the worker may, "
+            "else its own user; off: the worker's own user",
+        ),
+    ] = "auto",
+    pip_allow: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="what else jobs' requirements may hold besides names with versions and "
+            "files of their code: url, option or path-outside (repeat for several)"
+        ),
+    ] = None,
     log_level: str = "info",
 ) -> None:
     """Run a worker on this host, or a bridge to a Slurm partition.
@@ -122,6 +139,8 @@ def worker(
     from worker.agent import Agent, default_cpu_slots
     from worker.api import Refused
     from worker.procs import make_undumpable
+    from worker.requirements import Policy
+    from worker.walls import Walls, WallsError
 
     make_undumpable()  # before the token is read: jobs run as this user
 
@@ -145,6 +164,10 @@ def worker(
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the rest
     try:
+        pip_policy = Policy.parse(pip_allow or [])
+    except ValueError as exc:
+        _fail(f"--pip-allow: {exc}", EXIT_USAGE)
+    try:
         identity = datadir.hold(data_dir)
     except datadir.DataDirBusy as exc:
         _fail(str(exc), EXIT_USAGE)
@@ -152,6 +175,7 @@ def worker(
         "url": url, "token": token, "name": name, "workspace": workspace,
         "data_dir": data_dir, "checkpoint_dir": checkpoint_dir, "identity": identity,
         "code_cache_bytes": int(code_cache_gb * 1000**3), "max_envs": max(1, max_envs),
+        "pip_policy": pip_policy,
     }  # fmt: skip
     if executor == "slurm":
         if not partition:
@@ -162,6 +186,10 @@ def worker(
         return
     if executor != "local":
         _fail(f"--executor takes local or slurm, not {executor!r}", EXIT_USAGE)
+    try:
+        walls = Walls.configure(job_uids)
+    except (ValueError, WallsError) as exc:
+        _fail(str(exc), EXIT_USAGE)
     agent = Agent(
         **common,
         cpu_slots=cpu_slots if cpu_slots is not None else default_cpu_slots(),
@@ -170,11 +198,14 @@ def worker(
         advertise_addr=advertise_addr,
         rdzv_ports=ports,
         keep_workdirs_s=keep_workdirs_s,
+        walls=walls,
     )
     try:
         agent.run()
     except Refused as exc:  # a live worker holds this name (409), or a bad token
         _fail(f"the API refused this worker: {exc}", EXIT_USAGE)
+    except WallsError as exc:
+        _fail(f"cannot wall jobs: {exc}", EXIT_USAGE)
 
 
 def _run_bridge(
@@ -224,6 +255,13 @@ def up(
     gpus: Annotated[
         str | None, typer.Option(help="GPU indices, or none (default: all torch sees)")
     ] = None,
+    job_uids: Annotated[
+        str | None,
+        typer.Option(
+            help="the worker's --job-uids: FIRST-LAST, auto or off (default: auto, from "
+            "DDPQ_JOB_UIDS)"
+        ),
+    ] = None,
 ) -> None:
     """Run the API and one local worker together.
 
@@ -233,7 +271,11 @@ def up(
 
     from service.config import TokenError
     from service.main import ApiServer, build
-    from worker.procs import launcher_argv
+    from worker.procs import launcher_argv, make_undumpable
+
+    # It holds the API's tokens and database URL, and hands the worker its token.
+    make_undumpable()
+    os.umask(0o077)  # the SQLite database and the token files are its own alone
 
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -265,6 +307,8 @@ def up(
         argv += ["--cpu-slots", str(cpu_slots)]
     if gpus is not None:
         argv += ["--gpus", gpus]
+    if job_uids is not None:
+        argv += ["--job-uids", job_uids]
     # The worker needs time to hand its jobs back before the supervisor gives up on it.
     local_worker = subprocess.Popen(launcher_argv(argv, grace_s=150), env=env)
     token_file = (settings.data_dir / "api-token").resolve()

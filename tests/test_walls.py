@@ -411,3 +411,33 @@ def test_taking_back_a_directory_never_hands_over_another_file(tmp_path: Path) -
         assert os.stat("/etc/shadow").st_uid == 0
     assert (job_dir / "sub" / "mine.txt").stat().st_uid == 0, "taken back"
     assert stat.S_IMODE(job_dir.stat().st_mode) == 0o700
+
+
+def test_a_walled_worker_refuses_to_start_where_a_job_could_not_run_or_could_change_code(
+    api: Server, tmp_path: Path, host_dir: Path
+) -> None:
+    """The start check: a workspace its jobs' uids cannot reach (pytest's directories are
+    0700), then one holding a file any of them could rewrite: the worker exits at once,
+    naming the path and the fix, before it takes a job."""
+    closed = tmp_path / "closed"
+    closed.mkdir()
+    opened = host_dir / "shared"
+    opened.mkdir()
+    (opened / "train.py").write_text("print('every job runs me')\n")
+    (opened / "train.py").chmod(0o666)
+    for workspace, said in ((closed, "cannot read"), (opened, "could change")):
+        argv = worker_argv(
+            api, "checked", workspace, host_dir / f"data-{said[:5]}",
+            "--gpus", "none", "--job-uids", TEST_UIDS,
+        )  # fmt: skip
+        done = subprocess.run(
+            ["setpriv", f"--bounding-set={COMPOSE_CAPS}", "--inh-caps=-all", "--", *argv],
+            env=_child_env({"DDPQ_WORKER_TOKEN": api.worker_token}),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 2, (done.stdout, done.stderr)
+        assert said in done.stderr and str(workspace) in done.stderr, done.stderr
+        assert "--job-uids off" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert api.client().get("/workers").json()["items"] == [], "it never registered"

@@ -42,8 +42,12 @@ def attempt(what: str, action) -> None:  # type: ignore[no-untyped-def]
 
 
 def victim(signal: Path) -> None:
+    from multiprocessing.connection import Listener
+
     import ddpqtestpkg  # from the job's requirements: the shared environment
 
+    # A Unix socket in TMPDIR, as DataLoader workers make: its path must stay short.
+    Listener(family="AF_UNIX").close()
     Path("out.txt").write_text("the victim's output\n")
     ckpt = Path(os.environ["DDPQ_CHECKPOINT_DIR"])
     (ckpt / "victim.bin").write_bytes(b"the victim's weights\n")

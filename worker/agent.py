@@ -75,8 +75,7 @@ class Agent:
         self.claimer_done = threading.Event()  # the claim loop has returned (shutdown)
         self.walls = walls or Walls(None)
         self.workdirs = Workdirs(self.data_dir, code_cache_bytes, keep_workdirs_s)
-        for d in ("torchrun-logs", "scratch"):
-            (self.data_dir / d).mkdir(exist_ok=True)
+        (self.data_dir / "torchrun-logs").mkdir(exist_ok=True)
         self.context = RunContext(
             api=self.api,
             name=self.name,
@@ -234,7 +233,7 @@ class Agent:
         wrong and the fix), and whatever a worker killed mid-attempt left goes: its
         processes, its files in the shared temporary directories, the directories it had."""
         ctx, walls = self.context, self.walls
-        own = [ctx.workdirs.root, ctx.logs_root, ctx.scratch_root]
+        own = [ctx.workdirs.root, ctx.logs_root]
         walls.open_dirs(
             traverse=[self.data_dir, *own, self.checkpoint_root],
             closed=[self.workdirs.cache.root],
@@ -249,7 +248,7 @@ class Agent:
         )
         if walls.reap():
             log.warning("killed the processes of an earlier worker's jobs (uids in use)")
-        for leftover in [*ctx.logs_root.iterdir(), *ctx.scratch_root.iterdir()]:
+        for leftover in ctx.logs_root.iterdir():
             shutil.rmtree(leftover, ignore_errors=True)
         walls.take_back_orphans(self.workdirs.root)
         walls.take_back_orphans(self.checkpoint_root)

@@ -14,6 +14,7 @@ import secrets
 import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -63,11 +64,6 @@ class RunContext:
     @property
     def logs_root(self) -> Path:
         return self.data_dir / "torchrun-logs"
-
-    @property
-    def scratch_root(self) -> Path:
-        """Where each attempt's HOME (walled) and TMPDIR are, its own and gone after it."""
-        return self.data_dir / "scratch"
 
 
 @dataclass
@@ -248,13 +244,16 @@ class JobRunner:
         return torchrun.environment(os.environ, self.claim, at)
 
     def _run(self, shipper: LogShipper) -> Outcome:
-        # The attempt's own directories, named so no job can guess them: its scratch
-        # (TMPDIR; HOME when walled), and torchrun's log files (the job's: torchrun runs
-        # under its uid) beside the output file the worker tails (the worker's: a job
-        # that could swap it for a link would have the worker ship whatever it names).
+        # The attempt's own directories, named so no job can guess them: torchrun's log
+        # files (the job's: torchrun runs under its uid) beside the output file the
+        # worker tails (the worker's: a job that could swap it for a link would have the
+        # worker ship whatever it names), and its scratch (TMPDIR; HOME when walled),
+        # made in the worker's temporary directory: a short path, since programs put
+        # Unix sockets there (multiprocessing's, for DataLoader workers) and a socket's
+        # path has at most 107 bytes.
         name = f"job-{self.job_id}-attempt-{self.attempt}-{secrets.token_hex(6)}"
         log_dir = self.ctx.logs_root / name
-        scratch = self.ctx.scratch_root / name
+        scratch = Path(tempfile.mkdtemp(prefix=f"ddpq-job-{self.job_id}-"))
         try:
             with self.ctx.walls.attempt(self.job_id) as held:
                 log_dir.mkdir(parents=True)

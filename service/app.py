@@ -28,7 +28,7 @@ from service.auth import TokenGate, route_rules
 from service.config import Settings
 from service.db import Database, libpq_conninfo
 from service.errors import DomainError, Invalid, not_utf8_json
-from service.routes import code, jobs, meta, reports, ui, workers
+from service.routes import code, jobs, meta, reports, ui, users, workers
 from service.schemas import Error
 from service.telemetry import RequestMetrics, Telemetry
 from service.wakeup import Wakeup
@@ -258,6 +258,8 @@ def create_app(
     app.include_router(workers.router)
     app.include_router(code.router)
     app.include_router(code.workers_router)
+    app.include_router(users.router)
+    app.include_router(users.admin_router)
     app.include_router(telemetry.router)
     app.include_router(ui.router)  # the dashboard's open static shell; its data needs the token
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, larger=_body_limits(settings))
@@ -350,7 +352,13 @@ SECURITY_SCHEMES = {
     "userToken": {
         "type": "http",
         "scheme": "bearer",
-        "description": "DDPQ_API_TOKEN: people and their scripts",
+        "description": "a user's token (ddpqu_...; DDPQ_API_TOKEN is the first admin's): "
+        "people and their scripts",
+    },
+    "adminToken": {
+        "type": "http",
+        "scheme": "bearer",
+        "description": "an admin's user token: managing users, the audit trail",
     },
     "workerToken": {
         "type": "http",

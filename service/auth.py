@@ -1,28 +1,29 @@
-"""The three kinds of bearer token, and the gate that demands them.
+"""The kinds of bearer token, and the gate that demands them.
 
-user:   DDPQ_API_TOKEN, for people and their scripts (every /jobs and /recipes route)
+user:   a person's (or their script's) token, one per user (service.users): every
+        /jobs, /code and /recipes route. The route knows who asks (``CurrentUser``).
+admin:  a user token whose user is an admin: /users and /audit.
 worker: DDPQ_WORKER_TOKEN, only the /workers routes
 job:    minted per attempt at claim time and handed to the ranks; valid only for
-        that job's report routes while that attempt is live. Only its sha256 is
-        stored, so the database never holds a usable job token.
+        that job's report routes while that attempt is live.
+Only the sha256 of a user or job token is stored, so the database never holds a usable
+one; every check reads it, so a revoked token is refused at once by every API process.
 
-A route says which token it takes by depending on ``UserAuth``, ``WorkerAuth`` or
-``JobAttempt``. ``TokenGate``, an ASGI middleware, reads that off the matched route
-and checks the token *before* FastAPI reads the body or validates a parameter: a
-request without the right token learns nothing (401/403, never 422) and changes
-nothing. Closed by default: a route that declares no token kind and is not in
-``OPEN_PATHS`` answers 401 to everyone, so a route added without thinking about
-auth fails safe.
+A route says which token it takes by depending on ``UserAuth`` (or ``CurrentUser``),
+``AdminAuth``, ``WorkerAuth`` or ``JobAttempt``. ``TokenGate``, an ASGI middleware,
+reads that off the matched route and checks the token *before* FastAPI reads the body
+or validates a parameter: a request without the right token learns nothing (401/403,
+never 422) and changes nothing. Closed by default: a route that declares no token kind
+and is not in ``OPEN_PATHS`` answers 401 to everyone, so a route added without
+thinking about auth fails safe.
 """
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import json
 import logging
 import re
-import secrets
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Annotated, Any, get_args
@@ -34,13 +35,15 @@ from sqlalchemy import select
 from sqlalchemy.exc import InterfaceError, OperationalError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from service import queue
+from service import queue, users
+from service.db import Database
 from service.deps import DB
 from service.models import Attempt, Job, JobNode
+from service.tokens import JOB_TOKEN_PREFIX, hash_token, mint
+from service.users import Principal
 
 log = logging.getLogger("ddpq.service")
 
-JOB_TOKEN_PREFIX = "ddpqj_"  # noqa: S105 - a prefix, not a secret
 # Open to anyone: liveness, and the dashboard's static shell and the API's own
 # description (no data in either; the page fetches its data with a token).
 OPEN_PATHS = frozenset({"/healthz", "/", "/openapi.json"})
@@ -48,14 +51,9 @@ OPEN_PREFIXES = ("/static/",)
 KIND_ATTR = "ddpq_token_kind"
 
 
-def hash_token(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
-
-
 def mint_job_token() -> tuple[str, str]:
     """A fresh job token and the hash that is stored in its place."""
-    token = JOB_TOKEN_PREFIX + secrets.token_urlsafe(32)
-    return token, hash_token(token)
+    return mint(JOB_TOKEN_PREFIX)
 
 
 class Refusal(Exception):
@@ -79,26 +77,46 @@ def _same(a: str, b: str) -> bool:
     return hmac.compare_digest(a.encode("utf-8", "surrogateescape"), b.encode())
 
 
-def _static_kind(token: str, api_token: str, worker_token: str) -> str:
-    user = _same(token, api_token)
-    worker = _same(token, worker_token)  # both compared, always
-    if user:
-        return "user"
-    if worker:
-        return "worker"
+async def _principal(db: Database, token: str) -> Principal | None:
+    """The live user whose token this is, or None."""
+    digest = hash_token(token)
+    if db.dialect == "sqlite":
+        # On the event loop, as GET /jobs/{id} reads: a WAL reader never waits for a
+        # writer, and the hop to a thread costs more than this one indexed read.
+        return users.authenticate(db, digest)
+    return await run_in_threadpool(users.authenticate, db, digest)
+
+
+async def _kind_of(token: str, worker_token: str, db: Database) -> tuple[str, Principal | None]:
+    """What a token is: worker, job (by its shape: looked up only on a report route),
+    user (with who), or unknown."""
+    if _same(token, worker_token):
+        return "worker", None
     if token.startswith(JOB_TOKEN_PREFIX):
-        return "job"
-    return "unknown"
+        return "job", None
+    who = await _principal(db, token)
+    return ("user", who) if who is not None else ("unknown", None)
 
 
-def _check_static(token: str, wanted: str, api_token: str, worker_token: str) -> None:
-    kind = _static_kind(token, api_token, worker_token)
-    if kind == wanted:
-        return
+def _wrong_kind(kind: str, wanted: str) -> Refusal:
     if kind == "unknown":
-        raise Refusal(401, "invalid token")
-    # A job token is only looked up on report routes; elsewhere its shape suffices.
-    raise Refusal(403, f"a {kind} token cannot use this route; it takes the {wanted} token")
+        return Refusal(401, "invalid token (revoked, rotated, or never issued)")
+    takes = "a user token" if wanted in ("user", "admin") else f"the {wanted} token"
+    return Refusal(403, f"a {kind} token cannot use this route; it takes {takes}")
+
+
+async def check_token(token: str, wanted: str, worker_token: str, db: Database) -> Principal | None:
+    """Refusal unless ``token`` is of the ``wanted`` kind (user, admin or worker); who
+    it is for a user token."""
+    kind, who = await _kind_of(token, worker_token, db)
+    if wanted == "admin" and kind == "user":
+        assert who is not None
+        if not who.admin:
+            raise Refusal(403, f"this route is for admins; {who.name} is a {who.role}")
+        return who
+    if kind != wanted:
+        raise _wrong_kind(kind, wanted)
+    return who
 
 
 _JOB_ID = re.compile(r"[1-9][0-9]{0,18}")  # fullmatch: "$" also matches before a "\n"
@@ -189,7 +207,8 @@ def route_rules(app: FastAPI) -> list[RouteRule]:
         dependant = getattr(ctx, "dependant", None)
         methods = getattr(ctx, "methods", None)
         kind = _kind(path, dependant if isinstance(dependant, Dependant) else None)
-        uses_database = kind == "job" or (
+        # A job, user or admin token is looked up in the database.
+        uses_database = kind in ("job", "user", "admin") or (
             isinstance(dependant, Dependant)
             and any(call is _DATABASE for call in _calls(dependant))
         )
@@ -261,16 +280,16 @@ class TokenGate:
             raise Refusal(401, "this route takes no token ddpq knows of")
         token = _bearer(dict(scope.get("headers", [])))
         state = self.fastapi_app.state
-        if kind in ("user", "worker"):
-            _check_static(token, kind, state.api_token, state.worker_token)
+        if kind in ("user", "admin", "worker"):
+            who = await check_token(token, kind, state.worker_token, state.db)
+            if who is not None:
+                scope.setdefault("state", {})["principal"] = who
             return
         # kind == "job"
-        static = _static_kind(token, state.api_token, state.worker_token)
-        if static in ("user", "worker"):
-            raise Refusal(
-                403, f"a {static} token cannot report for a job; ranks use DDPQ_JOB_TOKEN"
-            )
-        if static == "unknown":
+        found, _ = await _kind_of(token, state.worker_token, state.db)
+        if found in ("user", "worker"):
+            raise Refusal(403, f"a {found} token cannot report for a job; ranks use DDPQ_JOB_TOKEN")
+        if found == "unknown":
             raise Refusal(401, "invalid token")
         attempt = await run_in_threadpool(_check_job, state.db, token, params.get("job_id"))
         scope.setdefault("state", {})["job_attempt"] = attempt
@@ -294,13 +313,16 @@ async def _refuse(send: Send, refusal: Refusal, allow: list[str] | None = None) 
 # an app built without it stays closed.
 
 
-def _require(wanted: str) -> Callable[[Request], Awaitable[None]]:
-    # async: it does no I/O, and a plain def would cost a thread-pool hop per request.
-    async def dependency(request: Request) -> None:
+def _require(wanted: str) -> Callable[[Request], Awaitable[Principal | None]]:
+    # async: a plain def would cost a thread-pool hop per request.
+    async def dependency(request: Request) -> Principal | None:
+        who = getattr(request.state, "principal", None)
+        if isinstance(who, Principal) and (wanted != "admin" or who.admin):
+            return who  # the gate checked it
         state = request.app.state
         try:
             token = _bearer(dict(request.scope.get("headers", [])))
-            _check_static(token, wanted, state.api_token, state.worker_token)
+            return await check_token(token, wanted, state.worker_token, state.db)
         except Refusal as refusal:
             raise HTTPException(refusal.status, refusal.detail) from None
 
@@ -309,7 +331,27 @@ def _require(wanted: str) -> Callable[[Request], Awaitable[None]]:
 
 
 require_user = _require("user")
+require_admin = _require("admin")
 require_worker = _require("worker")
+
+
+async def current_user(request: Request) -> Principal:
+    """Who the request comes from (a user or admin route)."""
+    who = await require_user(request)
+    assert who is not None
+    return who
+
+
+setattr(current_user, KIND_ATTR, "user")
+
+
+async def current_admin(request: Request) -> Principal:
+    who = await require_admin(request)
+    assert who is not None
+    return who
+
+
+setattr(current_admin, KIND_ATTR, "admin")
 
 
 async def require_job_attempt(request: Request) -> Attempt:
@@ -323,5 +365,8 @@ async def require_job_attempt(request: Request) -> Attempt:
 setattr(require_job_attempt, KIND_ATTR, "job")
 
 UserAuth = Depends(require_user)
+AdminAuth = Depends(require_admin)
 WorkerAuth = Depends(require_worker)
+CurrentUser = Annotated[Principal, Depends(current_user)]
+CurrentAdmin = Annotated[Principal, Depends(current_admin)]
 JobAttempt = Annotated[Attempt, Depends(require_job_attempt)]

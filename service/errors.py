@@ -24,6 +24,12 @@ class DomainError(Exception):
         self.detail = detail
 
 
+class Forbidden(DomainError):
+    """The token is good, but its user may not do this (another member's job)."""
+
+    status_code = 403
+
+
 class NotFound(DomainError):
     status_code = 404
 

@@ -14,9 +14,9 @@ from sqlalchemy import Table, and_, bindparam, func, or_, select, tuple_
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from service import code, queue
+from service import code, queue, users
 from service.db import Database
-from service.errors import Conflict, Invalid, NotFound
+from service.errors import Conflict, Forbidden, Invalid, NotFound
 from service.models import (
     TERMINAL,
     Attempt,
@@ -36,6 +36,7 @@ from service.schemas import (
     metric_in,
     metric_out,
 )
+from service.users import Principal
 
 # Statements of the hot paths (GET /jobs/{id}, every report), built once: building a
 # statement and its cache key cost more than running it on SQLite (Session.get too
@@ -144,6 +145,7 @@ def _publics(s: Session, jobs: list[Job]) -> list[JobPublic]:
                 latest_checkpoint=_checkpoint_public(c) if c else None,
                 queue_position=positions.get(j.id),
                 metrics_dropped=j.metrics_dropped or 0,
+                owner=j.owner,
                 code=snapshots.get(j.code) if j.code else None,
                 total_steps=j.total_steps,
                 external_id=external.get(j.id),
@@ -190,13 +192,21 @@ def get_job(db: Database, job_id: int) -> JobPublic:
 
 
 def list_jobs(
-    db: Database, statuses: list[str], limit: int, cursor: int | None, name: str | None = None
+    db: Database,
+    statuses: list[str],
+    limit: int,
+    cursor: int | None,
+    name: str | None = None,
+    owner: str | None = None,
 ) -> tuple[list[JobPublic], str | None]:
     """Newest first; ``cursor`` is the id the previous page ended at; ``name``, a text
-    the job's name or program (recipe or entrypoint) contains, in any case."""
+    the job's name or program (recipe or entrypoint) contains, in any case; ``owner``,
+    whose jobs."""
     q = select(Job).order_by(Job.id.desc()).limit(limit + 1)
     if statuses:
         q = q.where(Job.status.in_(statuses))
+    if owner is not None:
+        q = q.where(Job.owner == owner)
     if name:
         program = func.coalesce(
             Job.spec["recipe"].as_string(), Job.spec["entrypoint"].as_string(), ""
@@ -226,11 +236,15 @@ def _request_hash(spec: JobSpec) -> str:
 
 
 def submit_job(
-    db: Database, spec: JobSpec, idempotency_key: str | None, strict: bool = False
+    db: Database,
+    spec: JobSpec,
+    idempotency_key: str | None,
+    strict: bool = False,
+    owner: str | None = None,
 ) -> JobPublic:
     digest = _request_hash(spec) if idempotency_key is not None else None
     if idempotency_key is not None:
-        existing = _replay(db, idempotency_key, digest)
+        existing = _replay(db, idempotency_key, digest, owner)
         if existing is not None:
             return existing
     now = utcnow()
@@ -248,6 +262,7 @@ def submit_job(
         idempotency_key=idempotency_key,
         request_hash=digest,
         code=spec.code,
+        owner=owner,
     )
     try:
         with db.write() as s:
@@ -259,22 +274,27 @@ def submit_job(
                     raise Conflict(f"{problem} (strict=true: not queued)")
             s.add(job)
             s.flush()
+            program = spec.recipe or spec.entrypoint
+            users.audit(s, owner, "submit", f"job {job.id}", {"program": program})
             queue.notify_claimers(s)
             return _publics(s, [job])[0]
     except IntegrityError:
         # Another request with the same key won the race; answer with its job.
         if idempotency_key is not None:
-            existing = _replay(db, idempotency_key, digest)
+            existing = _replay(db, idempotency_key, digest, owner)
             if existing is not None:
                 return existing
         raise
 
 
-def _replay(db: Database, key: str, digest: str | None) -> JobPublic | None:
+def _replay(db: Database, key: str, digest: str | None, owner: str | None) -> JobPublic | None:
     with db.read() as s:
         job = s.scalar(select(Job).where(Job.idempotency_key == key))
         if job is None:
             return None
+        if job.owner != owner:
+            # Keys are one space for the whole API: another user's is not a replay.
+            raise Conflict(f"Idempotency-Key {key!r} was already used by another user")
         if job.request_hash != digest:
             raise Conflict(
                 f"Idempotency-Key {key!r} was already used for job {job.id} with a different body"
@@ -282,14 +302,23 @@ def _replay(db: Database, key: str, digest: str | None) -> JobPublic | None:
         return _publics(s, [job])[0]
 
 
-def cancel_job(db: Database, job_id: int) -> JobPublic:
-    """Queued jobs are cancelled at once; running ones once their worker confirms."""
+def cancel_job(db: Database, job_id: int, by: Principal | None = None) -> JobPublic:
+    """Queued jobs are cancelled at once; running ones once their worker confirms. A
+    member cancels only its own jobs (Forbidden, naming the owner); an admin, any."""
     now = utcnow()
     with db.write() as s:
         job = _get(s, job_id, lock=True)
+        if by is not None and not by.admin and job.owner != by.name:
+            whose = f"{job.owner}'s" if job.owner else "from before users existed"
+            raise Forbidden(
+                f"job {job_id} is {whose}: only its owner or an admin may cancel it "
+                f"({by.name} is a member)"
+            )
+        if job.status in (JobStatus.QUEUED, JobStatus.RUNNING) and by is not None:
+            users.audit(s, by.name, "cancel", f"job {job_id}", {"status": job.status})
         if job.status == JobStatus.QUEUED:
             job.status = JobStatus.CANCELLED
-            job.reason = "cancelled by user before it started"
+            job.reason = "cancelled by user before it started"  # who: the audit trail
             job.finished_at = now
         elif job.status == JobStatus.RUNNING:
             job.status = JobStatus.CANCELLING

@@ -11,8 +11,10 @@ from fastapi import FastAPI
 from sqlalchemy.exc import OperationalError
 
 from service import db as dbmod
+from service import users
 from service.app import begin_shutdown, create_app
 from service.config import Settings, resolve_tokens
+from service.tokens import hash_token
 
 log = logging.getLogger("ddpq.service")
 DB_WAIT_S = 60.0
@@ -44,6 +46,14 @@ def build(host: str, settings: Settings | None = None) -> tuple[Settings, FastAP
     )
     wait_for_database(database)
     dbmod.upgrade(settings.resolved_database_url)
+    # The API token of a set-up from before users existed is the first admin's.
+    if users.bootstrap(database, hash_token(api_token)):
+        log.info("the API token is the first admin's (user %s)", users.FIRST_ADMIN)
+    elif users.authenticate(database, hash_token(api_token)) is None:
+        log.warning(
+            "DDPQ_API_TOKEN (or %s) is no live user's token: it was rotated or revoked",
+            settings.data_dir / "api-token",
+        )
     return settings, create_app(settings, api_token, worker_token, database)
 
 

@@ -125,8 +125,12 @@ class Job(Base):
     code: Mapped[str | None] = mapped_column(
         String(64), ForeignKey("code_snapshots.id", ondelete="SET NULL"), index=True
     )
+    # Who submitted it (a user's name; None for jobs from before users existed).
+    owner: Mapped[str | None] = mapped_column(String(64))
 
     __table_args__ = (
+        # A user's jobs (ddpq ls --mine) and, later, what each user holds.
+        Index("ix_jobs_owner_status", "owner", "status"),
         # What runs on a worker and the CPU slots it holds: the claim's books, read
         # from the index alone.
         Index("ix_jobs_worker_status", "worker", "status", "held_cpu_slots"),
@@ -142,6 +146,41 @@ class Job(Base):
 # mixed order itself: an all-ascending one makes the database sort every queued job of
 # equal priority on every claim.
 Index("ix_jobs_status_priority_id", Job.status, Job.priority.desc(), Job.id)
+
+
+class UserRole(enum.StrEnum):
+    ADMIN = "admin"  # everything: manages users, cancels any job, reads the audit trail
+    MEMBER = "member"  # submits, sees every job, cancels and changes only its own
+
+
+class User(Base):
+    """A person (or a script of theirs) the API knows, by the sha256 of their token."""
+
+    __tablename__ = "users"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(64), unique=True)
+    role: Mapped[str] = mapped_column(String(16))
+    # sha256 of the token; the token itself is shown once and never stored.
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    # The token's first characters, to tell tokens apart in a listing.
+    token_hint: Mapped[str] = mapped_column(String(16))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    token_created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    revoked_at: Mapped[datetime | None]
+
+
+class AuditEvent(Base):
+    """Who did what, to what, and when."""
+
+    __tablename__ = "audit_events"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    at: Mapped[datetime] = mapped_column(default=utcnow)
+    actor: Mapped[str] = mapped_column(String(64))
+    action: Mapped[str] = mapped_column(String(32))  # submit, cancel, user.add, ...
+    target: Mapped[str] = mapped_column(String(200))  # "job 7", "user alice"
+    detail: Mapped[dict[str, Any] | None]
 
 
 class Attempt(Base):

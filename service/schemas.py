@@ -16,6 +16,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StringConstraints,
     field_validator,
     model_validator,
 )
@@ -296,6 +297,8 @@ class JobPublic(BaseModel):
     total_steps: int | None = None
     # The current attempt's id in the scheduler a bridge handed it to (a Slurm job id).
     external_id: str | None = None
+    # Who submitted it (None: from before users existed).
+    owner: str | None = None
 
 
 class JobsPublic(BaseModel):
@@ -625,3 +628,55 @@ def metric_out(value: float | None) -> MetricValue:
 
 def metric_in(value: float | str) -> float:
     return decode_number(value)
+
+
+# ---- people ---------------------------------------------------------------------------
+
+
+UserName = Annotated[str, StringConstraints(min_length=1, max_length=64)]
+
+
+class UserIn(Strict):
+    """POST /users: a new user (its name is checked by service.users.name_problem)."""
+
+    name: UserName
+    role: Literal["admin", "member"] = "member"
+
+
+class UserPublic(BaseModel):
+    name: str
+    role: Literal["admin", "member"]
+    # The token's first characters (never the token): to tell tokens apart.
+    token_hint: str
+    created_at: datetime
+    revoked_at: datetime | None
+
+
+class UserWithToken(UserPublic):
+    """A user and its token: the only answer that ever holds it (add, rotate)."""
+
+    token: str
+
+
+class UsersPublic(BaseModel):
+    items: list[UserPublic]
+
+
+class WhoAmI(BaseModel):
+    name: str
+    role: Literal["admin", "member"]
+
+
+class AuditEventPublic(BaseModel):
+    id: int
+    at: datetime
+    actor: str
+    # submit, cancel, user.add, user.revoke, user.rotate
+    action: str
+    target: str
+    detail: dict[str, Any]
+
+
+class AuditPublic(BaseModel):
+    items: list[AuditEventPublic]
+    next_cursor: str | None

@@ -44,6 +44,9 @@ def test_schemathesis_finds_no_server_error_and_no_schema_mismatch(
     assert st_bin, "schemathesis is in the dev extras"
     # Claims are long polls; a fuzzer asking for wait_s=60 must not hold the run.
     server = start_server(db_url, tmp_path / "api", DDPQ_MAX_CLAIM_WAIT_S="0.5")
+    # The admin routes get an admin of their own: one the fuzzer rotates or revokes
+    # (with a name it happened to guess) leaves the user routes' token working.
+    admin = server.client().post("/users", json={"name": "fuzz-admin", "role": "admin"})
     try:
         r = subprocess.run(
             [
@@ -72,6 +75,7 @@ def test_schemathesis_finds_no_server_error_and_no_schema_mismatch(
                 "PYTHONPATH": str(REPO),
                 "DDPQ_FUZZ_USER_TOKEN": server.api_token,
                 "DDPQ_FUZZ_WORKER_TOKEN": server.worker_token,
+                "DDPQ_FUZZ_ADMIN_TOKEN": admin.json()["token"],
             },
             cwd=tmp_path,
             capture_output=True,

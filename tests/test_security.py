@@ -54,15 +54,28 @@ def test_every_route_refuses_every_wrong_token_and_changes_nothing(server: Serve
     queued = server.client().post("/jobs", json=GOOD).json()
     ids = [a["job_id"], b["job_id"], c["job_id"], queued["id"]]
     doc = httpx.get(f"{server.url}/openapi.json").json()
-    kinds = {"userToken": "user", "workerToken": "worker", "jobToken": "job"}
+    kinds = {
+        "userToken": "user", "adminToken": "admin", "workerToken": "worker", "jobToken": "job"
+    }  # fmt: skip
+    member = server.client().post("/users", json={"name": "mallory"}).json()["token"]
     before = _state(server, ids)
 
     wrong: dict[str, list[tuple[str | None, str, int]]] = {
         # (token, why, expected status), for a route of each kind
         "user": [("worker", "worker token", 403), (a["token"], "job token", 403)],
-        "worker": [("user", "user token", 403), (a["token"], "job token", 403)],
+        "admin": [
+            ("worker", "worker token", 403),
+            (a["token"], "job token", 403),
+            (member, "a member's token", 403),
+        ],
+        "worker": [
+            ("user", "user token", 403),
+            (member, "a member's token", 403),
+            (a["token"], "job token", 403),
+        ],
         "job": [
             ("user", "user token", 403),
+            (member, "a member's token", 403),
             ("worker", "worker token", 403),
             (b["token"], "job B's token on job A", 403),
             (c["token"], "an ended attempt's token", 403),

@@ -10,7 +10,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response, StreamingResponse
 
 from service import jobs, logs, metrics, streams
-from service.auth import UserAuth
+from service.auth import CurrentUser, UserAuth
 from service.deps import DB, JobId, SettingsDep, WakeupDep, gone
 from service.errors import Invalid, responses
 from service.models import JobStatus
@@ -45,6 +45,7 @@ async def submit_job(
     spec: JobSpec,
     db: DB,
     wakeup: WakeupDep,
+    me: CurrentUser,
     idempotency_key: Annotated[
         IdempotencyKey | None,
         Header(
@@ -57,7 +58,7 @@ async def submit_job(
     ] = False,
 ) -> JobPublic:
     """Queue a job."""
-    job = await run_in_threadpool(jobs.submit_job, db, spec, idempotency_key, strict)
+    job = await run_in_threadpool(jobs.submit_job, db, spec, idempotency_key, strict, me.name)
     wakeup.notify()
     return job
 
@@ -65,6 +66,7 @@ async def submit_job(
 @router.get("/jobs", response_model=JobsPublic)
 def list_jobs(
     db: DB,
+    me: CurrentUser,
     status: Annotated[
         str | None, Query(max_length=200, description="comma-separated states")
     ] = None,
@@ -79,6 +81,10 @@ def list_jobs(
             "this, in any case",
         ),
     ] = None,
+    user: Annotated[
+        str | None, Query(min_length=1, max_length=64, description="only this user's jobs")
+    ] = None,
+    mine: Annotated[bool, Query(description="only the jobs of the token's user")] = False,
 ) -> JobsPublic:
     """List jobs, newest first."""
     statuses = [s.strip() for s in status.split(",") if s.strip()] if status else []
@@ -96,7 +102,10 @@ def list_jobs(
                 ("query", "cursor"), "malformed cursor; pass next_cursor from the previous page"
             )
         after = int(cursor)
-    items, next_cursor = jobs.list_jobs(db, statuses, limit, after, name)
+    if mine and user is not None and user != me.name:
+        raise Invalid(("query", "mine"), f"mine=true is {me.name}'s jobs, not user={user}'s")
+    owner = me.name if mine else user
+    items, next_cursor = jobs.list_jobs(db, statuses, limit, after, name, owner)
     return JobsPublic(items=items, next_cursor=next_cursor)
 
 
@@ -119,11 +128,18 @@ async def get_job(job_id: JobId, db: DB) -> Response:
     "/jobs/{job_id}/cancel",
     status_code=202,
     response_model=JobPublic,
-    responses=responses({**NO_JOB, 409: "the job has already ended"}),
+    responses=responses(
+        {
+            **NO_JOB,
+            403: "another member's job (a member cancels only its own)",
+            409: "the job has already ended",
+        }
+    ),
 )
-async def cancel_job(job_id: JobId, db: DB, wakeup: WakeupDep) -> JobPublic:
-    """Cancel a job: at once while queued; once its processes are gone while running."""
-    job = await run_in_threadpool(jobs.cancel_job, db, job_id)
+async def cancel_job(job_id: JobId, db: DB, wakeup: WakeupDep, me: CurrentUser) -> JobPublic:
+    """Cancel a job: at once while queued; once its processes are gone while running.
+    A member may cancel its own jobs, an admin any."""
+    job = await run_in_threadpool(jobs.cancel_job, db, job_id, me)
     wakeup.notify()
     return job
 

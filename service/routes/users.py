@@ -1,0 +1,91 @@
+"""People: who am I, the users (admins manage them), and the audit trail."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Query
+from fastapi.concurrency import run_in_threadpool
+
+from service import users
+from service.auth import AdminAuth, CurrentAdmin, CurrentUser, UserAuth
+from service.deps import DB
+from service.errors import Invalid, responses
+from service.schemas import (
+    AuditPublic,
+    UserIn,
+    UserPublic,
+    UsersPublic,
+    UserWithToken,
+    WhoAmI,
+)
+
+router = APIRouter(dependencies=[UserAuth], tags=["users"])
+admin_router = APIRouter(dependencies=[AdminAuth], tags=["users"])
+UserNamePath = Annotated[str, Path(min_length=1, max_length=64)]
+NO_USER = {404: "no such user"}
+
+
+@router.get("/whoami", response_model=WhoAmI)
+async def whoami(me: CurrentUser) -> WhoAmI:
+    """Who the token belongs to, and their role."""
+    return WhoAmI(name=me.name, role=me.role)  # type: ignore[arg-type]
+
+
+@admin_router.get("/users", response_model=UsersPublic)
+async def list_users(db: DB) -> UsersPublic:
+    """Every user, revoked ones too (admins only)."""
+    items = await run_in_threadpool(users.list_users, db)
+    return UsersPublic.model_validate({"items": items})
+
+
+@admin_router.post(
+    "/users",
+    status_code=201,
+    response_model=UserWithToken,
+    responses=responses({409: "a user of that name exists"}),
+)
+async def add_user(body: UserIn, db: DB, me: CurrentAdmin) -> UserWithToken:
+    """Add a user; the answer holds its token, shown this once (admins only)."""
+    user, token = await run_in_threadpool(users.add_user, db, me, body.name, body.role)
+    return UserWithToken.model_validate({**user, "token": token})
+
+
+@admin_router.post(
+    "/users/{name}/revoke",
+    response_model=UserPublic,
+    responses=responses({**NO_USER, 409: "already revoked, or the last admin"}),
+)
+async def revoke_user(name: UserNamePath, db: DB, me: CurrentAdmin) -> UserPublic:
+    """Revoke a user: its token is refused at once (admins only; its jobs stay its)."""
+    return UserPublic.model_validate(await run_in_threadpool(users.revoke_user, db, me, name))
+
+
+@admin_router.post(
+    "/users/{name}/rotate",
+    response_model=UserWithToken,
+    responses=responses({**NO_USER, 409: "the user is revoked"}),
+)
+async def rotate_user(name: UserNamePath, db: DB, me: CurrentAdmin) -> UserWithToken:
+    """A new token for a user, shown this once; the old one is refused at once."""
+    user, token = await run_in_threadpool(users.rotate_user, db, me, name)
+    return UserWithToken.model_validate({**user, "token": token})
+
+
+@admin_router.get("/audit", response_model=AuditPublic)
+async def get_audit(
+    db: DB,
+    limit: Annotated[int, Query(ge=1, le=500)] = 100,
+    cursor: Annotated[str | None, Query(max_length=40)] = None,
+) -> AuditPublic:
+    """Who did what and when, newest first (admins only)."""
+    after = None
+    if cursor is not None:
+        if not re.fullmatch(r"[0-9]{1,19}", cursor) or not 0 < int(cursor) < 2**63:
+            raise Invalid(
+                ("query", "cursor"), "malformed cursor; pass next_cursor from the previous page"
+            )
+        after = int(cursor)
+    items, next_cursor = await run_in_threadpool(users.audit_trail, db, limit, after)
+    return AuditPublic.model_validate({"items": items, "next_cursor": next_cursor})

@@ -1,12 +1,16 @@
 """A small Python client of the ddpq API.
 
     from ddpq.client import Client
-    with Client() as c:                       # DDPQ_URL / DDPQ_TOKEN, or ./var/api-token
+    with Client() as c:   # URL and token found as the CLI finds them (ddpq.config): the
+                          # arguments url=, token=, server=, then DDPQ_URL/DDPQ_TOKEN,
+                          # then the servers `ddpq login` saved, then ./var/api-token
         job = c.submit({"recipe": "toy-regression", "world_size": 2})
         job = c.wait(job["id"])
 
 Errors: ``ApiError`` (the API answered 4xx/5xx; ``.status`` and ``.detail``),
-``httpx.HTTPError`` for transport failures.
+``httpx.HTTPError`` for transport failures, ``ddpq.config.ConfigError`` for a server
+name the config file does not hold. ``Client.target`` says where the URL and the token
+came from (ddpq.config.resolve).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
+from urllib.parse import quote
 
 import httpx
 
@@ -75,12 +80,28 @@ def format_detail(detail: Any) -> str:
     return str(detail)
 
 
+def _segment(value: str) -> str:
+    """``value`` as one path segment: a name with a slash or a dot-dot stays a name."""
+    return quote(value, safe="")
+
+
 class Client:
     def __init__(
-        self, url: str | None = None, token: str | None = None, timeout: float = 30.0
+        self,
+        url: str | None = None,
+        token: str | None = None,
+        timeout: float = 30.0,
+        server: str | None = None,
+        target: config.Target | None = None,
     ) -> None:
-        self.url = (url or config.api_url()).rstrip("/")
-        token = token or config.user_token()
+        """``url``, ``token``, ``server`` (a server ``ddpq login`` saved) stand for the
+        CLI's flags; what they leave open comes from the environment, the config file,
+        ./var/api-token (ddpq.config.resolve). ``target``: resolved already."""
+        self.target = target or config.resolve(
+            url, token, server, flags=("url=", "token=", "server=")
+        )
+        self.url = self.target.url
+        token = self.target.token
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
 
@@ -179,7 +200,11 @@ class Client:
         limit: int = 50,
         cursor: str | None = None,
         name: str | None = None,
+        user: str | None = None,
+        mine: bool = False,
     ) -> dict[str, Any]:
+        """A page of jobs, newest first; ``user``: only that user's, ``mine``: only the
+        token's user's (the API filters)."""
         params: dict[str, Any] = {"limit": limit}
         if status:
             params["status"] = status if isinstance(status, str) else ",".join(status)
@@ -187,11 +212,53 @@ class Client:
             params["cursor"] = cursor
         if name:
             params["name"] = name
+        if user:
+            params["user"] = user
+        if mine:
+            params["mine"] = "true"
         result: dict[str, Any] = self._call("GET", "/jobs", params=params).json()
         return result
 
     def cancel(self, job_id: int) -> dict[str, Any]:
         result: dict[str, Any] = self._call("POST", f"/jobs/{job_id}/cancel").json()
+        return result
+
+    # ---- people ---------------------------------------------------------------------------
+
+    def whoami(self) -> dict[str, Any]:
+        """The token's user: ``{"name", "role"}`` (role ``admin`` or ``member``)."""
+        result: dict[str, Any] = self._call("GET", "/whoami").json()
+        return result
+
+    def users(self) -> list[dict[str, Any]]:
+        """Every user, revoked ones too (admins): name, role, created_at, revoked_at,
+        token_hint."""
+        items: list[dict[str, Any]] = self._call("GET", "/users").json()["items"]
+        return items
+
+    def add_user(self, name: str, admin: bool = False) -> dict[str, Any]:
+        """A new user (admins); the answer's ``token`` is shown this once."""
+        body = {"name": name, "role": "admin" if admin else "member"}
+        result: dict[str, Any] = self._call("POST", "/users", json=body).json()
+        return result
+
+    def revoke_user(self, name: str) -> dict[str, Any]:
+        """Revoke a user (admins): its token is refused from now on."""
+        result: dict[str, Any] = self._call("POST", f"/users/{_segment(name)}/revoke").json()
+        return result
+
+    def rotate_user(self, name: str) -> dict[str, Any]:
+        """A new token for a user (admins), in ``token``; the old one stops working."""
+        result: dict[str, Any] = self._call("POST", f"/users/{_segment(name)}/rotate").json()
+        return result
+
+    def audit(self, limit: int = 100, cursor: str | None = None) -> dict[str, Any]:
+        """A page of the audit trail (admins), newest first: ``{"items": [{"id", "at",
+        "actor", "action", "target", "detail"}], "next_cursor"}``."""
+        params: dict[str, Any] = {"limit": limit}
+        if cursor:
+            params["cursor"] = cursor
+        result: dict[str, Any] = self._call("GET", "/audit", params=params).json()
         return result
 
     def metrics(

@@ -11,12 +11,15 @@ those tests are skipped, unless DDPQ_REQUIRE_SLURM=1 (set by .ci/run).
 
 from __future__ import annotations
 
+import atexit
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -30,6 +33,13 @@ import pytest
 
 from tests import slurmcluster
 from worker.procs import launch_prefix
+
+# No test reads or writes the config file of whoever runs them (`ddpq login` and `ddpq up`
+# write ~/.config/ddpq/config.toml): this process, and every `ddpq` it starts, use one of
+# the session's own unless a test gives its own XDG_CONFIG_HOME.
+_CONFIG_HOME = tempfile.mkdtemp(prefix="ddpq-test-config-")
+os.environ["XDG_CONFIG_HOME"] = _CONFIG_HOME
+atexit.register(shutil.rmtree, _CONFIG_HOME, ignore_errors=True)
 
 PG_ADMIN = os.environ.get("DDPQ_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 REQUIRE_PG = os.environ.get("DDPQ_REQUIRE_POSTGRES") == "1"

@@ -303,9 +303,12 @@ def test_ls_filters_follows_cursors_and_prints_json(server: Server) -> None:
     assert r.returncode == 0, r.stderr
     header, *rows = r.stdout.strip().splitlines()
     assert header.split() == [
-        "ID", "NAME", "PROGRAM", "STATUS", "ATTEMPT", "WORKER", "STEP", "LOSS", "AGE", "REASON"
+        "ID", "NAME", "OWNER", "PROGRAM", "STATUS", "ATTEMPT", "WORKER", "STEP", "LOSS", "AGE",
+        "REASON",
     ]  # fmt: skip
-    assert rows[0].split()[:4] == [str(gone["id"]), "ls-needle-gone", "train.py", "cancelled"]
+    assert rows[0].split()[:5] == [
+        str(gone["id"]), "ls-needle-gone", "admin", "train.py", "cancelled"
+    ]  # fmt: skip
     assert "queued" in rows[1] and "in queue" in rows[1]  # why it waits
 
     r = ddpq(server, "ls", "--status", "sleeping")

@@ -233,11 +233,14 @@ def test_dashboard_follows_a_job_and_cancels_it(sqlite_server: Server) -> None:
             page.fill("#token-input", server.api_token)
             page.click("#login button[type=submit]")
             expect(login).to_be_hidden()
+            # Who the token is (GET /whoami): the API's own token is the first admin's.
+            expect(page.locator("#whoami")).to_have_text("signed in as admin (admin)")
             problems.clear()  # the refused token's 401 is logged by the browser, on purpose
 
             row = page.locator(f'#jobs tr[data-job-id="{job_id}"]')
             # The name is shown as text, not parsed as markup.
             expect(row.locator("td.name")).to_have_text("dash <i>job</i>")
+            expect(row.locator("td.owner")).to_have_text("admin")
             expect(row.locator(".status")).to_have_text("queued")
 
             claim_r = server.client("worker").post(
@@ -316,8 +319,10 @@ def test_dashboard_follows_a_job_and_cancels_it(sqlite_server: Server) -> None:
             page.reload()
             expect(page.locator("#job-status .status")).to_have_text("cancelled")
             expect(login).to_be_hidden()
+            expect(page.locator("#whoami")).to_have_text("signed in as admin (admin)")
             page.click("#forget")
             expect(login).to_be_visible()
+            expect(page.locator("#whoami")).to_be_hidden()
             assert not any(
                 item["name"] == "ddpq.token"
                 for origin in context.storage_state()["origins"]
@@ -410,3 +415,59 @@ def test_the_chart_draws_the_whole_run_of_several_series_and_follows_it(
     assert queries and all("max_points" in q for q in queries), asked
     assert "since_step" not in queries[0] and all("since_step" in q for q in queries[1:]), asked
     finish(server, claim)
+
+
+def test_a_member_sees_who_they_are_the_owners_and_why_a_cancel_is_refused(
+    sqlite_server: Server,
+) -> None:
+    if not os.access(CHROMIUM, os.X_OK):
+        pytest.fail(f"no Chromium at {CHROMIUM}: run `make browser` (or set DDPQ_CHROMIUM)")
+    expect.set_options(timeout=TIMEOUT_MS)
+    server = sqlite_server
+    admin = server.client()
+    r = admin.post("/users", json={"name": "alice", "role": "member"})
+    assert r.status_code == 201, r.text
+    alice = server.client(r.json()["token"])
+    theirs = admin.post("/jobs", json={"recipe": "toy-regression", "name": "admins"}).json()
+    mine = alice.post("/jobs", json={"recipe": "toy-regression", "name": "alices"}).json()
+    problems: list[str] = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page()
+            page.set_default_timeout(TIMEOUT_MS)
+            page.on("pageerror", lambda e: problems.append(str(e)))
+            page.goto(server.url + "/")
+            # A worker's token is a token, but not a user's: asked again.
+            page.fill("#token-input", server.worker_token)
+            page.click("#login button[type=submit]")
+            expect(page.locator("#login-error")).to_contain_text("refused")
+            page.fill("#token-input", r.json()["token"])
+            page.click("#login button[type=submit]")
+            expect(page.locator("#login")).to_be_hidden()
+            expect(page.locator("#whoami")).to_have_text("signed in as alice (member)")
+
+            rows = page.locator("#jobs tbody tr")
+            expect(rows).to_have_count(2)
+            expect(page.locator("#jobs td.owner")).to_have_text(["alice", "admin"])
+            page.check("#mine-filter")
+            expect(rows).to_have_count(1)
+            expect(page.locator("#jobs td.owner")).to_have_text(["alice"])
+            page.uncheck("#mine-filter")
+            expect(rows).to_have_count(2)
+
+            # Another's job: the refusal is shown, the token kept.
+            page.goto(f"{server.url}/#/jobs/{theirs['id']}")
+            expect(page.locator("#job-facts")).to_contain_text("admin")
+            page.once("dialog", lambda d: d.accept())
+            page.click("#cancel")
+            expect(page.locator("#job-error")).to_contain_text("Cancel failed")
+            expect(page.locator("#job-error")).to_contain_text("admin's")
+            expect(page.locator("#login")).to_be_hidden()
+            expect(page.locator("#whoami")).to_have_text("signed in as alice (member)")
+            assert admin.get(f"/jobs/{theirs['id']}").json()["status"] == "queued"
+            assert not problems, problems
+        finally:
+            browser.close()
+    assert alice.post(f"/jobs/{mine['id']}/cancel").json()["status"] == "cancelled"
+    assert admin.post(f"/jobs/{theirs['id']}/cancel").json()["status"] == "cancelled"

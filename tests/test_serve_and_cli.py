@@ -98,6 +98,8 @@ def test_up_runs_the_api_and_a_local_worker(tmp_path: Path) -> None:
     try:
         url = f"http://127.0.0.1:{port}"
         wait_for(lambda: httpx.get(f"{url}/healthz").status_code == 200, 60, "ddpq up")
+        # The banner comes once the API answers: it says the user is logged in to it.
+        wait_for(lambda: "ddpq is up" in log.read_text(), 60, "the banner")
         text = log.read_text()
         assert url in text and str(tmp_path / "var" / "api-token") in text and "ddpq submit" in text
         token = (tmp_path / "var" / "api-token").read_text().strip()

@@ -35,21 +35,23 @@ EXIT_INTERRUPTED = 130
 EXIT_CODES = {
     EXIT_OK: "ok (watch, status, submit --wait: the job succeeded)",
     EXIT_API: "the API refused the request or failed (4xx/5xx), with its reason",
-    EXIT_USAGE: "bad usage: a flag, or a spec file that is not YAML/JSON",
-    EXIT_UNREACHABLE: "the API could not be reached (--url, DDPQ_URL)",
+    EXIT_USAGE: "bad usage: a flag, a spec file that is not YAML/JSON, the config file",
+    EXIT_UNREACHABLE: "the API could not be reached (--url, --server, DDPQ_URL, ddpq login)",
     EXIT_JOB_FAILED: "the job failed or was cancelled (watch, status, submit --wait)",
     EXIT_UNSCHEDULABLE: "submit --wait: no registered worker can ever run the job",
     EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
 }
 
 # Where every client command finds the API: said under each one's help, since that is
-# where a user looks when a command cannot reach it or is refused.
+# where a user looks when a command cannot reach it or is refused. (ddpq.config owns
+# the order.)
 API_HELP = (
-    "The API: --url or DDPQ_URL (default "
+    "The API and the user token: --url and --token, or --server NAME (a server "
+    "`ddpq login` saved); else DDPQ_URL (or DDPQ_PORT: http://127.0.0.1:PORT) and "
+    "DDPQ_TOKEN; else the default server of ~/.config/ddpq/config.toml; else "
     + config.DEFAULT_URL
-    + "); the user token: --token or DDPQ_TOKEN, else the file var/api-token that "
-    "`ddpq serve` wrote (DDPQ_DATA_DIR/api-token). Both go before the command: "
-    "ddpq --url URL --token TOKEN ls."
+    + " and the file var/api-token that `ddpq serve` wrote (DDPQ_DATA_DIR/api-token). "
+    "They go before the command: ddpq --server lab ls."
 )
 
 # "\b" keeps click from re-wrapping a paragraph into one line.
@@ -71,10 +73,13 @@ err = Console(stderr=True)
 
 
 class _Api:
-    """The API and token the global --url/--token chose (None: ddpq.config decides)."""
+    """The global --url/--token/--server (None: ddpq.config decides), and the target
+    they resolve to, once."""
 
     url: str | None = None
     token: str | None = None
+    server: str | None = None
+    target: config.Target | None = None
 
 
 @app.callback()
@@ -83,29 +88,49 @@ def _global_options(
         str | None,
         typer.Option(
             "--url",
-            envvar="DDPQ_URL",
-            show_envvar=True,
             metavar="URL",
-            help=f"the API (default {config.DEFAULT_URL})",
+            help=f"the API (else DDPQ_URL, DDPQ_PORT, the config's default server, "
+            f"{config.DEFAULT_URL})",
         ),
     ] = None,
     token: Annotated[
         str | None,
         typer.Option(
             "--token",
-            envvar="DDPQ_TOKEN",
-            show_envvar=True,
             metavar="TOKEN",
-            help="the user token (default: the file var/api-token `ddpq serve` wrote)",
+            help="the user token (else DDPQ_TOKEN, the config's server, the file "
+            "var/api-token `ddpq serve` wrote)",
+        ),
+    ] = None,
+    server: Annotated[
+        str | None,
+        typer.Option(
+            "--server",
+            metavar="NAME",
+            help="a server `ddpq login` saved in ~/.config/ddpq/config.toml: its URL and token",
         ),
     ] = None,
 ) -> None:
+    # The environment is read by ddpq.config, which says where each value came from.
     _Api.url = url.rstrip("/") if url else None
     _Api.token = token.strip() if token else None
+    _Api.server = server or None
+    _Api.target = None
+
+
+def _target() -> config.Target:
+    """Where this command's requests go and with what token (exit 2 if the config file
+    cannot say: an unknown --server, an unreadable file)."""
+    if _Api.target is None:
+        try:
+            _Api.target = config.resolve(_Api.url, _Api.token, _Api.server)
+        except config.ConfigError as exc:
+            _fail(str(exc), EXIT_USAGE)
+    return _Api.target
 
 
 def _api_url() -> str:
-    return _Api.url or config.api_url()
+    return _target().url
 
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON for scripts")]
@@ -170,32 +195,56 @@ def _client_command(fn: F) -> F:
 
 
 def _client() -> Client:
-    return Client(_Api.url, _Api.token)
+    return Client(target=_target())
 
 
-def client_command(**settings: Any) -> Callable[[F], F]:
-    """Register a command that talks to the API: Ctrl-C and closed pipes handled
-    (_client_command), and the help saying where the API and token come from."""
+def client_command(group: typer.Typer | None = None, **settings: Any) -> Callable[[F], F]:
+    """Register a command that talks to the API (on ``group``, a group of commands like
+    `ddpq users`, else on the app): Ctrl-C and closed pipes handled (_client_command),
+    and the help saying where the API and token come from."""
 
     def register(fn: F) -> F:
-        return cast(F, app.command(epilog=API_HELP, **settings)(_client_command(fn)))
+        on = app if group is None else group
+        return cast(F, on.command(epilog=API_HELP, **settings)(_client_command(fn)))
 
     return register
 
 
+def _refusal(exc: ApiError, target: config.Target) -> str:
+    """Why the API refused the token, where it came from, and what to do."""
+    detail = format_detail(exc.detail)
+    if target.token is None:
+        return (
+            f"{target.url} wants a user token and none was found (not in --token, "
+            f"DDPQ_TOKEN, {config.shown(config.config_path())} or var/api-token): "
+            f"`ddpq login {target.url}` saves one ({detail})"
+        )
+    login = f"ddpq login {target.url}" + (f" --server {target.server}" if target.server else "")
+    return f"{target.url} refused the token: {detail} ({target.origin()}); `{login}` saves another"
+
+
 def _call(fn: Any, *args: Any, **kw: Any) -> Any:
+    """Call the API; its refusals and failures become one line naming the URL tried and
+    where its token came from, with the exit code of EXIT_CODES."""
     try:
         return fn(*args, **kw)
     except ApiError as exc:
+        target = _target()
         if exc.status == 401:
+            _fail(_refusal(exc, target), EXIT_API)
+        if exc.status == 403:
             _fail(
-                f"{format_detail(exc.detail)} (give --token or set DDPQ_TOKEN, or run where"
-                " ./var/api-token is)",
+                f"HTTP 403: {format_detail(exc.detail)} (at {target.url}; {target.origin()})",
                 EXIT_API,
             )
         _fail(f"HTTP {exc.status}: {format_detail(exc.detail)}", EXIT_API)
     except httpx.HTTPError as exc:
-        _fail(f"cannot reach the ddpq API at {_api_url()}: {exc}", EXIT_UNREACHABLE)
+        target = _target()
+        why = " ".join(str(exc).split()) or type(exc).__name__
+        _fail(
+            f"cannot reach the ddpq API at {target.url} ({target.origin()}): {why}",
+            EXIT_UNREACHABLE,
+        )
     except json.JSONDecodeError:
         _fail(f"{_api_url()} answered something that is not the ddpq API's JSON", EXIT_API)
 

@@ -360,6 +360,7 @@ def status(job_id: int, as_json: JsonOpt = False) -> None:
         fields = [
             ("id", job["id"]),
             ("name", job["name"] or ""),
+            ("owner", _owner(job)),
             ("status", job["status"]),
             ("program", _program(job)),
             ("world size", job["spec"]["world_size"]),
@@ -394,6 +395,11 @@ def status(job_id: int, as_json: JsonOpt = False) -> None:
         raise typer.Exit(EXIT_JOB_FAILED)
 
 
+def _owner(job: dict[str, Any]) -> str:
+    """Who submitted the job; "-" for one from before users existed."""
+    return str(job.get("owner") or "-")
+
+
 def _print_fields(fields: list[tuple[str, str]]) -> None:
     """Key and value per line; on a terminal a long value wraps under its own column
     (the "latest" metrics) instead of under the keys."""
@@ -410,13 +416,19 @@ def _print_fields(fields: list[tuple[str, str]]) -> None:
 
 
 def _find_jobs(
-    c: Client, statuses: list[str], name: str | None, limit: int, cursor: str | None = None
+    c: Client,
+    statuses: list[str],
+    name: str | None,
+    limit: int,
+    cursor: str | None = None,
+    user: str | None = None,
+    mine: bool = False,
 ) -> tuple[list[dict[str, Any]], str | None]:
     """Up to ``limit`` jobs, newest first, following next_cursor past the API's page size
-    (the API filters by state and name)."""
+    (the API filters by state, name and owner)."""
     found: list[dict[str, Any]] = []
     while True:
-        page = c.jobs(statuses, min(500, limit - len(found)), cursor, name)
+        page = c.jobs(statuses, min(500, limit - len(found)), cursor, name, user, mine)
         found += page["items"]
         cursor = page["next_cursor"]
         if cursor is None or len(found) >= limit:
@@ -432,6 +444,10 @@ def list_jobs(
     name: Annotated[
         str | None, typer.Option(help="only jobs whose name or program contains this")
     ] = None,
+    mine: Annotated[bool, typer.Option("--mine", help="only your jobs")] = False,
+    user: Annotated[
+        str | None, typer.Option("--user", metavar="NAME", help="only this user's jobs")
+    ] = None,
     limit: Annotated[int, typer.Option(min=1, help="at most this many jobs")] = 50,
     cursor: Annotated[
         str | None, typer.Option(help="continue after this (next_cursor of --json)")
@@ -442,9 +458,11 @@ def list_jobs(
 
     --json prints {"items": [Job], "next_cursor"}.
     """
+    if mine and user:
+        _fail("give --mine or --user NAME, not both", EXIT_USAGE)
     statuses = [x.strip() for s in status or [] for x in s.split(",") if x.strip()]
     with _client() as c:
-        items, next_cursor = _call(_find_jobs, c, statuses, name, limit, cursor)
+        items, next_cursor = _call(_find_jobs, c, statuses, name, limit, cursor, user, mine)
     if as_json:
         _print_json({"items": items, "next_cursor": next_cursor})
         return
@@ -455,6 +473,7 @@ def list_jobs(
             [
                 str(j["id"]),
                 j["name"] or "",
+                _owner(j),
                 _program(j),
                 j["status"],
                 f"{j['attempt']}/{j['spec'].get('max_attempts', '?')}",
@@ -465,8 +484,14 @@ def list_jobs(
                 _waiting(j),
             ]
         )
-    headers = ["ID", "NAME", "PROGRAM", "STATUS", "ATTEMPT", "WORKER", "STEP", "LOSS", "AGE"]
-    table = _fit_table([*headers, "REASON"], rows, caps={"NAME": 24, "PROGRAM": 20, "WORKER": 32})
+    headers = [
+        "ID", "NAME", "OWNER", "PROGRAM", "STATUS", "ATTEMPT", "WORKER", "STEP", "LOSS", "AGE"
+    ]  # fmt: skip
+    table = _fit_table(
+        [*headers, "REASON"],
+        rows,
+        caps={"NAME": 24, "OWNER": 16, "PROGRAM": 20, "WORKER": 32},
+    )
     _print_table(table)
     if next_cursor:
         _say(_text(f"more: --cursor {next_cursor}", style="dim"))

@@ -7,10 +7,12 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
 
 from ddpq import config
 from ddpq.cli.base import EXIT_USAGE, _fail, app, out
@@ -246,6 +248,50 @@ def slurm_node() -> None:
     raise typer.Exit(slurmnode.main())
 
 
+def _log_in_locally(
+    host: str, port: int, token: str, api: threading.Thread, stop: threading.Event
+) -> str:
+    """Once the API answers, save it and its admin token in the user's config file as
+    the server "local" (ddpq.config.remember); the banner's line saying what was done."""
+    import httpx
+
+    reach = "127.0.0.1" if host in config.WILDCARDS else host
+    reach = f"[{reach}]" if ":" in reach and not reach.startswith("[") else reach
+    url = f"http://{reach}:{port}"
+    deadline = time.monotonic() + 60
+    answer = None
+    while answer is None:
+        if not api.is_alive() or stop.is_set() or time.monotonic() > deadline:
+            return f"not logged in: the API did not answer at {url}"
+        try:
+            answer = httpx.get(
+                f"{url}/whoami", headers={"Authorization": f"Bearer {token}"}, timeout=5
+            )
+        except httpx.HTTPError:
+            stop.wait(0.2)
+    if answer.status_code != 200:
+        return (
+            f"not logged in: the API refuses its own token (HTTP {answer.status_code}: it was"
+            f" rotated or revoked); ddpq login {url} with an admin's token"
+        )
+    try:
+        saved = config.remember(url, token, "local")
+    except (OSError, config.ConfigError) as exc:
+        return f"not logged in: {exc}"
+    where = f'server "{saved.name}" in {config.shown(saved.path)}'
+    kept = (
+        f' (the server "local" there is {saved.kept}: kept; this one is "{saved.name}")'
+        if saved.kept
+        else ""
+    )
+    if saved.default == saved.name:
+        return f"logged in: {where}{kept}, the default: ddpq commands in any directory use it"
+    return (
+        f"logged in: {where}{kept}; the default server is {saved.default!r}, so use this one"
+        f" with ddpq --server {saved.name} COMMAND"
+    )
+
+
 @app.command()
 def up(
     host: Annotated[str, typer.Option(envvar="DDPQ_HOST")] = "127.0.0.1",
@@ -312,19 +358,23 @@ def up(
     # The worker needs time to hand its jobs back before the supervisor gives up on it.
     local_worker = subprocess.Popen(launcher_argv(argv, grace_s=150), env=env)
     token_file = (settings.data_dir / "api-token").resolve()
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    logged_in = _log_in_locally(host, port, api.state.api_token, thread, stop)
     out.print(
         f"\n[bold]ddpq is up[/bold] at {url}  (database: {settings.resolved_database_url})\n"
         f"  user token: {'DDPQ_API_TOKEN' if settings.api_token else token_file}"
-        " (the CLI reads it from there)\n"
+        " (the first admin's)\n"
+        f"  {escape(logged_in)}\n"
         f"  dashboard: {url}/  (asks for that token once)\n"
         f"  try:  ddpq submit --recipe toy-regression --world-size 2 && ddpq ls\n"
+        f"  a team: ddpq users add NAME prints a token for each person, who runs"
+        f" ddpq login {url}\n"
         f'  curl: curl -H "Authorization: Bearer $(cat {token_file})" {url}/jobs\n',
         highlight=False,
         soft_wrap=True,
     )
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     while not stop.wait(0.5):
         if not thread.is_alive() or local_worker.poll() is not None:
             break

@@ -82,6 +82,26 @@ function setConn(ok, text) {
 function forgetToken() {
   token = null;
   localStorage.removeItem(TOKEN_KEY);
+  showWho(null);
+}
+
+// Who the token is: "signed in as alice (member)" in the header.
+function showWho(who) {
+  const w = $("whoami");
+  w.textContent = who ? `signed in as ${who.name} (${who.role})` : "";
+  w.hidden = !who;
+}
+
+// Ask the API who the token is (GET /whoami): when the page starts with a stored token,
+// and each time a token is entered. A token that is not a user's is asked for again.
+async function checkWho() {
+  const asked = token;
+  try {
+    const who = await api("/whoami");
+    if (token === asked) showWho(who);
+  } catch (e) {
+    if (e.status !== 0) console.warn(e);
+  }
 }
 
 // Show the token dialog; every caller waiting for a token shares one prompt.
@@ -106,6 +126,7 @@ function askToken(message) {
       dialog.close();
       asking = null;
       resolve();
+      checkWho();
     };
     form.addEventListener("submit", submit);
   });
@@ -142,7 +163,9 @@ async function api(path, { method = "GET", raw = false } = {}) {
       setConn(false, "API unreachable, retrying");
       throw new ApiError(0, "the API is unreachable");
     }
-    if (response.status === 401 || response.status === 403) {
+    // 401: no such token. 403 on /whoami: a token, but not a user's (a worker's). A 403
+    // elsewhere is the API refusing what a user asked (another's job): an error to show.
+    if (response.status === 401 || (response.status === 403 && path === "/whoami")) {
       const detail = await detailOf(response);
       // A request sent with an older token must not throw away a newer one.
       if (token === used) forgetToken();
@@ -203,6 +226,7 @@ function jobRow(job) {
     { "data-job-id": job.id },
     el("td", { class: "num" }, el("a", { href }, job.id)),
     el("td", { class: "name" }, el("a", { href }, job.name || job.spec.recipe || job.spec.entrypoint || "")),
+    el("td", { class: "owner" }, job.owner ?? ""),
     el("td", {}, statusBadge(job.status)),
     el("td", { class: "num" }, job.attempt),
     el("td", {}, where(job.worker, job.external_id)),
@@ -222,9 +246,11 @@ function jobsView() {
   $("jobs-view").hidden = false;
   document.title = "ddpq · jobs";
   const filter = $("status-filter");
+  const mine = $("mine-filter");
   const refresh = async () => {
     const q = new URLSearchParams({ limit: "100" });
     if (filter.value) q.set("status", filter.value);
+    if (mine.checked) q.set("mine", "true");
     const data = await api(`/jobs?${q}`);
     if (stopped) return;
     const rows = data.items.map(jobRow);
@@ -237,10 +263,12 @@ function jobsView() {
   const stopPolling = poll(refresh);
   const onFilter = () => refresh().catch(() => {});
   filter.addEventListener("change", onFilter);
+  mine.addEventListener("change", onFilter);
   return () => {
     stopped = true;
     stopPolling();
     filter.removeEventListener("change", onFilter);
+    mine.removeEventListener("change", onFilter);
   };
 }
 
@@ -382,6 +410,7 @@ function renderFacts(job) {
   dl.replaceChildren();
   const spec = job.spec || {};
   fact(dl, "status", statusBadge(job.status));
+  fact(dl, "owner", job.owner);
   fact(dl, "attempt", `${job.attempt} of ${spec.max_attempts ?? "?"}`);
   fact(dl, "reason", job.reason);
   fact(dl, "queue position", job.queue_position);
@@ -693,3 +722,4 @@ $("forget").addEventListener("click", () => {
 });
 window.addEventListener("hashchange", route);
 route();
+if (token) checkWho(); // else when the token is entered

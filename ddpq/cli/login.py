@@ -1,0 +1,249 @@
+"""Who you are to the API: login (save a server's URL and token), logout, whoami.
+
+ddpq.config owns the config file and the order URL and token are found in; these
+commands only change the file and say what they did.
+"""
+
+from __future__ import annotations
+
+import getpass
+import sys
+from typing import Annotated, Any
+
+import httpx
+import typer
+
+from ddpq import config
+from ddpq.cli.base import (
+    EXIT_API,
+    EXIT_UNREACHABLE,
+    EXIT_USAGE,
+    JsonOpt,
+    _Api,
+    _call,
+    _client,
+    _fail,
+    _print_json,
+    _say,
+    _target,
+    client_command,
+)
+from ddpq.client import ApiError, Client, format_detail
+
+ServerName = Annotated[
+    str | None,
+    typer.Option(
+        "--server",
+        metavar="NAME",
+        help="the server's name in the config file (the global --server, given here)",
+    ),
+]
+
+
+def _server_name(here: str | None) -> str | None:
+    """The --server given after the command, or before it (the global one)."""
+    if here and _Api.server and here != _Api.server:
+        _fail(f"--server {_Api.server} and --server {here}: give one", EXIT_USAGE)
+    name = here or _Api.server
+    try:
+        return config.check_name(name) if name else None
+    except config.ConfigError as exc:
+        _fail(str(exc), EXIT_USAGE)
+
+
+def _load() -> config.Config:
+    try:
+        return config.load()
+    except config.ConfigError as exc:
+        _fail(str(exc), EXIT_USAGE)
+
+
+def _read_token(url: str, token_stdin: bool) -> str:
+    if token_stdin:
+        token = sys.stdin.read().strip()
+        where = "stdin"
+    elif _Api.token:
+        return _Api.token
+    elif sys.stdin.isatty():
+        token = getpass.getpass(f"token for {url} (not shown as you type): ").strip()
+        where = "the prompt"
+    else:
+        _fail("no terminal to ask for the token on: pipe it in with --token-stdin", EXIT_USAGE)
+    if not token:
+        _fail(f"no token on {where}", EXIT_USAGE)
+    if len(token.split()) != 1:
+        _fail(f"the token on {where} is not one word", EXIT_USAGE)
+    return token
+
+
+def _check(url: str, token: str) -> dict[str, Any]:
+    """Who ``token`` is at ``url`` (GET /whoami); exit with why if it is refused."""
+    try:
+        with Client(url, token) as c:
+            who: dict[str, Any] = c.whoami()
+            return who
+    except ApiError as exc:
+        if exc.status == 404:
+            _fail(f"{url} has no /whoami: a ddpq API that knows users? Nothing saved", EXIT_API)
+        _fail(f"{url} refused the token: {format_detail(exc.detail)}. Nothing saved", EXIT_API)
+    except httpx.HTTPError as exc:
+        why = " ".join(str(exc).split()) or type(exc).__name__
+        _fail(f"cannot reach the ddpq API at {url}: {why}. Nothing saved", EXIT_UNREACHABLE)
+    except ValueError:
+        _fail(f"{url} answered something that is not the ddpq API's JSON. Nothing saved", EXIT_API)
+
+
+@client_command()
+def login(
+    url: Annotated[
+        str | None,
+        typer.Argument(
+            help="the API, like http://HOST:8000 (default: --url, the URL saved for "
+            "--server NAME, DDPQ_URL or DDPQ_PORT, the default server's, "
+            + config.DEFAULT_URL
+            + ")"
+        ),
+    ] = None,
+    token_stdin: Annotated[
+        bool,
+        typer.Option(
+            "--token-stdin",
+            help="read the token from stdin (else the global --token, else it is asked for)",
+        ),
+    ] = False,
+    server: ServerName = None,
+    make_default: Annotated[
+        bool,
+        typer.Option("--default", help="make it the default server (the first one saved is)"),
+    ] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Log in: save a server's URL and your token, once checked.
+
+    They go in ~/.config/ddpq/config.toml ($XDG_CONFIG_HOME/ddpq), mode 0600, under
+    a name: --server NAME, else the name the URL is saved under already, else
+    "default" (the first), else HOST:PORT. Then every command, in any directory,
+    uses the default server, or the one --server NAME picks: ddpq --server NAME ls.
+    """
+    name = _server_name(server)
+    saved = _load()
+    try:
+        if url is not None:
+            target = config.check_url(url)
+        elif _Api.url:
+            target = config.check_url(_Api.url)
+        elif name is not None and name in saved.servers:
+            target = saved.servers[name].url
+        elif (from_env := config.env_url()) is not None:
+            target = config.check_url(from_env[0])
+        elif saved.default is not None and saved.default in saved.servers:
+            target = saved.servers[saved.default].url
+        else:
+            target = config.DEFAULT_URL
+    except config.ConfigError as exc:
+        _fail(str(exc), EXIT_USAGE)
+    token = _read_token(target, token_stdin)
+    who = _check(target, token)
+    replaced = None
+    try:
+        with config.editing() as cfg:
+            if name is None:
+                name = cfg.of_url(target)
+            if name is None:
+                name = "default" if "default" not in cfg.servers else config.name_for(target)
+                while name in cfg.servers:  # a HOST:PORT name of another URL
+                    name = f"{name}-{len(cfg.servers)}"
+            old = cfg.servers.get(name)
+            if old is not None and old.url != target:
+                replaced = old.url
+            cfg.servers[name] = config.Server(target, token)
+            if make_default or cfg.default is None or cfg.default not in cfg.servers:
+                cfg.default = name
+            default = cfg.default
+            path = cfg.path
+    except (OSError, config.ConfigError) as exc:
+        _fail(f"cannot save the login: {exc}", EXIT_USAGE)
+    if as_json:
+        _print_json(
+            {**who, "url": target, "server": name, "default": default == name, "config": str(path)}
+        )
+        return
+    _say(
+        f"logged in to {target} as {who['name']} ({who['role']}): saved as server"
+        f' "{name}" in {config.shown(path)}' + (f" (replacing its {replaced})" if replaced else "")
+    )
+    if default == name:
+        _say("it is the default server: ddpq commands in any directory use it")
+    else:
+        _say(
+            f'the default server stays "{default}": use this one with ddpq --server {name}'
+            f" COMMAND, or make it the default with ddpq login --server {name} --default"
+        )
+
+
+@client_command()
+def logout(server: ServerName = None, as_json: JsonOpt = False) -> None:
+    """Remove a saved server and its token.
+
+    --server NAME, else the one saved for --url (or DDPQ_URL, DDPQ_PORT), else the
+    default.
+
+    The token itself stays valid until an admin revokes or rotates it.
+    """
+    name = _server_name(server)
+    saved = _load()
+    if name is None:
+        try:
+            url = _Api.url or (config.env_url() or ("", ""))[0]
+        except config.ConfigError as exc:
+            _fail(str(exc), EXIT_USAGE)
+        name = saved.of_url(url) if url else saved.default
+        if name is None:
+            _fail(
+                f"not logged in to {url or 'a default server'}: no server of"
+                f" {config.shown(saved.path)} is it (ddpq logout --server NAME)",
+                EXIT_USAGE,
+            )
+    if name not in saved.servers:
+        try:
+            saved.named(name)
+        except config.ConfigError as exc:
+            _fail(str(exc), EXIT_USAGE)
+    try:
+        with config.editing() as cfg:
+            gone = cfg.servers.pop(name, None)
+            if cfg.default == name or cfg.default not in cfg.servers:
+                # The one left, if one is, becomes the default.
+                cfg.default = next(iter(cfg.servers)) if len(cfg.servers) == 1 else None
+            default, path = cfg.default, cfg.path
+    except (OSError, config.ConfigError) as exc:
+        _fail(f"cannot change the config file: {exc}", EXIT_USAGE)
+    if as_json:
+        _print_json({"server": name, "url": gone.url if gone else None, "default": default})
+        return
+    _say(
+        f'logged out: server "{name}" ({gone.url if gone else "?"}) removed from'
+        f" {config.shown(path)}; its token stays valid until an admin revokes or rotates it"
+    )
+    if default is not None:
+        _say(f'the default server is "{default}"')
+
+
+@client_command()
+def whoami(as_json: JsonOpt = False) -> None:
+    """Show who you are: name and role, URL, and the token's source."""
+    target = _target()
+    with _client() as c:
+        who = _call(c.whoami)
+    if as_json:
+        _print_json(
+            {
+                **who,
+                "url": target.url,
+                "url_from": target.url_from,
+                "token_from": target.token_from,
+                "server": target.server,
+            }
+        )
+        return
+    _say(f"{who['name']} ({who['role']}) at {target.url} ({target.origin()})")

@@ -1,0 +1,210 @@
+"""The people of a server (admins manage them): `ddpq users add|ls|revoke|rotate`, and
+`ddpq audit`, who did what and when."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+import typer
+
+from ddpq import config
+from ddpq.cli.base import (
+    API_HELP,
+    JsonOpt,
+    _call,
+    _client,
+    _fit_table,
+    _parse_time,
+    _print_json,
+    _print_table,
+    _say,
+    _target,
+    _text,
+    app,
+    client_command,
+    err,
+)
+from ddpq.client import Client
+
+users_app = typer.Typer(
+    help="Manage the server's users and their tokens (admins).",
+    epilog=API_HELP,
+    no_args_is_help=True,
+    rich_markup_mode=None,
+)
+app.add_typer(users_app, name="users")
+
+UserName = Annotated[str, typer.Argument(metavar="NAME", help="the user's name")]
+
+
+def _stamp(value: str | None, seconds: bool = False) -> str:
+    """An API time (UTC) in this machine's time zone, to the minute (or second)."""
+    if not value:
+        return ""
+    return _parse_time(value).astimezone().strftime("%Y-%m-%d %H:%M" + (":%S" if seconds else ""))
+
+
+def _show_token(name: str, token: str, what: str) -> None:
+    """A token, alone on its line, and the one line that says it is shown only now."""
+    url = _target().url
+    _say(f"{what}:")
+    _say(token)
+    _say(
+        _text(
+            f"shown only now: {name} logs in with `ddpq login {url}` and gives it when asked",
+            style="bold",
+        )
+    )
+
+
+@client_command(users_app, name="add")
+def add(
+    name: Annotated[
+        str,
+        typer.Argument(
+            metavar="NAME",
+            help="1-64 lower-case letters, digits, '.', '_', '-', starting with a letter or digit",
+        ),
+    ],
+    admin: Annotated[
+        bool, typer.Option("--admin", help="an admin (manages users), not a member")
+    ] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Add a user and print their token, this once."""
+    with _client() as c:
+        user = _call(c.add_user, name, admin)
+    if as_json:
+        _print_json(user)
+        return
+    _show_token(user["name"], user["token"], f"added {user['name']} ({user['role']}); token")
+
+
+@client_command(users_app, name="ls")
+def list_users(as_json: JsonOpt = False) -> None:
+    """List the users, revoked ones too.
+
+    TOKEN is the start of each one's token, to tell tokens apart.
+    """
+    with _client() as c:
+        items = _call(c.users)
+    if as_json:
+        _print_json({"items": items})
+        return
+    rows = [
+        [
+            u["name"],
+            u["role"],
+            u.get("token_hint") or "",
+            _stamp(u.get("created_at")),
+            _stamp(u.get("revoked_at")),
+        ]
+        for u in items
+    ]
+    _print_table(
+        _fit_table(["NAME", "ROLE", "TOKEN", "CREATED", "REVOKED"], rows, caps={"NAME": 64})
+    )
+
+
+@client_command(users_app)
+def revoke(name: UserName, as_json: JsonOpt = False) -> None:
+    """Revoke a user: their token is refused from now on.
+
+    Their jobs stay theirs.
+    """
+    with _client() as c:
+        user = _call(c.revoke_user, name)
+    if as_json:
+        _print_json(user)
+        return
+    _say(f"revoked {user['name']} ({user['role']}): their token is refused from now on")
+
+
+@client_command(users_app)
+def rotate(name: UserName, as_json: JsonOpt = False) -> None:
+    """Give a user a new token; the old one stops working at once.
+
+    The new one is printed this once. Your own: the config file's server it came
+    from is given the new one.
+    """
+    target = _target()
+    with _client() as c:
+        me = _call(c.whoami)["name"]
+        user = _call(c.rotate_user, name)
+    own = _own(user, target) if me == user["name"] else None
+    if as_json:
+        _print_json(user)
+        return
+    _show_token(user["name"], user["token"], f"new token of {user['name']}; the old one is dead")
+    if own:
+        _say(own)
+
+
+def _own(user: dict[str, Any], target: config.Target) -> str:
+    """Your own token was rotated: put the new one where the old one was saved."""
+    dead = f"it was yours: the old one, from {target.token_from}, no longer works"
+    if target.server is None:
+        return dead
+    try:
+        with config.editing() as cfg:
+            old = cfg.servers.get(target.server)
+            if old is None or old.token != target.token:
+                return dead  # changed meanwhile: left alone
+            old.token = user["token"]
+            return f'it was yours: saved as server "{target.server}" in {config.shown(cfg.path)}'
+    except (OSError, config.ConfigError) as exc:
+        err.print(_text(f"warning: the new token is not saved: {exc}"), highlight=False)
+        return dead
+
+
+def _find_events(c: Client, limit: int, cursor: str | None) -> tuple[list[Any], str | None]:
+    found: list[dict[str, Any]] = []
+    while True:
+        page = c.audit(min(500, limit - len(found)), cursor)
+        found += page["items"]
+        cursor = page["next_cursor"]
+        if cursor is None or len(found) >= limit:
+            return found, cursor
+
+
+def _detail(detail: Any) -> str:
+    if not isinstance(detail, dict):
+        return "" if detail is None else json.dumps(detail)
+    return " ".join(f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in detail.items())
+
+
+@client_command()
+def audit(
+    limit: Annotated[int, typer.Option(min=1, help="at most this many events")] = 50,
+    cursor: Annotated[
+        str | None, typer.Option(help="continue after this (next_cursor of --json)")
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Who did what and when, newest first (admins).
+
+    Submits, cancels, and changes to users. --json prints {"items", "next_cursor"}.
+    """
+    with _client() as c:
+        items, next_cursor = _call(_find_events, c, limit, cursor)
+    if as_json:
+        _print_json({"items": items, "next_cursor": next_cursor})
+        return
+    rows = [
+        [
+            _stamp(e.get("at"), seconds=True),
+            e.get("actor") or "",
+            e.get("action") or "",
+            e.get("target") or "",
+            _detail(e.get("detail")),
+        ]
+        for e in items
+    ]
+    _print_table(
+        _fit_table(
+            ["AT", "ACTOR", "ACTION", "TARGET", "DETAIL"], rows, caps={"ACTOR": 24, "TARGET": 32}
+        )
+    )
+    if next_cursor:
+        _say(_text(f"more: --cursor {next_cursor}", style="dim"))

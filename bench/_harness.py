@@ -54,6 +54,11 @@ class Api:
     worker_token: str
     data_dir: Path
 
+    def client_with(self, token: str) -> httpx.Client:
+        return httpx.Client(
+            base_url=self.url, headers={"Authorization": f"Bearer {token}"}, timeout=60
+        )
+
     def client(self, kind: str = "user") -> httpx.Client:
         token = self.api_token if kind == "user" else self.worker_token
         return httpx.Client(

@@ -7,6 +7,9 @@
 2. Claims per second: JOBS no-op jobs are queued, then 8 claimers (8 registered
    workers, one thread each) claim as fast as they can until the queue is empty;
    every job must be claimed exactly once.
+3. The same with the jobs of 50 users (fair share orders them by their owners' usage,
+   which the first half of each user's jobs, run before, made unequal): the ratio to
+   (2) is what fair share costs the claim (goal: at least 0.90).
 
     .venv/bin/python bench/claim.py [--backend sqlite|postgres|both] [--jobs 2000]
 
@@ -63,12 +66,24 @@ def latency(api: Api, n: int) -> tuple[float, float]:
     return percentile(samples, 0.5), percentile(samples, 0.99)
 
 
-def throughput(api: Api, jobs: int) -> tuple[float, int, int]:
+def throughput(api: Api, jobs: int, users: int = 0) -> tuple[float, int, int]:
     for i in range(CLAIMERS):
         register(api, f"w{i}", cpu_slots=100_000)
+    job = {"entrypoint": "noop.py", "device": "cpu"}
     with api.client() as c:
-        for _ in range(jobs):
-            c.post("/jobs", json={"entrypoint": "noop.py", "device": "cpu"}).raise_for_status()
+        if users:
+            tokens = [
+                c.post("/users", json={"name": f"user{i}"}).json()["token"] for i in range(users)
+            ]
+            _use(api, tokens, job)
+            posters = [api.client_with(token) for token in tokens]
+            for n in range(jobs):
+                posters[n % users].post("/jobs", json=job).raise_for_status()
+            for p in posters:
+                p.close()
+        else:
+            for _ in range(jobs):
+                c.post("/jobs", json=job).raise_for_status()
     claimed: list[list[int]] = [[] for _ in range(CLAIMERS)]
     barrier = threading.Barrier(CLAIMERS + 1)
 
@@ -102,11 +117,32 @@ def throughput(api: Api, jobs: int) -> tuple[float, int, int]:
     return len(everything) / elapsed, len(everything), len(everything) - len(set(everything))
 
 
+def _use(api: Api, tokens: list[str], job: dict[str, object]) -> None:
+    """Give the users unequal usage: user i runs i jobs first (claimed and finished), so
+    their shares differ and the claim's order is fair share's, not submission's."""
+    register(api, "warm", cpu_slots=1)
+    with api.client("worker") as w:
+        for i, token in enumerate(tokens):
+            with api.client_with(token) as c:
+                for _ in range(i % 5):
+                    c.post("/jobs", json=job).raise_for_status()
+                    r = w.post(
+                        "/workers/claim",
+                        json={"name": "warm", "free_cpu_slots": 1, "free_gpus": [], "wait_s": 5},
+                    )
+                    claim = r.json()
+                    w.post(
+                        f"/workers/jobs/{claim['job_id']}/finish",
+                        json={"worker": "warm", "attempt": claim["attempt"], "exit_code": 0},
+                    ).raise_for_status()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--backend", choices=["sqlite", "postgres", "both"], default="both")
     ap.add_argument("--latency-jobs", type=int, default=200)
     ap.add_argument("--jobs", type=int, default=2000)
+    ap.add_argument("--users", type=int, default=50)
     args = ap.parse_args()
     for backend in backends(args.backend):
         with database(backend) as url, serve(url) as api:
@@ -121,6 +157,13 @@ def main() -> None:
             print(
                 f"{backend}: {CLAIMERS} claimers: {rate:.0f} claims/s over {n} jobs, "
                 f"{doubles} double claims"
+            )
+        with database(backend) as url, serve(url, DDPQ_LEASE_S="3600") as api:
+            shared, n, doubles = throughput(api, args.jobs, users=args.users)
+            print(
+                f"{backend}: {CLAIMERS} claimers, the jobs of {args.users} users (fair share): "
+                f"{shared:.0f} claims/s over {n} jobs, {doubles} double claims; "
+                f"{shared / rate:.2f} of the rate without"
             )
 
 

@@ -252,6 +252,12 @@ class Client:
         result: dict[str, Any] = self._call("POST", f"/users/{_segment(name)}/rotate").json()
         return result
 
+    def usage(self) -> list[dict[str, Any]]:
+        """Each user's running and queued jobs, GPU- and CPU-slot-hours over the last day
+        and week, and the decayed usage fair share orders by; most used first."""
+        items: list[dict[str, Any]] = self._call("GET", "/usage").json()["items"]
+        return items
+
     def audit(self, limit: int = 100, cursor: str | None = None) -> dict[str, Any]:
         """A page of the audit trail (admins), newest first: ``{"items": [{"id", "at",
         "actor", "action", "target", "detail"}], "next_cursor"}``."""

@@ -182,6 +182,10 @@ async def _sweep_leases(app: FastAPI) -> None:
                 app.state.wakeup.notify()
         except Exception:  # the sweep must outlive a database outage
             log.exception("lease sweep failed")
+        try:
+            await run_in_threadpool(queue.count_usage, db)  # fair share: running use
+        except Exception:
+            log.exception("usage sweep failed")
 
 
 def _listen_for_jobs(url: str, wakeup: Wakeup, stop: threading.Event) -> None:

@@ -58,6 +58,11 @@ class Settings(BaseSettings):
     # held within this long, the held ones are released (their workers may run other
     # jobs) and the job waits for retry_backoff_s before it gathers again.
     gang_timeout_s: float = Field(default=120.0, gt=0)
+    # Fair share: among queued jobs of one priority, the user who used the hosts least
+    # lately goes first; what was used a half-life ago counts half. A CPU slot counts
+    # this much of a GPU.
+    fairshare_half_life_s: float = Field(default=86400.0, gt=0)
+    cpu_slot_weight: float = Field(default=0.125, ge=0)
     # Stored output per job: past it the middle is dropped, keeping the first quarter
     # (how it started) and the newest three quarters (how it is going or how it ended).
     log_max_bytes: int = Field(default=32 * 1024 * 1024, ge=4096)
@@ -82,6 +87,8 @@ class Settings(BaseSettings):
             retry_backoff_max_s=self.retry_backoff_max_s,
             gang_timeout_s=self.gang_timeout_s,
             log_max_bytes=self.log_max_bytes,
+            fairshare_half_life_s=self.fairshare_half_life_s,
+            cpu_slot_weight=self.cpu_slot_weight,
         )
 
     @cached_property

@@ -162,6 +162,10 @@ class Policy:
     gang_timeout_s: float = 120.0
     # A job's stored log is capped at about this many bytes (service.logs).
     log_max_bytes: int = 32 * 1024 * 1024
+    # Fair share (service.queue.shares): what a user used this long ago counts half;
+    # a CPU slot counts this much of a GPU.
+    fairshare_half_life_s: float = 86400.0
+    cpu_slot_weight: float = 0.125
 
 
 class Database:

@@ -10,7 +10,7 @@ import json
 import posixpath
 from typing import Any, cast
 
-from sqlalchemy import Table, and_, bindparam, func, or_, select, tuple_
+from sqlalchemy import Table, bindparam, func, or_, select, tuple_
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -71,11 +71,11 @@ def _checkpoint_public(c: Checkpoint) -> CheckpointPublic:
 
 
 def _queue_positions(s: Session, jobs: list[Job]) -> dict[int, int]:
-    """1-based places in the claim order (priority desc, then submission) of queued jobs."""
+    """1-based places in the claim order (queue.rules.ORDER) of queued jobs."""
     queued = [j for j in jobs if j.status == JobStatus.QUEUED]
     if len(queued) > 1:
         # One pass over the queue instead of one count per job on a page.
-        order = func.row_number().over(order_by=(Job.priority.desc(), Job.id))
+        order = func.row_number().over(order_by=queue.ORDER)
         ranked = select(Job.id, order.label("pos")).where(Job.status == JobStatus.QUEUED).subquery()
         wanted = [j.id for j in queued]
         rows = s.execute(select(ranked.c.id, ranked.c.pos).where(ranked.c.id.in_(wanted)))
@@ -87,10 +87,8 @@ def _queue_positions(s: Session, jobs: list[Job]) -> dict[int, int]:
             .select_from(Job)
             .where(
                 Job.status == JobStatus.QUEUED,
-                or_(
-                    Job.priority > job.priority,
-                    and_(Job.priority == job.priority, Job.id < job.id),
-                ),
+                queue.at_or_ahead(job.priority, job.share, job.id),
+                Job.id != job.id,
             )
         )
         positions[job.id] = (ahead or 0) + 1
@@ -266,6 +264,7 @@ def submit_job(
     )
     try:
         with db.write() as s:
+            job.share = queue.usage_of(s, owner, now)  # fair share: its place among equals
             if spec.code is not None:
                 code.use(s, spec.code, spec.entrypoint)
             if strict:

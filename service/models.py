@@ -127,6 +127,9 @@ class Job(Base):
     )
     # Who submitted it (a user's name; None for jobs from before users existed).
     owner: Mapped[str | None] = mapped_column(String(64))
+    # While queued: its owner's recent usage (service.queue.shares), which orders jobs
+    # of one priority (fair share): the least used owner's first, then the oldest.
+    share: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")
 
     __table_args__ = (
         # A user's jobs (ddpq ls --mine) and, later, what each user holds.
@@ -142,10 +145,11 @@ class Job(Base):
     )
 
 
-# The claim takes queued jobs in (priority desc, id asc) order. The index must have that
-# mixed order itself: an all-ascending one makes the database sort every queued job of
-# equal priority on every claim.
-Index("ix_jobs_status_priority_id", Job.status, Job.priority.desc(), Job.id)
+# The claim takes queued jobs in (priority desc, share asc, id asc) order (fair share:
+# service.queue.rules.ORDER). The index must have that mixed order itself: an
+# all-ascending one makes the database sort every queued job of equal priority on
+# every claim.
+Index("ix_jobs_status_priority_share_id", Job.status, Job.priority.desc(), Job.share, Job.id)
 
 
 class UserRole(enum.StrEnum):
@@ -183,6 +187,37 @@ class AuditEvent(Base):
     detail: Mapped[dict[str, Any] | None]
 
 
+class UserUsage(Base):
+    """A user's recent use of the hosts, in GPU-equivalent seconds decayed with a
+    half-life, stored scaled to the epoch (service.queue.shares)."""
+
+    __tablename__ = "user_usage"
+
+    owner: Mapped[str] = mapped_column(String(64), primary_key=True)
+    usage: Mapped[float] = mapped_column(Float)
+    updated_at: Mapped[datetime]
+
+
+class FairshareEpoch(Base):
+    """The time usages are scaled to (service.queue.shares): one row, id 1."""
+
+    __tablename__ = "fairshare_epoch"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    t0: Mapped[datetime]
+
+
+class Quota(Base):
+    """A user's limits (None: none); the row named '*' is every user's default."""
+
+    __tablename__ = "quotas"
+
+    owner: Mapped[str] = mapped_column(String(64), primary_key=True)
+    max_gpus: Mapped[int | None] = mapped_column(Integer)  # GPUs at once
+    max_running: Mapped[int | None] = mapped_column(Integer)  # jobs running at once
+    max_queued: Mapped[int | None] = mapped_column(Integer)  # jobs waiting at once
+
+
 class Attempt(Base):
     """One run of a job on a worker; its token is valid while it is live."""
 
@@ -199,6 +234,9 @@ class Attempt(Base):
     started_at: Mapped[datetime] = mapped_column(default=utcnow)
     heartbeat_at: Mapped[datetime] = mapped_column(default=utcnow)
     ended_at: Mapped[datetime | None]
+    # Up to when its use (its GPUs or CPU slots, for its time) is counted in its owner's
+    # usage (service.queue.shares): the sweeper counts it as it runs, its end the rest.
+    counted_until: Mapped[datetime | None]
     exit_code: Mapped[int | None] = mapped_column(Integer)
     # Bytes of this attempt's own output stored so far (the worker's resend check).
     log_bytes: Mapped[int] = mapped_column(BigInteger, default=0)

@@ -680,3 +680,23 @@ class AuditEventPublic(BaseModel):
 class AuditPublic(BaseModel):
     items: list[AuditEventPublic]
     next_cursor: str | None
+
+
+class UserUsagePublic(BaseModel):
+    """What one user holds and used (GET /usage)."""
+
+    user: str
+    running: int
+    queued: int
+    # GPU-hours and CPU-slot-hours their attempts held over the last day and week
+    gpu_hours_1d: float
+    gpu_hours_7d: float
+    cpu_slot_hours_1d: float
+    cpu_slot_hours_7d: float
+    # What fair share orders by: GPU-equivalent seconds (a CPU slot counts
+    # DDPQ_CPU_SLOT_WEIGHT of a GPU), decayed with DDPQ_FAIRSHARE_HALF_LIFE_S
+    usage_gpu_s: float
+
+
+class UsagePublic(BaseModel):
+    items: list[UserUsagePublic]

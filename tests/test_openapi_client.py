@@ -61,6 +61,7 @@ OPERATIONS = {
     ("post", "/code/snapshots"): ("code", "create_snapshot"),
     ("get", "/code/snapshots/{snapshot_id}"): ("code", "get_snapshot"),
     ("get", "/whoami"): ("users", "whoami"),
+    ("get", "/usage"): ("users", "get_usage"),
     ("get", "/users"): ("users", "list_users"),
     ("post", "/users"): ("users", "add_user"),
     ("post", "/users/{name}/revoke"): ("users", "revoke_user"),

@@ -1,5 +1,5 @@
-"""The people of a server (admins manage them): `ddpq users add|ls|revoke|rotate`, and
-`ddpq audit`, who did what and when."""
+"""The people of a server (admins manage them): `ddpq users add|ls|revoke|rotate`,
+`ddpq audit`, who did what and when, and `ddpq usage`, who uses the hosts."""
 
 from __future__ import annotations
 
@@ -208,3 +208,31 @@ def audit(
     )
     if next_cursor:
         _say(_text(f"more: --cursor {next_cursor}", style="dim"))
+
+
+@client_command()
+def usage(as_json: JsonOpt = False) -> None:
+    """Who uses the hosts: each user's running and queued jobs, GPU-hours over the last
+    day and week (CPU-slot-hours too), and the recent usage fair share goes by.
+
+    Among queued jobs of one priority, the user who used least lately goes first.
+    """
+    with _client() as c:
+        items = _call(Client.usage, c)
+    if as_json:
+        _print_json({"items": items})
+        return
+    rows = [
+        [
+            u["user"],
+            str(u["running"]),
+            str(u["queued"]),
+            f"{u['gpu_hours_1d']:.1f}",
+            f"{u['gpu_hours_7d']:.1f}",
+            f"{u['cpu_slot_hours_7d']:.1f}",
+            f"{u['usage_gpu_s'] / 3600:.2f}",
+        ]
+        for u in items
+    ]
+    header = ["USER", "RUNNING", "QUEUED", "GPU-H 1D", "GPU-H 7D", "CPU-H 7D", "SHARE USAGE"]
+    _print_table(_fit_table(header, rows, caps={"USER": 24}))

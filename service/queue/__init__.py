@@ -7,6 +7,7 @@
 - ``gangs``: multi-node jobs, claimed as gangs of node slots.
 - ``leases``: workers, heartbeats, how attempts end, and the fencing check.
 - ``reasons``: why a queued job waits, in words.
+- ``shares``: fair share: each user's recent usage, the share a queued job is ordered by.
 
 Other modules import this package and call what it re-exports below.
 """
@@ -29,15 +30,22 @@ from service.queue.leases import (
     workers_attempt,
 )
 from service.queue.reasons import pending_reasons, unschedulable
-from service.queue.rules import NOTIFY_CHANNEL, as_utc, notify_claimers
+from service.queue.rules import NOTIFY_CHANNEL, ORDER, as_utc, at_or_ahead, notify_claimers
+from service.queue.shares import count_running, usage_of
+from service.queue.shares import overview as usage_overview
+from service.queue.shares import sweep as count_usage
 
 __all__ = [
     "NOTIFY_CHANNEL",
+    "ORDER",
     "Claim",
     "Elsewhere",
     "NameTaken",
     "as_utc",
+    "at_or_ahead",
     "claim_next_job",
+    "count_running",
+    "count_usage",
     "end_attempt",
     "expire_gangs",
     "expire_leases",
@@ -55,6 +63,8 @@ __all__ = [
     "release_worker",
     "requeued",
     "unschedulable",
+    "usage_of",
+    "usage_overview",
     "workers_attempt",
     "workers_overview",
 ]

@@ -18,7 +18,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from pydantic import Field
-from sqlalchemy import JSON, and_, bindparam, case, or_, select, update
+from sqlalchemy import JSON, bindparam, case, select, update
 from sqlalchemy.engine import Connection
 
 from ddpq.messages import ClaimedJob
@@ -30,6 +30,7 @@ from service.queue.rules import (
     QUEUED_SINGLE,
     SQL,
     as_utc,
+    at_or_ahead,
     checkpoint_dir_of,
     fits_bound,
     fits_partition,
@@ -67,7 +68,7 @@ def _starving_probe(worker_has_gpus: bool) -> Any:
     """The first job in queue order that has waited past the limit and that this
     worker could ever run."""
     return (
-        select(j.id, j.priority)
+        select(j.id, j.priority, j.share)
         .where(
             QUEUED_SINGLE,
             j.queued_at < bindparam("starved_before", type_=UTCDateTime),
@@ -86,10 +87,7 @@ def _take(dialect: str, worker_has_gpus: bool, guarded: bool) -> Any:
     )
     if guarded:  # a job starves (or a gang is picked): nothing behind it may start
         pick = pick.where(
-            or_(
-                j.priority > bindparam("head_priority"),
-                and_(j.priority == bindparam("head_priority"), j.id <= bindparam("head_id")),
-            )
+            at_or_ahead(bindparam("head_priority"), bindparam("head_share"), bindparam("head_id"))
         )
     pick = pick.order_by(*ORDER).limit(1)
     if dialect == "postgresql":
@@ -284,7 +282,7 @@ def _claim(
             if gang is not None:
                 head = gang  # a single-node job may start here only if it is ahead of it
         if head is not None:
-            params.update(head_id=head.id, head_priority=head.priority)
+            params.update(head_id=head.id, head_priority=head.priority, head_share=head.share)
         row = conn.execute(_take(db.dialect, has_gpus, head is not None), params).first()
         if row is not None:
             return _start(conn, row, cap, token_hash, now)

@@ -35,6 +35,7 @@ from service.queue.rules import (
     new_attempt,
     nodes,
     notify_claimers,
+    order_key,
     policy_of,
     ready,
     resolve,
@@ -66,7 +67,7 @@ def _pick(dialect: str, worker_has_gpus: bool) -> Any:
         .scalar_subquery()
     )
     pick = (
-        select(j.id, j.priority, j.attempt, j.nnodes, j.spec, j.device, j.nproc_per_node)
+        select(j.id, j.priority, j.share, j.attempt, j.nnodes, j.spec, j.device, j.nproc_per_node)
         .where(
             j.status == JobStatus.QUEUED,
             j.nnodes > 1,
@@ -92,7 +93,8 @@ def pick(conn: Connection, db: Database, has_gpus: bool, params: dict[str, Any],
     if (
         gang is not None
         and head is not None
-        and (-gang.priority, gang.id) > (-head.priority, head.id)
+        and order_key(gang.priority, gang.share, gang.id)
+        > order_key(head.priority, head.share, head.id)
     ):
         return None  # behind a starving job: it may not start here
     return gang

@@ -32,6 +32,7 @@ from service.models import (
     Worker,
     utcnow,
 )
+from service.queue import shares
 from service.queue.gangs import node_of, nodes_of, release_nodes
 from service.queue.rules import (
     NODE_LIVE,
@@ -209,6 +210,7 @@ def end_attempt(s: Session, job: Job, worker: str, report: FinishRequest, policy
         ending = lost(job.status, job.attempt, job.failures, job.max_attempts, words, now)
     else:
         ending = reported(job, report, where, worker, policy, now)
+    shares.count_end(s, job.id, attempt.id, now)  # as it held: before the job moves on
     for column, value in ending.values.items():
         setattr(job, column, value)
     job.exit_code = report.exit_code
@@ -534,6 +536,7 @@ def _lose(
         return False
     now = utcnow()
     ending = lost(job.status, number, job.failures, max_attempts, words, now)
+    shares.count_end(s, job_id, attempt_id, now)
     s.execute(update(Job).where(Job.id == job_id).values(**ending.values))
     s.execute(
         update(Attempt)

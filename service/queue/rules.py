@@ -43,7 +43,24 @@ w = workers.c
 attempts = cast(Table, Attempt.__table__)
 checkpoints = cast(Table, Checkpoint.__table__)
 
-ORDER = (j.priority.desc(), j.id)  # the claim order: priority desc, then submission
+# The claim order: priority desc; among equals, the job whose owner used the hosts least
+# lately (its share: service.queue.shares, fair share), then the oldest.
+ORDER = (j.priority.desc(), j.share, j.id)
+
+
+def order_key(priority: int, share: float, job_id: int) -> tuple[int, float, int]:
+    """A queued job's place in ORDER, in Python: smaller is sooner."""
+    return (-priority, share, job_id)
+
+
+def at_or_ahead(priority: Any, share: Any, job_id: Any) -> Any:
+    """SQL: queued jobs at or ahead of the job (priority, share, id) in ORDER."""
+    return or_(
+        j.priority > priority,
+        and_(j.priority == priority, or_(j.share < share, and_(j.share == share, j.id <= job_id))),
+    )
+
+
 DEVICES = ("cuda", "cpu", "auto")
 
 

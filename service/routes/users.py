@@ -8,12 +8,14 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Query
 from fastapi.concurrency import run_in_threadpool
 
-from service import users
+from service import queue, users
 from service.auth import AdminAuth, CurrentAdmin, CurrentUser, UserAuth
 from service.deps import DB
 from service.errors import Invalid, responses
+from service.models import utcnow
 from service.schemas import (
     AuditPublic,
+    UsagePublic,
     UserIn,
     UserPublic,
     UsersPublic,
@@ -31,6 +33,18 @@ NO_USER = {404: "no such user"}
 async def whoami(me: CurrentUser) -> WhoAmI:
     """Who the token belongs to, and their role."""
     return WhoAmI(name=me.name, role=me.role)  # type: ignore[arg-type]
+
+
+@router.get("/usage", response_model=UsagePublic)
+async def get_usage(db: DB) -> UsagePublic:
+    """Each user's running and queued jobs, GPU- and CPU-slot-hours over the last day
+    and week, and the decayed usage fair share orders by; most used first."""
+
+    def read() -> list[dict[str, object]]:
+        with db.read() as s:
+            return queue.usage_overview(s, utcnow())
+
+    return UsagePublic.model_validate({"items": await run_in_threadpool(read)})
 
 
 @admin_router.get("/users", response_model=UsersPublic)

@@ -1,0 +1,279 @@
+"""Fair share: who used the hosts lately, and the order it gives jobs of one priority.
+
+A user's usage is what their attempts held, for how long, in GPU-equivalent seconds (a
+GPU for a second counts 1; a CPU slot, ``Policy.cpu_slot_weight``), decayed with a
+half-life (``DDPQ_FAIRSHARE_HALF_LIFE_S``): what was used a half-life ago counts half,
+as Slurm's fair-share factor does with PriorityDecayHalfLife.
+
+Decay without rewriting: a use of ``a`` at time ``t`` is stored as ``a * 2^((t - t0) /
+half_life)``, scaled to the epoch ``t0`` (fairshare_epoch). Every usage decays at the
+same rate, so scaled usages compare as the decayed ones do, at any time: nothing is
+decayed again, and a job's share (``jobs.share``, its owner's scaled usage when it was
+set) stays comparable with every other. The usage now is the scaled one times
+``2^-((now - t0) / half_life)``. Before the scale could overflow, the sweeper moves the
+epoch to now and scales every usage and share down with it (``rebase``).
+
+Each second of an attempt is counted once: the sweeper counts running attempts up to
+now (``count_running``), an attempt's end counts the rest (``count_end``), each moving
+``attempts.counted_until`` on in the transaction that adds to the usage, conditionally
+on what it read, so two API processes never count a second twice.
+
+A queued job carries its owner's usage as its share, set at its submission and
+refreshed whenever that usage grows: among jobs of one priority the claim takes the
+least used owner's first, then the oldest (rules.ORDER), and the index holds that
+order, so fair share costs the claim nothing. Jobs of no one's (from before users
+existed) have a share of 0.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime, timedelta
+from typing import Any, cast
+
+from sqlalchemy import Table, and_, func, or_, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+from service.db import Database, Policy
+from service.models import Attempt, FairshareEpoch, Job, JobStatus, UserUsage, utcnow
+from service.queue.rules import SQL, as_utc, is_active, policy_of
+
+usage_table = cast(Table, UserUsage.__table__)
+epoch_table = cast(Table, FairshareEpoch.__table__)
+REBASE_AFTER = 256  # half-lives since the epoch (2^256 is far from a float's limit)
+
+
+def held(device: str, gpus: list[int] | None, nproc: int, nnodes: int) -> tuple[int, int]:
+    """What an attempt holds: (GPUs, CPU slots). Its GPUs are on its row (per node); a
+    Slurm bridge's attempt has none there (Slurm holds them) and a cuda job's ranks
+    are its GPUs."""
+    if gpus:
+        return len(gpus) * nnodes, 0
+    if device == "cuda":
+        return nproc * nnodes, 0
+    return 0, nproc * nnodes
+
+
+def units(device: str, gpus: list[int] | None, nproc: int, nnodes: int, policy: Policy) -> float:
+    """What an attempt holds in GPUs: its GPUs, and its CPU slots at their weight."""
+    g, cpu = held(device, gpus, nproc, nnodes)
+    return g + cpu * policy.cpu_slot_weight
+
+
+def _insert(s: Session) -> Any:
+    return postgresql.insert if s.get_bind().dialect.name == "postgresql" else sqlite.insert
+
+
+def _epoch(s: Session, now: datetime, lock: bool = False) -> datetime:
+    """The time usages are scaled to (made now, the first time). Read under a shared
+    lock where usage is added, so that a rebase (an exclusive one) never runs between."""
+    s.execute(_insert(s)(epoch_table).values(id=1, t0=now).on_conflict_do_nothing())
+    q = select(FairshareEpoch.t0).where(FairshareEpoch.id == 1)
+    t0: datetime = s.execute(q.with_for_update(read=not lock)).scalar_one()
+    return t0
+
+
+def _scale(at: datetime, t0: datetime, half_life_s: float) -> float:
+    return math.pow(2.0, (at - t0).total_seconds() / half_life_s)
+
+
+def usage_of(s: Session, owner: str | None, now: datetime) -> float:
+    """``owner``'s scaled usage: what its queued jobs' share is (0 for none). In a write
+    transaction: the epoch is held (shared) until it commits, as a rebase scales the
+    shares of the jobs queued before it."""
+    if owner is None:
+        return 0.0
+    _epoch(s, now)
+    found = s.execute(select(UserUsage.usage).where(UserUsage.owner == owner)).scalar()
+    return float(found or 0.0)
+
+
+def _add(s: Session, owner: str, amount: float, now: datetime) -> float:
+    """Add a use of ``amount`` at ``now`` to ``owner``'s usage; the new scaled usage.
+    The row is locked for the change: two transactions adding at once both count."""
+    t0 = _epoch(s, now)
+    scaled = amount * _scale(now, t0, policy_of(s).fairshare_half_life_s)
+    s.execute(
+        _insert(s)(usage_table)
+        .values(owner=owner, usage=0.0, updated_at=now)
+        .on_conflict_do_nothing(index_elements=["owner"])
+    )
+    q = select(UserUsage.usage).where(UserUsage.owner == owner).with_for_update()
+    new = float(s.execute(q).scalar_one()) + scaled
+    s.execute(update(UserUsage).where(UserUsage.owner == owner).values(usage=new, updated_at=now))
+    return new
+
+
+def _refresh(s: Session, owner: str, usage: float) -> None:
+    """The share of ``owner``'s queued jobs: its scaled usage."""
+    s.execute(
+        update(Job).where(Job.owner == owner, Job.status == JobStatus.QUEUED).values(share=usage)
+    )
+
+
+def _count(s: Session, attempt_id: int, counted_until: datetime | None, started: datetime,
+           now: datetime) -> float:  # fmt: skip
+    """Move an attempt's counted_until on to now; the seconds this transaction counts.
+    The update is conditional on what was read: if a sweep counted some meanwhile, what
+    it left is read again and counted."""
+    for _ in range(3):
+        seconds = (now - (counted_until or started)).total_seconds()
+        if seconds <= 0:
+            return 0.0
+        unchanged = (
+            Attempt.counted_until.is_(None)
+            if counted_until is None
+            else Attempt.counted_until == counted_until
+        )
+        moved = s.execute(
+            update(Attempt).where(Attempt.id == attempt_id, unchanged).values(counted_until=now)
+        )
+        if getattr(moved, "rowcount", 0) == 1:
+            return seconds
+        counted_until = s.execute(
+            select(Attempt.counted_until).where(Attempt.id == attempt_id)
+        ).scalar()
+    return 0.0
+
+
+def count_end(s: Session, job_id: int, attempt_id: int, now: datetime) -> None:
+    """An attempt ends (in the caller's transaction, before the job moves on): count the
+    rest of its use, and refresh its owner's queued jobs."""
+    row = s.execute(
+        select(
+            Job.owner, Job.device, Attempt.gpus, Job.nproc_per_node, Job.nnodes,
+            Attempt.counted_until, Attempt.started_at,
+        )
+        .join(Attempt, Attempt.job_id == Job.id)
+        .where(Job.id == job_id, Attempt.id == attempt_id)
+    ).first()  # fmt: skip
+    if row is None or row.owner is None:
+        return
+    seconds = _count(s, attempt_id, row.counted_until, row.started_at, now)
+    if seconds:
+        use = units(row.device, row.gpus, row.nproc_per_node, row.nnodes, policy_of(s))
+        _refresh(s, row.owner, _add(s, row.owner, use * seconds, now))
+
+
+def sweep(db: Database) -> int:
+    """Count running attempts' use, if there are any (nearly every sweep of an idle API
+    looks and writes nothing), and move the epoch on when it is due."""
+    running = select(Job.id).where(Job.owner.is_not(None), is_active(Job.status, SQL))
+    due = select(FairshareEpoch.t0).where(
+        FairshareEpoch.t0 < utcnow() - timedelta(seconds=REBASE_AFTER * _half_life(db))
+    )
+    with db.read() as s:
+        if s.execute(running.limit(1)).first() is None and s.execute(due).first() is None:
+            return 0
+    with db.write() as s:
+        now = utcnow()
+        rebase(s, now)
+        return count_running(s, now)
+
+
+def _half_life(db: Database) -> float:
+    return db.policy.fairshare_half_life_s
+
+
+def rebase(s: Session, now: datetime) -> bool:
+    """Move the epoch to now once it lies REBASE_AFTER half-lives back, scaling every
+    usage and queued share down with it (their order stays); True if it moved."""
+    t0 = _epoch(s, now, lock=True)
+    half_life = policy_of(s).fairshare_half_life_s
+    if (now - t0).total_seconds() < REBASE_AFTER * half_life:
+        return False
+    factor = 1.0 / _scale(now, t0, half_life)
+    s.execute(update(UserUsage).values(usage=UserUsage.usage * factor))
+    s.execute(update(Job).where(Job.status == JobStatus.QUEUED).values(share=Job.share * factor))
+    s.execute(update(FairshareEpoch).where(FairshareEpoch.id == 1).values(t0=now))
+    return True
+
+
+def count_running(s: Session, now: datetime) -> int:
+    """Count every running attempt's use up to now; how many attempts it counted."""
+    policy = policy_of(s)
+    # Locked as read (Postgres): an attempt ending meanwhile counts what this leaves.
+    rows = s.execute(
+        select(
+            Attempt.id, Attempt.counted_until, Attempt.started_at, Job.owner, Job.device,
+            Attempt.gpus, Job.nproc_per_node, Job.nnodes,
+        )
+        .join(Job, and_(Job.id == Attempt.job_id, Job.attempt == Attempt.number))
+        .where(Attempt.ended_at.is_(None), is_active(Job.status, SQL), Job.owner.is_not(None))
+        .with_for_update(of=Attempt)
+    ).all()  # fmt: skip
+    added: dict[str, float] = {}
+    counted = []
+    for r in rows:
+        seconds = (now - (r.counted_until or r.started_at)).total_seconds()
+        if seconds > 0 and r.owner is not None:
+            counted.append(r.id)
+            use = units(r.device, r.gpus, r.nproc_per_node, r.nnodes, policy)
+            added[r.owner] = added.get(r.owner, 0.0) + use * seconds
+    for part in range(0, len(counted), 500):  # one statement, not one per attempt
+        ids = counted[part : part + 500]
+        s.execute(update(Attempt).where(Attempt.id.in_(ids)).values(counted_until=now))
+    for owner in sorted(added):
+        _refresh(s, owner, _add(s, owner, added[owner], now))
+    return len(added)
+
+
+def decayed_usage(s: Session, now: datetime) -> dict[str, float]:
+    """Every user's fair-share usage now, in GPU-equivalent seconds (decayed)."""
+    rows = s.execute(select(UserUsage.owner, UserUsage.usage)).all()
+    t0 = s.execute(select(FairshareEpoch.t0).where(FairshareEpoch.id == 1)).scalar()
+    if not rows or t0 is None:
+        return {}
+    down = 1.0 / _scale(now, t0, policy_of(s).fairshare_half_life_s)
+    return {r.owner: r.usage * down for r in rows}
+
+
+WINDOWS = (("1d", timedelta(days=1)), ("7d", timedelta(days=7)))
+
+
+def overview(s: Session, now: datetime) -> list[dict[str, Any]]:
+    """Each user's running and queued jobs, GPU-hours and CPU-slot-hours over the last
+    day and week (not decayed: what their attempts held, for how long), and the decayed
+    usage fair share orders by; most used first."""
+    since = now - WINDOWS[-1][1]
+    attempts = s.execute(
+        select(
+            Job.owner, Job.device, Attempt.gpus, Job.nproc_per_node, Job.nnodes,
+            Attempt.started_at, Attempt.ended_at,
+        )
+        .join(Job, Job.id == Attempt.job_id)
+        .where(Job.owner.is_not(None), or_(Attempt.ended_at.is_(None), Attempt.ended_at > since))
+    ).all()  # fmt: skip
+    waiting_or_active = or_(Job.status == JobStatus.QUEUED, is_active(Job.status, SQL))
+    counts = s.execute(
+        select(Job.owner, Job.status, func.count())
+        .where(Job.owner.is_not(None), waiting_or_active)
+        .group_by(Job.owner, Job.status)
+    ).all()
+    people: dict[str, dict[str, Any]] = {}
+
+    def person(name: str) -> dict[str, Any]:
+        return people.setdefault(
+            name,
+            {"user": name, "running": 0, "queued": 0, "usage_gpu_s": 0.0}
+            | {f"gpu_hours_{w}": 0.0 for w, _ in WINDOWS}
+            | {f"cpu_slot_hours_{w}": 0.0 for w, _ in WINDOWS},
+        )
+
+    for owner, status, n in counts:
+        if owner is not None:
+            key = "queued" if status == JobStatus.QUEUED else "running"
+            person(owner)[key] += int(n)
+    for a in attempts:
+        gpus, cpu = held(a.device, a.gpus, a.nproc_per_node, a.nnodes)
+        for window, span in WINDOWS:
+            start = max(as_utc(a.started_at), now - span)
+            seconds = ((as_utc(a.ended_at) if a.ended_at else now) - start).total_seconds()
+            if seconds > 0 and a.owner is not None:
+                p = person(a.owner)
+                p[f"gpu_hours_{window}"] += gpus * seconds / 3600
+                p[f"cpu_slot_hours_{window}"] += cpu * seconds / 3600
+    for name, usage in decayed_usage(s, now).items():
+        person(name)["usage_gpu_s"] = usage
+    return sorted(people.values(), key=lambda p: (-p["usage_gpu_s"], p["user"]))

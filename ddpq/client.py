@@ -252,6 +252,20 @@ class Client:
         result: dict[str, Any] = self._call("POST", f"/users/{_segment(name)}/rotate").json()
         return result
 
+    def quotas(self) -> list[dict[str, Any]]:
+        """Every user's limits, and everyone's default (user ``*``)."""
+        items: list[dict[str, Any]] = self._call("GET", "/quotas").json()["items"]
+        return items
+
+    def set_quota(self, name: str, **limits: int | None) -> dict[str, Any]:
+        """Set ``name``'s limits (admins; ``*``: everyone's default): max_gpus,
+        max_running, max_queued (None: no limit)."""
+        result: dict[str, Any] = self._call("PUT", f"/quotas/{name}", json=limits).json()
+        return result
+
+    def clear_quota(self, name: str) -> None:
+        self._call("DELETE", f"/quotas/{name}")
+
     def usage(self) -> list[dict[str, Any]]:
         """Each user's running and queued jobs, GPU- and CPU-slot-hours over the last day
         and week, and the decayed usage fair share orders by; most used first."""

@@ -38,6 +38,12 @@ class Conflict(DomainError):
     status_code = 409
 
 
+class TooMany(DomainError):
+    """Over a limit the user may lift by waiting (a quota of queued jobs)."""
+
+    status_code = 429
+
+
 class Invalid(DomainError):
     """A request that passed the schema but breaks a rule that needs the database."""
 

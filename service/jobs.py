@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 
 from service import code, queue, users
 from service.db import Database
-from service.errors import Conflict, Forbidden, Invalid, NotFound
+from service.errors import Conflict, Forbidden, Invalid, NotFound, TooMany
 from service.models import (
     TERMINAL,
     Attempt,
@@ -265,6 +265,7 @@ def submit_job(
     try:
         with db.write() as s:
             job.share = queue.usage_of(s, owner, now)  # fair share: its place among equals
+            _within_queued_limit(s, owner)
             if spec.code is not None:
                 code.use(s, spec.code, spec.entrypoint)
             if strict:
@@ -275,6 +276,7 @@ def submit_job(
             s.flush()
             program = spec.recipe or spec.entrypoint
             users.audit(s, owner, "submit", f"job {job.id}", {"program": program})
+            queue.refresh_quota_flags(s, owner)  # held back from the start if it must be
             queue.notify_claimers(s)
             return _publics(s, [job])[0]
     except IntegrityError:
@@ -284,6 +286,19 @@ def submit_job(
             if existing is not None:
                 return existing
         raise
+
+
+def _within_queued_limit(s: Session, owner: str | None) -> None:
+    """TooMany (429) if ``owner`` has as many jobs queued as their quota allows."""
+    limit = queue.quota_limits(s, owner).max_queued
+    if owner is None or limit is None:
+        return
+    waiting = queue.queued_count(s, owner)
+    if waiting >= limit:
+        raise TooMany(
+            f"{owner} has {waiting} jobs queued, their limit (quota max_queued {limit}): "
+            "submit more once some have started, or ask an admin to raise it"
+        )
 
 
 def _replay(db: Database, key: str, digest: str | None, owner: str | None) -> JobPublic | None:

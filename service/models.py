@@ -9,6 +9,7 @@ from typing import Any, Literal
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     DateTime,
     Float,
     ForeignKey,
@@ -19,6 +20,7 @@ from sqlalchemy import (
     Text,
     TypeDecorator,
     UniqueConstraint,
+    false,
 )
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -130,6 +132,10 @@ class Job(Base):
     # While queued: its owner's recent usage (service.queue.shares), which orders jobs
     # of one priority (fair share): the least used owner's first, then the oldest.
     share: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")
+    # While queued: held back by its owner's limits (service.queue.quotas): they run as
+    # many jobs as they may; on GPUs it would take them past their GPUs.
+    quota_running: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    quota_gpus: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
     __table_args__ = (
         # A user's jobs (ddpq ls --mine) and, later, what each user holds.

@@ -700,3 +700,26 @@ class UserUsagePublic(BaseModel):
 
 class UsagePublic(BaseModel):
     items: list[UserUsagePublic]
+
+
+QuotaLimit = Annotated[int | None, Field(strict=True, ge=0, le=1_000_000)]
+
+
+class QuotaIn(Strict):
+    """PUT /quotas/{name}: a user's limits (null: no limit)."""
+
+    max_gpus: QuotaLimit = None
+    max_running: QuotaLimit = None
+    max_queued: QuotaLimit = None
+
+
+class QuotaPublic(BaseModel):
+    # A user's name, or "*": everyone's default (a user's own row wins whole)
+    user: str
+    max_gpus: int | None
+    max_running: int | None
+    max_queued: int | None
+
+
+class QuotasPublic(BaseModel):
+    items: list[QuotaPublic]

@@ -20,9 +20,10 @@ from sqlalchemy import Table, bindparam, func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from service import queue
 from service.db import Database
 from service.errors import Conflict, Invalid, NotFound
-from service.models import AuditEvent, User, UserRole, utcnow
+from service.models import AuditEvent, Quota, User, UserRole, utcnow
 from service.tokens import USER_TOKEN_PREFIX, mint
 
 FIRST_ADMIN = "admin"
@@ -206,3 +207,59 @@ def audit_trail(db: Database, limit: int, cursor: int | None) -> tuple[list[Any]
             for e in rows
         ]
     return items, (str(rows[-1].id) if more and rows else None)
+
+
+# ---- quotas -------------------------------------------------------------------------------
+
+
+def list_quotas(db: Database) -> list[dict[str, Any]]:
+    with db.read() as s:
+        return [
+            {
+                "user": q.owner,
+                "max_gpus": q.max_gpus,
+                "max_running": q.max_running,
+                "max_queued": q.max_queued,
+            }
+            for q in s.scalars(select(Quota).order_by(Quota.owner))
+        ]
+
+
+def set_quota(db: Database, actor: Principal, owner: str, limits: dict[str, int | None]) -> None:
+    """Set ``owner``'s limits (``*``: everyone's default); their queued jobs are held
+    back, or let go, at once."""
+    if owner != queue.DEFAULT_QUOTA:
+        problem = name_problem(owner)
+        if problem:
+            raise Invalid(("path", "name"), problem)
+    with db.write() as s:
+        row = s.get(Quota, owner)
+        if row is None:
+            row = Quota(owner=owner)
+            s.add(row)
+        row.max_gpus = limits.get("max_gpus")
+        row.max_running = limits.get("max_running")
+        row.max_queued = limits.get("max_queued")
+        s.flush()
+        _audit(s, actor.name, "quota.set", f"quota {owner}", limits)
+        _reflag(s, owner)
+        queue.notify_claimers(s)
+
+
+def clear_quota(db: Database, actor: Principal, owner: str) -> None:
+    with db.write() as s:
+        row = s.get(Quota, owner)
+        if row is None:
+            raise NotFound(f"no quota for {owner}")
+        s.delete(row)
+        s.flush()
+        _audit(s, actor.name, "quota.clear", f"quota {owner}", None)
+        _reflag(s, owner)
+        queue.notify_claimers(s)
+
+
+def _reflag(s: Session, owner: str) -> None:
+    if owner == queue.DEFAULT_QUOTA:
+        queue.refresh_all_quota_flags(s)
+    else:
+        queue.refresh_quota_flags(s, owner)

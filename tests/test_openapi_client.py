@@ -62,6 +62,9 @@ OPERATIONS = {
     ("get", "/code/snapshots/{snapshot_id}"): ("code", "get_snapshot"),
     ("get", "/whoami"): ("users", "whoami"),
     ("get", "/usage"): ("users", "get_usage"),
+    ("get", "/quotas"): ("users", "list_quotas"),
+    ("put", "/quotas/{name}"): ("users", "set_quota"),
+    ("delete", "/quotas/{name}"): ("users", "clear_quota"),
     ("get", "/users"): ("users", "list_users"),
     ("post", "/users"): ("users", "add_user"),
     ("post", "/users/{name}/revoke"): ("users", "revoke_user"),
@@ -137,7 +140,7 @@ def test_every_operation_has_a_short_stable_id_and_typed_answers(server: Server)
     def statuses(method: str, path: str) -> set[str]:
         return set(doc["paths"][path][method]["responses"])
 
-    assert statuses("post", "/jobs") == {"201", "401", "403", "409", "413", "422", "503"}
+    assert statuses("post", "/jobs") == {"201", "401", "403", "409", "413", "422", "429", "503"}
     assert statuses("post", "/jobs/{job_id}/cancel") == {
         "202", "401", "403", "404", "409", "422", "503",
     }  # fmt: skip

@@ -25,7 +25,7 @@ ORDER = [
     "login", "logout", "whoami",
     "submit", "resubmit", "status", "ls", "cancel", "code", "logs", "watch",
     "workers", "recipes",
-    "users", "audit", "usage",
+    "users", "audit", "usage", "quota",
     "slurm-node",  # hidden: what the Slurm bridge starts on each node
 ]  # fmt: skip
 

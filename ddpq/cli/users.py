@@ -236,3 +236,67 @@ def usage(as_json: JsonOpt = False) -> None:
     ]
     header = ["USER", "RUNNING", "QUEUED", "GPU-H 1D", "GPU-H 7D", "CPU-H 7D", "SHARE USAGE"]
     _print_table(_fit_table(header, rows, caps={"USER": 24}))
+
+
+quota_app = typer.Typer(
+    help="Limits per user: GPUs and jobs at once, jobs queued (admins set them).",
+    epilog=API_HELP,
+    no_args_is_help=True,
+    rich_markup_mode=None,
+)
+app.add_typer(quota_app, name="quota")
+
+QuotaName = Annotated[
+    str, typer.Argument(metavar="NAME", help="a user's name, or '*' for everyone's default")
+]
+Limit = Annotated[int | None, typer.Option(min=0, help="the most at once (default: no limit)")]
+
+
+def _limit(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
+@client_command(quota_app, name="ls")
+def quota_ls(as_json: JsonOpt = False) -> None:
+    """Every user's limits, and everyone's default (*); a user's own row wins whole."""
+    with _client() as c:
+        items = _call(Client.quotas, c)
+    if as_json:
+        _print_json({"items": items})
+        return
+    rows = [
+        [q["user"], _limit(q["max_gpus"]), _limit(q["max_running"]), _limit(q["max_queued"])]
+        for q in items
+    ]
+    _print_table(_fit_table(["USER", "GPUS", "RUNNING", "QUEUED"], rows, caps={"USER": 24}))
+
+
+@client_command(quota_app, name="set")
+def quota_set(
+    name: QuotaName,
+    gpus: Limit = None,
+    running: Limit = None,
+    queued: Limit = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Set a user's limits (or everyone's, '*'): what is not given has no limit.
+
+    Their queued jobs are held back at once, each saying which limit holds it.
+    """
+    with _client() as c:
+        q = _call(Client.set_quota, c, name, max_gpus=gpus, max_running=running, max_queued=queued)
+    if as_json:
+        _print_json(q)
+        return
+    _say(
+        f"quota {q['user']}: GPUs {_limit(q['max_gpus'])}, running {_limit(q['max_running'])}, "
+        f"queued {_limit(q['max_queued'])}"
+    )
+
+
+@client_command(quota_app, name="clear")
+def quota_clear(name: QuotaName) -> None:
+    """Remove a user's limits (everyone's default applies again), or the default."""
+    with _client() as c:
+        _call(Client.clear_quota, c, name)
+    _say(f"quota {name}: cleared")

@@ -8,6 +8,7 @@
 - ``leases``: workers, heartbeats, how attempts end, and the fencing check.
 - ``reasons``: why a queued job waits, in words.
 - ``shares``: fair share: each user's recent usage, the share a queued job is ordered by.
+- ``quotas``: each user's limits, and the flags that hold their queued jobs back.
 
 Other modules import this package and call what it re-exports below.
 """
@@ -29,6 +30,11 @@ from service.queue.leases import (
     requeued,
     workers_attempt,
 )
+from service.queue.quotas import DEFAULT as DEFAULT_QUOTA
+from service.queue.quotas import limits as quota_limits
+from service.queue.quotas import queued as queued_count
+from service.queue.quotas import refresh as refresh_quota_flags
+from service.queue.quotas import refresh_all as refresh_all_quota_flags
 from service.queue.reasons import pending_reasons, unschedulable
 from service.queue.rules import NOTIFY_CHANNEL, ORDER, as_utc, at_or_ahead, notify_claimers
 from service.queue.shares import count_running, usage_of
@@ -36,6 +42,7 @@ from service.queue.shares import overview as usage_overview
 from service.queue.shares import sweep as count_usage
 
 __all__ = [
+    "DEFAULT_QUOTA",
     "NOTIFY_CHANNEL",
     "ORDER",
     "Claim",
@@ -58,7 +65,11 @@ __all__ = [
     "nodes_of",
     "notify_claimers",
     "pending_reasons",
+    "queued_count",
+    "quota_limits",
     "record_heartbeat",
+    "refresh_all_quota_flags",
+    "refresh_quota_flags",
     "register_worker",
     "release_worker",
     "requeued",

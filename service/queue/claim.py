@@ -24,7 +24,7 @@ from sqlalchemy.engine import Connection
 from ddpq.messages import ClaimedJob
 from service.db import Database
 from service.models import JobStatus, UTCDateTime, utcnow
-from service.queue import books, gangs
+from service.queue import books, gangs, quotas
 from service.queue.rules import (
     ORDER,
     QUEUED_SINGLE,
@@ -38,6 +38,7 @@ from service.queue.rules import (
     jn,
     jobs,
     new_attempt,
+    quota_free,
     ready,
     resolve,
     resume_from,
@@ -73,6 +74,7 @@ def _starving_probe(worker_has_gpus: bool) -> Any:
             QUEUED_SINGLE,
             j.queued_at < bindparam("starved_before", type_=UTCDateTime),
             fits_bound(worker_has_gpus, "total_cpu", "total_gpus"),
+            quota_free(worker_has_gpus),  # one its owner's limits hold back halts no one
         )
         .order_by(*ORDER)
         .limit(1)
@@ -83,7 +85,10 @@ def _starving_probe(worker_has_gpus: bool) -> Any:
 def _take(dialect: str, worker_has_gpus: bool, guarded: bool) -> Any:
     """Mark the best queued job that fits running, in one statement, and return it."""
     pick = select(j.id).where(
-        QUEUED_SINGLE, ready(), fits_bound(worker_has_gpus, "free_cpu", "free_gpus")
+        QUEUED_SINGLE,
+        ready(),
+        fits_bound(worker_has_gpus, "free_cpu", "free_gpus"),
+        quota_free(worker_has_gpus),
     )
     if guarded:  # a job starves (or a gang is picked): nothing behind it may start
         pick = pick.where(
@@ -108,7 +113,7 @@ def _take(dialect: str, worker_has_gpus: bool, guarded: bool) -> Any:
                 gpus=bindparam("no_gpus", type_=JSON),
             )
         )
-        .returning(j.id, j.attempt, j.spec, j.device, j.nproc_per_node, j.queued_at)
+        .returning(j.id, j.attempt, j.spec, j.device, j.nproc_per_node, j.queued_at, j.owner)
     )
 
 
@@ -134,6 +139,7 @@ def _take_whole(dialect: str, nodes_have_gpus: bool) -> Any:
                 SQL,
             ),
             ~gathering,
+            quota_free(nodes_have_gpus),
         )
         .order_by(*ORDER)
         .limit(1)
@@ -146,7 +152,9 @@ def _take_whole(dialect: str, nodes_have_gpus: bool) -> Any:
         .values(
             starting(attempt=j.attempt + 1, held_cpu_slots=0, gpus=bindparam("no_gpus", type_=JSON))
         )
-        .returning(j.id, j.attempt, j.spec, j.device, j.nproc_per_node, j.queued_at, j.nnodes)
+        .returning(
+            j.id, j.attempt, j.spec, j.device, j.nproc_per_node, j.queued_at, j.nnodes, j.owner
+        )
     )
 
 
@@ -178,7 +186,7 @@ def _claim_whole(
     row = conn.execute(_take_whole(db.dialect, has_gpus), params).first()
     if row is None:
         return None
-    job_id, number, spec, device, nproc, queued_at, nnodes = row
+    job_id, number, spec, device, nproc, queued_at, nnodes, owner = row
     # Read again now that the row is ours (Postgres): a worker's node slot committed
     # after this statement's snapshot, under a lock that changed nothing on the row, is
     # not seen by the pick. The gang came first; this claim is undone.
@@ -186,6 +194,7 @@ def _claim_whole(
         raise _GangFirst()
     checkpoint_dir = checkpoint_dir_of(cap.checkpoint_root, job_id)
     new_attempt(conn, job_id, number, cap.name, token_hash, [], checkpoint_dir, now)
+    quotas.refresh(conn, owner)  # what its owner holds grew
     return Claim(
         job_id=job_id,
         attempt=number,
@@ -313,7 +322,7 @@ def _node_of(gang: Any, slot: gangs.NodeSlot | None) -> Claim | None:
 
 def _start(conn: Connection, row: Any, cap: books.Capacity, token_hash: str, now: Any) -> Claim:
     """The attempt row of a single-node job just marked running, and its Claim."""
-    job_id, number, spec, device, nproc, queued_at = row
+    job_id, number, spec, device, nproc, queued_at, owner = row
     has_gpus = bool(cap.gpus)
     resolved = resolve(device, has_gpus)
     gpus = cap.free_gpus[:nproc] if resolved == "cuda" else []
@@ -321,6 +330,7 @@ def _start(conn: Connection, row: Any, cap: books.Capacity, token_hash: str, now
         conn.execute(_SET_GPUS, {"job_id": job_id, "gpus": gpus})
     checkpoint_dir = checkpoint_dir_of(cap.checkpoint_root, job_id)
     new_attempt(conn, job_id, number, cap.name, token_hash, gpus, checkpoint_dir, now)
+    quotas.refresh(conn, owner)  # what its owner holds grew
     resume = resume_from(conn, job_id, number)
     return Claim(
         job_id=job_id,

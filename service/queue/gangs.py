@@ -22,6 +22,7 @@ from sqlalchemy.orm import Session
 from ddpq.messages import GangReply
 from service.db import Database
 from service.models import Attempt, Job, JobNode, JobStatus, UTCDateTime, utcnow
+from service.queue import quotas
 from service.queue.books import Capacity
 from service.queue.rules import (
     FORMING,
@@ -37,6 +38,7 @@ from service.queue.rules import (
     notify_claimers,
     order_key,
     policy_of,
+    quota_free,
     ready,
     resolve,
     resume_from,
@@ -76,6 +78,7 @@ def _pick(dialect: str, worker_has_gpus: bool) -> Any:
             ~mine,
             held < j.nnodes,
             live >= j.nnodes,
+            quota_free(worker_has_gpus),
         )
         .order_by(*ORDER)
         .limit(1)
@@ -194,6 +197,8 @@ def _start(conn: Connection, job_id: int, number: int, slots: list[Any], now: da
     if rowcount(conn.execute(_START_GANG, params)) != 1:
         raise RuntimeError(f"job {job_id} changed under its row lock")
     new_attempt(conn, job_id, number, worker, token_hash, gpus, gang_dir, now)
+    owner = conn.execute(select(j.owner).where(j.id == job_id)).scalar()
+    quotas.refresh(conn, owner)  # what its owner holds grew
 
 
 # ---- releasing and timing out ----------------------------------------------------------

@@ -32,7 +32,7 @@ from service.models import (
     Worker,
     utcnow,
 )
-from service.queue import shares
+from service.queue import quotas, shares
 from service.queue.gangs import node_of, nodes_of, release_nodes
 from service.queue.rules import (
     NODE_LIVE,
@@ -221,6 +221,7 @@ def end_attempt(s: Session, job: Job, worker: str, report: FinishRequest, policy
     attempt.outcome = ending.outcome
     attempt.reason = job.reason  # kept per attempt: the job's reason moves on
     s.flush()
+    quotas.refresh(s, job.owner)  # what its owner holds shrank
     notify_claimers(s)  # its slots are free, or it is queued again
 
 
@@ -543,4 +544,5 @@ def _lose(
         .where(Attempt.id == attempt_id)
         .values(ended_at=now, outcome=ending.outcome, reason=ending.values["reason"])
     )
+    quotas.refresh(s, s.execute(select(Job.owner).where(Job.id == job_id)).scalar())
     return True

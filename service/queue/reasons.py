@@ -7,7 +7,7 @@ claim does: tests/test_reasons_property.py checks that on random states.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 
 from sqlalchemy import func, select
@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 from ddpq.rules import UNSCHEDULABLE
 from service.db import Policy
 from service.models import Job, utcnow
-from service.queue import rules
+from service.queue import quotas, rules
 from service.queue.books import Capacity, Partition, capacities
 from service.queue.rules import FORMING, j, jn, policy_of
 
@@ -119,12 +119,32 @@ def unschedulable(s: Session, job: Job) -> str | None:
 
 @dataclass
 class _View:
-    """What every reason is decided on: the workers' books, the live ones, the policy."""
+    """What every reason is decided on: the workers' books, the live ones, the policy,
+    and what the owners of held-back jobs may and do hold (quotas)."""
 
     caps: list[Capacity]
     live: list[Capacity]
     policy: Policy
     now: datetime
+    held: dict[str, tuple[quotas.Limits, int, int]] = field(default_factory=dict)
+
+
+def _quota_words(job: Job, view: _View) -> str | None:
+    """Why its owner's limits hold ``job`` back (quotas set the flags the claim reads):
+    None if they do not, or if it may still start where it takes no GPUs."""
+    if not (job.quota_running or job.quota_gpus) or job.owner not in view.held:
+        return None
+    limits, running, gpus = view.held[job.owner]
+    if job.quota_running:
+        return (
+            f"waiting: {job.owner} runs {running} of their {limits.max_running} jobs at once "
+            "(their quota)"
+        )
+    need = job.nproc_per_node * job.nnodes
+    return (
+        f"waiting: {job.owner} holds {gpus} of their {limits.max_gpus} GPUs and this job "
+        f"needs {need} (their quota)"
+    )
 
 
 def pending_reasons(s: Session, jobs: list[Job], positions: dict[int, int]) -> dict[int, str]:
@@ -134,6 +154,9 @@ def pending_reasons(s: Session, jobs: list[Job], positions: dict[int, int]) -> d
     policy = policy_of(s)
     caps = capacities(s, policy.lease_s)
     view = _View(caps, [c for c in caps if c.live], policy, utcnow())
+    for owner in {job.owner for job in jobs if job.quota_running or job.quota_gpus}:
+        if owner is not None:
+            view.held[owner] = (quotas.limits(s, owner), *quotas.holdings(s, owner))
     held = _slots_held(s, [job.id for job in jobs if job.nnodes > 1])
     return {
         job.id: _gang_reason(job, held.get(job.id, 0), view)
@@ -180,12 +203,22 @@ def _reason(job: Job, ahead: int, view: _View) -> str:
     first = _unschedulable_on(view.caps, job) or _backoff(job, view.now) or _no_worker(view)
     if first:
         return first
+    # Held back by its owner's limits: on no worker, or (GPUs) on those it would take
+    # GPUs of; a CPU-only worker may still run an auto job (rules.quota_free).
+    live = view.live
+    quota = _quota_words(job, view)
+    if quota is not None:
+        if job.quota_running:
+            return quota
+        live = [c for c in live if rules.unit(job.device, bool(c.gpus)) == "cpu"]
+        if not any(_total(c, "cpu") >= job.nproc_per_node for c in live):
+            return quota
     bridge = _live_bridge(view, job)
     if bridge is not None:
         return _bridge_words(*bridge, ahead)
     best_free = {"gpu": 0, "cpu": 0}
     fits_now = False
-    for cap in view.live:
+    for cap in live:
         unit = rules.unit(job.device, bool(cap.gpus))
         if unit is None or _total(cap, unit) < job.nproc_per_node:
             continue
@@ -196,7 +229,7 @@ def _reason(job: Job, ahead: int, view: _View) -> str:
             return f"waiting for its turn: {ahead} job(s) ahead in the queue"
         return "waiting for a worker to claim it"
     # A cuda job while no live worker has GPUs still waits for GPUs.
-    unit = rules.unit(job.device, any(c.gpus for c in view.live)) or "gpu"
+    unit = rules.unit(job.device, any(c.gpus for c in live)) or "gpu"
     words = (
         f"waiting for {_words(job.nproc_per_node, unit)}; the most free on one "
         f"worker is {best_free[unit]}"
@@ -215,6 +248,9 @@ def _gang_reason(job: Job, held: int, view: _View) -> str:
     backoff = _unschedulable_on(view.caps, job) or _backoff(job, view.now)
     if backoff:
         return backoff
+    quota = _quota_words(job, view)
+    if quota is not None:
+        return quota
     bridge = _live_bridge(view, job)
     if bridge is not None and not held:
         return _bridge_words(*bridge, 0)

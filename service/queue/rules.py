@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal, cast
 
-from sqlalchemy import Table, and_, bindparam, func, insert, or_, select, text
+from sqlalchemy import Table, and_, bindparam, false, func, insert, or_, select, text
 from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
@@ -46,6 +46,16 @@ checkpoints = cast(Table, Checkpoint.__table__)
 # The claim order: priority desc; among equals, the job whose owner used the hosts least
 # lately (its share: service.queue.shares, fair share), then the oldest.
 ORDER = (j.priority.desc(), j.share, j.id)
+
+
+def quota_free(worker_has_gpus: bool) -> Any:
+    """SQL: queued jobs their owner's limits let start on such a worker
+    (service.queue.quotas sets the flags): not at their running limit, and, where the
+    job would take GPUs, not past their GPUs."""
+    free = j.quota_running == false()
+    if worker_has_gpus:
+        return and_(free, or_(j.device == "cpu", j.quota_gpus == false()))
+    return free
 
 
 def order_key(priority: int, share: float, job_id: int) -> tuple[int, float, int]:

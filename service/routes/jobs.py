@@ -37,7 +37,8 @@ NO_JOB = {404: "no such job"}
     responses=responses(
         {
             409: "the Idempotency-Key was used with another body, or strict=true and no "
-            "registered worker could ever run the job"
+            "registered worker could ever run the job",
+            429: "its owner has as many jobs queued as their quota allows",
         }
     ),
 )

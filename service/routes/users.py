@@ -7,6 +7,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Query
 from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import Response
 
 from service import queue, users
 from service.auth import AdminAuth, CurrentAdmin, CurrentUser, UserAuth
@@ -15,6 +16,9 @@ from service.errors import Invalid, responses
 from service.models import utcnow
 from service.schemas import (
     AuditPublic,
+    QuotaIn,
+    QuotaPublic,
+    QuotasPublic,
     UsagePublic,
     UserIn,
     UserPublic,
@@ -103,3 +107,32 @@ async def get_audit(
         after = int(cursor)
     items, next_cursor = await run_in_threadpool(users.audit_trail, db, limit, after)
     return AuditPublic.model_validate({"items": items, "next_cursor": next_cursor})
+
+
+QuotaName = Annotated[
+    str, Path(min_length=1, max_length=64, description="a user's name, or * for everyone's")
+]
+
+
+@router.get("/quotas", response_model=QuotasPublic)
+async def list_quotas(db: DB) -> QuotasPublic:
+    """Every user's limits, and everyone's default (user "*")."""
+    return QuotasPublic.model_validate({"items": await run_in_threadpool(users.list_quotas, db)})
+
+
+@admin_router.put("/quotas/{name}", response_model=QuotaPublic)
+async def set_quota(name: QuotaName, body: QuotaIn, db: DB, me: CurrentAdmin) -> QuotaPublic:
+    """Set a user's limits, or everyone's default (*): GPUs and jobs at once, jobs
+    queued; their queued jobs are held back or let go at once (admins only)."""
+    limits = body.model_dump()
+    await run_in_threadpool(users.set_quota, db, me, name, limits)
+    return QuotaPublic.model_validate({"user": name, **limits})
+
+
+@admin_router.delete(
+    "/quotas/{name}", status_code=204, responses=responses({404: "no quota of that name"})
+)
+async def clear_quota(name: QuotaName, db: DB, me: CurrentAdmin) -> Response:
+    """Remove a user's limits (the default applies again), or the default (admins only)."""
+    await run_in_threadpool(users.clear_quota, db, me, name)
+    return Response(status_code=204)

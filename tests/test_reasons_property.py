@@ -22,7 +22,16 @@ from sqlalchemy import delete, update
 
 from service import jobs, queue
 from service.db import Database, upgrade
-from service.models import Attempt, Checkpoint, Job, JobNode, LogChunk, MetricPoint, Worker
+from service.models import (
+    Attempt,
+    Checkpoint,
+    Job,
+    JobNode,
+    LogChunk,
+    MetricPoint,
+    Quota,
+    Worker,
+)
 from service.models import utcnow as now
 from service.schemas import JobSpec
 
@@ -60,13 +69,15 @@ def db(db_url: str) -> Iterator[Database]:
 
 def _reset(db: Database) -> None:
     with db.write() as s:
-        for table in (MetricPoint, Checkpoint, LogChunk, JobNode, Attempt, Job, Worker):
+        for table in (MetricPoint, Checkpoint, LogChunk, JobNode, Attempt, Job, Worker, Quota):
             s.execute(delete(table))
 
 
-def _submit(db: Database, device: str, ranks: int, priority: int = 0) -> int:
+def _submit(
+    db: Database, device: str, ranks: int, priority: int = 0, owner: str | None = None
+) -> int:
     spec = JobSpec(recipe="toy-regression", world_size=ranks, device=device, priority=priority)  # type: ignore[arg-type]
-    return jobs.submit_job(db, spec, None).id
+    return jobs.submit_job(db, spec, None, owner=owner).id
 
 
 def _claim(db: Database, name: str, state: WorkerState) -> queue.Claim | None:
@@ -75,13 +86,14 @@ def _claim(db: Database, name: str, state: WorkerState) -> queue.Claim | None:
     return queue.claim_next_job(db, name, 10**6, list(range(state.gpus)), token)
 
 
-def _arrange(db: Database, workers: list[WorkerState]) -> None:
-    """Register the workers and give each the jobs it runs; silence the dead ones."""
+def _arrange(db: Database, workers: list[WorkerState], owner: str | None = None) -> None:
+    """Register the workers and give each the jobs it runs (``owner``'s); silence the
+    dead ones."""
     for i, w in enumerate(workers):
         queue.register_worker(db, f"w{i}", None, "host", w.cpu_slots, list(range(w.gpus)), "/c")
     for i, w in enumerate(workers):
         for device, ranks in w.running:
-            filler = _submit(db, device, ranks)
+            filler = _submit(db, device, ranks, owner=owner)
             if _claim(db, f"w{i}", w) is None:
                 jobs.cancel_job(db, filler)  # it did not fit: only the job under test waits
     silent = now() - timedelta(seconds=db.policy.lease_s * 3)
@@ -127,3 +139,57 @@ def test_the_reason_agrees_with_the_claim(
     else:
         assert taken_by is None, f"worker w{taken_by} took a job whose reason is {reason!r}"
         assert reason.startswith(("waiting for", "unschedulable")), reason
+
+
+limits = st.one_of(st.none(), st.integers(0, 4))
+
+
+@settings(
+    max_examples=100,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    workers=st.lists(worker_states, max_size=3),
+    device=devices,
+    ranks=st.integers(1, 3),
+    max_running=limits,
+    max_gpus=limits,
+    order=st.randoms(use_true_random=False),
+)
+def test_the_reason_agrees_with_the_claim_under_quotas(
+    db: Database,
+    workers: list[WorkerState],
+    device: str,
+    ranks: int,
+    max_running: int | None,
+    max_gpus: int | None,
+    order: object,
+) -> None:
+    """The same, where the jobs already running are the owner's and their limits are
+    random: a job its owner's limits hold back says so (its reason names the quota), and
+    no claim takes it; one they let go agrees with the claim as before."""
+    _reset(db)
+    _arrange(db, workers, owner="alice")
+    with db.write() as s:
+        s.add(Quota(owner="alice", max_running=max_running, max_gpus=max_gpus))
+        s.flush()
+        queue.refresh_quota_flags(s, "alice")
+    job_id = _submit(db, device, ranks, priority=1, owner="alice")
+    reason = jobs.get_job(db, job_id).reason or ""
+
+    live = [i for i, w in enumerate(workers) if w.alive]
+    order.shuffle(live)  # type: ignore[attr-defined]
+    taken_by = None
+    for i in live:
+        claim = _claim(db, f"w{i}", workers[i])
+        if claim is not None:
+            assert claim.job_id == job_id, "only the job under test is queued"
+            taken_by = i
+            break
+
+    if reason == CLAIMS_FIT:
+        assert taken_by is not None, f"the reason says a live worker can take it: {workers}"
+    else:
+        assert taken_by is None, f"worker w{taken_by} took a job whose reason is {reason!r}"
+        assert reason.startswith(("waiting", "unschedulable")), reason

@@ -55,12 +55,19 @@ class AttemptRef(BaseModel):
     attempt: int
 
 
+class HandBack(AttemptRef):
+    """An attempt to hand back to the queue (preempted): why, in words for its log."""
+
+    reason: str
+
+
 class HeartbeatReply(BaseModel):
     """POST /workers/heartbeat: attempts the worker must stop, cancelled by a user or
-    no longer theirs to run."""
+    no longer theirs to run, or hand back (preempted by a job that outranks them)."""
 
     cancel: list[AttemptRef]
     abandon: list[AttemptRef]
+    preempt: list[HandBack] = []
     # Of the jobs whose working directories the worker keeps (Heartbeat.kept), those
     # that have ended (or are gone): their directories may be removed.
     ended: list[int] = []

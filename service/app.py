@@ -184,8 +184,10 @@ async def _sweep_leases(app: FastAPI) -> None:
             log.exception("lease sweep failed")
         try:
             await run_in_threadpool(queue.count_usage, db)  # fair share: running use
+            if await run_in_threadpool(queue.preempt_sweep, db):
+                app.state.wakeup.notify()
         except Exception:
-            log.exception("usage sweep failed")
+            log.exception("usage or preemption sweep failed")
 
 
 def _listen_for_jobs(url: str, wakeup: Wakeup, stop: threading.Event) -> None:

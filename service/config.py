@@ -12,6 +12,7 @@ import os
 import secrets
 from functools import cached_property
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -63,6 +64,12 @@ class Settings(BaseSettings):
     # this much of a GPU.
     fairshare_half_life_s: float = Field(default=86400.0, gt=0)
     cpu_slot_weight: float = Field(default=0.125, ge=0)
+    # Preemption: a queued job that outranks running ones and has no room may take
+    # theirs; they hand back (requeued, no failure counted) and resume from their last
+    # checkpoint. off; priority (a higher priority outranks); fair-share (so does, at
+    # one priority, an owner who used less lately). Never a job run less than the minimum.
+    preemption: Literal["off", "priority", "fair-share"] = "off"
+    preempt_min_run_s: float = Field(default=60.0, ge=0)
     # Stored output per job: past it the middle is dropped, keeping the first quarter
     # (how it started) and the newest three quarters (how it is going or how it ended).
     log_max_bytes: int = Field(default=32 * 1024 * 1024, ge=4096)
@@ -89,6 +96,8 @@ class Settings(BaseSettings):
             log_max_bytes=self.log_max_bytes,
             fairshare_half_life_s=self.fairshare_half_life_s,
             cpu_slot_weight=self.cpu_slot_weight,
+            preemption=self.preemption,
+            preempt_min_run_s=self.preempt_min_run_s,
         )
 
     @cached_property

@@ -166,6 +166,10 @@ class Policy:
     # a CPU slot counts this much of a GPU.
     fairshare_half_life_s: float = 86400.0
     cpu_slot_weight: float = 0.125
+    # Preemption (service.queue.preempt): off, priority, or fair-share; never a job that
+    # has run less than this.
+    preemption: str = "off"
+    preempt_min_run_s: float = 60.0
 
 
 class Database:

@@ -277,6 +277,7 @@ def submit_job(
             program = spec.recipe or spec.entrypoint
             users.audit(s, owner, "submit", f"job {job.id}", {"program": program})
             queue.refresh_quota_flags(s, owner)  # held back from the start if it must be
+            queue.preempt_pass(s, now)  # room made for it at once, if it outranks and may
             queue.notify_claimers(s)
             return _publics(s, [job])[0]
     except IntegrityError:

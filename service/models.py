@@ -136,6 +136,11 @@ class Job(Base):
     # many jobs as they may; on GPUs it would take them past their GPUs.
     quota_running: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     quota_gpus: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    # Preemption (service.queue.preempt): running, asked to hand its slots back for the
+    # job of this id; queued, others on this worker were asked to make room for it (since).
+    preempted_by: Mapped[int | None] = mapped_column(BigInteger)
+    preempting_on: Mapped[str | None] = mapped_column(String(200))
+    preempting_since: Mapped[datetime | None]
 
     __table_args__ = (
         # A user's jobs (ddpq ls --mine) and, later, what each user holds.

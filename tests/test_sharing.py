@@ -7,8 +7,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import Server, run_ddpq, start_server, stop_server
-from tests.helpers import register
+import pytest
+
+from tests.conftest import Server, run_ddpq, start_server, stop_server, terminal, wait_for
+from tests.helpers import records, register
 
 JOB = {"recipe": "toy-regression", "world_size": 1, "device": "cpu"}
 HOLD_S = 0.3  # how long each claimed job holds the worker's one slot: its use
@@ -175,3 +177,120 @@ def test_quotas_hold_jobs_back_with_the_reason_and_let_them_go(server: Server) -
     assert bob.post("/jobs", json=job).status_code == 201
     actions = [e["action"] for e in admin.get("/audit").json()["items"]]
     assert actions.count("quota.set") == 4 and actions.count("quota.clear") == 2, actions
+
+
+def heartbeat(server: Server, worker: str, running: list[dict[str, Any]]) -> dict[str, Any]:
+    r = server.client("worker").post(
+        "/workers/heartbeat",
+        json={"name": worker, "running": [{"job_id": c["job_id"], "attempt": c["attempt"]}
+                                          for c in running]},
+    )  # fmt: skip
+    assert r.status_code == 200, r.text
+    out: dict[str, Any] = r.json()
+    return out
+
+
+def test_a_job_that_outranks_running_ones_takes_only_the_slots_it_needs(
+    db_url: str, tmp_path: Path
+) -> None:
+    """Bob runs three one-rank jobs on a three-slot worker; Alice submits a two-rank job
+    at priority 10. Exactly two of Bob's (the lowest ranked: here the newest) are asked
+    back through the worker's heartbeat, with the reason; handed back, they are queued
+    again without counting a failure, and Alice's job is the next the worker takes."""
+    server = start_server(
+        db_url, tmp_path / "api", DDPQ_PREEMPTION="priority", DDPQ_PREEMPT_MIN_RUN_S="0"
+    )
+    try:
+        register(server, "three", cpu_slots=3)
+        admin = server.client()
+        bob = server.client(admin.post("/users", json={"name": "bob"}).json()["token"])
+        alice = server.client(admin.post("/users", json={"name": "alice"}).json()["token"])
+        ran = []
+        for _ in range(3):
+            bob.post("/jobs", json=JOB)
+            ran.append(claim_on(server, "three", cpu=3 - len(ran)))
+        big = alice.post("/jobs", json={**JOB, "world_size": 2, "priority": 10}).json()["id"]
+        beat = heartbeat(server, "three", ran)
+        asked = {p["job_id"]: p["reason"] for p in beat["preempt"]}
+        assert sorted(asked) == sorted(c["job_id"] for c in ran[1:]), beat
+        assert set(asked.values()) == {f"preempted by job {big} (alice, priority 10)"}
+        for c in ran[1:]:  # the worker hands them back, as it does at shutdown
+            r = server.client("worker").post(
+                f"/workers/jobs/{c['job_id']}/finish",
+                json={"worker": "three", "attempt": c["attempt"], "outcome": "requeue"},
+            )
+            assert r.status_code == 200, r.text
+        for c in ran[1:]:
+            job = bob.get(f"/jobs/{c['job_id']}").json()
+            assert job["status"] == "queued", job
+            assert f"(preempted by job {big} (alice, priority 10);" in job["reason"], job
+        assert claim_on(server, "three", cpu=2)["job_id"] == big
+        assert bob.get(f"/jobs/{ran[0]['job_id']}").json()["status"] == "running", "untouched"
+        audit = admin.get("/audit").json()["items"]
+        assert sum(e["action"] == "preempt" for e in audit) == 2, audit
+        # Handed back, not failed: their next attempt is no retry of a failure.
+        attempts = bob.get(f"/jobs/{ran[1]['job_id']}/attempts").json()["items"]
+        assert [a["outcome"] for a in attempts] == ["requeued"], attempts
+    finally:
+        stop_server(server)
+
+
+@pytest.mark.parametrize(
+    "env",
+    [{"DDPQ_PREEMPTION": "priority", "DDPQ_PREEMPT_MIN_RUN_S": "3600"}, {}],
+    ids=["before-its-minimum-run", "off"],
+)
+def test_no_job_is_preempted_before_its_minimum_run_or_when_off(
+    db_url: str, tmp_path: Path, env: dict[str, str]
+) -> None:
+    server = start_server(db_url, tmp_path / "api", **env)
+    try:
+        register(server, "one", cpu_slots=1)
+        running = server.client().post("/jobs", json=JOB).json()["id"]
+        c = claim_on(server, "one", cpu=1)
+        assert c["job_id"] == running
+        urgent = server.client().post("/jobs", json={**JOB, "priority": 100}).json()["id"]
+        assert heartbeat(server, "one", [c])["preempt"] == []
+        job = server.client().get(f"/jobs/{urgent}").json()
+        assert job["status"] == "queued" and "preempt" not in (job["reason"] or ""), job
+    finally:
+        stop_server(server)
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_a_preempted_job_hands_back_and_resumes_from_its_checkpoint_with_every_step_once(
+    db_url: str, tmp_path: Path, start_worker: Any
+) -> None:
+    """A real 2-rank job on a 2-slot worker is preempted by a priority-10 job: its ranks
+    get SIGTERM, it is requeued (no failure counted), the other job runs, and it resumes
+    from its last checkpoint, each step stored once. (Process-level: SQLite; the
+    protocol is tested on both databases above.)"""
+    from tests.test_faults import TRAINER, _checkpointed, _one_series, _submit
+
+    server = start_server(
+        db_url, tmp_path / "api", DDPQ_PREEMPTION="priority", DDPQ_PREEMPT_MIN_RUN_S="0"
+    )
+    try:
+        record = tmp_path / "starts.jsonl"
+        w = start_worker(server, cpu_slots=2)
+        (w.workspace / "trainer.py").write_text(TRAINER)
+        low = _submit(server, record, "--epochs", "6", "--steps", "10")
+        wait_for(lambda: _checkpointed(server, low, 20), 120, "the second epoch's checkpoint")
+        high = _submit(server, record, "--epochs", "1", "--steps", "5", priority=10)
+        user = server.client()
+        done = terminal(user, high, timeout=180)
+        assert done["status"] == "succeeded", user.get(f"/jobs/{high}/logs").text[-3000:]
+        final = terminal(user, low, timeout=180)
+        log = user.get(f"/jobs/{low}/logs").text
+        assert final["status"] == "succeeded", log[-3000:]
+        attempts = user.get(f"/jobs/{low}/attempts").json()["items"]
+        assert [a["outcome"] for a in attempts] == ["requeued", "succeeded"], attempts
+        assert f"preempted by job {high}" in (attempts[0]["reason"] or ""), attempts
+        assert "[ddpq] preempted: the job goes back to the queue" in log, log[-3000:]
+        assert "[ddpq] resuming from" in log, log[-3000:]
+        starts = [s for s in records(record) if s["attempt"] == 2 and s["start_step"] > 0]
+        assert starts and starts[0]["start_step"] >= 20, records(record)
+        _one_series(server, low, 60)  # every step exactly once
+    finally:
+        stop_server(server)

@@ -184,6 +184,11 @@ class Agent:
             r = runners.get((item.job_id, item.attempt))
             if r is not None:
                 r.request_stop("cancelled")
+        for back in reply.preempt:
+            r = runners.get((back.job_id, back.attempt))
+            if r is not None:
+                log.info("job %s attempt %s: %s; handing it back", r.job_id, r.attempt, back.reason)
+                r.request_stop("preempted", back.reason)
         for item in reply.abandon:
             r = runners.get((item.job_id, item.attempt))
             if r is not None:

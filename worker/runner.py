@@ -82,6 +82,8 @@ class JobRunner:
     # output (its SignalException traceback, 30 lines of it) is not the user's business;
     # the ranks' lines still are, and one [ddpq] line says what happened.
     stopping_since: float | None = None
+    # Why, in words, when the service asked (a preemption names the job it makes room for).
+    stop_words: str | None = None
 
     @property
     def job_id(self) -> int:
@@ -101,10 +103,12 @@ class JobRunner:
         self.thread = threading.Thread(target=self._main, name=f"job-{self.job_id}", daemon=True)
         self.thread.start()
 
-    def request_stop(self, why: str) -> None:
-        """why: cancelled (by a user), abandoned (no longer ours), shutdown, timeout."""
+    def request_stop(self, why: str, words: str | None = None) -> None:
+        """why: cancelled (by a user), abandoned (no longer ours), shutdown, timeout,
+        preempted (handed back for a job that outranks it: ``words`` say which)."""
         if self.stop_reason is None:
             self.stop_reason = why
+            self.stop_words = words
         self.stop_requested.set()
 
     # ---- the attempt ------------------------------------------------------------------
@@ -202,12 +206,14 @@ class JobRunner:
         if self.stop_reason == "timeout":
             timeout_s = self.claim.spec.get("timeout_s")
             return Outcome(None, "timeout", torchrun.stop_words("timeout", timeout_s))
+        if self.stop_reason == "preempted":
+            return Outcome(None, "requeue", self.stop_words or "preempted")
         return Outcome(None, "requeue", "worker shut down")
 
     def _report(self, result: Outcome) -> None:
         if self.stop_reason == "abandoned":
             return  # the service already moved the job on; nothing to report
-        if result.outcome == "requeue":
+        if result.outcome == "requeue" and self.stop_reason == "shutdown":
             # Hand the job back only once our own claim long-poll has ended: answered
             # earlier, it would wake that very poll and this stopping worker would take
             # the job again.
@@ -355,7 +361,10 @@ class JobRunner:
             shipper.write(
                 f"[ddpq] {words}: stopped the ranks with {how} in {took:.1f} s\n".encode()
             )
-        return torchrun.outcome(code, list(tail), self.stop_reason, timeout_s)
+        ended = torchrun.outcome(code, list(tail), self.stop_reason, timeout_s)
+        if self.stop_reason == "preempted" and self.stop_words:
+            ended.reason = self.stop_words
+        return ended
 
     def _noise(self, line: bytes) -> bool:
         """Once the worker stops the attempt, torchrun's own output is not the user's."""

@@ -230,6 +230,8 @@ def stop_words(why: str | None, timeout_s: Any) -> str:
         return f"timeout after {timeout_s} s"
     if why == "shutdown":
         return "the worker is shutting down; the job goes back to the queue"
+    if why == "preempted":
+        return "preempted: the job goes back to the queue and resumes from its last checkpoint"
     return "no longer this worker's to run"
 
 
@@ -242,6 +244,8 @@ def outcome(code: int, tail: list[str], stop_reason: str | None, timeout_s: Any)
         return Outcome(code, "timeout", f"timeout after {timeout_s} s")
     if stop_reason == "shutdown":
         return Outcome(code, "requeue", "worker shut down")
+    if stop_reason == "preempted":
+        return Outcome(code, "requeue", "preempted")
     if stop_reason == "abandoned":
         return Outcome(code, "error", "abandoned")
     if code == 0:

@@ -9,6 +9,7 @@
 - ``reasons``: why a queued job waits, in words.
 - ``shares``: fair share: each user's recent usage, the share a queued job is ordered by.
 - ``quotas``: each user's limits, and the flags that hold their queued jobs back.
+- ``preempt``: a job that outranks running ones, with no room, takes theirs.
 
 Other modules import this package and call what it re-exports below.
 """
@@ -30,6 +31,8 @@ from service.queue.leases import (
     requeued,
     workers_attempt,
 )
+from service.queue.preempt import preempt as preempt_pass
+from service.queue.preempt import sweep as preempt_sweep
 from service.queue.quotas import DEFAULT as DEFAULT_QUOTA
 from service.queue.quotas import limits as quota_limits
 from service.queue.quotas import queued as queued_count
@@ -65,6 +68,8 @@ __all__ = [
     "nodes_of",
     "notify_claimers",
     "pending_reasons",
+    "preempt_pass",
+    "preempt_sweep",
     "queued_count",
     "quota_limits",
     "record_heartbeat",

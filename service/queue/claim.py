@@ -38,6 +38,7 @@ from service.queue.rules import (
     jn,
     jobs,
     new_attempt,
+    order_key,
     quota_free,
     ready,
     resolve,
@@ -58,6 +59,13 @@ class Claim(ClaimedJob):
         """What the worker is sent: the claim with the attempt's job token."""
         return self.model_copy(update={"token": token})
 
+
+_MAKING_ROOM = (
+    select(j.id, j.priority, j.share)
+    .where(j.status == JobStatus.QUEUED, j.preempting_on == bindparam("worker"))
+    .order_by(*ORDER)
+    .limit(1)
+)
 
 _SET_GPUS = (
     update(jobs).where(j.id == bindparam("job_id")).values(gpus=bindparam("gpus", type_=JSON))
@@ -285,6 +293,15 @@ def _claim(
             "no_gpus": None if has_gpus else [],
         }
         head = _head(conn, db, mine, now)
+        if db.policy.preemption != "off":
+            # Room is being made here for a job: nothing behind it starts here meanwhile.
+            making = conn.execute(_MAKING_ROOM, {"worker": worker}).first()
+            if making is not None and (
+                head is None
+                or order_key(making.priority, making.share, making.id)
+                < order_key(head.priority, head.share, head.id)
+            ):
+                head = making
         gang = None
         if mine.gangs_queued and advertise_addr and rdzv_port:
             gang = gangs.pick(conn, db, has_gpus, params, head)

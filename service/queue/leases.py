@@ -12,7 +12,7 @@ from __future__ import annotations
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -32,7 +32,7 @@ from service.models import (
     Worker,
     utcnow,
 )
-from service.queue import quotas, shares
+from service.queue import preempt, quotas, shares
 from service.queue.gangs import node_of, nodes_of, release_nodes
 from service.queue.rules import (
     NODE_LIVE,
@@ -213,6 +213,10 @@ def end_attempt(s: Session, job: Job, worker: str, report: FinishRequest, policy
     shares.count_end(s, job.id, attempt.id, now)  # as it held: before the job moves on
     for column, value in ending.values.items():
         setattr(job, column, value)
+    if job.preempted_by is not None:
+        if job.status == JobStatus.QUEUED:  # handed back: its reason says for whom
+            job.reason = f"{preempt.words(s, job.preempted_by)}; it resumes when room is free"
+        job.preempted_by = None
     job.exit_code = report.exit_code
     if job.status in TERMINAL:
         job.finished_at = now
@@ -326,20 +330,21 @@ def record_heartbeat(
     running: list[tuple[int, int]],
     identity: str | None = None,
     elsewhere: dict[tuple[int, int], Elsewhere] | None = None,
-) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int, str]]]:
     """Extend the leases of a worker's attempts (a bridge's: with their Slurm job ids
     and pending reasons, ``elsewhere``).
 
-    Returns (cancel, abandon): attempts a user cancelled, and attempts that are no
-    longer this worker's to run (lost and requeued, or ended); the worker stops both.
-    Raises NameTaken when another process has taken the name over.
+    Returns (cancel, abandon, preempt): attempts a user cancelled, attempts that are no
+    longer this worker's to run (lost and requeued, or ended), which the worker stops;
+    and attempts it is to hand back for a job that outranks them (service.queue.preempt),
+    with why. Raises NameTaken when another process has taken the name over.
     """
     now = utcnow()
     elsewhere = elsewhere or {}
     with db.write() as s:
         _touch_worker(s, worker, identity, now)
         if not running:
-            return [], []
+            return [], [], []
         beat = _sort_out(s, worker, running)
         if beat.slots:
             s.execute(update(JobNode).where(JobNode.id.in_(beat.slots)).values(heartbeat_at=now))
@@ -360,7 +365,8 @@ def record_heartbeat(
                 )
                 .values(**values)
             )
-    return beat.cancel, beat.abandon
+        handback = [(j, n, preempt.words(s, by)) for j, n, by in beat.preempt]
+    return beat.cancel, beat.abandon, handback
 
 
 def _pending_reason(s: Session, job_id: int, number: int, pending: str | None) -> None:
@@ -384,6 +390,7 @@ class _Beat:
     slots: list[int]  # node slots (forming or running) whose leases it renews
     cancel: list[tuple[int, int]]
     abandon: list[tuple[int, int]]
+    preempt: list[tuple[int, int, int]] = field(default_factory=list)  # job, attempt, for
 
 
 def _sort_out(s: Session, worker: str, running: list[tuple[int, int]]) -> _Beat:
@@ -392,7 +399,7 @@ def _sort_out(s: Session, worker: str, running: list[tuple[int, int]]) -> _Beat:
     jobs = {
         r.id: r
         for r in s.execute(
-            select(Job.id, Job.attempt, Job.status, Job.worker, Job.nnodes).where(
+            select(Job.id, Job.attempt, Job.status, Job.worker, Job.nnodes, Job.preempted_by).where(
                 Job.id.in_(job_ids)
             )
         )
@@ -423,6 +430,8 @@ def _sort_out(s: Session, worker: str, running: list[tuple[int, int]]) -> _Beat:
         beat.live.append((job_id, number))
         if job.status == JobStatus.CANCELLING:
             beat.cancel.append((job_id, number))
+        elif job.preempted_by is not None and job.status == JobStatus.RUNNING:
+            beat.preempt.append((job_id, number, job.preempted_by))
     return beat
 
 
@@ -538,7 +547,7 @@ def _lose(
     now = utcnow()
     ending = lost(job.status, number, job.failures, max_attempts, words, now)
     shares.count_end(s, job_id, attempt_id, now)
-    s.execute(update(Job).where(Job.id == job_id).values(**ending.values))
+    s.execute(update(Job).where(Job.id == job_id).values(**ending.values, preempted_by=None))
     s.execute(
         update(Attempt)
         .where(Attempt.id == attempt_id)

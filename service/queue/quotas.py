@@ -16,13 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Table, and_, case, func, literal, select, update
+from sqlalchemy import Table, and_, bindparam, case, func, or_, select, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
 from service.models import Quota
 from service.queue.rules import SQL, is_active, j, jobs
-from service.queue.shares import held
 
 DEFAULT = "*"  # the quotas row that holds everyone's default
 quotas_table: Table = Quota.__table__  # type: ignore[assignment]
@@ -58,14 +57,25 @@ def limits(s: Executor, owner: str | None) -> Limits:
     return Limits(row.max_gpus, row.max_running, row.max_queued)
 
 
+_held = jobs.alias("held")
+h = _held.c
+# The GPUs an active job holds: a job that holds no CPU slots and is no CPU job holds its
+# ranks' GPUs (rules.unit; a Slurm bridge's auto job counts so too).
+_GPUS_HELD = case(
+    (and_(h.held_cpu_slots == 0, h.device != "cpu"), h.nproc_per_node * h.nnodes), else_=0
+)
+
+
+def _active(owner: Any) -> Any:
+    return and_(h.owner == owner, is_active(h.status, SQL))
+
+
 def holdings(s: Executor, owner: str) -> tuple[int, int]:
     """What ``owner``'s active jobs hold: (jobs, GPUs)."""
-    rows = s.execute(
-        select(j.device, j.gpus, j.nproc_per_node, j.nnodes).where(
-            j.owner == owner, is_active(j.status, SQL)
-        )
-    ).all()
-    return len(rows), sum(held(r.device, r.gpus, r.nproc_per_node, r.nnodes)[0] for r in rows)
+    row = s.execute(
+        select(func.count(), func.coalesce(func.sum(_GPUS_HELD), 0)).where(_active(owner))
+    ).one()
+    return int(row[0]), int(row[1])
 
 
 def queued(s: Executor, owner: str) -> int:
@@ -77,27 +87,45 @@ def queued(s: Executor, owner: str) -> int:
     )
 
 
+def _limit(owner: Any, column: Any) -> Any:
+    """SQL: ``owner``'s limit in ``column``: from their own row if they have one (it wins
+    whole, a null there included), else from everyone's default, else null."""
+    own = select(q.owner).where(q.owner == owner).exists()
+    return case(
+        (own, select(column).where(q.owner == owner).scalar_subquery()),
+        else_=select(column).where(q.owner == DEFAULT).scalar_subquery(),
+    )
+
+
+def _refresh_statement() -> Any:
+    owner: Any = bindparam("quota_owner")
+    max_running, max_gpus = _limit(owner, q.max_running), _limit(owner, q.max_gpus)
+    running = select(func.count()).where(_active(owner)).scalar_subquery()
+    gpus = select(func.coalesce(func.sum(_GPUS_HELD), 0)).where(_active(owner)).scalar_subquery()
+    at_running = case((max_running.is_(None), False), else_=running >= max_running)
+    over_gpus = case(
+        (or_(max_gpus.is_(None), j.device == "cpu"), False),
+        else_=j.nproc_per_node * j.nnodes + gpus > max_gpus,
+    )
+    changed = or_(j.quota_running != at_running, j.quota_gpus != over_gpus)
+    return (
+        update(jobs)
+        .where(j.owner == owner, j.status == "queued", changed)
+        .values(quota_running=at_running, quota_gpus=over_gpus)
+    )
+
+
+# Built once: each claim runs it, and building it cost more than running it.
+_REFRESH = _refresh_statement()
+
+
 def refresh(s: Executor, owner: str | None) -> None:
-    """Set the flags of ``owner``'s queued jobs from their limits and what they hold."""
-    if owner is None:
-        return
-    lim = limits(s, owner)
-    mine = and_(j.owner == owner, j.status == "queued")
-    if not lim.holds_back:
-        # Nothing to hold back: clear what an earlier limit set (mostly nothing).
-        s.execute(
-            update(jobs)
-            .where(mine, (j.quota_running == True) | (j.quota_gpus == True))  # noqa: E712
-            .values(quota_running=False, quota_gpus=False)
-        )
-        return
-    running, gpus = holdings(s, owner)
-    at_running = lim.max_running is not None and running >= lim.max_running
-    over_gpus: Any = literal(False)
-    if lim.max_gpus is not None:
-        room = lim.max_gpus - gpus
-        over_gpus = case((j.device == "cpu", False), else_=j.nproc_per_node * j.nnodes > room)
-    s.execute(update(jobs).where(mine).values(quota_running=at_running, quota_gpus=over_gpus))
+    """Set the flags of ``owner``'s queued jobs from their limits and what they hold, in
+    one statement (each claim runs it): the limits and what they hold are read in it, and
+    only the rows whose flags change are written (nearly always none: a row not written
+    is a row no other claimer waits for)."""
+    if owner is not None:
+        s.execute(_REFRESH, {"quota_owner": owner})
 
 
 def refresh_all(s: Executor) -> None:

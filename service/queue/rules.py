@@ -181,6 +181,9 @@ def starting(**more: Any) -> dict[str, Any]:
         "reason": None,
         "exit_code": None,
         "not_before": None,
+        # It needs no room made any more (service.queue.preempt).
+        "preempting_on": None,
+        "preempting_since": None,
         **more,
     }
 

@@ -15,6 +15,7 @@ from ddpq.messages import (
     AttemptRef,
     ClaimedJob,
     GangReply,
+    HandBack,
     HeartbeatReply,
     HeldAttempt,
     WorkerRegistered,
@@ -186,7 +187,7 @@ async def wait_for_gang(
 def send_heartbeat(body: Heartbeat, db: DB) -> HeartbeatReply:
     """Extend the leases of the worker's attempts; learn which to stop."""
     try:
-        cancel, abandon = queue.record_heartbeat(
+        cancel, abandon, preempt = queue.record_heartbeat(
             db,
             body.name,
             [(r.job_id, r.attempt) for r in body.running],
@@ -202,6 +203,7 @@ def send_heartbeat(body: Heartbeat, db: DB) -> HeartbeatReply:
     return HeartbeatReply(
         cancel=[AttemptRef(job_id=j, attempt=a) for j, a in cancel],
         abandon=[AttemptRef(job_id=j, attempt=a) for j, a in abandon],
+        preempt=[HandBack(job_id=j, attempt=a, reason=why) for j, a, why in preempt],
         ended=jobs.ended_jobs(db, body.kept) if body.kept else [],
     )
 

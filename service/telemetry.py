@@ -87,14 +87,35 @@ class _QueueCollector:
                 "When the worker last heartbeat (Unix time)",
                 labels=["worker"],
             ),
+            GaugeMetricFamily(
+                "ddpq_user_jobs", "A user's jobs, running or queued", labels=["user", "state"]
+            ),
+            GaugeMetricFamily(
+                "ddpq_user_gpu_hours",
+                "GPU-hours a user's attempts held over a window (1d, 7d)",
+                labels=["user", "window"],
+            ),
+            GaugeMetricFamily(
+                "ddpq_user_cpu_slot_hours",
+                "CPU-slot-hours a user's attempts held over a window (1d, 7d)",
+                labels=["user", "window"],
+            ),
+            GaugeMetricFamily(
+                "ddpq_user_fairshare_usage_gpu_seconds",
+                "The decayed usage fair share orders a user's jobs by",
+                labels=["user"],
+            ),
         ]
 
     def collect(self) -> Iterable[Metric]:
         fams = self._families()
-        up, jobs, running, oldest, gpu, cpu, per_worker, worker_up, heartbeat = fams
+        up, jobs, running, oldest, gpu, cpu, per_worker, worker_up, heartbeat = fams[:9]
+        user_jobs, gpu_hours, cpu_hours, usage = fams[9:]
         try:
             counts, oldest_queued = _job_counts(self.db)
             workers = queue.workers_overview(self.db)
+            with self.db.read() as s:
+                people = queue.usage_overview(s, utcnow())
         except Exception as exc:  # a scrape must answer even while the database is down
             log.warning("metrics: cannot read the database: %s", exc)
             up.add_metric([], 0)
@@ -117,12 +138,20 @@ class _QueueCollector:
             per_worker.add_metric([name], len(w["running"]))
             worker_up.add_metric([name], 1 if w["alive"] else 0)
             heartbeat.add_metric([name], w["last_heartbeat"].timestamp())
+        for p in people:
+            user = p["user"]
+            user_jobs.add_metric([user, "running"], p["running"])
+            user_jobs.add_metric([user, "queued"], p["queued"])
+            for window in ("1d", "7d"):
+                gpu_hours.add_metric([user, window], p[f"gpu_hours_{window}"])
+                cpu_hours.add_metric([user, window], p[f"cpu_slot_hours_{window}"])
+            usage.add_metric([user], p["usage_gpu_s"])
         return fams
 
 
 def _job_counts(db: Database) -> tuple[dict[str, int], datetime | None]:
     """Jobs per state, and when the longest-waiting queued job entered the queue.
-    Both read from indexes (status leads ix_jobs_status_priority_id and
+    Both read from indexes (status leads ix_jobs_status_priority_share_id and
     ix_jobs_status_queued_at)."""
     with db.read() as s:
         counts = {

@@ -27,7 +27,7 @@ from ddpq.rules import (
     visible,
 )
 from service.schemas import JobSpec, MetricsIn, metric_in, metric_out
-from tests.conftest import REPO, start_server, stop_process
+from tests.conftest import REPO, start_server, stop_server
 
 # Enough to reach every operation in every phase (coverage, fuzzing, stateful) and
 # finish in about half a minute on a shared 2-core machine.
@@ -89,7 +89,7 @@ def test_schemathesis_finds_no_server_error_and_no_schema_mismatch(
         assert selected and int(selected.group(1)) >= 15, out[-3000:]
         assert "Traceback" not in server.log(), server.log()[-4000:]
     finally:
-        stop_process(server.proc)
+        stop_server(server)  # closes the client that made the admin, then the server
 
 
 # ---- properties of the validator ----------------------------------------------------

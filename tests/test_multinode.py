@@ -113,7 +113,7 @@ def test_a_gang_forms_from_one_slot_per_worker_and_succeeds_when_every_node_does
     assert workers["w1"]["free_cpu_slots"] == 0
     assert [j["job_id"] for j in workers["w1"]["running"]] == [job["id"]]
     # Its heartbeat keeps the forming slot.
-    assert _beat(server, "w1", first) == {"cancel": [], "abandon": [], "ended": []}
+    assert _beat(server, "w1", first) == {"cancel": [], "abandon": [], "preempt": [], "ended": []}
 
     second = _claim(server, "w2")
     assert second and second["job_id"] == job["id"] and second["node_rank"] == 1
@@ -151,7 +151,7 @@ def test_a_gang_forms_from_one_slot_per_worker_and_succeeds_when_every_node_does
     # Node 0 done: the attempt goes on until node 1 is done too.
     assert _finish(server, "w1", first, exit_code=0)["status"] == "running"
     assert _finish(server, "w1", first, exit_code=0)["status"] == "running"  # repeated
-    assert _beat(server, "w2", second) == {"cancel": [], "abandon": [], "ended": []}
+    assert _beat(server, "w2", second) == {"cancel": [], "abandon": [], "preempt": [], "ended": []}
     done = _finish(server, "w2", second, exit_code=0)
     assert done["status"] == "succeeded" and done["finished_at"]
 

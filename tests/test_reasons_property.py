@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from sqlalchemy import delete, update
 
 from service import jobs, queue
-from service.db import Database, upgrade
+from service.db import Database, Policy, upgrade
 from service.models import (
     Attempt,
     Checkpoint,
@@ -63,6 +63,16 @@ def db(db_url: str) -> Iterator[Database]:
     if db_url.startswith("sqlite"):
         upgrade(db_url)
     database = Database(db_url)
+    yield database
+    database.dispose()
+
+
+@pytest.fixture
+def preempting_db(db_url: str) -> Iterator[Database]:
+    """The same, with preemption on (by priority, no minimum run)."""
+    if db_url.startswith("sqlite"):
+        upgrade(db_url)
+    database = Database(db_url, Policy(preemption="priority", preempt_min_run_s=0))
     yield database
     database.dispose()
 
@@ -176,6 +186,46 @@ def test_the_reason_agrees_with_the_claim_under_quotas(
         s.flush()
         queue.refresh_quota_flags(s, "alice")
     job_id = _submit(db, device, ranks, priority=1, owner="alice")
+    reason = jobs.get_job(db, job_id).reason or ""
+
+    live = [i for i, w in enumerate(workers) if w.alive]
+    order.shuffle(live)  # type: ignore[attr-defined]
+    taken_by = None
+    for i in live:
+        claim = _claim(db, f"w{i}", workers[i])
+        if claim is not None:
+            assert claim.job_id == job_id, "only the job under test is queued"
+            taken_by = i
+            break
+
+    if reason == CLAIMS_FIT:
+        assert taken_by is not None, f"the reason says a live worker can take it: {workers}"
+    else:
+        assert taken_by is None, f"worker w{taken_by} took a job whose reason is {reason!r}"
+        assert reason.startswith(("waiting", "unschedulable")), reason
+
+
+@settings(
+    max_examples=100,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    workers=st.lists(worker_states, max_size=3),
+    device=devices,
+    ranks=st.integers(1, 4),
+    order=st.randoms(use_true_random=False),
+)
+def test_the_reason_agrees_with_the_claim_under_preemption(
+    preempting_db: Database, workers: list[WorkerState], device: str, ranks: int, order: object
+) -> None:
+    """With preemption on, the job under test (priority 1) outranks every running one:
+    its submit may ask some to hand back. Its reason still agrees with the claim: while
+    room is made it says so, and no claim takes it until the room is free."""
+    db = preempting_db
+    _reset(db)
+    _arrange(db, workers)
+    job_id = _submit(db, device, ranks, priority=1)
     reason = jobs.get_job(db, job_id).reason or ""
 
     live = [i for i, w in enumerate(workers) if w.alive]

@@ -62,6 +62,9 @@ def test_three_users_against_one_worker_get_slots_in_fair_share_order(
         usage = server.client().get("/usage").json()["items"]
         assert {u["user"] for u in usage} == set(people)
         assert all(u["usage_gpu_s"] > 0 and u["cpu_slot_hours_1d"] > 0 for u in usage), usage
+        scrape = server.client().get("/metrics").text
+        assert 'ddpq_user_cpu_slot_hours{user="carol",window="1d"}' in scrape, scrape[-2000:]
+        assert 'ddpq_user_fairshare_usage_gpu_seconds{user="alice"}' in scrape
         shown = run_ddpq("usage", env={"DDPQ_URL": server.url, "DDPQ_TOKEN": server.api_token})
         assert shown.returncode == 0, shown.stderr
         assert shown.stdout.split()[:7] == [
@@ -210,6 +213,11 @@ def test_a_job_that_outranks_running_ones_takes_only_the_slots_it_needs(
             bob.post("/jobs", json=JOB)
             ran.append(claim_on(server, "three", cpu=3 - len(ran)))
         big = alice.post("/jobs", json={**JOB, "world_size": 2, "priority": 10}).json()["id"]
+        waiting = alice.get(f"/jobs/{big}").json()["reason"]
+        assert waiting == (
+            "waiting for room on worker three: 2 job(s) there were asked to hand back their "
+            "slots for it (preemption)"
+        ), waiting
         beat = heartbeat(server, "three", ran)
         asked = {p["job_id"]: p["reason"] for p in beat["preempt"]}
         assert sorted(asked) == sorted(c["job_id"] for c in ran[1:]), beat

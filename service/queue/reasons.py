@@ -127,6 +127,8 @@ class _View:
     policy: Policy
     now: datetime
     held: dict[str, tuple[quotas.Limits, int, int]] = field(default_factory=dict)
+    # Jobs others hand back slots for (preemption): how many are handing back.
+    handing_back: dict[int, int] = field(default_factory=dict)
 
 
 def _quota_words(job: Job, view: _View) -> str | None:
@@ -157,6 +159,11 @@ def pending_reasons(s: Session, jobs: list[Job], positions: dict[int, int]) -> d
     for owner in {job.owner for job in jobs if job.quota_running or job.quota_gpus}:
         if owner is not None:
             view.held[owner] = (quotas.limits(s, owner), *quotas.holdings(s, owner))
+    making = [job.id for job in jobs if job.preempting_on is not None]
+    if making:
+        asked = select(Job.preempted_by, func.count()).where(Job.preempted_by.in_(making))
+        rows = s.execute(asked.group_by(Job.preempted_by))
+        view.handing_back = {int(b): int(n) for b, n in rows if b is not None}
     held = _slots_held(s, [job.id for job in jobs if job.nnodes > 1])
     return {
         job.id: _gang_reason(job, held.get(job.id, 0), view)
@@ -228,6 +235,12 @@ def _reason(job: Job, ahead: int, view: _View) -> str:
         if ahead:
             return f"waiting for its turn: {ahead} job(s) ahead in the queue"
         return "waiting for a worker to claim it"
+    if job.preempting_on is not None and job.id in view.handing_back:
+        n = view.handing_back[job.id]
+        return (
+            f"waiting for room on worker {job.preempting_on}: {n} job(s) there were asked "
+            "to hand back their slots for it (preemption)"
+        )
     # A cuda job while no live worker has GPUs still waits for GPUs.
     unit = rules.unit(job.device, any(c.gpus for c in live)) or "gpu"
     words = (

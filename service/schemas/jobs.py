@@ -1,0 +1,234 @@
+"""Jobs: JobSpec (what to run, the body of POST /jobs) and the views of a job, its
+attempts and its checkpoints, with the limits a spec is held to."""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from typing import Annotated, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
+
+from ddpq.catalog import recipe_names
+from ddpq.rules import entrypoint_problem, env_problem
+from service.models import AttemptOutcome, JobStatus
+from service.schemas.code import CodeSummary, Digest
+from service.schemas.common import MAX_NAME_CHARS, MAX_PATH_CHARS, Label, Strict
+from service.schemas.metrics import (
+    MAX_METRIC_NAMES,
+    LatestMetrics,
+    MetricName,
+    MetricValue,
+    MetricValueIn,
+    Step,
+)
+
+MAX_WORLD_SIZE = 4096
+MAX_ARGS = 1000
+MAX_ARG_CHARS = 10_000
+MAX_ENV_VARS = 200
+MAX_PIP_REQUIREMENTS = 100
+
+# Sent in an Idempotency-Key header: visible ASCII (spaces inside allowed), 1..200.
+# An empty key is refused, not taken as no key: a client that sends one (an unset
+# variable) means to be protected from a double submit and would not be.
+_IDEMPOTENCY_KEY = re.compile(r"[\x20-\x7e]{1,200}")
+
+
+def _idempotency_key(v: str) -> str:
+    if not _IDEMPOTENCY_KEY.fullmatch(v):
+        raise ValueError("must be 1 to 200 printable ASCII characters (a UUID, say)")
+    return v
+
+
+IdempotencyKey = Annotated[str, AfterValidator(_idempotency_key)]
+
+
+def _pip_requirement(v: str) -> str:
+    if v.startswith("-"):
+        raise ValueError(
+            f"{v[:100]!r} is an option, not a requirement: put pip options in the code's "
+            "requirements.txt"
+        )
+    if not v.isprintable():
+        raise ValueError("a requirement has printable characters only")
+    return v
+
+
+PipRequirement = Annotated[
+    str, Field(min_length=1, max_length=500), AfterValidator(_pip_requirement)
+]
+
+
+class JobSpec(Strict):
+    """What to run: the body of POST /jobs."""
+
+    name: Annotated[Label | None, Field(max_length=MAX_NAME_CHARS)] = None
+    recipe: str | None = None
+    entrypoint: Annotated[str | None, Field(min_length=1, max_length=MAX_PATH_CHARS)] = None
+    args: Annotated[
+        list[Annotated[str, Field(max_length=MAX_ARG_CHARS)]], Field(max_length=MAX_ARGS)
+    ] = []
+    env: dict[str, Annotated[str, Field(max_length=MAX_ARG_CHARS)]] = {}
+    world_size: Annotated[int, Field(strict=True, ge=1, le=MAX_WORLD_SIZE)] = 1
+    nnodes: Annotated[int, Field(strict=True, ge=1, le=MAX_WORLD_SIZE)] = 1
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    max_restarts: Annotated[int, Field(strict=True, ge=0, le=100)] = 0
+    max_attempts: Annotated[int, Field(strict=True, ge=1, le=100)] = 3
+    # Retry attempts that fail with the program's own error (exit code 1..127) too.
+    retry_on_error: Annotated[bool, Field(strict=True)] = False
+    priority: Annotated[int, Field(strict=True, ge=-1_000_000, le=1_000_000)] = 0
+    timeout_s: Annotated[int | None, Field(strict=True, ge=1, le=365 * 24 * 3600)] = None
+    # A code snapshot (POST /code/snapshots) the program runs among: each worker that
+    # runs the job materialises it as the job's own working directory, and an
+    # entrypoint is a path inside it.
+    code: Digest | None = None
+    # Python requirements for this job, installed (with a requirements.txt at the top
+    # of its code snapshot, if any) into a virtualenv layered on the worker's own.
+    pip: Annotated[list[PipRequirement], Field(max_length=MAX_PIP_REQUIREMENTS)] = []
+
+    @field_validator("recipe")
+    @classmethod
+    def _known_recipe(cls, v: str | None) -> str | None:
+        if v is not None and v not in recipe_names():
+            raise ValueError(
+                f"unknown recipe {v[:100]!r}; GET /recipes lists: {', '.join(recipe_names())}"
+            )
+        return v
+
+    @field_validator("entrypoint")
+    @classmethod
+    def _relative_path(cls, v: str | None) -> str | None:
+        problem = None if v is None else entrypoint_problem(v)
+        if problem:
+            raise ValueError(problem)
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _allowed_env(cls, v: dict[str, str]) -> dict[str, str]:
+        if len(v) > MAX_ENV_VARS:
+            raise ValueError(f"at most {MAX_ENV_VARS} variables")
+        for key, value in v.items():
+            problem = env_problem(key, value)
+            if problem:
+                raise ValueError(problem)
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> JobSpec:
+        if (self.recipe is None) == (self.entrypoint is None):
+            raise ValueError("give exactly one of 'recipe' and 'entrypoint'")
+        if self.world_size % self.nnodes:
+            raise ValueError(f"nnodes ({self.nnodes}) must divide world_size ({self.world_size})")
+        return self
+
+
+class JobSpecPublic(BaseModel):
+    """A job's spec as stored (JobSpec at its submission), in answers.
+
+    The fields of JobSpec without its validators: a spec that passed them when it was
+    submitted must still be shown after a rule tightens (a recipe removed, a variable
+    newly reserved). Unknown keys are kept, as stored (a spec written by a newer API
+    process during a rolling upgrade); a key missing from an older spec shows its default.
+    """
+
+    # Every field is in every answer: required in the document, so a generated client
+    # types them without "unset".
+    model_config = ConfigDict(extra="allow", json_schema_serialization_defaults_required=True)
+
+    name: str | None = None
+    recipe: str | None = None
+    entrypoint: str | None = None
+    args: list[str] = []
+    env: dict[str, str] = {}
+    world_size: int = 1
+    nnodes: int = 1
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    max_restarts: int = 0
+    max_attempts: int = 3
+    retry_on_error: bool = False
+    priority: int = 0
+    timeout_s: int | None = None
+    code: str | None = None
+    pip: list[str] = []
+
+
+class CheckpointIn(Strict):
+    path: Annotated[str, Field(min_length=1, max_length=MAX_PATH_CHARS)]
+    step: Step
+    epoch: MetricValueIn | None = None
+    metrics: dict[MetricName, MetricValueIn] = Field(default={}, max_length=MAX_METRIC_NAMES)
+
+
+class CheckpointPublic(BaseModel):
+    id: int
+    path: str
+    step: int
+    epoch: MetricValue | None
+    attempt: int
+    created_at: datetime
+    metrics: dict[str, MetricValue | None]
+
+
+class CheckpointsPublic(BaseModel):
+    items: list[CheckpointPublic]
+
+
+class JobPublic(BaseModel):
+    id: int
+    name: str | None
+    status: JobStatus
+    spec: JobSpecPublic
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    attempt: int
+    exit_code: int | None
+    reason: str | None
+    worker: str | None
+    gpus: list[int] | None
+    latest_metrics: LatestMetrics | None
+    latest_checkpoint: CheckpointPublic | None
+    queue_position: int | None
+    # Metric points reported but never stored (ddpq.train's buffer overflowed during a
+    # long outage, or a point was refused): 0 when every point made it.
+    metrics_dropped: int = 0
+    # The code snapshot the program runs among (spec.code), while it is kept.
+    code: CodeSummary | None = None
+    # How many steps the run takes, as its program last reported it (ddpq.train's
+    # report(total_steps=)): the progress bar's end. Kept across attempts.
+    total_steps: int | None = None
+    # The current attempt's id in the scheduler a bridge handed it to (a Slurm job id).
+    external_id: str | None = None
+    # Who submitted it (None: from before users existed).
+    owner: str | None = None
+
+
+class JobsPublic(BaseModel):
+    items: list[JobPublic]
+    next_cursor: str | None
+
+
+class AttemptPublic(BaseModel):
+    number: int
+    worker: str
+    gpus: list[int]
+    started_at: datetime
+    finished_at: datetime | None
+    exit_code: int | None
+    outcome: AttemptOutcome
+    reason: str | None
+    # The Slurm job id of an attempt a Slurm bridge ran.
+    external_id: str | None = None
+
+
+class AttemptsPublic(BaseModel):
+    items: list[AttemptPublic]

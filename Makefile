@@ -64,6 +64,7 @@ fmt: venv
 bench: venv
 	$(BIN)/python bench/overhead.py
 	$(BIN)/python bench/claim.py
+	$(BIN)/python bench/transitions.py
 	$(BIN)/python bench/recipes.py
 	$(BIN)/python bench/api.py
 	$(BIN)/python bench/code.py

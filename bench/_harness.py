@@ -53,6 +53,12 @@ class Api:
     api_token: str
     worker_token: str
     data_dir: Path
+    pid: int = 0  # the `ddpq serve` process, for what it spends (cpu_seconds)
+
+    def cpu_seconds(self) -> float:
+        """The CPU time (user + system) the API process has spent so far."""
+        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def client_with(self, token: str) -> httpx.Client:
         return httpx.Client(
@@ -122,6 +128,7 @@ def serve(db_url: str, **env: str) -> Iterator[Api]:
         ),
         cwd=data_dir,
     )
+    api.pid = proc.pid
     try:
         deadline = time.monotonic() + 60
         while True:

@@ -38,6 +38,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from service import queue, users
 from service.db import Database
 from service.deps import DB
+from service.errors import ServiceError
 from service.models import Attempt, Job, JobNode
 from service.tokens import JOB_TOKEN_PREFIX, hash_token, mint
 from service.users import Principal
@@ -56,7 +57,7 @@ def mint_job_token() -> tuple[str, str]:
     return mint(JOB_TOKEN_PREFIX)
 
 
-class Refusal(Exception):
+class Refusal(ServiceError):
     def __init__(self, status: int, detail: str) -> None:
         super().__init__(detail)
         self.status = status

@@ -19,6 +19,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from ddpq.snapshot import Limits
 from service.db import Policy
+from service.errors import ServiceError
 
 API_TOKEN_FILE = "api-token"  # noqa: S105 - a file name, not a secret
 WORKER_TOKEN_FILE = "worker-token"  # noqa: S105
@@ -116,7 +117,7 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-class TokenError(RuntimeError):
+class TokenError(ServiceError, RuntimeError):
     """The service cannot start with the tokens it was given."""
 
 

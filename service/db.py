@@ -23,6 +23,8 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, sessionmaker
 
+from service.errors import ServiceError
+
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 # A transaction that took this long found the database unavailable for a while (a
@@ -35,11 +37,11 @@ STALL_S = 2.0
 UNAVAILABLE = (OperationalError, InterfaceError, PoolTimeout)
 
 
-class UnsupportedDatabase(Exception):
+class UnsupportedDatabase(ServiceError):
     """A database ddpq cannot run on; the message says how to make one it can."""
 
 
-class Unreachable(Exception):
+class Unreachable(ServiceError):
     """The database server did not answer (yet)."""
 
 

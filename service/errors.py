@@ -1,5 +1,7 @@
-"""Domain errors raised below the routes; app.py maps each to its HTTP status, and
-``responses`` documents a route's own ones."""
+"""The service's errors, one tree under ``ServiceError`` (the client's and the worker's
+are ``ddpq.errors``): the domain errors raised below the routes, which app.py maps each
+to its HTTP status (``responses`` documents a route's own ones), and those of starting
+up and of the database (service.db, service.config, service.auth)."""
 
 from typing import Any
 
@@ -16,7 +18,13 @@ def not_utf8_json(cause: Exception) -> dict[str, Any]:
     }
 
 
-class DomainError(Exception):
+class ServiceError(Exception):
+    """Every error the service raises on purpose."""
+
+
+class DomainError(ServiceError):
+    """Raised below the routes; answered with ``status_code`` and the detail."""
+
     status_code = 400
 
     def __init__(self, detail: str) -> None:
@@ -36,6 +44,14 @@ class NotFound(DomainError):
 
 class Conflict(DomainError):
     status_code = 409
+
+
+class UnknownWorker(NotFound):
+    """A worker that is not registered claimed or heartbeat: it registers again."""
+
+    def __init__(self, worker: str) -> None:
+        super().__init__(f"worker {worker} is not registered")
+        self.worker = worker
 
 
 class TooMany(DomainError):

@@ -25,6 +25,8 @@ from service.models import (
     JobStatus,
     utcnow,
 )
+from service.queue import states
+from service.queue.states import Event
 from service.schemas import (
     CheckpointIn,
     CheckpointPublic,
@@ -248,7 +250,7 @@ def submit_job(
     now = utcnow()
     job = Job(
         name=spec.name,
-        status=JobStatus.QUEUED,
+        **states.submitted(),
         spec=spec.model_dump(mode="json"),
         priority=spec.priority,
         nnodes=spec.nnodes,
@@ -317,6 +319,12 @@ def _replay(db: Database, key: str, digest: str | None, owner: str | None) -> Jo
         return _publics(s, [job])[0]
 
 
+_CANCEL_WORDS = {
+    JobStatus.CANCELLED: "cancelled by user before it started",  # who: the audit trail
+    JobStatus.CANCELLING: "cancel requested; stopping its processes",
+}
+
+
 def cancel_job(db: Database, job_id: int, by: Principal | None = None) -> JobPublic:
     """Queued jobs are cancelled at once; running ones once their worker confirms. A
     member cancels only its own jobs (Forbidden, naming the owner); an admin, any."""
@@ -329,22 +337,11 @@ def cancel_job(db: Database, job_id: int, by: Principal | None = None) -> JobPub
                 f"job {job_id} is {whose}: only its owner or an admin may cancel it "
                 f"({by.name} is a member)"
             )
-        if job.status in (JobStatus.QUEUED, JobStatus.RUNNING) and by is not None:
-            users.audit(s, by.name, "cancel", f"job {job_id}", {"status": job.status})
-        if job.status == JobStatus.QUEUED:
-            job.status = JobStatus.CANCELLED
-            job.reason = "cancelled by user before it started"  # who: the audit trail
-            job.finished_at = now
-        elif job.status == JobStatus.RUNNING:
-            job.status = JobStatus.CANCELLING
-            job.reason = "cancel requested; stopping its processes"
-        elif job.status in TERMINAL:
-            ended = (
-                "was already cancelled"
-                if job.status == JobStatus.CANCELLED
-                else f"already {job.status}"
-            )
-            raise Conflict(f"job {job_id} {ended}: there is nothing to cancel")
+        cancel = states.move(job_id, job.status, Event.CANCEL)  # 409 once it has ended
+        if cancel.source != cancel.target:
+            if by is not None:
+                users.audit(s, by.name, "cancel", f"job {job_id}", {"status": job.status})
+            states.enter(job, Event.CANCEL, now, _CANCEL_WORDS[cancel.target])
         s.flush()
         return _publics(s, [job])[0]
 

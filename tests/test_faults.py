@@ -11,6 +11,7 @@ import secrets
 import signal
 import subprocess
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -64,15 +65,19 @@ def test_signals_are_retried_with_backoff_until_attempts_run_out(retry_server: S
     claim = submit_and_claim(server, max_attempts=3)
     jid = claim["job_id"]
 
+    sent = time.monotonic()
     job = finish(server, claim, exit_code=137)  # SIGKILL: the OOM killer, say
     assert job["status"] == "queued" and job["exit_code"] == 137
     assert "attempt 1 killed by SIGKILL (out of memory?), exit code 137" in job["reason"]
     assert "retrying as attempt 2 (1 of 3 attempts used) after 1 s" in job["reason"]
-    # The backoff holds it back, and says so.
-    assert _claim(server) is None
-    assert "waiting out its retry backoff" in user.get(f"/jobs/{jid}").json()["reason"]
+    # The backoff holds it back, and says so (checked only while this side of the clock
+    # is sure the backoff is not over yet: a loaded machine may take longer to ask).
+    early = _claim(server)
+    reason = user.get(f"/jobs/{jid}").json()["reason"]
+    if time.monotonic() - sent < 1:
+        assert early is None and "waiting out its retry backoff" in reason, reason
 
-    second = _claim(server, wait_s=10)
+    second = early or _claim(server, wait_s=10)
     assert second is not None and second["job_id"] == jid and second["attempt"] == 2
     job = finish(server, second, exit_code=143)  # SIGTERM: preempted
     assert job["status"] == "queued"
@@ -535,7 +540,7 @@ def test_a_second_worker_with_a_live_workers_name_leaves_its_job_alone(
     wait_for(lambda: "holding" in user.get(f"/jobs/{jid}/logs").text, 90, "the program to run")
     # Another process under the same name, with its own data dir (so another identity).
     twin = _bare_worker(server, "gpu-host", tmp_path / "twin-data", tmp_path)
-    assert twin.wait(timeout=60) == 2
+    assert twin.wait(timeout=60) == 1  # the API refused it (409): exit code 1
     said = (tmp_path / "gpu-host-0.log").read_text()
     assert "is in use by a running worker on host" in said, said
     flag.write_text("go")

@@ -28,7 +28,6 @@ from service.queue.leases import (
     record_heartbeat,
     register_worker,
     release_worker,
-    requeued,
     workers_attempt,
 )
 from service.queue.preempt import preempt as preempt_pass

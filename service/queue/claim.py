@@ -23,6 +23,7 @@ from sqlalchemy.engine import Connection
 
 from ddpq.messages import ClaimedJob
 from service.db import Database
+from service.errors import ServiceError, UnknownWorker
 from service.models import JobStatus, UTCDateTime, utcnow
 from service.queue import books, gangs, quotas
 from service.queue.rules import (
@@ -37,14 +38,13 @@ from service.queue.rules import (
     j,
     jn,
     jobs,
-    new_attempt,
     order_key,
     quota_free,
     ready,
     resolve,
     resume_from,
-    starting,
 )
+from service.queue.states import Event, may, new_attempt, start_values
 
 
 class Claim(ClaimedJob):
@@ -113,9 +113,9 @@ def _take(dialect: str, worker_has_gpus: bool, guarded: bool) -> Any:
     )
     return (
         update(jobs)
-        .where(j.id == pick.scalar_subquery(), j.status == JobStatus.QUEUED)
+        .where(j.id == pick.scalar_subquery(), may(Event.START, j.status, SQL))
         .values(
-            starting(
+            start_values(
                 attempt=j.attempt + 1,
                 held_cpu_slots=held_cpu,
                 gpus=bindparam("no_gpus", type_=JSON),
@@ -156,9 +156,11 @@ def _take_whole(dialect: str, nodes_have_gpus: bool) -> Any:
         pick = pick.with_for_update(skip_locked=True, of=jobs)
     return (
         update(jobs)
-        .where(j.id == pick.scalar_subquery(), j.status == JobStatus.QUEUED)
+        .where(j.id == pick.scalar_subquery(), may(Event.START, j.status, SQL))
         .values(
-            starting(attempt=j.attempt + 1, held_cpu_slots=0, gpus=bindparam("no_gpus", type_=JSON))
+            start_values(
+                attempt=j.attempt + 1, held_cpu_slots=0, gpus=bindparam("no_gpus", type_=JSON)
+            )
         )
         .returning(
             j.id, j.attempt, j.spec, j.device, j.nproc_per_node, j.queued_at, j.nnodes, j.owner
@@ -166,7 +168,7 @@ def _take_whole(dialect: str, nodes_have_gpus: bool) -> Any:
     )
 
 
-class _GangFirst(Exception):
+class _GangFirst(ServiceError):
     """A bridge's claim met a gang of workers' slots for the same attempt: rolled back."""
 
 
@@ -275,7 +277,7 @@ def _claim(
     with db.write_conn() as conn:
         mine = books.of_worker(conn, worker)
         if mine is None:
-            raise LookupError(worker)
+            raise UnknownWorker(worker)
         cap = mine.capacity
         if cap.partition is not None:
             return _claim_whole(conn, db, cap, token_hash, now)

@@ -27,13 +27,13 @@ from service.queue.books import Capacity
 from service.queue.rules import (
     FORMING,
     ORDER,
+    SQL,
     checkpoint_dir_of,
     fits_bound,
     forming,
     j,
     jn,
     jobs,
-    new_attempt,
     nodes,
     notify_claimers,
     order_key,
@@ -44,10 +44,10 @@ from service.queue.rules import (
     resume_from,
     rowcount,
     started,
-    starting,
     w,
     workers,
 )
+from service.queue.states import Event, may, new_attempt, start_values
 
 
 @functools.cache
@@ -112,12 +112,14 @@ _START_GANG = (
     update(jobs)
     .where(
         j.id == bindparam("job_id"),
-        j.status == JobStatus.QUEUED,
+        may(Event.START, j.status, SQL),
         j.attempt == bindparam("number") - 1,
     )
     .values(
         # The node slots hold the workers' slots (job_nodes); the job row holds none.
-        starting(attempt=bindparam("number"), held_cpu_slots=0, gpus=bindparam("gpus", type_=JSON))
+        start_values(
+            attempt=bindparam("number"), held_cpu_slots=0, gpus=bindparam("gpus", type_=JSON)
+        )
     )
 )
 

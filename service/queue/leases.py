@@ -20,19 +20,17 @@ from sqlalchemy import and_, or_, select, tuple_, update
 from sqlalchemy.orm import Session
 
 from service.db import STALL_S, Database, Policy
-from service.errors import Conflict
+from service.errors import Conflict, UnknownWorker
 from service.models import (
     ACTIVE,
-    TERMINAL,
     Attempt,
-    AttemptOutcome,
     Job,
     JobNode,
     JobStatus,
     Worker,
     utcnow,
 )
-from service.queue import preempt, quotas, shares
+from service.queue import preempt, states
 from service.queue.gangs import node_of, nodes_of, release_nodes
 from service.queue.rules import (
     NODE_LIVE,
@@ -41,10 +39,10 @@ from service.queue.rules import (
     is_active,
     j,
     jn,
-    notify_claimers,
     rowcount,
     started,
 )
+from service.queue.states import Event
 from service.schemas import FinishRequest
 
 
@@ -84,43 +82,28 @@ def workers_attempt(
 # ---- how an attempt ends ---------------------------------------------------------------
 
 
-def requeued(now: datetime, reason: str) -> dict[str, Any]:
-    """A job's columns when it goes back to the queue: it waits anew and holds nothing."""
-    return {
-        "status": JobStatus.QUEUED,
-        "queued_at": now,
-        "reason": reason,
-        "worker": None,
-        "gpus": None,
-        "held_cpu_slots": 0,
-    }
-
-
 @dataclass
 class Ending:
-    """What an ending attempt does to its job (new column values) and its own outcome."""
+    """How an attempt's end moves its job (service.queue.states): the event, the job's
+    new reason, and the columns the event leaves to its decider (a retry's backoff)."""
 
-    values: dict[str, Any]
-    outcome: AttemptOutcome
+    event: Event
+    reason: str | None
+    columns: dict[str, Any] = field(default_factory=dict)
 
 
-def lost(
-    status: str, number: int, failures: int, max_attempts: int, words: str, now: datetime
-) -> Ending:
+def lost(status: str, number: int, failures: int, max_attempts: int, words: str) -> Ending:
     """An attempt whose worker was lost: the worker, not the program, failed, so the job
     is requeued at once (no backoff) while attempts remain."""
     if status == JobStatus.CANCELLING:
-        reason = f"cancelled; {words} before it confirmed"
-        return Ending({"status": JobStatus.CANCELLED, "reason": reason, "finished_at": now}, "lost")
+        return Ending(Event.LOSE, f"cancelled; {words} before it confirmed")
     if failures + 1 < max_attempts:
         reason = (
             f"{words}; requeued for attempt {number + 1} "
             f"({failures + 1} of {max_attempts} attempts used)"
         )
-        return Ending({**requeued(now, reason), "failures": failures + 1}, "lost")
-    reason = f"{words}; all {max_attempts} attempts used"
-    values = {"status": JobStatus.FAILED, "reason": reason, "finished_at": now}
-    return Ending({**values, "failures": failures + 1}, "lost")
+        return Ending(Event.LOSE, reason)
+    return Ending(Event.LOSE_LAST, f"{words}; all {max_attempts} attempts used")
 
 
 def exit_words(code: int | None) -> str:
@@ -155,15 +138,13 @@ def reported(
         # would not take for now, and says so.
         handed = report.reason if report.reason not in (None, "worker shut down") else None
         why = f"{handed} (worker {worker})" if handed else f"worker {worker} shut down"
-        reason = f"{why}; requeued, not counted as a failure"
-        return Ending(requeued(now, reason), "requeued")
+        return Ending(Event.HAND_BACK, f"{why}; requeued, not counted as a failure")
     if job.status == JobStatus.CANCELLING or report.outcome == "cancelled":
-        return Ending({"status": JobStatus.CANCELLED, "reason": "cancelled by user"}, "cancelled")
+        return Ending(Event.STOP, "cancelled by user")
     if report.outcome == "timeout":
-        reason = report.reason or f"timeout after {job.spec.get('timeout_s')} s"
-        return Ending({"status": JobStatus.FAILED, "reason": reason}, "failed")
+        return Ending(Event.FAIL, report.reason or f"timeout after {job.spec.get('timeout_s')} s")
     if report.outcome == "exited" and code == 0:
-        return Ending({"status": JobStatus.SUCCEEDED, "reason": None}, "succeeded")
+        return Ending(Event.SUCCEED, None)
     retryable = report.outcome == "exited" and code is not None and code != 0
     if retryable and code is not None and code < 128:
         # A multi-node attempt is retried whatever a node's exit code: when one node
@@ -182,11 +163,9 @@ def reported(
             f"attempt {report.attempt} {what}; retrying as attempt {job.attempt + 1} "
             f"({failures} of {job.max_attempts} attempts used) after {delay:g} s"
         )
-        back = {"not_before": now + timedelta(seconds=delay), "failures": failures}
-        return Ending({**requeued(now, reason), **back}, "failed")
+        return Ending(Event.RETRY, reason, {"not_before": now + timedelta(seconds=delay)})
     spent = f"; all {job.max_attempts} attempts used" if retryable else ""
-    failed = {"status": JobStatus.FAILED, "reason": f"{what}{spent}", "failures": failures}
-    return Ending(failed, "failed")
+    return Ending(Event.FAIL, f"{what}{spent}")
 
 
 def end_attempt(s: Session, job: Job, worker: str, report: FinishRequest, policy: Policy) -> None:
@@ -207,26 +186,14 @@ def end_attempt(s: Session, job: Job, worker: str, report: FinishRequest, policy
     where = f" on node {node.node_rank} (worker {worker})" if node is not None else ""
     if report.outcome == "lost":  # its scheduler ended it (a bridge's attempt)
         words = report.reason or f"attempt {report.attempt} was lost"
-        ending = lost(job.status, job.attempt, job.failures, job.max_attempts, words, now)
+        ending = lost(job.status, job.attempt, job.failures, job.max_attempts, words)
     else:
         ending = reported(job, report, where, worker, policy, now)
-    shares.count_end(s, job.id, attempt.id, now)  # as it held: before the job moves on
-    for column, value in ending.values.items():
-        setattr(job, column, value)
-    if job.preempted_by is not None:
-        if job.status == JobStatus.QUEUED:  # handed back: its reason says for whom
-            job.reason = f"{preempt.words(s, job.preempted_by)}; it resumes when room is free"
-        job.preempted_by = None
-    job.exit_code = report.exit_code
-    if job.status in TERMINAL:
-        job.finished_at = now
-    attempt.ended_at = now
-    attempt.exit_code = report.exit_code
-    attempt.outcome = ending.outcome
-    attempt.reason = job.reason  # kept per attempt: the job's reason moves on
-    s.flush()
-    quotas.refresh(s, job.owner)  # what its owner holds shrank
-    notify_claimers(s)  # its slots are free, or it is queued again
+    reason = ending.reason
+    requeues = states.move(job.id, job.status, ending.event).target == JobStatus.QUEUED
+    if job.preempted_by is not None and requeues:  # handed back: its reason says for whom
+        reason = f"{preempt.words(s, job.preempted_by)}; it resumes when room is free"
+    states.end(s, job, attempt, ending.event, now, reason, report.exit_code, **ending.columns)
 
 
 def _other_nodes_run_on(s: Session, job: Job, report: FinishRequest, node: JobNode) -> bool:
@@ -312,7 +279,7 @@ def _touch_worker(s: Session, worker: str, identity: str | None, now: datetime) 
                 f"worker name {worker} was taken over by another process (host {holder}) "
                 "after this one's heartbeats went silent; its jobs run there now"
             )
-        raise LookupError(worker)
+        raise UnknownWorker(worker)
 
 
 @dataclass(frozen=True)
@@ -490,7 +457,7 @@ def expire_nodes(db: Database, lease_s: float) -> list[int]:
 
 
 _FIND_CURRENT = (
-    select(Job.id, Job.attempt, Job.max_attempts, Attempt.worker, Attempt.id)
+    select(Job.id, Job.attempt, Attempt.worker, Attempt.id)
     .join(Attempt, and_(Attempt.job_id == Job.id, Attempt.number == Job.attempt))
     .where(Job.status.in_(list(ACTIVE)), Attempt.ended_at.is_(None))
     .order_by(Job.id)  # the lock order: job rows by ascending id
@@ -518,40 +485,32 @@ def _lose_attempts(
         stale = s.execute(find_stale).all()
         if settled is not None and (time.monotonic() - began > STALL_S or not settled()):
             return changed
-        for job_id, number, max_attempts, worker, attempt_id in stale:
-            if _lose(s, job_id, number, max_attempts, attempt_id, which, why(worker)):
-                changed.append(job_id)
-        if changed:
-            notify_claimers(s)
+        for job_id, number, worker, attempt_id in stale:
+            if _lose(s, job_id, number, attempt_id, which, why(worker)):
+                changed.append(job_id)  # states.end woke the claimers
     return changed
 
 
-def _lose(
-    s: Session, job_id: int, number: int, max_attempts: int, attempt_id: int, which: Any, words: str
-) -> bool:
+def _lose(s: Session, job_id: int, number: int, attempt_id: int, which: Any, words: str) -> bool:
     """Lose one attempt, deciding on rows locked now, not on the look: a finish, a cancel
     or a heartbeat may have committed since. Job row first, then its attempt,
     re-checking ``which`` (Postgres re-reads a row it waited for)."""
-    job = s.execute(
-        select(Job.status, Job.attempt, Job.failures).where(Job.id == job_id).with_for_update()
+    job = s.scalars(
+        select(Job)
+        .where(Job.id == job_id)
+        .with_for_update()
+        .execution_options(populate_existing=True)
     ).first()
     if job is None or not started(job.status, job.attempt, number):
         return False
-    still = s.execute(
-        select(Attempt.id)
+    attempt = s.scalars(
+        select(Attempt)
         .where(Attempt.id == attempt_id, Attempt.ended_at.is_(None), which)
         .with_for_update()
+        .execution_options(populate_existing=True)
     ).first()
-    if still is None:
+    if attempt is None:
         return False
-    now = utcnow()
-    ending = lost(job.status, number, job.failures, max_attempts, words, now)
-    shares.count_end(s, job_id, attempt_id, now)
-    s.execute(update(Job).where(Job.id == job_id).values(**ending.values, preempted_by=None))
-    s.execute(
-        update(Attempt)
-        .where(Attempt.id == attempt_id)
-        .values(ended_at=now, outcome=ending.outcome, reason=ending.values["reason"])
-    )
-    quotas.refresh(s, s.execute(select(Job.owner).where(Job.id == job_id)).scalar())
+    ending = lost(job.status, number, job.failures, job.max_attempts, words)
+    states.end(s, job, attempt, ending.event, utcnow(), ending.reason)
     return True

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal, cast
 
-from sqlalchemy import Table, and_, bindparam, false, func, insert, or_, select, text
+from sqlalchemy import Table, and_, bindparam, false, or_, select, text
 from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
@@ -170,24 +170,6 @@ NODE_LIVE = and_(
 )
 
 
-def starting(**more: Any) -> dict[str, Any]:
-    """A job row's new values when an attempt of it starts (a worker's claim, a bridge's,
-    a gang's last slot), with what the attempt holds (``more``): it runs on the bound
-    ``worker`` from the bound ``now``, and its last attempt's words are gone."""
-    return {
-        "status": JobStatus.RUNNING,
-        "worker": bindparam("worker"),
-        "started_at": func.coalesce(j.started_at, bindparam("now", type_=UTCDateTime)),
-        "reason": None,
-        "exit_code": None,
-        "not_before": None,
-        # It needs no room made any more (service.queue.preempt).
-        "preempting_on": None,
-        "preempting_since": None,
-        **more,
-    }
-
-
 # A single-node job that may be claimed (a multi-node one is claimed by node slots).
 QUEUED_SINGLE = and_(j.status == JobStatus.QUEUED, j.nnodes == 1)
 
@@ -225,41 +207,12 @@ def checkpoint_dir_of(root: str, job_id: int) -> str:
     return f"{root.rstrip('/')}/job-{job_id}"
 
 
-_NEW_ATTEMPT = insert(attempts)
 _RESUME_FROM = (
     select(checkpoints.c.path)
     .where(checkpoints.c.job_id == bindparam("job_id"))
     .order_by(checkpoints.c.step.desc(), checkpoints.c.id.desc())
     .limit(RESUME_CANDIDATES)
 )
-
-
-def new_attempt(
-    conn: Connection,
-    job_id: int,
-    number: int,
-    worker: str,
-    token_hash: str,
-    gpus: list[int],
-    checkpoint_dir: str,
-    now: datetime,
-) -> None:
-    """Write the row of an attempt that starts now on ``worker``."""
-    conn.execute(
-        _NEW_ATTEMPT,
-        {
-            "job_id": job_id,
-            "number": number,
-            "worker": worker,
-            "token_hash": token_hash,
-            "gpus": gpus,
-            "checkpoint_dir": checkpoint_dir,
-            "started_at": now,
-            "heartbeat_at": now,
-            "outcome": "running",
-            "log_bytes": 0,
-        },
-    )
 
 
 def resume_from(conn: Connection | Session, job_id: int, number: int) -> list[str]:

@@ -166,10 +166,13 @@ def sweep(db: Database) -> int:
     with db.read() as s:
         if s.execute(running.limit(1)).first() is None and s.execute(due).first() is None:
             return 0
+    # Two transactions: a rebase locks the epoch exclusively, and holding that while
+    # count_running waits for an ending attempt's row (which waits for the epoch, shared,
+    # to add its use) would deadlock.
     with db.write() as s:
-        now = utcnow()
-        rebase(s, now)
-        return count_running(s, now)
+        rebase(s, utcnow())
+    with db.write() as s:
+        return count_running(s, utcnow())
 
 
 def _half_life(db: Database) -> float:
@@ -178,11 +181,16 @@ def _half_life(db: Database) -> float:
 
 def rebase(s: Session, now: datetime) -> bool:
     """Move the epoch to now once it lies REBASE_AFTER half-lives back, scaling every
-    usage and queued share down with it (their order stays); True if it moved."""
-    t0 = _epoch(s, now, lock=True)
+    usage and queued share down with it (their order stays); True if it moved. The
+    epoch is locked exclusively only when a rebase is due: every sweep taking that lock
+    would queue each ending attempt behind it."""
     half_life = policy_of(s).fairshare_half_life_s
-    if (now - t0).total_seconds() < REBASE_AFTER * half_life:
+    due = now - timedelta(seconds=REBASE_AFTER * half_life)
+    if s.execute(select(FairshareEpoch.t0).where(FairshareEpoch.t0 < due)).first() is None:
         return False
+    t0 = _epoch(s, now, lock=True)
+    if (now - t0).total_seconds() < REBASE_AFTER * half_life:
+        return False  # another API process moved it meanwhile
     factor = 1.0 / _scale(now, t0, half_life)
     s.execute(update(UserUsage).values(usage=UserUsage.usage * factor))
     s.execute(update(Job).where(Job.status == JobStatus.QUEUED).values(share=Job.share * factor))
@@ -201,6 +209,7 @@ def count_running(s: Session, now: datetime) -> int:
         )
         .join(Job, and_(Job.id == Attempt.job_id, Job.attempt == Attempt.number))
         .where(Attempt.ended_at.is_(None), is_active(Job.status, SQL), Job.owner.is_not(None))
+        .order_by(Attempt.id)  # one lock order: two API processes' sweeps never deadlock
         .with_for_update(of=Attempt)
     ).all()  # fmt: skip
     added: dict[str, float] = {}

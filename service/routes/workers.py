@@ -32,7 +32,7 @@ from service.deps import (
     gone,
     log_chunk,
 )
-from service.errors import NotFound, responses
+from service.errors import responses
 from service.schemas import (
     ClaimRequest,
     FinishRequest,
@@ -98,10 +98,6 @@ def register_worker(
     )
 
 
-class UnknownWorker(NotFound):
-    pass
-
-
 @router.post(
     "/claim",
     response_model=ClaimedJob,
@@ -123,20 +119,17 @@ async def claim_job(
             return Response(status_code=204)
         token, token_hash = mint_job_token()
         started = time.perf_counter()
-        try:
-            claimed = await asyncio.get_running_loop().run_in_executor(
-                _claim_pool(db.dialect),
-                queue.claim_next_job,
-                db,
-                body.name,
-                body.free_cpu_slots,
-                body.free_gpus,
-                token_hash,
-                body.advertise_addr,
-                body.rdzv_port,
-            )
-        except LookupError:
-            raise UnknownWorker(f"worker {body.name} is not registered") from None
+        claimed = await asyncio.get_running_loop().run_in_executor(
+            _claim_pool(db.dialect),
+            queue.claim_next_job,
+            db,
+            body.name,
+            body.free_cpu_slots,
+            body.free_gpus,
+            token_hash,
+            body.advertise_addr,
+            body.rdzv_port,
+        )
         request.app.state.telemetry.observe_claim(time.perf_counter() - started, claimed)
         if claimed is not None:
             if claimed.nnodes > 1:
@@ -186,20 +179,17 @@ async def wait_for_gang(
 )
 def send_heartbeat(body: Heartbeat, db: DB) -> HeartbeatReply:
     """Extend the leases of the worker's attempts; learn which to stop."""
-    try:
-        cancel, abandon, preempt = queue.record_heartbeat(
-            db,
-            body.name,
-            [(r.job_id, r.attempt) for r in body.running],
-            body.identity,
-            {
-                (r.job_id, r.attempt): queue.Elsewhere(r.external_id, r.pending)
-                for r in body.running
-                if r.external_id is not None or r.pending is not None
-            },
-        )
-    except LookupError:
-        raise UnknownWorker(f"worker {body.name} is not registered") from None
+    cancel, abandon, preempt = queue.record_heartbeat(
+        db,
+        body.name,
+        [(r.job_id, r.attempt) for r in body.running],
+        body.identity,
+        {
+            (r.job_id, r.attempt): queue.Elsewhere(r.external_id, r.pending)
+            for r in body.running
+            if r.external_id is not None or r.pending is not None
+        },
+    )
     return HeartbeatReply(
         cancel=[AttemptRef(job_id=j, attempt=a) for j, a in cancel],
         abandon=[AttemptRef(job_id=j, attempt=a) for j, a in abandon],

@@ -1,0 +1,284 @@
+"""Which status a job may move to, from which, and what each move does: the one owner.
+
+A job moves only by an event (a submit, a claim, a cancel, how its attempt ended), and
+``MOVES`` says, for every status the event may leave, the status it enters and what
+the move does to the current attempt: whether it ends it and how (its outcome), and
+whether that counts against ``max_attempts``. Nothing else in the service writes a
+job's status or an attempt's outcome: the claim statements take their values from
+``start_values`` (they move many rows in one statement), everything else moves a row
+it holds locked with ``enter`` or ``end``. A move the table lacks raises
+``IllegalMove``, a Conflict the API answers 409 naming the job's status and the
+statuses the event leaves.
+
+The side effects of a move are written here once: a job that goes back to the queue
+holds nothing and waits anew; one that ends gets its finish time; an attempt that ends
+is counted for fair share as it held, records its end, loses its preemption mark, and
+frees its slots (its owner's quota flags are refreshed and claimers are woken). A
+started attempt gets its row, and with it its hashed token; an ended attempt's token
+is refused from then on by the fencing check (queue.leases.fenced), which reads the
+same columns.
+
+``diagram`` renders the table as a Mermaid state diagram; docs/architecture.md holds
+it, and a test checks that the two agree.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import bindparam, func, insert
+from sqlalchemy.engine import Connection
+from sqlalchemy.orm import Session
+
+from service.errors import Conflict
+from service.models import TERMINAL, Attempt, AttemptOutcome, Job, JobStatus, UTCDateTime
+from service.queue import quotas, shares
+from service.queue.rules import Logic, attempts, j, notify_claimers
+
+Q, R, C = JobStatus.QUEUED, JobStatus.RUNNING, JobStatus.CANCELLING
+S, F, X = JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED
+
+
+class Event(enum.StrEnum):
+    SUBMIT = "submit"  # a new job
+    START = "start"  # an attempt starts: a worker's claim, a bridge's, a gang's last slot
+    CANCEL = "cancel"  # a user (or an admin) cancels it
+    SUCCEED = "succeed"  # its attempt exited 0
+    FAIL = "fail"  # its attempt failed for good: a program error, a timeout, attempts spent
+    RETRY = "retry"  # its attempt failed and attempts remain: queued after a backoff
+    HAND_BACK = "hand back"  # its worker handed it back (shut down, preempted): uncounted
+    LOSE = "lose"  # its worker (or scheduler) was lost and attempts remain: queued at once
+    LOSE_LAST = "lose last"  # its worker was lost and that was its last attempt
+    STOP = "stop"  # its processes stopped after a cancel
+
+
+@dataclass(frozen=True)
+class Move:
+    """One legal move: ``event`` takes a job from ``source`` to ``target``."""
+
+    source: JobStatus | None  # None: the job did not exist
+    event: Event
+    target: JobStatus
+    ends: AttemptOutcome | None = None  # how the current attempt ends, if it does
+    counted: bool = False  # it counts against max_attempts
+    says: str = ""
+
+    @property
+    def requeues(self) -> bool:
+        """It takes a running job back to the queue, holding nothing."""
+        return self.target == JobStatus.QUEUED and self.ends is not None
+
+
+MOVES: tuple[Move, ...] = (
+    Move(None, Event.SUBMIT, Q, says="waits for room"),
+    Move(Q, Event.START, R, says="an attempt starts, with its token; holds its slots"),
+    Move(Q, Event.CANCEL, X, says="cancelled before it started"),
+    Move(R, Event.CANCEL, C, says="its worker stops the processes"),
+    Move(C, Event.CANCEL, C, says="asked again: nothing more to do"),
+    Move(R, Event.SUCCEED, S, ends="succeeded"),
+    Move(R, Event.FAIL, F, ends="failed", counted=True),
+    Move(R, Event.RETRY, Q, ends="failed", counted=True, says="after a backoff"),
+    Move(R, Event.HAND_BACK, Q, ends="requeued", says="not counted"),
+    Move(R, Event.LOSE, Q, ends="lost", counted=True),
+    Move(R, Event.LOSE_LAST, F, ends="lost", counted=True),
+    Move(C, Event.LOSE, X, ends="lost"),
+    Move(C, Event.LOSE_LAST, X, ends="lost"),
+    Move(R, Event.STOP, X, ends="cancelled"),
+    Move(C, Event.STOP, X, ends="cancelled"),
+)
+_TABLE: dict[tuple[JobStatus | None, Event], Move] = {(m.source, m.event): m for m in MOVES}
+
+
+def sources(event: Event) -> list[JobStatus]:
+    """The statuses ``event`` may move a job out of, in the table's order."""
+    return [m.source for m in MOVES if m.event == event and m.source is not None]
+
+
+class IllegalMove(Conflict):
+    """An event the job's status does not allow: 409, naming the status it is in and
+    those the event leaves."""
+
+    def __init__(
+        self, job_id: int | None, status: str | None, event: Event, detail: str = ""
+    ) -> None:
+        allowed = " or ".join(sources(event)) or "nothing"
+        what = f"job {job_id}" if job_id is not None else "the job"
+        now = f"{what} is {status}" if status is not None else f"{what} does not exist yet"
+        super().__init__(detail or f"{now}: {event.value} moves a job only out of {allowed}")
+        self.status = status
+        self.event = event
+
+
+def move(job_id: int | None, status: str | None, event: Event) -> Move:
+    """The move ``event`` makes from ``status``; IllegalMove if it has none."""
+    found = _TABLE.get((JobStatus(status) if status is not None else None, event))
+    if found is None:
+        if event == Event.CANCEL and status in TERMINAL:
+            ended = "was already cancelled" if status == X else f"is already {status}"
+            raise IllegalMove(
+                job_id,
+                status,
+                event,
+                f"job {job_id} {ended}: there is nothing to cancel "
+                f"(cancel moves a job only out of {' or '.join(sources(event))})",
+            )
+        raise IllegalMove(job_id, status, event)
+    return found
+
+
+def may(event: Event, status: Any, logic: Logic) -> Any:
+    """The predicate (SQL or Python, as queue.rules writes its rules) that a job in
+    ``status`` may take ``event``: for the statements that move rows in bulk."""
+    return logic.any_(*(status == s for s in sources(event)))
+
+
+# ---- moves made on a row the caller holds locked ---------------------------------------
+
+
+def submitted() -> dict[str, Any]:
+    """A new job's status column (SUBMIT)."""
+    return {"status": move(None, None, Event.SUBMIT).target}
+
+
+def enter(job: Job, event: Event, now: datetime, reason: str | None, **columns: Any) -> Move:
+    """Move ``job`` (an ORM row the caller locked) by ``event``, an event that ends no
+    attempt (a cancel). Returns the move."""
+    m = move(job.id, job.status, event)
+    if m.ends is not None:
+        raise ValueError(f"{event.value} ends an attempt: use end()")
+    _set(job, m, now, reason, columns)
+    return m
+
+
+def end(
+    s: Session,
+    job: Job,
+    attempt: Attempt,
+    event: Event,
+    now: datetime,
+    reason: str | None,
+    exit_code: int | None = None,
+    **columns: Any,
+) -> Move:
+    """End ``job``'s current ``attempt`` (both rows the caller locked, job first) by
+    ``event``: the job moves on, the attempt records how it ended, its use is counted
+    for fair share as it held, and its slots are free for claimers."""
+    m = move(job.id, job.status, event)
+    if m.ends is None:
+        raise ValueError(f"{event.value} ends no attempt: use enter()")
+    if attempt.ended_at is not None:
+        raise IllegalMove(job.id, job.status, event, f"attempt {attempt.number} already ended")
+    shares.count_end(s, job.id, attempt.id, now)  # as it held: before the job moves on
+    _set(job, m, now, reason, columns)
+    job.exit_code = exit_code
+    job.preempted_by = None  # a hand-back asked of it is done, or moot
+    attempt.ended_at = now
+    attempt.exit_code = exit_code
+    attempt.outcome = m.ends
+    attempt.reason = job.reason  # kept per attempt: the job's reason moves on
+    s.flush()
+    quotas.refresh(s, job.owner)  # what its owner holds shrank
+    notify_claimers(s)  # its slots are free, or it is queued again
+    return m
+
+
+def _set(job: Job, m: Move, now: datetime, reason: str | None, columns: dict[str, Any]) -> None:
+    job.status = m.target
+    job.reason = reason
+    if m.requeues:  # it waits anew and holds nothing
+        job.queued_at = now
+        job.worker = None
+        job.gpus = None
+        job.held_cpu_slots = 0
+    if m.counted:
+        job.failures += 1
+    if m.target in TERMINAL:
+        job.finished_at = now
+    for column, value in columns.items():
+        setattr(job, column, value)
+
+
+# ---- START: the claims move rows in one statement ----------------------------------------
+
+
+def start_values(**more: Any) -> dict[str, Any]:
+    """A job row's new values when an attempt of it starts (a worker's claim, a bridge's,
+    a gang's last slot), with what the attempt holds (``more``): it runs on the bound
+    ``worker`` from the bound ``now``, and its last attempt's words are gone. The
+    statement's WHERE must hold ``may(Event.START, ...)``."""
+    return {
+        "status": move(None, JobStatus.QUEUED, Event.START).target,
+        "worker": bindparam("worker"),
+        "started_at": func.coalesce(j.started_at, bindparam("now", type_=UTCDateTime)),
+        "reason": None,
+        "exit_code": None,
+        "not_before": None,
+        # It needs no room made any more (service.queue.preempt).
+        "preempting_on": None,
+        "preempting_since": None,
+        **more,
+    }
+
+
+_NEW_ATTEMPT = insert(attempts)
+
+
+def new_attempt(
+    conn: Connection,
+    job_id: int,
+    number: int,
+    worker: str,
+    token_hash: str,
+    gpus: list[int],
+    checkpoint_dir: str,
+    now: datetime,
+) -> None:
+    """Write the row of an attempt that starts now on ``worker``, with its hashed token
+    (the statement that moved its job by START runs in the same transaction)."""
+    conn.execute(
+        _NEW_ATTEMPT,
+        {
+            "job_id": job_id,
+            "number": number,
+            "worker": worker,
+            "token_hash": token_hash,
+            "gpus": gpus,
+            "checkpoint_dir": checkpoint_dir,
+            "started_at": now,
+            "heartbeat_at": now,
+            "outcome": "running",
+            "log_bytes": 0,
+        },
+    )
+
+
+# ---- the table as a picture ------------------------------------------------------------
+
+
+def diagram() -> str:
+    """The job state machine as a Mermaid state diagram (docs/architecture.md)."""
+    lines = ["stateDiagram-v2"]
+    for m in MOVES:
+        if m.source == m.target:
+            continue  # an idempotent repeat: no arrow
+        source = "[*]" if m.source is None else m.source.value
+        label = m.event.value
+        if m.ends is not None and m.source != JobStatus.CANCELLING:
+            label += f" (attempt {m.ends}{', counted' if m.counted else ''})"
+        lines.append(f"    {source} --> {m.target.value}: {label}")
+    # A cancelling job ends cancelled whatever its attempt reports: one arrow says it.
+    lines = _fold_cancelling(lines)
+    for status in sorted(TERMINAL):
+        lines.append(f"    {status.value} --> [*]")
+    return "\n".join(lines) + "\n"
+
+
+def _fold_cancelling(lines: list[str]) -> list[str]:
+    """The arrows cancelling --> cancelled, one per event, as one arrow naming them."""
+    prefix = f"    {C.value} --> {X.value}: "
+    events = [line.removeprefix(prefix) for line in lines if line.startswith(prefix)]
+    kept = [line for line in lines if not line.startswith(prefix)]
+    return [*kept, prefix + ", ".join(events) + " (attempt ends)"] if events else kept

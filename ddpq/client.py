@@ -7,10 +7,13 @@
         job = c.submit({"recipe": "toy-regression", "world_size": 2})
         job = c.wait(job["id"])
 
-Errors: ``ApiError`` (the API answered 4xx/5xx; ``.status`` and ``.detail``),
-``httpx.HTTPError`` for transport failures, ``ddpq.config.ConfigError`` for a server
-name the config file does not hold. ``Client.target`` says where the URL and the token
-came from (ddpq.config.resolve).
+Errors are ddpq.errors': ``ApiError`` for a request that did not do what was asked,
+naming it (``.method``, ``.url``) and what was answered (``.status``, ``.detail``):
+``ApiRefused`` (4xx), ``ApiUnavailable`` (5xx, 429; ``ApiUnreachable``: no answer at
+all), ``ApiBadAnswer`` (not the API's JSON); ``ConfigError`` for a server name the
+config file does not hold; ``CodeError`` for a directory push_code cannot send. Catch
+``ddpq.errors.DdpqError`` for all of them. ``Client.target`` says where the URL and the
+token came from (ddpq.config.resolve).
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ from urllib.parse import quote
 import httpx
 
 from ddpq import codepack, config
+from ddpq.errors import ApiError as ApiError  # where it was before ddpq.errors
+from ddpq.errors import answer_error, bad_answer, no_answer
+from ddpq.errors import format_detail as format_detail
 from ddpq.snapshot import Limits
 from ddpq.wire import CUT_MARKER
 
@@ -55,29 +61,6 @@ class _Offsets:
             self.base, self.since = int(last.group(1)), len(window) - last.end()
         self.recent = window[-_MARKER_WINDOW:]
         return self.base + self.since
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, detail: Any) -> None:
-        self.status = status
-        self.detail = detail
-        super().__init__(f"HTTP {status}: {format_detail(detail)}")
-
-
-def format_detail(detail: Any) -> str:
-    """FastAPI's validation errors as 'field: reason' lines."""
-    if isinstance(detail, list):
-        parts = []
-        for e in detail:
-            if isinstance(e, dict):
-                loc = ".".join(
-                    str(x) for x in e.get("loc", []) if x not in ("body", "query", "path")
-                )
-                parts.append(f"{loc}: {e.get('msg')}" if loc else str(e.get("msg")))
-            else:
-                parts.append(str(e))
-        return "; ".join(parts)
-    return str(detail)
 
 
 def _segment(value: str) -> str:
@@ -115,19 +98,26 @@ class Client:
         self._http.close()
 
     def _call(self, method: str, path: str, **kw: Any) -> httpx.Response:
-        r = self._http.request(method, path, **kw)
+        """The answer to ``method path``; ApiError (ddpq.errors) unless it is a success."""
+        try:
+            r = self._http.request(method, path, **kw)
+        except httpx.HTTPError as exc:
+            raise no_answer(method, self.url + path, exc) from exc
         if r.status_code >= 400:
             self._raise(r)
         return r
 
+    def _json(self, method: str, path: str, **kw: Any) -> Any:
+        """The JSON the API answered ``method path`` with (ApiBadAnswer if it is not)."""
+        r = self._call(method, path, **kw)
+        try:
+            return r.json()
+        except ValueError:
+            raise bad_answer(method, str(r.request.url), r.status_code, r.text) from None
+
     @staticmethod
     def _raise(r: httpx.Response) -> NoReturn:
-        try:
-            body = r.json()
-            detail = body.get("detail", r.text) if isinstance(body, dict) else r.text
-        except ValueError:
-            detail = r.text
-        raise ApiError(r.status_code, detail)
+        raise answer_error(r.request.method, str(r.request.url), r.status_code, r.text)
 
     def submit(
         self, spec: dict[str, Any], idempotency_key: str | None = None, strict: bool = False
@@ -137,9 +127,9 @@ class Client:
         # without the protection the caller asked for.
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key is not None else {}
         params = {"strict": "true"} if strict else {}
-        result: dict[str, Any] = self._call(
+        result: dict[str, Any] = self._json(
             "POST", "/jobs", json=spec, headers=headers, params=params
-        ).json()
+        )
         return result
 
     # ---- code snapshots -------------------------------------------------------------
@@ -151,13 +141,11 @@ class Client:
         goes), uploading only the contents the API lacks. ``progress(sent, total)`` is
         called as contents go. CodeError: over a limit, or a name that cannot be sent."""
         found = codepack.collect(root)
-        lim = self._call("GET", "/code/limits").json()
+        lim = self._json("GET", "/code/limits")
         codepack.check_limits(found, Limits(**lim))
         entries = codepack.hashed(found)
         digests = sorted({e.digest for e in entries if e.digest})
-        missing = set(
-            self._call("POST", "/code/missing", json={"digests": digests}).json()["missing"]
-        )
+        missing = set(self._json("POST", "/code/missing", json={"digests": digests})["missing"])
         total = sum(e.size for e in {e.digest: e for e in entries if e.digest in missing}.values())
         sent_so_far = 0
 
@@ -177,21 +165,19 @@ class Client:
             )
 
         new, sent = codepack.upload(entries, found.sources, missing, put, advanced)
-        made = self._call(
-            "POST", "/code/snapshots", json={"files": [e.wire() for e in entries]}
-        ).json()
+        made = self._json("POST", "/code/snapshots", json={"files": [e.wire() for e in entries]})
         return codepack.Pushed(made["id"], made["files"], made["bytes"], new, sent, found.skipped)
 
     def code(self, snapshot_id: str) -> dict[str, Any]:
         """A snapshot's manifest: id, files, bytes, manifest (path, size, digest, ...)."""
-        result: dict[str, Any] = self._call("GET", f"/code/snapshots/{snapshot_id}").json()
+        result: dict[str, Any] = self._json("GET", f"/code/snapshots/{snapshot_id}")
         return result
 
     def code_blob(self, digest: str) -> bytes:
         return self._call("GET", f"/code/blobs/{digest}").content
 
     def job(self, job_id: int) -> dict[str, Any]:
-        result: dict[str, Any] = self._call("GET", f"/jobs/{job_id}").json()
+        result: dict[str, Any] = self._json("GET", f"/jobs/{job_id}")
         return result
 
     def jobs(
@@ -216,51 +202,51 @@ class Client:
             params["user"] = user
         if mine:
             params["mine"] = "true"
-        result: dict[str, Any] = self._call("GET", "/jobs", params=params).json()
+        result: dict[str, Any] = self._json("GET", "/jobs", params=params)
         return result
 
     def cancel(self, job_id: int) -> dict[str, Any]:
-        result: dict[str, Any] = self._call("POST", f"/jobs/{job_id}/cancel").json()
+        result: dict[str, Any] = self._json("POST", f"/jobs/{job_id}/cancel")
         return result
 
     # ---- people ---------------------------------------------------------------------------
 
     def whoami(self) -> dict[str, Any]:
         """The token's user: ``{"name", "role"}`` (role ``admin`` or ``member``)."""
-        result: dict[str, Any] = self._call("GET", "/whoami").json()
+        result: dict[str, Any] = self._json("GET", "/whoami")
         return result
 
     def users(self) -> list[dict[str, Any]]:
         """Every user, revoked ones too (admins): name, role, created_at, revoked_at,
         token_hint."""
-        items: list[dict[str, Any]] = self._call("GET", "/users").json()["items"]
+        items: list[dict[str, Any]] = self._json("GET", "/users")["items"]
         return items
 
     def add_user(self, name: str, admin: bool = False) -> dict[str, Any]:
         """A new user (admins); the answer's ``token`` is shown this once."""
         body = {"name": name, "role": "admin" if admin else "member"}
-        result: dict[str, Any] = self._call("POST", "/users", json=body).json()
+        result: dict[str, Any] = self._json("POST", "/users", json=body)
         return result
 
     def revoke_user(self, name: str) -> dict[str, Any]:
         """Revoke a user (admins): its token is refused from now on."""
-        result: dict[str, Any] = self._call("POST", f"/users/{_segment(name)}/revoke").json()
+        result: dict[str, Any] = self._json("POST", f"/users/{_segment(name)}/revoke")
         return result
 
     def rotate_user(self, name: str) -> dict[str, Any]:
         """A new token for a user (admins), in ``token``; the old one stops working."""
-        result: dict[str, Any] = self._call("POST", f"/users/{_segment(name)}/rotate").json()
+        result: dict[str, Any] = self._json("POST", f"/users/{_segment(name)}/rotate")
         return result
 
     def quotas(self) -> list[dict[str, Any]]:
         """Every user's limits, and everyone's default (user ``*``)."""
-        items: list[dict[str, Any]] = self._call("GET", "/quotas").json()["items"]
+        items: list[dict[str, Any]] = self._json("GET", "/quotas")["items"]
         return items
 
     def set_quota(self, name: str, **limits: int | None) -> dict[str, Any]:
         """Set ``name``'s limits (admins; ``*``: everyone's default): max_gpus,
         max_running, max_queued (None: no limit)."""
-        result: dict[str, Any] = self._call("PUT", f"/quotas/{name}", json=limits).json()
+        result: dict[str, Any] = self._json("PUT", f"/quotas/{name}", json=limits)
         return result
 
     def clear_quota(self, name: str) -> None:
@@ -269,7 +255,7 @@ class Client:
     def usage(self) -> list[dict[str, Any]]:
         """Each user's running and queued jobs, GPU- and CPU-slot-hours over the last day
         and week, and the decayed usage fair share orders by; most used first."""
-        items: list[dict[str, Any]] = self._call("GET", "/usage").json()["items"]
+        items: list[dict[str, Any]] = self._json("GET", "/usage")["items"]
         return items
 
     def audit(self, limit: int = 100, cursor: str | None = None) -> dict[str, Any]:
@@ -278,7 +264,7 @@ class Client:
         params: dict[str, Any] = {"limit": limit}
         if cursor:
             params["cursor"] = cursor
-        result: dict[str, Any] = self._call("GET", "/audit", params=params).json()
+        result: dict[str, Any] = self._json("GET", "/audit", params=params)
         return result
 
     def metrics(
@@ -297,23 +283,21 @@ class Client:
             params["since_step"] = since_step
         if max_points is not None:
             params["max_points"] = max_points
-        items: list[dict[str, Any]] = self._call(
-            "GET", f"/jobs/{job_id}/metrics", params=params
-        ).json()["items"]
-        return items
-
-    def checkpoints(self, job_id: int) -> list[dict[str, Any]]:
-        items: list[dict[str, Any]] = self._call("GET", f"/jobs/{job_id}/checkpoints").json()[
+        items: list[dict[str, Any]] = self._json("GET", f"/jobs/{job_id}/metrics", params=params)[
             "items"
         ]
         return items
 
+    def checkpoints(self, job_id: int) -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = self._json("GET", f"/jobs/{job_id}/checkpoints")["items"]
+        return items
+
     def workers(self) -> list[dict[str, Any]]:
-        items: list[dict[str, Any]] = self._call("GET", "/workers").json()["items"]
+        items: list[dict[str, Any]] = self._json("GET", "/workers")["items"]
         return items
 
     def recipes(self) -> list[dict[str, Any]]:
-        items: list[dict[str, Any]] = self._call("GET", "/recipes").json()["items"]
+        items: list[dict[str, Any]] = self._json("GET", "/recipes")["items"]
         return items
 
     def logs(self, job_id: int, offset: int = 0) -> tuple[bytes, int, str]:
@@ -335,15 +319,13 @@ class Client:
         # No read timeout on a streamed answer would hang on a dead peer forever;
         # a long one, then asking again from the offset reached, costs nothing.
         timeout = httpx.Timeout(30.0, read=120.0)
+        path = f"/jobs/{job_id}/logs"
         while True:
             got = 0
             status = ""
             try:
                 with self._http.stream(
-                    "GET",
-                    f"/jobs/{job_id}/logs",
-                    params={"offset": offset, "follow": "true"},
-                    timeout=timeout,
+                    "GET", path, params={"offset": offset, "follow": "true"}, timeout=timeout
                 ) as r:
                     if r.status_code >= 400:
                         r.read()
@@ -357,6 +339,8 @@ class Client:
                             got += len(chunk)
             except httpx.ReadTimeout:
                 pass  # a quiet stream: ask again from where we are
+            except httpx.HTTPError as exc:
+                raise no_answer("GET", self.url + path, exc) from exc
             if got:
                 continue  # the stored part may have been cut at the size limit
             if status in TERMINAL:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pathspec
 
+from ddpq.errors import CodeError
 from ddpq.snapshot import (
     MAX_LINKS,
     Entry,
@@ -39,10 +40,6 @@ from ddpq.snapshot import (
 NEVER = frozenset({".git", "__pycache__", ".hg", ".svn"})
 IGNORE_FILES = (".gitignore", ".ddpqignore")  # later ones win where both match
 UPLOAD_THREADS = 4
-
-
-class CodeError(Exception):
-    """The directory cannot be sent as it is (over a limit, a name that cannot be)."""
 
 
 @dataclass

@@ -39,16 +39,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from ddpq.errors import ConfigError
+
 DEFAULT_URL = "http://127.0.0.1:8000"
 CONFIG_FILE = "config.toml"
 # A server's name in the config file: a word, or a host:port.
 SERVER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
 # Addresses a server listens on that a client cannot connect to as such.
 WILDCARDS = ("", "0.0.0.0", "::", "[::]")  # noqa: S104 - compared, never bound
-
-
-class ConfigError(Exception):
-    """The config file cannot be read or does not hold what was asked (a usage error)."""
 
 
 def data_dir() -> Path:

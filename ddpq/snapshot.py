@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ddpq.errors import SnapshotError
+
 DIGEST = re.compile(r"[0-9a-f]{64}")  # sha256, lower-case hex; use fullmatch
 # What Linux takes (PATH_MAX, NAME_MAX), in UTF-8 bytes as the kernel counts them: past
 # them no worker could write the path at all. (The directory a snapshot is written under
@@ -254,13 +256,15 @@ class _Failed:
     cycle: str = ""
 
 
-class _Refused(Exception):
+class _LinkFailed(SnapshotError):
+    """A link that does not resolve (why: ``failed``); caught within _Links."""
+
     def __init__(self, failed: _Failed) -> None:
         super().__init__(failed.problem.why)
         self.failed = failed
 
 
-class _TooDeep(Exception):
+class _TooDeep(SnapshotError):
     """Resolving went MAX_LINKS links deep: the link it started from needs more."""
 
 
@@ -289,7 +293,7 @@ class _Links:
         for node in self.links:
             try:
                 self.resolve(node)
-            except _Refused as exc:
+            except _LinkFailed as exc:
                 out.append(exc.failed.problem)
             except _TooDeep:
                 # Not remembered for the links on the way: each may be fine on its own.
@@ -299,14 +303,14 @@ class _Links:
     def resolve(self, node: _Dir) -> tuple[_Place, int]:
         known = self.done.get(node)
         if isinstance(known, _Failed):
-            raise _Refused(known)
+            raise _LinkFailed(known)
         if known is not None:
             return known
         if node in self.active:
             cycle = [*self.active[self.active.index(node) :], node]
             names = " -> ".join(repr(_path(n)[:100]) for n in cycle)
             problem = LinkProblem(_path(node), names, leaves=False)
-            raise _Refused(_Failed(problem, names, frozenset(cycle), names))
+            raise _LinkFailed(_Failed(problem, names, frozenset(cycle), names))
         if len(self.active) >= MAX_LINKS:
             raise _TooDeep()
         self.active.append(node)
@@ -336,7 +340,7 @@ class _Links:
                         f"symlink {link.path[:100]!r} points outside the snapshot: "
                         f"{link.symlink[:100]!r} climbs above it{through}"
                     )
-                    raise _Refused(self._fail(node, why, leaves=True))
+                    raise _LinkFailed(self._fail(node, why, leaves=True))
                 continue
             child = None if depth else at.children.get(name)
             if child is None:
@@ -346,12 +350,12 @@ class _Links:
             else:
                 try:
                     (at, depth), cost = self.resolve(child)
-                except _Refused as exc:
-                    raise _Refused(self._through(node, child, exc.failed)) from None
+                except _LinkFailed as exc:
+                    raise _LinkFailed(self._through(node, child, exc.failed)) from None
                 followed += 1 + cost
                 via = child
                 if followed >= MAX_LINKS:  # opening the link itself follows one more
-                    raise _Refused(self._fail(node, self._too_many(node), leaves=False))
+                    raise _LinkFailed(self._fail(node, self._too_many(node), leaves=False))
         return (at, depth), followed
 
     def _through(self, node: _Dir, child: _Dir, failed: _Failed) -> _Failed:
@@ -410,22 +414,18 @@ def limit_problem(entries: list[Entry], limits: Limits) -> str | None:
     )
 
 
-class Refused(ValueError):
-    """A manifest that breaks a rule above: nothing of it is written."""
-
-
 def checked(manifest: Iterable[Mapping[str, Any]]) -> list[Entry]:
-    """A manifest from the wire as entries, every rule checked (Refused names the first
-    one broken): what writes a snapshot out never trusts where it came from."""
+    """A manifest from the wire as entries, every rule checked (SnapshotError names the
+    first one broken): what writes a snapshot out never trusts where it came from."""
     entries = []
     for item in manifest:
         problem = entry_problem(item)
         if problem:
-            raise Refused(problem)
+            raise SnapshotError(problem)
         entries.append(Entry.of(item))
     problem = manifest_problem(entries)
     if problem:
-        raise Refused(problem)
+        raise SnapshotError(problem)
     return entries
 
 
@@ -465,10 +465,10 @@ def _inside(root: Path, rel: str) -> Path:
     through a link."""
     target = Path(os.path.normpath(root / rel))
     if not target.is_relative_to(root) or target == root:
-        raise Refused(f"{rel[:100]!r} lands outside the snapshot's directory")
+        raise SnapshotError(f"{rel[:100]!r} lands outside the snapshot's directory")
     for parent in target.relative_to(root).parents:
         if (root / parent).is_symlink():
-            raise Refused(f"{rel[:100]!r} goes through a link")
+            raise SnapshotError(f"{rel[:100]!r} goes through a link")
     return target
 
 

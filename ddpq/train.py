@@ -48,9 +48,10 @@ from typing import Any
 
 import httpx
 
+from ddpq.errors import ApiUnavailable, answer_error, no_answer
 from ddpq.rules import MAX_METRIC_ITEMS, metric_point_problem, total_steps_problem
 from ddpq.tensorboard import EventWriter
-from ddpq.wire import Backoff, encode_number, retryable
+from ddpq.wire import Backoff, encode_number
 
 # Also offered as ddpq.report etc. (ddpq/__init__.py reads this list).
 __all__ = [
@@ -191,7 +192,7 @@ class _Sender:
                     self._post("checkpoints", checkpoints[0])
                     checkpoints.pop(0)
                 backoff.reset()
-            except _Retry as exc:
+            except ApiUnavailable as exc:
                 # Everything goes back, points already stored included: a point sent
                 # twice is stored once (a step keeps one value per attempt).
                 log.debug("ddpq: report failed (%s); retrying in %.1fs", exc, backoff.delay)
@@ -266,22 +267,20 @@ class _Sender:
 
     def _post(self, what: str, body: dict[str, Any]) -> int | None:
         """POST; None when stored, else the refusal's status (4xx, which a retry will
-        not change: e.g. 409, a newer attempt took over). Raises _Retry on 5xx, 429 and
-        connection errors."""
+        not change: e.g. 409, a newer attempt took over). Raises ApiUnavailable
+        (ddpq.errors) on 5xx, 429 and connection errors."""
+        path = f"/jobs/{self._job_id}/{what}"
         try:
-            r = self._client.post(f"/jobs/{self._job_id}/{what}", json=body)
+            r = self._client.post(path, json=body)
         except httpx.HTTPError as exc:
-            raise _Retry(str(exc)) from exc
-        if retryable(r.status_code):
-            raise _Retry(f"HTTP {r.status_code}")
+            raise no_answer("POST", str(self._client.base_url).rstrip("/") + path, exc) from exc
         if r.status_code >= 400:
-            log.warning("ddpq: the API refused %s (HTTP %d): %s", what, r.status_code, r.text[:500])
+            error = answer_error("POST", str(r.request.url), r.status_code, r.text)
+            if isinstance(error, ApiUnavailable):
+                raise error
+            log.warning("ddpq: the API refused %s: %.600s", what, error)
             return r.status_code
         return None
-
-
-class _Retry(Exception):
-    pass
 
 
 def _to_float(value: Any) -> float:

@@ -9,6 +9,7 @@ The typed messages between service and worker are in ddpq.messages.
 from __future__ import annotations
 
 import math
+import random
 import re
 import threading
 import time
@@ -45,20 +46,30 @@ def retryable(status: int) -> bool:
 
 
 class Backoff:
-    """Exponential backoff, 0.5 s doubling to 10 s, reset by a success."""
+    """Exponential backoff with decorrelated jitter, reset by a success: each delay is
+    drawn between 0.5 s and three times the last one (AWS, "Exponential Backoff And
+    Jitter"), under the 10 s cap rather than clamped to it (clamped, most long waits
+    would be exactly the cap, in step again). Workers that failed together (an API
+    outage) retry apart instead of all at once. ``delay`` is what the next wait sleeps."""
 
     START_S = 0.5
     MAX_S = 10.0
 
-    def __init__(self) -> None:
-        self.delay = self.START_S
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self._rng = rng if rng is not None else random.Random()  # seeded apart per instance
+        self.reset()
 
     def reset(self) -> None:
-        self.delay = self.START_S
+        self._last = self.START_S
+        self.delay = self._draw()
+
+    def _draw(self) -> float:
+        return self._rng.uniform(self.START_S, min(self.MAX_S, self._last * 3))
 
     def wait(self, stop: threading.Event | None = None) -> bool:
-        """Sleep for the current delay (True if ``stop`` was set meanwhile), then double it."""
-        delay, self.delay = self.delay, min(self.delay * 2, self.MAX_S)
+        """Sleep for the current delay (True if ``stop`` was set meanwhile); draw the next."""
+        delay = self._last = self.delay
+        self.delay = self._draw()
         if stop is not None:
             return stop.wait(delay)
         time.sleep(delay)

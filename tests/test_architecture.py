@@ -3,8 +3,9 @@
 - no import cycle between modules of the project (at module level or inside functions);
 - ``worker/`` never imports ``service/``; ``service/`` imports neither ``worker/`` nor
   ``recipes/``; ``ddpq/`` imports ``service/`` and ``worker/`` only inside the commands
-  that run them; ``ddpq.train`` and ``ddpq.wire`` (which every rank imports) import no
-  project module but ``ddpq.rules``, ``ddpq.tensorboard`` and ``ddpq.wire``.
+  that run them; ``ddpq.train``, ``ddpq.wire`` and ``ddpq.errors`` (which every rank
+  imports) import no project module but ``ddpq.errors``, ``ddpq.rules``,
+  ``ddpq.tensorboard`` and ``ddpq.wire``.
 """
 
 from __future__ import annotations
@@ -97,5 +98,6 @@ def test_the_rooms_import_only_what_they_may() -> None:
     for name, deps in top.items():
         if name.startswith("ddpq"):
             assert not {d.split(".")[0] for d in deps} & {"service", "worker"}, (name, deps)
-    for name in ("ddpq.train", "ddpq.wire"):
-        assert anywhere[name] <= {"ddpq.rules", "ddpq.tensorboard", "ddpq.wire"}, anywhere[name]
+    rank = {"ddpq.errors", "ddpq.rules", "ddpq.tensorboard", "ddpq.wire"}
+    for name in ("ddpq.train", "ddpq.wire", "ddpq.errors"):
+        assert anywhere[name] <= rank, anywhere[name]

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from ddpq.errors import RequirementsRefused
 from tests.helpers import make_wheel
 from worker.requirements import (
     MAX_FILE_BYTES,
     MAX_REQUIREMENTS,
     Policy,
-    Refused,
     basis,
     logical_lines,
     pip_lines,
@@ -38,7 +38,7 @@ def job(tmp_path: Path, requirements: str | None = None, name: str = "job") -> P
 
 
 def refusal(job_dir: Path | None, pip: list[str], policy: Policy = Policy()) -> str:
-    with pytest.raises(Refused) as e:
+    with pytest.raises(RequirementsRefused) as e:
         read(job_dir, pip, policy)
     return str(e.value)
 

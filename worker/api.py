@@ -10,23 +10,11 @@ from typing import Any
 
 import httpx
 
+from ddpq.errors import ApiRefused, ApiUnavailable, answer_error, no_answer
 from ddpq.messages import ClaimedJob, CodeSnapshot, GangReply, HeartbeatReply, WorkerRegistered
-from ddpq.wire import Backoff, retryable
+from ddpq.wire import Backoff
 
 log = logging.getLogger("ddpq.worker")
-
-
-class Unavailable(Exception):
-    """The API could not be reached or answered 5xx; try again later."""
-
-
-class Refused(Exception):
-    """The API answered 4xx: retrying the same request will not help."""
-
-    def __init__(self, status: int, detail: str) -> None:
-        super().__init__(f"HTTP {status}: {detail}")
-        self.status = status
-        self.detail = detail
 
 
 class WorkerAPI:
@@ -51,20 +39,15 @@ class WorkerAPI:
                 **kw,
             )
         except httpx.HTTPError as exc:
-            raise Unavailable(str(exc) or type(exc).__name__) from exc
+            raise no_answer(method, self.url + path, exc) from exc
         self._check(r)
         return r
 
     @staticmethod
     def _check(r: httpx.Response) -> None:
-        if retryable(r.status_code):
-            raise Unavailable(f"HTTP {r.status_code}")
+        """ApiUnavailable (5xx, 429) or ApiRefused (4xx) for an answer that is not a success."""
         if r.status_code >= 400:
-            try:
-                detail = r.json().get("detail", r.text)
-            except ValueError:
-                detail = r.text
-            raise Refused(r.status_code, str(detail))
+            raise answer_error(r.request.method, str(r.request.url), r.status_code, r.text)
 
     def register(self, body: dict[str, Any]) -> WorkerRegistered:
         if self.identity:
@@ -139,17 +122,16 @@ class WorkerAPI:
         return CodeSnapshot.model_validate_json(r.content)
 
     def blob(self, digest: str) -> Iterator[bytes]:
-        """A content's bytes as they arrive (Unavailable if the transfer breaks)."""
+        """A content's bytes as they arrive (ApiUnavailable if the transfer breaks)."""
+        path = f"/workers/code/blobs/{digest}"
         try:
-            with self._client.stream(
-                "GET", f"/workers/code/blobs/{digest}", timeout=httpx.Timeout(120.0, connect=5.0)
-            ) as r:
+            with self._client.stream("GET", path, timeout=httpx.Timeout(120.0, connect=5.0)) as r:
                 if r.status_code >= 400:
                     r.read()
                     self._check(r)
                 yield from r.iter_bytes(1 << 20)
         except httpx.HTTPError as exc:
-            raise Unavailable(str(exc) or type(exc).__name__) from exc
+            raise no_answer("GET", self.url + path, exc) from exc
 
     def close(self) -> None:
         self._client.close()
@@ -164,7 +146,7 @@ def retry(
     while True:
         try:
             return call()
-        except Unavailable as exc:
+        except ApiUnavailable as exc:
             if deadline is not None and time.monotonic() > deadline:
                 raise
             log.warning("%s: API unavailable (%s); retrying in %.1fs", what, exc, backoff.delay)
@@ -184,11 +166,11 @@ def claim_or_wait(
     refusal: 5 s)."""
     try:
         claimed = claim()
-    except Unavailable as exc:
+    except ApiUnavailable as exc:
         log.warning("claim: API unavailable (%s)", exc)
         backoff.wait(stop)
         return None
-    except Refused as exc:
+    except ApiRefused as exc:
         if exc.status == 404:
             register()
         else:

@@ -1,4 +1,5 @@
-"""The Slurm bridge: ``ddpq worker --executor slurm`` on a login node.
+"""The Slurm bridge: ``ddpq worker --executor slurm`` on a login node, an executor
+under worker.loop's register, claim and heartbeat.
 
 It registers as a worker whose slots are a Slurm partition's nodes, claims whole ddpq
 jobs (multi-node ones as one attempt), and hands each attempt to Slurm as one batch
@@ -17,35 +18,26 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
-import signal
 import socket
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
+from ddpq.errors import JobError, SlurmError, Stopped
 from ddpq.messages import ClaimedJob, HeldAttempt
 from ddpq.wire import Backoff
-from worker import health, procs, slurm, torchrun
-from worker.api import Refused, Unavailable, WorkerAPI, claim_or_wait, retry
-from worker.code import Workdirs
+from worker import slurm
 from worker.logship import LogShipper
-from worker.requirements import Policy
-from worker.torchrun import JobError, Outcome
-from worker.venvs import Stopped, Venvs, activate, python_for
+from worker.loop import Loop, Room, Settings
+from worker.outcome import Outcome, stopped
+from worker.prepare import prepared
 
 log = logging.getLogger("ddpq.worker")
 
-CLAIM_WAIT_S = 5.0
 SLURM_TIMEOUT_S = 60.0  # a Slurm command that takes longer is retried at the next poll
-MAX_KEPT = 10_000
-
-
-class SlurmError(Exception):
-    """A Slurm command failed; its error output says why."""
 
 
 @dataclass
@@ -58,6 +50,7 @@ class Tracked:
     pending: str | None = None
     running_since: float | None = None
     stop_reason: str | None = None  # cancelled, timeout, abandoned: the bridge scancelled it
+    stop_words: str | None = None  # the service's, for a hand-back
     scancelled: bool = False
     # What the attempt holds on this host until it ends: its environment, and the
     # stream of the bridge's own lines into the job's log.
@@ -88,48 +81,35 @@ def run_slurm(argv: list[str], stdin: str | None = None) -> str:
 
 
 class Bridge:
+    """Hands each claimed attempt to Slurm; its attempts outlive it (``detached``)."""
+
+    detached = True
+
     def __init__(
         self,
         *,
-        url: str,
-        token: str,
-        name: str | None,
-        workspace: Path,
-        data_dir: Path,
-        checkpoint_dir: Path | None,
         partition: str,
         account: str | None = None,
         sbatch_args: tuple[str, ...] = (),
         max_pending: int = 2,
         poll_s: float = 2.0,
-        identity: str | None = None,
-        code_cache_bytes: int = 10 * 1000**3,
-        max_envs: int = 8,
-        pip_policy: Policy | None = None,
+        **settings: Unpack[Settings],
     ) -> None:
-        self.url = url.rstrip("/")
-        self.name = name or f"slurm-{partition}@{socket.gethostname()}"
-        self.workspace = workspace.resolve()
-        self.data_dir = data_dir.resolve()
-        self.checkpoint_root = (checkpoint_dir or self.data_dir / "checkpoints").resolve()
+        self.loop = Loop(self, default_name=f"slurm-{partition}@{socket.gethostname()}", **settings)
+        self.name = self.loop.name
+        self.api = self.loop.api
         self.partition = partition
         self.max_pending = max_pending
         self.poll_s = poll_s
-        self.api = WorkerAPI(self.url, token, self.name, identity)
-        self.scripts = self.data_dir / "slurm"
+        self.scripts = self.loop.data_dir / "slurm"
         self.submission = slurm.Submission(
             partition=partition,
             account=account,
             extra=tuple(sbatch_args),
             bridge=self.name,
-            identity=identity,
+            identity=self.api.identity,
             output_dir=str(self.scripts),
         )
-        self.workdirs = Workdirs(self.data_dir, code_cache_bytes, 0.0)
-        # Jobs' environments, built here and run on the nodes: on the shared filesystem.
-        self.venvs = Venvs(self.data_dir / "venvs", max_envs, policy=pip_policy, seal_key=token)
-        self.heartbeat_s = 2.0
-        self.stopping = threading.Event()
         self._lock = threading.Lock()
         self._tracked: dict[tuple[int, int], Tracked] = {}
         self._changed = threading.Event()
@@ -144,19 +124,14 @@ class Bridge:
         out = run_slurm(["sinfo", "-h", "-N", "-p", self.partition, "-o", slurm.SINFO_FORMAT])
         return slurm.partition_shape(self.partition, out, self.max_pending)
 
-    def register(self) -> list[HeldAttempt]:
-        body = {
-            "name": self.name,
-            "hostname": socket.gethostname(),
-            "cpu_slots": 0,
-            "gpus": [],
-            "checkpoint_root": str(self.checkpoint_root),
-            "cluster": self.shape(),
-        }
-        reply = retry(lambda: self.api.register(body), what="register", stop=self.stopping)
-        self.heartbeat_s = reply.heartbeat_s
-        health.record(self.data_dir, self.heartbeat_s)
-        return list(reply.held)
+    def describe(self) -> str:
+        return (
+            f"Slurm bridge {self.name}: partition {self.partition}, at most "
+            f"{self.max_pending} job(s) pending in Slurm, API {self.loop.url}"
+        )
+
+    def registration(self) -> dict[str, Any]:
+        return {"cpu_slots": 0, "gpus": [], "cluster": self.shape()}
 
     def adopt(self, held: list[HeldAttempt]) -> None:
         """Take back the attempts the books give this bridge: by their Slurm job id, or,
@@ -173,7 +148,7 @@ class Bridge:
                 slurm_id = found.id if found is not None else None
             if slurm_id is None:
                 log.warning("job %s attempt %s never reached Slurm: requeued", h.job_id, h.attempt)
-                self._finish(
+                self.loop.finish(
                     h.job_id,
                     h.attempt,
                     Outcome(None, "requeue", "the bridge stopped before handing it to Slurm"),
@@ -244,8 +219,7 @@ class Bridge:
             log.warning("job %s attempt %s: %s", claim.job_id, claim.attempt, result.reason)
             tracked.say(str(result.reason))
             tracked.held.close()
-            if tracked.stop_reason != "abandoned":
-                self._finish(claim.job_id, claim.attempt, result)
+            self.loop.finish(claim.job_id, claim.attempt, result, tracked.stop_reason)
             return
         tracked.slurm_id = slurm_id
         self._slurm_away.reset()
@@ -255,7 +229,7 @@ class Bridge:
             f"(partition {self.partition}, {claim.nnodes} node(s) of "
             f"{claim.nproc_per_node} rank(s)) by the bridge {self.name}"
         )
-        self.heartbeat_once()  # the Slurm job id is on the attempt before anything else
+        self.loop.heartbeat_once()  # the Slurm job id is on the attempt before anything else
         if tracked.stop_reason is not None:  # cancelled while sbatch ran
             self._stop(tracked, tracked.stop_reason)
 
@@ -274,13 +248,14 @@ class Bridge:
         return out.strip().split(";")[0]
 
     def _not_handed(self, tracked: Tracked, exc: Exception) -> Outcome:
-        """How an attempt that never reached Slurm ends: a cancel as a cancel, a shutdown
-        or a Slurm that did not answer back to the queue (not counted), a job that can
-        never start (its code, its entrypoint, a refused submission) as a failure."""
-        if tracked.stop_reason == "cancelled":
-            return Outcome(None, "cancelled", "cancelled by user")
+        """How an attempt that never reached Slurm ends: stopped, as worker.outcome says
+        (a cancel as a cancel); a shutdown or a Slurm that did not answer back to the
+        queue (not counted), a job that can never start (its code, its entrypoint, a
+        refused submission) as a failure."""
+        if tracked.stop_reason is not None:
+            return stopped(tracked.stop_reason, None, None, tracked.stop_words)
         if isinstance(exc, Stopped):
-            return Outcome(None, "requeue", "the bridge shut down")
+            return stopped("shutdown", None, None, "the bridge shut down")
         if isinstance(exc, SlurmError) and not slurm.refused(str(exc)):
             self._slurm_failed.set()
             return Outcome(None, "requeue", f"Slurm did not take it: {exc}")
@@ -291,52 +266,34 @@ class Bridge:
 
     def _script(self, tracked: Tracked) -> str:
         """The attempt's batch script (it holds the job token: it is written to no
-        file), once its code and environment are ready."""
+        file), once its code and environment are ready: in the bridge's data dir, on the
+        filesystem the nodes share with this host (as are the checkpoint files)."""
         claim = tracked.claim
-        spec = claim.spec
-        if spec.get("code"):
-            cwd, where = self._code_dir(claim), "the job's code"
-        else:
-            cwd, where = self.workspace, "the bridge's workspace"
-        program = torchrun.program(spec, cwd, where)
-        # The checkpoint files are on the filesystem the nodes share with this host.
-        resume = torchrun.resume_path(claim)
-        if resume:
-            tracked.say(f"resuming from {resume}")
-        at = torchrun.Placement(
-            api_url=self.url,
-            checkpoint_dir=claim.checkpoint_dir,
-            launch_var=procs.LAUNCH_ID_VAR,
-            launch_id=f"slurm-{claim.job_id}/{claim.attempt}",
-            resume_from=resume,
+        shipper = tracked.shipper
+        # Built here, run on the nodes: held until the job ends.
+        launch = tracked.held.enter_context(
+            prepared(
+                self.loop,
+                claim,
+                launch_id=f"slurm-{claim.job_id}/{claim.attempt}",
+                say=lambda line: shipper.write(line.encode()) if shipper else None,
+                stop=self.loop.stopping,
+                where="the bridge's workspace",
+            )
         )
-        env = torchrun.environment(os.environ, claim, at)
+        env = launch.env
         if claim.device == "cuda":  # Slurm assigns each node's GPUs (and sets the variable)
             env.pop("CUDA_VISIBLE_DEVICES", None)
-        # Built here, run on the nodes: held until the job ends.
-        say = tracked.shipper.write if tracked.shipper else (lambda _: None)
-        python = tracked.held.enter_context(
-            python_for(self.venvs, spec, cwd, env, lambda line: say(line.encode()), self.stopping)
-        )
-        activate(env, python)
         plan = json.dumps(
             {
                 "claim": claim.model_dump(exclude={"token"}),
-                "program": program,
+                "program": launch.program,
                 "env": env,  # the ranks' environment, the job token with it
                 "comment": slurm.comment(self.name, self.api.identity),
             }
         )
         self.scripts.mkdir(parents=True, exist_ok=True)  # Slurm's own output files
-        return slurm.batch_script(python, str(cwd), plan)
-
-    def _code_dir(self, claim: ClaimedJob) -> Path:
-        """The job's code, written where the compute nodes read it (the bridge's data dir
-        on a filesystem they share)."""
-        workdir, _ = self.workdirs.fetch(
-            self.api, claim.job_id, str(claim.spec["code"]), self.stopping
-        )
-        return workdir
+        return slurm.batch_script(launch.python, str(launch.cwd), plan)
 
     # ---- following Slurm ---------------------------------------------------------------
 
@@ -390,7 +347,7 @@ class Bridge:
         elif job.state not in slurm.ENDED:
             return  # COMPLETING, or squeue and scontrol disagree for a moment
         else:
-            outcome = slurm.ending(job, t.stop_reason, t.claim.spec.get("timeout_s"))
+            outcome = slurm.ending(job, t.stop_reason, t.claim.spec.get("timeout_s"), t.stop_words)
         with self._lock:
             self._tracked.pop(t.key, None)
         self._changed.set()
@@ -401,8 +358,7 @@ class Bridge:
         # in the job's log): kept only while the job runs, for a look on the cluster.
         name = slurm.job_name(t.claim.job_id, t.claim.attempt)
         (self.scripts / f"{name}-{t.slurm_id}.out").unlink(missing_ok=True)
-        if t.stop_reason != "abandoned":
-            self._finish(t.claim.job_id, t.claim.attempt, outcome)
+        self.loop.finish(t.claim.job_id, t.claim.attempt, outcome, t.stop_reason)
         log.info(
             "job %s attempt %s: Slurm job %s ended %s",
             t.claim.job_id,
@@ -411,9 +367,9 @@ class Bridge:
             job.state if job else "(unknown)",
         )
 
-    def _stop(self, t: Tracked, why: str) -> None:
+    def _stop(self, t: Tracked, why: str, words: str | None = None) -> None:
         if t.stop_reason is None:
-            t.stop_reason = why
+            t.stop_reason, t.stop_words = why, words
         if t.slurm_id and not t.scancelled:
             t.scancelled = self._scancel(t.slurm_id)
 
@@ -425,21 +381,9 @@ class Bridge:
             log.warning("scancel %s: %s", slurm_id, exc)
             return False
 
-    def _finish(self, job_id: int, attempt: int, result: Outcome) -> None:
-        body = {
-            "attempt": attempt,
-            "exit_code": result.exit_code,
-            "outcome": result.outcome,
-            "reason": result.reason,
-        }
-        try:
-            retry(lambda: self.api.finish(job_id, body), what=f"finish job {job_id}")
-        except Refused as exc:
-            log.warning("job %s: finish refused: %s", job_id, exc)
+    # ---- the executor (worker.loop) -------------------------------------------------------
 
-    # ---- loops -------------------------------------------------------------------------
-
-    def heartbeat_once(self) -> None:
+    def attempts(self) -> list[dict[str, Any]]:
         with self._lock:
             tracked = list(self._tracked.values())
         running: list[dict[str, Any]] = []
@@ -449,96 +393,41 @@ class Bridge:
                 item["external_id"] = t.slurm_id
                 item["pending"] = t.pending
             running.append(item)
-        try:
-            reply = self.api.heartbeat(running, self.workdirs.kept()[:MAX_KEPT])
-        except Unavailable as exc:
-            log.warning("heartbeat: API unavailable (%s)", exc)
-            return
-        except Refused as exc:
-            if exc.status == 404:
-                self.register()
-            elif exc.status == 409:
-                log.error("stopping: %s", exc)
-                self.stopping.set()
-            else:
-                log.warning("heartbeat refused: %s", exc)
-            return
-        health.record(self.data_dir, self.heartbeat_s)
-        if reply.ended:
-            self.workdirs.ended(reply.ended, running={t.claim.job_id for t in tracked})
-        by_key = {t.key: t for t in tracked}
-        stops = [(i, "cancelled") for i in reply.cancel] + [(i, "abandoned") for i in reply.abandon]
-        for ref, why in stops:
-            stop = by_key.get((ref.job_id, ref.attempt))
-            if stop is not None:
-                log.info("job %s attempt %s: %s; scancel", ref.job_id, ref.attempt, why)
-                self._stop(stop, why)
+        return running
 
-    def _loop(self, every: float, step: Any, what: str) -> None:
-        while not self.stopping.wait(every):
-            try:
-                step()
-            except Exception:  # a loop of the bridge never dies of one bad round
-                log.exception("%s failed; going on", what)
+    def room(self, stop: threading.Event) -> Room | None:
+        if self._slurm_failed.is_set():
+            self._slurm_failed.clear()
+            self._slurm_away.wait(stop)
+            return None
+        if self.waiting() >= self.max_pending:
+            self._changed.wait(self.poll_s)
+            self._changed.clear()
+            return None
+        return Room()  # Slurm holds the nodes: the claim takes a job whole, if it fits
 
-    def _claim_loop(self) -> None:
-        backoff = Backoff()
-        while not self.stopping.is_set():
-            if self._slurm_failed.is_set():
-                self._slurm_failed.clear()
-                self._slurm_away.wait(self.stopping)
-                continue
-            if self.waiting() >= self.max_pending:
-                self._changed.wait(self.poll_s)
-                self._changed.clear()
-                continue
-            claim = claim_or_wait(
-                lambda: self.api.claim(0, [], CLAIM_WAIT_S),
-                stop=self.stopping,
-                backoff=backoff,
-                register=self.register,
-            )
-            if claim is not None:
-                # Its own thread: fetching code or building an environment may take
-                # minutes, and other jobs go on to Slurm meanwhile (the cap counts it).
-                tracked = self._track(claim)  # counted against the cap from now on
-                threading.Thread(
-                    target=self._hand_over, args=(tracked,), name=f"sbatch-{claim.job_id}",
-                    daemon=True,
-                ).start()  # fmt: skip
+    def start(self, claim: ClaimedJob, room: Room) -> None:
+        # Its own thread: fetching code or building an environment may take minutes,
+        # and other jobs go on to Slurm meanwhile (the cap counts it).
+        tracked = self._track(claim)  # counted against the cap from now on
+        threading.Thread(
+            target=self._hand_over, args=(tracked,), name=f"sbatch-{claim.job_id}", daemon=True
+        ).start()
+
+    def stop(self, job_id: int, attempt: int, why: str, words: str | None = None) -> None:
+        with self._lock:
+            tracked = self._tracked.get((job_id, attempt))
+        if tracked is not None:
+            self._stop(tracked, why, words)
+
+    def rounds(self) -> list[tuple[str, float, Callable[[], None]]]:
+        return [("poll", self.poll_s, self.poll_once)]
+
+    def drain(self) -> None:
+        """Nothing: Slurm runs them on; a bridge started again under this name re-adopts
+        them."""
 
     def run(self) -> None:
         """Serve until SIGTERM or SIGINT. Jobs in Slurm go on running: a bridge started
         again under this name re-adopts them."""
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: self.stopping.set())
-        held = self.register()
-        self.adopt(held)
-        log.info(
-            "Slurm bridge %s: partition %s, at most %d job(s) pending in Slurm, API %s",
-            self.name,
-            self.partition,
-            self.max_pending,
-            self.url,
-        )
-        threads = [
-            threading.Thread(
-                target=self._loop,
-                args=(self.heartbeat_s, self.heartbeat_once, "heartbeat"),
-                daemon=True,
-            ),
-            threading.Thread(
-                target=self._loop, args=(self.poll_s, self.poll_once, "poll"), daemon=True
-            ),
-            threading.Thread(target=self._claim_loop, name="claim", daemon=True),
-        ]
-        for t in threads:
-            t.start()
-        self.stopping.wait()
-        log.info(
-            "Slurm bridge %s: stopping; %d job(s) stay in Slurm for the next start",
-            self.name,
-            len(self._tracked),
-        )
-        threads[2].join(timeout=CLAIM_WAIT_S + 20)
-        self.api.close()
+        self.loop.run()

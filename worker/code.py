@@ -44,11 +44,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddpq.snapshot import Entry, Refused, checked, file_count, human_bytes, write_out
-from worker.api import Refused as ApiRefused
-from worker.api import Unavailable, WorkerAPI, retry
-from worker.torchrun import JobError
-from worker.venvs import Stopped
+from ddpq.errors import ApiRefused, ApiUnavailable, JobError, SnapshotError, Stopped
+from ddpq.snapshot import Entry, checked, file_count, human_bytes, write_out
+from worker.api import WorkerAPI, retry
 
 log = logging.getLogger("ddpq.worker")
 
@@ -169,7 +167,7 @@ def write_tree(
     started = time.monotonic()
     try:
         entries = checked(manifest)
-    except Refused as exc:
+    except SnapshotError as exc:
         raise JobError(f"code snapshot refused: {exc}") from None
     files = [e for e in entries if e.digest is not None]
     fetched = fetched_bytes = 0
@@ -195,7 +193,7 @@ def write_tree(
     with cache.pinned({e.digest for e in files if e.digest}):
         try:
             write_out(entries, dest, fill)
-        except Refused as exc:
+        except SnapshotError as exc:
             raise JobError(f"code snapshot refused: {exc}") from None
         except OSError as exc:  # a path the rules allow, too long under this data dir; a full disk
             where = f" ({str(exc.filename)[-200:]})" if exc.filename else ""
@@ -294,8 +292,8 @@ class Workdirs:
                 stop=stop,
             )
         except ApiRefused as exc:
-            raise JobError(f"its code could not be fetched: {exc.detail}") from None
-        except Unavailable:  # only once a stop was asked for: the API is waited out
+            raise JobError(f"its code could not be fetched: {exc}") from None
+        except ApiUnavailable:  # only once a stop was asked for: the API is waited out
             raise Stopped() from None
         return Path(workdir), written
 

@@ -19,12 +19,10 @@ import os
 import secrets
 from pathlib import Path
 
+from ddpq.errors import DataDirBusy
+
 LOCK = "worker.lock"
 IDENTITY = "worker-id"
-
-
-class DataDirBusy(Exception):
-    pass
 
 
 # Held open for the life of the process: closing it would release the lock.

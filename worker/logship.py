@@ -1,4 +1,6 @@
-"""Ships an attempt's output to the API in order, as it comes, and never twice."""
+"""Ships an attempt's output to the API in order, as it comes, and never twice; and runs
+the process that writes it (torchrun, on a worker or a Slurm node) with a thread that
+passes its output on line by line."""
 
 from __future__ import annotations
 
@@ -11,8 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
+from ddpq.errors import ApiRefused, ApiUnavailable
 from ddpq.wire import Backoff
-from worker.api import Refused, Unavailable
 
 log = logging.getLogger("ddpq.worker")
 
@@ -20,6 +22,7 @@ LOG_SEND_INTERVAL_S = 0.5
 LOG_CHUNK_BYTES = 512 * 1024
 LOG_BUFFER_MAX_BYTES = 64 * 1024 * 1024
 OUTPUT_POLL_S = 0.05  # how often the ranks' output file is read while it is quiet
+TAIL_LINES = 60  # of the output, kept to say why an attempt failed
 
 
 class LogSink(Protocol):
@@ -78,10 +81,10 @@ class LogShipper(threading.Thread):
                 chunk = bytes(self._buf[:LOG_CHUNK_BYTES])
             try:
                 self._sent = self.api.append_log(self.job_id, self.attempt, self._sent, chunk)
-            except Unavailable:
+            except ApiUnavailable:
                 backoff.wait()
                 continue
-            except Refused as exc:
+            except ApiRefused as exc:
                 log.warning("job %s: log refused (%s); no more output is sent", self.job_id, exc)
                 with self._cond:
                     self._dead = True
@@ -121,3 +124,49 @@ def pump(
     if pending:
         write(pending + b"\n")
         tail.append(pending.decode(errors="replace").rstrip())
+
+
+class Tailed:
+    """A process started in its own process group (signalled as one), its output going to
+    ``output``, which a thread passes on to ``write`` line by line (pump), keeping the last
+    lines. A file, not a pipe: were this process killed, writes to a pipe with no reader
+    would fail and torchrun's log-tee threads hang forever instead of letting it exit
+    (seen with 2.14)."""
+
+    def __init__(
+        self,
+        argv: list[str],
+        output: Path,
+        write: Callable[[bytes], None],
+        *,
+        env: dict[str, str],
+        cwd: Path | None = None,
+        skip: Callable[[bytes], bool] | None = None,
+        name: str = "output",
+    ) -> None:
+        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        with open(output, "xb") as sink:
+            self.proc = subprocess.Popen(
+                argv,
+                cwd=cwd,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self._reader = threading.Thread(
+            target=pump, args=(self.proc, output, write, self.tail, skip), name=name, daemon=True
+        )
+        self._reader.start()
+
+    def exit_code(self) -> int:
+        """Wait for the process: its exit code, 128 + N when signal N killed it (as a shell
+        says)."""
+        code = self.proc.wait()
+        return code if code >= 0 else 128 - code
+
+    def drain(self) -> list[str]:
+        """Wait (a while) for the output to be passed on to its end: its last lines."""
+        self._reader.join(timeout=30.0)
+        return list(self.tail)

@@ -2,8 +2,8 @@
 the requirements.txt at the top of its code and each entry of its spec's ``pip`` list
 asks for, whether this worker's policy allows it, the key of the environment that
 installs them (by what is installed, not by how it is written), and the requirements
-file the worker writes for pip. Pure: it reads the job's files, starts no process and
-opens no connection.
+file the worker writes for pip. Pure: it reads the job's files (through worker.reqfiles,
+which opens and hashes them), starts no process and opens no connection.
 
 Each requirement is one of these kinds:
 
@@ -48,9 +48,6 @@ absolute paths in the job's directory, allowed URLs and options as written).
 
 from __future__ import annotations
 
-import errno
-import hashlib
-import json
 import os
 import re
 import stat
@@ -63,15 +60,15 @@ from packaging.requirements import InvalidRequirement
 from packaging.requirements import Requirement as Pep508
 from packaging.utils import canonicalize_name
 
+from ddpq.errors import RequirementsRefused
 from ddpq.rules import unsafe_char, visible
+from worker import reqfiles
 
 FILE = "requirements.txt"
 KINDS = ("name", "path", "url", "option", "path-outside")
 ALWAYS = frozenset({"name", "path"})
 MAX_FILE_BYTES = 1_000_000  # requirements.txt
 MAX_REQUIREMENTS = 1000  # requirements.txt's and pip's together
-MAX_TREE_ENTRIES = 100_000  # what one directory requirement may hold, to hash it
-MAX_HASHED_BYTES = 8 * 2**30  # what one path requirement may hold, to hash it
 QUOTED_CHARS = 200  # of a user's text quoted in a refusal
 
 # pip's own rules for a requirements file (pip._internal.req.req_file, req_install).
@@ -145,11 +142,6 @@ class Policy:
 DEFAULT = Policy()
 
 
-class Refused(Exception):
-    """The job's requirements break this worker's policy or cannot be read: str() says
-    where, why and what would do, in words for the job's author."""
-
-
 @dataclass(frozen=True)
 class Requirement:
     """One requirement as judged: ``line`` is what the worker's requirements file says
@@ -167,7 +159,7 @@ class Requirement:
 def read(job_dir: Path | None, pip: Sequence[str], policy: Policy = DEFAULT) -> list[Requirement]:
     """The requirements of a job: requirements.txt at the top of its code (``job_dir``;
     None for a job without code, whose paths cannot be relative), then its spec's pip
-    list. Raises Refused on the first that breaks ``policy`` or cannot be read."""
+    list. Raises RequirementsRefused on the first that breaks ``policy`` or cannot be read."""
     items: list[tuple[str, str]] = []
     if job_dir is not None:
         text = read_file(job_dir)
@@ -176,19 +168,21 @@ def read(job_dir: Path | None, pip: Sequence[str], policy: Policy = DEFAULT) -> 
     for i, entry in enumerate(pip):
         where = f"pip[{i}]"
         if not isinstance(entry, str):
-            raise Refused(f"{where}: a requirement is a string, not {type(entry).__name__}")
+            raise RequirementsRefused(
+                f"{where}: a requirement is a string, not {type(entry).__name__}"
+            )
         if "\n" in entry or "\r" in entry or entry.rstrip().endswith("\\"):
-            raise Refused(
+            raise RequirementsRefused(
                 f"{where}: {_quote(entry)} is not one line (a line break, or a backslash at "
                 "its end, which continues it); write one requirement"
             )
         if _COMMENT.search(entry):
-            raise Refused(
+            raise RequirementsRefused(
                 f"{where}: {_quote(entry)} holds a comment (' #'); write the requirement alone"
             )
         items.append((where, entry.strip()))
     if len(items) > MAX_REQUIREMENTS:
-        raise Refused(
+        raise RequirementsRefused(
             f"{FILE} and pip hold {len(items)} requirements, more than {MAX_REQUIREMENTS}"
         )
     judge = _Judge(job_dir, policy)
@@ -209,43 +203,12 @@ def pip_lines(reqs: Iterable[Requirement]) -> list[str]:
 
 def read_file(job_dir: Path) -> str | None:
     """The text of requirements.txt at the top of ``job_dir``, or None when there is
-    none. Opened in the directory without following a link; refused when it is a link,
-    not a regular file, over MAX_FILE_BYTES or not UTF-8."""
-    dir_fd = os.open(job_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    none. Opened in the directory without following a link (worker.reqfiles); refused
+    when it is a link, not a regular file, over MAX_FILE_BYTES or not UTF-8."""
     try:
-        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-        try:
-            fd = os.open(FILE, flags, dir_fd=dir_fd)
-        except FileNotFoundError:
-            return None
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise Refused(
-                    f"{FILE} is a symbolic link; this worker reads only a regular file there "
-                    "(put the file itself in the job's code)"
-                ) from None
-            raise Refused(f"{FILE} cannot be read: {e.strerror}") from None
-        try:
-            mode = os.fstat(fd).st_mode
-            if not stat.S_ISREG(mode):
-                raise Refused(f"{FILE} is {_file_type(mode)}, not a regular file")
-            chunks = []
-            size = 0
-            while size <= MAX_FILE_BYTES and (chunk := os.read(fd, 1 << 20)):
-                chunks.append(chunk)
-                size += len(chunk)
-        finally:
-            os.close(fd)
-    finally:
-        os.close(dir_fd)
-    if size > MAX_FILE_BYTES:
-        raise Refused(f"{FILE} is larger than {MAX_FILE_BYTES // 1000} kB")
-    data = b"".join(chunks)
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        line = data[: e.start].count(b"\n") + 1
-        raise Refused(f"{FILE} is not UTF-8 text (line {line}, byte {e.start})") from None
+        return reqfiles.read_text(job_dir, FILE, MAX_FILE_BYTES)
+    except reqfiles.Unreadable as e:
+        raise RequirementsRefused(f"{FILE} {e}") from None
 
 
 def logical_lines(text: str) -> list[tuple[int, str]]:
@@ -292,9 +255,9 @@ class _Judge:
     def __call__(self, where: str, text: str) -> Requirement:
         said = f"{where}: {_quote(text)}"
         if unsafe_char(text.replace("\t", " ")):
-            raise Refused(f"{said} holds a control character")
+            raise RequirementsRefused(f"{said} holds a control character")
         if _ENV_VAR.search(text):
-            raise Refused(
+            raise RequirementsRefused(
                 f"{said} names an environment variable (${{...}}), which pip would replace "
                 "with the worker's own; write the value itself"
             )
@@ -326,13 +289,13 @@ class _Judge:
 
     def _check(self, kind: str, why: str) -> None:
         if kind not in self.policy.allowed:
-            raise Refused(f"{why}; {self.policy.installs()} ({_ALLOW_HINT[kind]})")
+            raise RequirementsRefused(f"{why}; {self.policy.installs()} ({_ALLOW_HINT[kind]})")
 
     def _name(self, where: str, text: str, said: str, args: str, hashes: list[str]) -> Requirement:
         try:
             req = Pep508(args)
         except InvalidRequirement as e:
-            raise Refused(
+            raise RequirementsRefused(
                 f"{said} is not a requirement: {str(e).splitlines()[0]} (write a project "
                 "name with optional extras, version specifiers and markers, like "
                 "'numpy>=1.26', or a path inside the job's code, like './wheels/x.whl')"
@@ -354,7 +317,7 @@ class _Judge:
         if os.path.isabs(written):
             candidate = written
         elif self.job_dir is None:
-            raise Refused(
+            raise RequirementsRefused(
                 f"{said} is a path relative to the job's code, and this job has no code "
                 "(submit it with its code, or name a project instead)"
             )
@@ -375,8 +338,8 @@ class _Judge:
             mode = os.stat(real).st_mode
         except OSError:
             if kind == "path-outside":
-                raise Refused(f"{said} does not exist on this worker") from None
-            raise Refused(
+                raise RequirementsRefused(f"{said} does not exist on this worker") from None
+            raise RequirementsRefused(
                 f"{said} does not exist in the job's code (a path is relative to the top of "
                 "the job's code; was it left out by a .ddpqignore or .gitignore?)"
             ) from None
@@ -391,10 +354,12 @@ class _Judge:
                 kind = "path-outside"
             key = f"tree sha256:{digest}"
         else:
-            raise Refused(f"{said} is {_file_type(mode)}, neither a file nor a directory")
+            raise RequirementsRefused(
+                f"{said} is {reqfiles.file_type(mode)}, neither a file nor a directory"
+            )
         problem = _line_problem(here)
         if problem:
-            raise Refused(
+            raise RequirementsRefused(
                 f"{said}: its place on this worker, {_quote(here)}, {problem}, which a "
                 "requirements file cannot name (tell the worker's operator)"
             )
@@ -417,24 +382,22 @@ class _Judge:
         done = self.digests.get((real, tree))
         if done is not None:
             return done
-        budget = _Budget()
         try:
             if tree:
                 follow_out = "path-outside" in self.policy.allowed
-                leaves: list[str] = []
-                digest = _tree_digest(real, self.root, follow_out, budget, leaves)
+                digest, leaves = reqfiles.tree_digest(real, self.root, follow_out)
                 done = (digest, bool(leaves))
             else:
-                done = (_file_digest(real, budget), False)
-        except _LinkOut as e:
+                done = (reqfiles.file_digest(real), False)
+        except reqfiles.LinkOut as e:
             why = f"{said} holds a link that leads outside the job's code ({_quote(str(e))})"
             self._check("path-outside", why)
-            raise  # not reached: _LinkOut is raised only when paths outside are refused
-        except _TooBig as e:
-            raise Refused(f"{said} holds {e}, too much to hash") from None
+            raise  # not reached: LinkOut is raised only when paths outside are refused
+        except reqfiles.TooBig as e:
+            raise RequirementsRefused(f"{said} holds {e}, too much to hash") from None
         except OSError as e:
             where = f" ({_quote(str(e.filename))})" if e.filename else ""
-            raise Refused(f"{said} cannot be read: {e.strerror}{where}") from None
+            raise RequirementsRefused(f"{said} cannot be read: {e.strerror}{where}") from None
         self.digests[(real, tree)] = done
         return done
 
@@ -445,7 +408,7 @@ def _extras(extras: str, said: str) -> str:
         return ""
     names = [x.strip() for x in extras[1:-1].split(",")]
     if not all(_NAME.fullmatch(x) for x in names):
-        raise Refused(f"{said} has extras that are not names ({_quote(extras)})")
+        raise RequirementsRefused(f"{said} has extras that are not names ({_quote(extras)})")
     return "[" + ",".join(sorted({canonicalize_name(x) for x in names})) + "]"
 
 
@@ -456,96 +419,13 @@ def _marker(marker: str, said: str) -> str:
     try:
         return f"; {Marker(marker)}"
     except InvalidMarker as e:
-        raise Refused(f"{said} has a marker that is not one: {str(e).splitlines()[0]}") from None
+        raise RequirementsRefused(
+            f"{said} has a marker that is not one: {str(e).splitlines()[0]}"
+        ) from None
 
 
 def _hash_options(hashes: list[str]) -> str:
     return "".join(f" --hash={h}" for h in hashes)
-
-
-class _LinkOut(Exception):
-    """A directory requirement holds a link out of the job's code (its relative path)."""
-
-
-class _TooBig(Exception):
-    """A path requirement holds more than may be hashed (what, in words)."""
-
-
-class _Budget:
-    def __init__(self) -> None:
-        self.entries = 0
-        self.bytes = 0
-
-    def entry(self) -> None:
-        self.entries += 1
-        if self.entries > MAX_TREE_ENTRIES:
-            raise _TooBig(f"more than {MAX_TREE_ENTRIES} files")
-
-    def read(self, n: int) -> None:
-        self.bytes += n
-        if self.bytes > MAX_HASHED_BYTES:
-            raise _TooBig(f"more than {MAX_HASHED_BYTES // 2**30} GiB")
-
-
-def _file_digest(real: str, budget: _Budget) -> str:
-    fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", real)
-        h = hashlib.sha256()
-        while chunk := os.read(fd, 1 << 20):
-            budget.read(len(chunk))
-            h.update(chunk)
-        return h.hexdigest()
-    finally:
-        os.close(fd)
-
-
-def _tree_digest(
-    top: str, root: str | None, follow_out: bool, budget: _Budget, leaves: list[str]
-) -> str:
-    """A digest over a directory's sorted relative paths, each file's executable bit
-    and content. Links are followed, each walked directory once on a path (a link back
-    to one is noted, not walked again); one that resolves outside ``root`` raises
-    _LinkOut unless ``follow_out``, when it is followed and its name put in ``leaves``."""
-    h = hashlib.sha256()
-
-    def record(*item: object) -> None:
-        h.update(json.dumps(item).encode() + b"\n")
-
-    def walk(real_dir: str, rel: str, stack: frozenset[str]) -> None:
-        with os.scandir(real_dir) as it:
-            entries = sorted(it, key=lambda e: e.name)
-        for e in entries:
-            budget.entry()
-            name = rel + e.name
-            st = os.lstat(e.path)
-            real = os.path.join(real_dir, e.name)
-            if stat.S_ISLNK(st.st_mode):
-                real = os.path.realpath(e.path)
-                if root is None or not Path(real).is_relative_to(root):
-                    if not follow_out:
-                        raise _LinkOut(name)
-                    leaves.append(name)
-                try:
-                    st = os.stat(real)
-                except OSError:
-                    record("dangling", name, os.readlink(e.path))
-                    continue
-            if stat.S_ISDIR(st.st_mode):
-                if real in stack:
-                    record("loop", name)
-                    continue
-                record("dir", name)
-                walk(real, name + "/", stack | {real})
-            elif stat.S_ISREG(st.st_mode):
-                executable = bool(st.st_mode & stat.S_IXUSR)
-                record("file", name, executable, _file_digest(real, budget))
-            else:
-                record("other", name, stat.S_IFMT(st.st_mode))
-
-    walk(top, "", frozenset({top}))
-    return h.hexdigest()
 
 
 def _hashes(options: str, said: str) -> list[str] | None:
@@ -565,7 +445,7 @@ def _hashes(options: str, said: str) -> list[str] | None:
         alg, _, hexdigest = value.partition(":")
         n = _HASH_HEX.get(alg.lower())
         if n is None or not re.fullmatch(f"[0-9a-fA-F]{{{n}}}", hexdigest):
-            raise Refused(
+            raise RequirementsRefused(
                 f"{said} has a hash pip would not check ({_quote(value)}; write "
                 "--hash=sha256:<64 hex digits>)"
             )
@@ -583,20 +463,6 @@ def _line_problem(path: str) -> str | None:
     if path.endswith(("]", "\\")) or path != path.strip():
         return "ends with ']', a backslash or a space"
     return None
-
-
-def _file_type(mode: int) -> str:
-    if stat.S_ISDIR(mode):
-        return "a directory"
-    if stat.S_ISLNK(mode):
-        return "a symbolic link"
-    if stat.S_ISFIFO(mode):
-        return "a named pipe"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device"
-    return "a special file"
 
 
 def _quote(text: str) -> str:

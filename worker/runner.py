@@ -1,15 +1,14 @@
 """Runs one attempt of one job: torchrun under supervision, its output shipped live.
 
-What to launch is decided by worker.torchrun; this module starts it, waits for a
-multi-node attempt's gang first, stops it on request, and reports how it ended.
+What to launch is decided by worker.torchrun and prepared by worker.prepare; this module
+waits for a multi-node attempt's gang first, starts torchrun under the attempt's walls,
+stops it on request, and reports how it ended (worker.loop.finish).
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
-import os
 import secrets
 import shutil
 import signal
@@ -22,20 +21,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ddpq.errors import ApiRefused, ApiUnavailable, JobError, Stopped
 from ddpq.messages import ClaimedJob, GangReply
-from worker import procs, torchrun
-from worker.api import Refused, Unavailable, WorkerAPI, retry
-from worker.code import Workdirs, describe
-from worker.logship import LogShipper, pump
-from worker.torchrun import JobError, Outcome
-from worker.venvs import Stopped, Venvs, activate, python_for
+from worker import prepare, procs, torchrun
+from worker.api import WorkerAPI
+from worker.code import Workdirs
+from worker.logship import LogShipper, Tailed
+from worker.loop import finish
+from worker.outcome import Outcome, stop_words, stopped
+from worker.venvs import Venvs
 from worker.walls import Held, Walls
 
 log = logging.getLogger("ddpq.worker")
 
 POLL_S = 0.1
-TAIL_LINES = 60
-CLAIM_HANDBACK_WAIT_S = 30.0
 GANG_POLL_S = 2.0  # one long-poll on a forming gang; a stop request waits at most this
 
 __all__ = ["JobError", "JobRunner", "RunContext"]
@@ -177,7 +176,7 @@ class JobRunner:
         while True:
             if self.stop_requested.is_set():
                 if self.stop_reason != "abandoned":  # abandoned: already released
-                    with contextlib.suppress(Unavailable, Refused):
+                    with contextlib.suppress(ApiUnavailable, ApiRefused):
                         left = api.gang(self.job_id, self.attempt, 0, leave=True)
                         if left.state == "ready":
                             # The gang completed before we left: end the attempt for
@@ -186,11 +185,11 @@ class JobRunner:
                 return None
             try:
                 reply = api.gang(self.job_id, self.attempt, GANG_POLL_S)
-            except Unavailable as exc:
+            except ApiUnavailable as exc:
                 log.warning("gang: API unavailable (%s)", exc)
                 self.stop_requested.wait(1.0)
                 continue
-            except Refused as exc:
+            except ApiRefused as exc:
                 log.warning("job %s: gang refused (%s); standing down", self.job_id, exc)
                 return None
             if reply.state == "ready":
@@ -200,54 +199,22 @@ class JobRunner:
                 return None
 
     def _never_started(self) -> Outcome:
-        """How an attempt stopped before its processes started ends (see torchrun.outcome)."""
-        if self.stop_reason == "cancelled":
-            return Outcome(None, "cancelled", "cancelled by user")
-        if self.stop_reason == "timeout":
-            timeout_s = self.claim.spec.get("timeout_s")
-            return Outcome(None, "timeout", torchrun.stop_words("timeout", timeout_s))
-        if self.stop_reason == "preempted":
-            return Outcome(None, "requeue", self.stop_words or "preempted")
-        return Outcome(None, "requeue", "worker shut down")
+        """How an attempt stopped before its processes started ends."""
+        timeout_s = self.claim.spec.get("timeout_s")
+        return stopped(self.stop_reason or "shutdown", timeout_s, None, self.stop_words)
 
     def _report(self, result: Outcome) -> None:
-        if self.stop_reason == "abandoned":
-            return  # the service already moved the job on; nothing to report
-        if result.outcome == "requeue" and self.stop_reason == "shutdown":
-            # Hand the job back only once our own claim long-poll has ended: answered
-            # earlier, it would wake that very poll and this stopping worker would take
-            # the job again.
-            self.ctx.claimer_done.wait(timeout=CLAIM_HANDBACK_WAIT_S)
-        body = {
-            "attempt": self.attempt,
-            "exit_code": result.exit_code,
-            "outcome": result.outcome,
-            "reason": result.reason,
-        }
-        try:
-            # An exit status is never dropped: retry until the API takes it.
-            retry(lambda: self.ctx.api.finish(self.job_id, body), what=f"finish job {self.job_id}")
-        except Refused as exc:
-            log.warning("job %s: finish refused: %s", self.job_id, exc)
+        finish(
+            self.ctx.api, self.job_id, self.attempt, result, self.stop_reason, self.ctx.claimer_done
+        )
 
     # ---- what runs (worker.torchrun decides) -------------------------------------------
 
     def _program(self, spec: dict[str, Any]) -> list[str]:
         return torchrun.program(spec, self.ctx.workspace)
 
-    def _env(
-        self, resume_from: str | None, scratch: Path | None = None, held: Held | None = None
-    ) -> dict[str, str]:
-        at = torchrun.Placement(
-            api_url=self.ctx.url,
-            checkpoint_dir=self.claim.checkpoint_dir,
-            launch_var=procs.LAUNCH_ID_VAR,
-            launch_id=self.launch_id,
-            resume_from=resume_from,
-            scratch=str(scratch) if scratch else None,
-            user=held.user.name if held and held.user else None,
-        )
-        return torchrun.environment(os.environ, self.claim, at)
+    def _env(self, resume_from: str | None) -> dict[str, str]:
+        return prepare.environment(self.ctx, self.claim, self.launch_id, resume_from)
 
     def _run(self, shipper: LogShipper) -> Outcome:
         # The attempt's own directories, named so no job can guess them: torchrun's log
@@ -270,12 +237,6 @@ class JobRunner:
             shutil.rmtree(scratch, ignore_errors=True)
 
     def _run_held(self, held: Held, shipper: LogShipper, log_dir: Path, scratch: Path) -> Outcome:
-        spec = self.claim.spec
-        if spec.get("code"):
-            cwd, where = held.own(self._code_dir(spec["code"], shipper)), "the job's code"
-        else:
-            cwd, where = self.ctx.workspace, "the worker's workspace"
-        program = torchrun.program(spec, cwd, where)
         checkpoints = Path(self.claim.checkpoint_dir)
         if self.gang is None or self.gang.node_rank == 0:
             held.own(checkpoints)
@@ -283,88 +244,59 @@ class JobRunner:
             # Node 0's directory (rank 0 writes there): its worker gives it to its uid,
             # which the nodes share when their hosts do (the search starts at the job's id).
             checkpoints.mkdir(parents=True, exist_ok=True)
-        resume_from = torchrun.resume_path(self.claim)
-        if resume_from:
-            shipper.write(f"[ddpq] resuming from {resume_from}\n".encode())
-        env = self._env(resume_from, scratch, held)
-        with python_for(
-            self.ctx.venvs, spec, cwd, env, lambda line: shipper.write(line.encode()),
-            self.stop_requested, held.user,
-        ) as python:  # fmt: skip
+        with prepare.prepared(
+            self.ctx,
+            self.claim,
+            launch_id=self.launch_id,
+            say=lambda line: shipper.write(line.encode()),
+            stop=self.stop_requested,
+            where="the worker's workspace",
+            scratch=scratch,
+            user=held.user,
+            own=held.own,
+        ) as launch:
             if self.stop_requested.is_set():
                 return self._never_started()
-            activate(env, python)
             rdzv = torchrun.rendezvous(self.gang, self.ctx.advertise_addr)
             ranks_dir = held.own(log_dir / "ranks")
-            argv = torchrun.argv(python, self.claim, rdzv, program, ranks_dir)
-            return self._supervise(argv, log_dir / "output.log", env, shipper, cwd, held)
-
-    def _code_dir(self, snapshot_id: str, shipper: LogShipper) -> Path:
-        """The job's own directory holding its code snapshot, fetched if need be."""
-        workdir, written = self.ctx.workdirs.fetch(
-            self.ctx.api, self.job_id, snapshot_id, self.stop_requested
-        )
-        shipper.write(describe(snapshot_id, workdir, written).encode())
-        return workdir
+            argv = torchrun.argv(launch.python, self.claim, rdzv, launch.program, ranks_dir)
+            return self._supervise(argv, log_dir / "output.log", launch, shipper, held)
 
     # ---- supervision -------------------------------------------------------------------
 
     def _supervise(
-        self,
-        argv: list[str],
-        output: Path,
-        env: dict[str, str],
-        shipper: LogShipper,
-        cwd: Path,
-        held: Held,
+        self, argv: list[str], output: Path, launch: prepare.Launch, shipper: LogShipper, held: Held
     ) -> Outcome:
-        tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
-        # torchrun writes to a file that this worker tails, not to a pipe: were the
-        # worker killed, writes to a pipe with no reader would fail and torchrun's
-        # log-tee threads hang forever instead of letting it exit (seen with 2.14).
         uid = held.user.uid if held.user else None
-        with open(output, "xb") as sink:
-            proc = subprocess.Popen(
-                procs.launcher_argv(argv, self.ctx.kill_grace_s, uid, uid),
-                cwd=cwd,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=sink,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # its own process group, signalled as one
-            )
-        reader = threading.Thread(
-            target=pump,
-            args=(proc, output, shipper.write, tail, self._noise),
+        run = Tailed(
+            procs.launcher_argv(argv, self.ctx.kill_grace_s, uid, uid),
+            output,
+            shipper.write,
+            env=launch.env,
+            cwd=launch.cwd,
+            skip=self._noise,
             name=f"out-{self.job_id}",
         )
-        reader.daemon = True
-        reader.start()
         timeout_s = self.claim.spec.get("timeout_s")
         deadline = None if not timeout_s else time.monotonic() + timeout_s
-        while proc.poll() is None:
+        while run.proc.poll() is None:
             if deadline is not None and time.monotonic() > deadline:
                 self.request_stop("timeout")
             if self.stop_requested.wait(POLL_S):
-                self._terminate(proc)
+                self._terminate(run.proc)
                 break
-        code = proc.wait()
-        # Killed itself (the group's SIGKILL after the grace period): 128 + N, as a shell says.
-        code = code if code >= 0 else 128 - code
+        code = run.exit_code()
         if uid is None:  # walled, the attempt's uid is swept as it ends (worker.walls)
             procs.kill_all(self.launch_id)
-        reader.join(timeout=30.0)
+        tail = run.drain()
         if self.stopping_since is not None:
             took = time.monotonic() - self.stopping_since
             how = "SIGKILL" if code == 128 + signal.SIGKILL else "SIGTERM"
-            words = torchrun.stop_words(self.stop_reason, timeout_s)
+            words = stop_words(self.stop_reason, timeout_s)
             shipper.write(
                 f"[ddpq] {words}: stopped the ranks with {how} in {took:.1f} s\n".encode()
             )
-        ended = torchrun.outcome(code, list(tail), self.stop_reason, timeout_s)
-        if self.stop_reason == "preempted" and self.stop_words:
-            ended.reason = self.stop_words
-        return ended
+        return torchrun.outcome(code, tail, self.stop_reason, timeout_s, self.stop_words)
 
     def _noise(self, line: bytes) -> bool:
         """Once the worker stops the attempt, torchrun's own output is not the user's."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddpq.messages import ClaimedJob
-from worker.torchrun import Outcome
+from worker.outcome import Outcome, stopped
 
 # The Slurm job's name names the ddpq job and attempt; its comment names the bridge (and
 # its data dir's identity: another bridge of that name, for another API, is another),
@@ -280,16 +280,14 @@ def pending_words(job_id: str, reason: str) -> str:
     return f"pending in Slurm (job {job_id}): {said}"
 
 
-def ending(job: SlurmJob, stop_reason: str | None, timeout_s: Any) -> Outcome:
+def ending(
+    job: SlurmJob, stop_reason: str | None, timeout_s: Any, words: str | None = None
+) -> Outcome:
     """How an attempt ended, from its Slurm job's final state and why the bridge
-    stopped it, if it did (cancelled, timeout, abandoned)."""
+    stopped it, if it did (worker.outcome.stopped, with its ``words``)."""
+    if stop_reason is not None:
+        return stopped(stop_reason, timeout_s, None, words)
     where = f"Slurm job {job.id}"
-    if stop_reason == "cancelled":
-        return Outcome(None, "cancelled", "cancelled by user")
-    if stop_reason == "timeout":
-        return Outcome(None, "timeout", f"timeout after {timeout_s} s")
-    if stop_reason == "abandoned":
-        return Outcome(None, "error", "abandoned")
     state = job.state
     code = job.exit_code
     if job.signal:

@@ -11,7 +11,6 @@ goes into the Slurm job's comment, where the bridge reads it.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import json
 import os
@@ -28,7 +27,7 @@ from typing import Any
 from ddpq.messages import ClaimedJob, GangReply
 from worker import procs, slurm, torchrun
 from worker.api import WorkerAPI
-from worker.logship import LogShipper, pump
+from worker.logship import LogShipper, Tailed
 
 KILL_GRACE_S = 10.0
 # c10d's store port on the first node: the same on every node without a word between
@@ -115,33 +114,20 @@ def _run(
     gang = rendezvous(claim, node, slurm_job, os.environ.get("SLURM_JOB_NODELIST", ""))
     rdzv = torchrun.rendezvous(gang, socket.gethostname())
     Path(claim.checkpoint_dir).mkdir(parents=True, exist_ok=True)
+
+    def write(line: bytes) -> None:
+        shipper.write(line)
+        sys.stdout.buffer.write(line)  # Slurm's own output file keeps a copy
+
     with tempfile.TemporaryDirectory(prefix="ddpq-node-") as tmp:
         argv = torchrun.argv(sys.executable, claim, rdzv, plan["program"], Path(tmp))
-        output = Path(tmp) / "output.log"
-        with open(output, "wb") as sink:
-            proc = subprocess.Popen(
-                argv,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=sink,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # its own process group, stopped as one
-            )
+        run = Tailed(argv, Path(tmp) / "output.log", write, env=env, name=f"out-node{node}")
         stopping = threading.Event()
-        _forward_stop(proc, stopping)
-        tail: collections.deque[str] = collections.deque(maxlen=60)
-
-        def write(line: bytes) -> None:
-            shipper.write(line)
-            sys.stdout.buffer.write(line)  # Slurm's own output file keeps a copy
-
-        reader = threading.Thread(target=pump, args=(proc, output, write, tail), daemon=True)
-        reader.start()
-        code = proc.wait()
-        code = code if code >= 0 else 128 - code
-        reader.join(timeout=30.0)
+        _forward_stop(run.proc, stopping)
+        code = run.exit_code()
+        tail = run.drain()
     if code != 0 and not stopping.is_set():
-        result = torchrun.outcome(code, list(tail), None, None)
+        result = torchrun.outcome(code, tail, None, None)
         if result.reason:
             shipper.write(f"[ddpq] node {node}: {result.reason}\n".encode())
             _say_why(slurm_job, plan["comment"], result.reason)

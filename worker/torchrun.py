@@ -2,7 +2,8 @@
 
 The program to run, torchrun's command line and rendezvous flags, the ranks'
 environment, and what an exit means: no process is started here, so each is
-decided (and tested) without running anything. worker.runner supervises the launch.
+decided (and tested) without running anything. worker.runner supervises the launch;
+why the worker stopped one, whatever ran it, is worker.outcome's.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from ddpq.catalog import catalog
+from ddpq.errors import JobError
 from ddpq.messages import ClaimedJob, GangReply
 from ddpq.rules import entrypoint_problem, env_problem
+from worker.outcome import Outcome, stopped
 
 MONITOR_INTERVAL_S = 0.1  # torchrun's check of its ranks; the default 5 s delays every exit
 
@@ -52,17 +55,6 @@ CONSEQUENCE = re.compile(
     r"[Bb]roken pipe|ProcessGroup"
 )
 TORCHRUN_EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
-
-
-class JobError(Exception):
-    """The attempt cannot start (bad entrypoint, unknown recipe): fail it with this reason."""
-
-
-@dataclass
-class Outcome:
-    exit_code: int | None
-    outcome: str  # exited, cancelled, timeout, requeue, error
-    reason: str | None = None
 
 
 # ---- what runs -------------------------------------------------------------------------
@@ -222,32 +214,18 @@ def root_cause(tail: list[str]) -> str | None:
     return found[:500] if found else None
 
 
-def stop_words(why: str | None, timeout_s: Any) -> str:
-    """Why the worker stopped an attempt, as the log's last line says it."""
-    if why == "cancelled":
-        return "cancelled by user"
-    if why == "timeout":
-        return f"timeout after {timeout_s} s"
-    if why == "shutdown":
-        return "the worker is shutting down; the job goes back to the queue"
-    if why == "preempted":
-        return "preempted: the job goes back to the queue and resumes from its last checkpoint"
-    return "no longer this worker's to run"
-
-
-def outcome(code: int, tail: list[str], stop_reason: str | None, timeout_s: Any) -> Outcome:
+def outcome(
+    code: int,
+    tail: list[str],
+    stop_reason: str | None,
+    timeout_s: Any,
+    words: str | None = None,
+) -> Outcome:
     """What torchrun's exit ``code`` (128 + N when killed by signal N) means, given why
-    the worker stopped it, if it did, and the last lines of its output."""
-    if stop_reason == "cancelled":
-        return Outcome(code, "cancelled", "cancelled by user")
-    if stop_reason == "timeout":
-        return Outcome(code, "timeout", f"timeout after {timeout_s} s")
-    if stop_reason == "shutdown":
-        return Outcome(code, "requeue", "worker shut down")
-    if stop_reason == "preempted":
-        return Outcome(code, "requeue", "preempted")
-    if stop_reason == "abandoned":
-        return Outcome(code, "error", "abandoned")
+    the worker stopped it, if it did (worker.outcome.stopped, with its ``words``), and
+    the last lines of its output."""
+    if stop_reason is not None:
+        return stopped(stop_reason, timeout_s, code, words)
     if code == 0:
         return Outcome(0, "exited")
     # torchrun exits 1 whenever a rank fails; the rank's own code is in its summary.

@@ -52,9 +52,10 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from ddpq.errors import JobError, RequirementsRefused, Stopped
 from worker import procs, requirements
 from worker.requirements import Requirement
-from worker.torchrun import INHERITED_ENV, INHERITED_PREFIXES, JobError
+from worker.torchrun import INHERITED_ENV, INHERITED_PREFIXES
 from worker.walls import JobUser, Walls
 
 log = logging.getLogger("ddpq.worker")
@@ -303,10 +304,6 @@ class Venvs:
                 extra -= 1
 
 
-class Stopped(Exception):
-    """The attempt was asked to stop while its requirements were being installed."""
-
-
 def seal(env_dir: Path) -> str:
     """What an environment is, as no process can forge it: each entry's path, type and
     mode, owner, size, inode and ctime (any write, chmod or rename sets the ctime to now,
@@ -400,7 +397,7 @@ def python_for(
         reqs = requirements.read(
             cwd if spec.get("code") else None, list(spec.get("pip") or []), venvs.policy
         )
-    except requirements.Refused as exc:
+    except RequirementsRefused as exc:
         raise JobError(f"requirements refused: {exc}") from None
     if not reqs:
         return contextlib.nullcontext(sys.executable)

@@ -4,19 +4,23 @@ Exit codes (base.EXIT_CODES is the one table; ``ddpq --help`` prints it): 0 ok;
 1 the API refused the request (4xx) or failed (5xx); 2 bad usage; 3 the API could
 not be reached; 4 the job failed or was cancelled (``watch``, ``status``,
 ``submit --wait``); 5 ``submit --wait``: no worker can ever run the job;
-130 interrupted. Every command that prints accepts ``--json``.
+130 interrupted. An error of ddpq.errors' tree that a command does not handle ends
+it in main, with the code base.EXIT_FOR_ERROR gives it. Every command that prints
+accepts ``--json``.
 
 One module per group of commands; importing each registers its commands on the app.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import typer
 
 from ddpq.cli import code, info, jobs, live, login, logs, servers, users  # noqa: F401
-from ddpq.cli.base import app
+from ddpq.cli.base import app, end
+from ddpq.errors import DdpqError
 
 # The order `ddpq --help` lists the commands in: starting things, who you are, a job's
 # life, then the people of the server (groups of commands too: `users`).
@@ -71,4 +75,7 @@ def main() -> None:
     command = typer.main.get_command(app)
     _ordered(command)
     _name_values(command)
-    command()
+    try:
+        command()
+    except DdpqError as exc:  # one line and its exit code, never a traceback
+        sys.exit(end(exc))

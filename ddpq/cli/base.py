@@ -1,4 +1,5 @@
-"""What every ddpq command shares: the app, exit codes, the API call, output."""
+"""What every ddpq command shares: the app, exit codes (and ddpq.errors' map to them),
+how an error is told, output."""
 
 from __future__ import annotations
 
@@ -12,14 +13,23 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Annotated, Any, NoReturn, TypeVar, cast
 
-import httpx
 import typer
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from ddpq import config
-from ddpq.client import ApiError, Client, format_detail
+from ddpq.client import Client
+from ddpq.errors import (
+    ApiError,
+    ApiUnreachable,
+    CodeError,
+    ConfigError,
+    DdpqError,
+    SnapshotError,
+    WorkerError,
+    format_detail,
+)
 from ddpq.rules import visible
 
 EXIT_OK = 0
@@ -27,8 +37,6 @@ EXIT_API = 1
 EXIT_USAGE = 2
 EXIT_UNREACHABLE = 3
 EXIT_JOB_FAILED = 4
-EXIT_INTERRUPTED = 130
-
 EXIT_UNSCHEDULABLE = 5
 EXIT_INTERRUPTED = 130
 
@@ -41,6 +49,23 @@ EXIT_CODES = {
     EXIT_UNSCHEDULABLE: "submit --wait: no registered worker can ever run the job",
     EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
 }
+
+# ddpq.errors' tree mapped to those codes, in this one place: the first row whose class
+# an error is of gives its code (tests/test_errors.py checks that every class has a row).
+EXIT_FOR_ERROR: tuple[tuple[type[DdpqError], int], ...] = (
+    (ApiUnreachable, EXIT_UNREACHABLE),  # no answer: the API could not be reached
+    (ApiError, EXIT_API),  # refused (4xx), failed (5xx), or not the API's answer
+    (SnapshotError, EXIT_API),  # a manifest the API sent breaks a rule (code --download)
+    (ConfigError, EXIT_USAGE),  # the config file, --server, DDPQ_PORT
+    (CodeError, EXIT_USAGE),  # a directory that cannot be sent as code
+    (WorkerError, EXIT_USAGE),  # `ddpq worker` cannot start as asked (data dir, walls, Slurm)
+)
+
+
+def exit_code(exc: DdpqError) -> int:
+    """The exit code of EXIT_CODES that ``exc`` ends a command with."""
+    return next((code for kind, code in EXIT_FOR_ERROR if isinstance(exc, kind)), EXIT_API)
+
 
 # Where every client command finds the API: said under each one's help, since that is
 # where a user looks when a command cannot reach it or is refused. (ddpq.config owns
@@ -119,18 +144,11 @@ def _global_options(
 
 
 def _target() -> config.Target:
-    """Where this command's requests go and with what token (exit 2 if the config file
-    cannot say: an unknown --server, an unreadable file)."""
+    """Where this command's requests go and with what token (ConfigError if the config
+    file cannot say: an unknown --server, an unreadable file)."""
     if _Api.target is None:
-        try:
-            _Api.target = config.resolve(_Api.url, _Api.token, _Api.server)
-        except config.ConfigError as exc:
-            _fail(str(exc), EXIT_USAGE)
+        _Api.target = config.resolve(_Api.url, _Api.token, _Api.server)
     return _Api.target
-
-
-def _api_url() -> str:
-    return _target().url
 
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON for scripts")]
@@ -157,9 +175,46 @@ def _say(*parts: Text | str) -> None:
 
 
 def _fail(message: str, code: int) -> NoReturn:
+    _tell(message)
+    raise typer.Exit(code)
+
+
+def _tell(message: str) -> None:
+    """An error, in one line on stderr."""
     # The message may quote the API's words: brackets ("one of [a, b]"), escapes.
     err.print(Text("error: ", style="red") + _text(message), highlight=False, soft_wrap=True)
-    raise typer.Exit(code)
+
+
+def _failed(exc: DdpqError, message: str | None = None) -> NoReturn:
+    """End the command on ``exc`` with its exit code (EXIT_FOR_ERROR), told as
+    ``message`` (a command's own words for it), else as _said tells it."""
+    _fail(message or _said(exc), exit_code(exc))
+
+
+def _said(exc: DdpqError) -> str:
+    """How an error is told: its message, what was asked and what was answered; an
+    error of the API this command talks to also names the URL tried and where its
+    token came from, and for a refused token how to log in again."""
+    target = _Api.target
+    if not isinstance(exc, ApiError) or target is None:
+        return str(exc)
+    if isinstance(exc, ApiUnreachable):
+        return (
+            f"cannot reach the ddpq API at {target.url} ({target.origin()}): "
+            f"{exc.asked}: {format_detail(exc.detail)}"
+        )
+    if exc.status == 401:
+        return _refusal(exc, target)
+    if exc.status == 403:
+        return f"{exc} (at {target.url}; {target.origin()})"
+    return str(exc)
+
+
+def end(exc: DdpqError) -> int:
+    """Tell an error no command handled (ddpq.cli.main catches them all, outside the
+    command); the code to exit with."""
+    _tell(_said(exc))
+    return exit_code(exc)
 
 
 INTERRUPT_GRACE_S = 3.0
@@ -221,32 +276,6 @@ def _refusal(exc: ApiError, target: config.Target) -> str:
         )
     login = f"ddpq login {target.url}" + (f" --server {target.server}" if target.server else "")
     return f"{target.url} refused the token: {detail} ({target.origin()}); `{login}` saves another"
-
-
-def _call(fn: Any, *args: Any, **kw: Any) -> Any:
-    """Call the API; its refusals and failures become one line naming the URL tried and
-    where its token came from, with the exit code of EXIT_CODES."""
-    try:
-        return fn(*args, **kw)
-    except ApiError as exc:
-        target = _target()
-        if exc.status == 401:
-            _fail(_refusal(exc, target), EXIT_API)
-        if exc.status == 403:
-            _fail(
-                f"HTTP 403: {format_detail(exc.detail)} (at {target.url}; {target.origin()})",
-                EXIT_API,
-            )
-        _fail(f"HTTP {exc.status}: {format_detail(exc.detail)}", EXIT_API)
-    except httpx.HTTPError as exc:
-        target = _target()
-        why = " ".join(str(exc).split()) or type(exc).__name__
-        _fail(
-            f"cannot reach the ddpq API at {target.url} ({target.origin()}): {why}",
-            EXIT_UNREACHABLE,
-        )
-    except json.JSONDecodeError:
-        _fail(f"{_api_url()} answered something that is not the ddpq API's JSON", EXIT_API)
 
 
 def _print_json(data: Any) -> None:

@@ -13,9 +13,9 @@ from ddpq.cli.base import (
     EXIT_API,
     EXIT_USAGE,
     JsonOpt,
-    _call,
     _client,
     _fail,
+    _failed,
     _fit_table,
     _print_json,
     _print_table,
@@ -23,7 +23,8 @@ from ddpq.cli.base import (
     client_command,
 )
 from ddpq.client import Client
-from ddpq.snapshot import Entry, Refused, checked, file_count, human_bytes, write_out
+from ddpq.errors import SnapshotError
+from ddpq.snapshot import Entry, checked, file_count, human_bytes, write_out
 
 
 @client_command(name="code")
@@ -37,7 +38,7 @@ def code(
 ) -> None:
     """List the code a job runs (its snapshot), or --download it."""
     with _client() as c:
-        job = _call(c.job, job_id)
+        job = c.job(job_id)
         summary = job.get("code")
         if summary is None:
             why = (
@@ -46,7 +47,7 @@ def code(
                 else "was sent with none (a recipe, or --no-code)"
             )
             _fail(f"job {job_id}'s code {why}", EXIT_API)
-        snap = _call(c.code, summary["id"])
+        snap = c.code(summary["id"])
         if download is not None:
             _download(c, snap["manifest"], download)
     if as_json:
@@ -75,12 +76,12 @@ def _download(c: Client, manifest: list[dict[str, Any]], dest: Path) -> None:
         _fail(f"cannot write the snapshot into {dest}: {_why(exc, dest)}", EXIT_USAGE)
     try:
         entries = checked(manifest)
-    except Refused as exc:
-        _fail(f"the API sent a manifest that breaks a rule: {exc}", EXIT_API)
+    except SnapshotError as exc:
+        _failed(exc, f"the API sent a manifest that breaks a rule: {exc}")
 
     def fill(e: Entry, fd: int) -> None:
         assert e.digest is not None
-        data = _call(c.code_blob, e.digest)
+        data = c.code_blob(e.digest)
         if hashlib.sha256(data).hexdigest() != e.digest:
             _fail(f"the API sent {e.path} with another content than its digest", EXIT_API)
         with open(fd, "wb", closefd=False) as f:
@@ -89,8 +90,8 @@ def _download(c: Client, manifest: list[dict[str, Any]], dest: Path) -> None:
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
         write_out(entries, dest.resolve(), fill)
-    except Refused as exc:
-        _fail(f"the API sent a manifest that breaks a rule: {exc}", EXIT_API)
+    except SnapshotError as exc:
+        _failed(exc, f"the API sent a manifest that breaks a rule: {exc}")
     except OSError as exc:  # write_out has removed what it wrote
         _fail(f"cannot write the snapshot into {dest}: {_why(exc, dest)}", EXIT_USAGE)
 

@@ -7,7 +7,6 @@ from typing import Any
 from ddpq.cli.base import (
     JsonOpt,
     _age,
-    _call,
     _client,
     _fit_table,
     _print_json,
@@ -25,7 +24,7 @@ def workers(as_json: JsonOpt = False) -> None:
     CPU slots and GPUs (free of all), running jobs, last heartbeat.
     """
     with _client() as c:
-        items = _call(c.workers)
+        items = c.workers()
     if as_json:
         _print_json(items)
         return
@@ -70,7 +69,7 @@ def _slots(w: dict[str, Any]) -> list[str]:
 def recipes(as_json: JsonOpt = False) -> None:
     """List the built-in recipes."""
     with _client() as c:
-        items = _call(c.recipes)
+        items = c.recipes()
     if as_json:
         _print_json(items)
         return

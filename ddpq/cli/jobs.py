@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, cast
+from typing import Annotated, Any
 
 import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
@@ -19,7 +19,6 @@ from ddpq.cli.base import (
     EXIT_USAGE,
     JsonOpt,
     _age,
-    _call,
     _client,
     _fail,
     _fit_table,
@@ -234,9 +233,7 @@ def _push(root: Path, quiet: bool) -> codepack.Pushed:
 
     try:
         with _client() as c:
-            return cast(codepack.Pushed, _call(c.push_code, root, progress))
-    except codepack.CodeError as exc:
-        _fail(str(exc), EXIT_USAGE)
+            return c.push_code(root, progress)
     finally:
         if bar is not None:
             bar.stop()
@@ -259,7 +256,7 @@ def _submit(
     code_words: str,
 ) -> None:
     with _client() as c:
-        job = _call(c.submit, spec, idempotency_key, strict)
+        job = c.submit(spec, idempotency_key, strict)
         line = (
             f"job {job['id']} {job['status']} ({_program(job)},"
             f" world size {job['spec']['world_size']})"
@@ -276,7 +273,7 @@ def _submit(
                 _print_json(job)
             return
         try:
-            job = _call(follow, c, job["id"], 1.0, False, _never_runs, quiet=as_json)
+            job = follow(c, job["id"], 1.0, False, _never_runs, quiet=as_json)
         except Interrupted as exc:
             seen = exc.job or job
             _fail(
@@ -329,7 +326,7 @@ def resubmit(
     arguments).
     """
     with _client() as c:
-        old = _call(c.job, job_id)
+        old = c.job(job_id)
     spec = {k: v for k, v in old["spec"].items() if v is not None}
     if spec.get("code") and not old.get("code"):
         _fail(
@@ -353,7 +350,7 @@ def _where(job: dict[str, Any]) -> str:
 def status(job_id: int, as_json: JsonOpt = False) -> None:
     """Show one job. Exits 0 unless it failed or was cancelled (4)."""
     with _client() as c:
-        job = _call(c.job, job_id)
+        job = c.job(job_id)
     if as_json:
         _print_json(job)
     else:
@@ -462,7 +459,7 @@ def list_jobs(
         _fail("give --mine or --user NAME, not both", EXIT_USAGE)
     statuses = [x.strip() for s in status or [] for x in s.split(",") if x.strip()]
     with _client() as c:
-        items, next_cursor = _call(_find_jobs, c, statuses, name, limit, cursor, user, mine)
+        items, next_cursor = _find_jobs(c, statuses, name, limit, cursor, user, mine)
     if as_json:
         _print_json({"items": items, "next_cursor": next_cursor})
         return
@@ -501,7 +498,7 @@ def list_jobs(
 def cancel(job_id: int, as_json: JsonOpt = False) -> None:
     """Cancel a job."""
     with _client() as c:
-        job = _call(c.cancel, job_id)
+        job = c.cancel(job_id)
     if as_json:
         _print_json(job)
     else:

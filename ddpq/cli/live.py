@@ -15,7 +15,6 @@ from rich.text import Text
 from ddpq.cli.base import (
     EXIT_JOB_FAILED,
     STATUS_STYLE,
-    _call,
     _client,
     _number,
     _print_json_line,
@@ -376,6 +375,6 @@ def watch(
     When stdout is not a terminal: one line at each change (--json: one object).
     """
     with _client() as c:
-        job = _call(follow, c, job_id, interval, as_json)
+        job = follow(c, job_id, interval, as_json)
     if job["status"] != "succeeded":
         raise typer.Exit(EXIT_JOB_FAILED)

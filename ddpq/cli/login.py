@@ -10,25 +10,23 @@ import getpass
 import sys
 from typing import Annotated, Any
 
-import httpx
 import typer
 
 from ddpq import config
 from ddpq.cli.base import (
-    EXIT_API,
-    EXIT_UNREACHABLE,
     EXIT_USAGE,
     JsonOpt,
     _Api,
-    _call,
     _client,
     _fail,
+    _failed,
     _print_json,
     _say,
     _target,
     client_command,
 )
-from ddpq.client import ApiError, Client, format_detail
+from ddpq.client import Client
+from ddpq.errors import ApiBadAnswer, ApiError, ApiUnreachable, ConfigError, format_detail
 
 ServerName = Annotated[
     str | None,
@@ -45,17 +43,7 @@ def _server_name(here: str | None) -> str | None:
     if here and _Api.server and here != _Api.server:
         _fail(f"--server {_Api.server} and --server {here}: give one", EXIT_USAGE)
     name = here or _Api.server
-    try:
-        return config.check_name(name) if name else None
-    except config.ConfigError as exc:
-        _fail(str(exc), EXIT_USAGE)
-
-
-def _load() -> config.Config:
-    try:
-        return config.load()
-    except config.ConfigError as exc:
-        _fail(str(exc), EXIT_USAGE)
+    return config.check_name(name) if name else None
 
 
 def _read_token(url: str, token_stdin: bool) -> str:
@@ -82,15 +70,17 @@ def _check(url: str, token: str) -> dict[str, Any]:
         with Client(url, token) as c:
             who: dict[str, Any] = c.whoami()
             return who
+    except ApiUnreachable as exc:
+        why = format_detail(exc.detail)
+        _failed(exc, f"cannot reach the ddpq API at {url}: {exc.asked}: {why}. Nothing saved")
+    except ApiBadAnswer as exc:
+        _failed(exc, f"{url} is not a ddpq API: {exc}. Nothing saved")
     except ApiError as exc:
         if exc.status == 404:
-            _fail(f"{url} has no /whoami: a ddpq API that knows users? Nothing saved", EXIT_API)
-        _fail(f"{url} refused the token: {format_detail(exc.detail)}. Nothing saved", EXIT_API)
-    except httpx.HTTPError as exc:
-        why = " ".join(str(exc).split()) or type(exc).__name__
-        _fail(f"cannot reach the ddpq API at {url}: {why}. Nothing saved", EXIT_UNREACHABLE)
-    except ValueError:
-        _fail(f"{url} answered something that is not the ddpq API's JSON. Nothing saved", EXIT_API)
+            _failed(exc, f"{url} has no /whoami: a ddpq API that knows users? Nothing saved")
+        if exc.status == 401 or exc.status == 403:
+            _failed(exc, f"{url} refused the token: {format_detail(exc.detail)}. Nothing saved")
+        _failed(exc, f"{url}: {exc}. Nothing saved")
 
 
 @client_command()
@@ -126,22 +116,19 @@ def login(
     uses the default server, or the one --server NAME picks: ddpq --server NAME ls.
     """
     name = _server_name(server)
-    saved = _load()
-    try:
-        if url is not None:
-            target = config.check_url(url)
-        elif _Api.url:
-            target = config.check_url(_Api.url)
-        elif name is not None and name in saved.servers:
-            target = saved.servers[name].url
-        elif (from_env := config.env_url()) is not None:
-            target = config.check_url(from_env[0])
-        elif saved.default is not None and saved.default in saved.servers:
-            target = saved.servers[saved.default].url
-        else:
-            target = config.DEFAULT_URL
-    except config.ConfigError as exc:
-        _fail(str(exc), EXIT_USAGE)
+    saved = config.load()
+    if url is not None:
+        target = config.check_url(url)
+    elif _Api.url:
+        target = config.check_url(_Api.url)
+    elif name is not None and name in saved.servers:
+        target = saved.servers[name].url
+    elif (from_env := config.env_url()) is not None:
+        target = config.check_url(from_env[0])
+    elif saved.default is not None and saved.default in saved.servers:
+        target = saved.servers[saved.default].url
+    else:
+        target = config.DEFAULT_URL
     token = _read_token(target, token_stdin)
     who = _check(target, token)
     replaced = None
@@ -161,7 +148,9 @@ def login(
                 cfg.default = name
             default = cfg.default
             path = cfg.path
-    except (OSError, config.ConfigError) as exc:
+    except ConfigError as exc:
+        _failed(exc, f"cannot save the login: {exc}")
+    except OSError as exc:
         _fail(f"cannot save the login: {exc}", EXIT_USAGE)
     if as_json:
         _print_json(
@@ -191,12 +180,9 @@ def logout(server: ServerName = None, as_json: JsonOpt = False) -> None:
     The token itself stays valid until an admin revokes or rotates it.
     """
     name = _server_name(server)
-    saved = _load()
+    saved = config.load()
     if name is None:
-        try:
-            url = _Api.url or (config.env_url() or ("", ""))[0]
-        except config.ConfigError as exc:
-            _fail(str(exc), EXIT_USAGE)
+        url = _Api.url or (config.env_url() or ("", ""))[0]
         name = saved.of_url(url) if url else saved.default
         if name is None:
             _fail(
@@ -205,10 +191,7 @@ def logout(server: ServerName = None, as_json: JsonOpt = False) -> None:
                 EXIT_USAGE,
             )
     if name not in saved.servers:
-        try:
-            saved.named(name)
-        except config.ConfigError as exc:
-            _fail(str(exc), EXIT_USAGE)
+        saved.named(name)  # ConfigError: no such server, and the ones there are
     try:
         with config.editing() as cfg:
             gone = cfg.servers.pop(name, None)
@@ -216,7 +199,9 @@ def logout(server: ServerName = None, as_json: JsonOpt = False) -> None:
                 # The one left, if one is, becomes the default.
                 cfg.default = next(iter(cfg.servers)) if len(cfg.servers) == 1 else None
             default, path = cfg.default, cfg.path
-    except (OSError, config.ConfigError) as exc:
+    except ConfigError as exc:
+        _failed(exc, f"cannot change the config file: {exc}")
+    except OSError as exc:
         _fail(f"cannot change the config file: {exc}", EXIT_USAGE)
     if as_json:
         _print_json({"server": name, "url": gone.url if gone else None, "default": default})
@@ -234,7 +219,7 @@ def whoami(as_json: JsonOpt = False) -> None:
     """Show who you are: name and role, URL, and the token's source."""
     target = _target()
     with _client() as c:
-        who = _call(c.whoami)
+        who = c.whoami()
     if as_json:
         _print_json(
             {

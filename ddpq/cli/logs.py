@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from ddpq.cli.base import _call, _client, _print_json_line, client_command
+from ddpq.cli.base import _client, _print_json_line, client_command
 from ddpq.client import Client
 from ddpq.rules import visible
 from ddpq.wire import marker_resume
@@ -70,26 +70,21 @@ def logs(
     unless --raw: a program's output must not drive the terminal of whoever reads it.
     """
     with _client() as c:
-
-        def show() -> None:
-            # Inside _call, so an error mid-stream exits with its code too.
-            chunks = c.follow_logs(job_id, offset) if follow else _stored_log(c, job_id, offset)
-            if as_json:
-                for at, line in _log_lines(chunks):
-                    _print_json_line({"offset": at, "text": line.decode("utf-8", "replace")})
-            elif raw:
-                for _, chunk in chunks:
-                    sys.stdout.buffer.write(chunk)
-                    sys.stdout.flush()
-            else:
-                # A chunk may end inside a UTF-8 character; bytes that are not UTF-8
-                # show as \xNN too. A carriage return is escaped as well: it would let a
-                # line overwrite its own [rankN] prefix with, say, a forged [ddpq] line.
-                decoder = codecs.getincrementaldecoder("utf-8")("backslashreplace")
-                for _, chunk in chunks:
-                    sys.stdout.buffer.write(visible(decoder.decode(chunk), keep="\n\t").encode())
-                    sys.stdout.flush()
-                rest = decoder.decode(b"", final=True)
-                sys.stdout.buffer.write(visible(rest, keep="\n\t").encode())
-
-        _call(show)
+        chunks = c.follow_logs(job_id, offset) if follow else _stored_log(c, job_id, offset)
+        if as_json:
+            for at, line in _log_lines(chunks):
+                _print_json_line({"offset": at, "text": line.decode("utf-8", "replace")})
+        elif raw:
+            for _, chunk in chunks:
+                sys.stdout.buffer.write(chunk)
+                sys.stdout.flush()
+        else:
+            # A chunk may end inside a UTF-8 character; bytes that are not UTF-8
+            # show as \xNN too. A carriage return is escaped as well: it would let a
+            # line overwrite its own [rankN] prefix with, say, a forged [ddpq] line.
+            decoder = codecs.getincrementaldecoder("utf-8")("backslashreplace")
+            for _, chunk in chunks:
+                sys.stdout.buffer.write(visible(decoder.decode(chunk), keep="\n\t").encode())
+                sys.stdout.flush()
+            rest = decoder.decode(b"", final=True)
+            sys.stdout.buffer.write(visible(rest, keep="\n\t").encode())

@@ -15,7 +15,8 @@ import typer
 from rich.markup import escape
 
 from ddpq import config
-from ddpq.cli.base import EXIT_USAGE, _fail, app, out
+from ddpq.cli.base import EXIT_USAGE, _fail, _failed, app, out
+from ddpq.errors import ApiRefused, SlurmError, WallsError
 
 
 @app.command()
@@ -139,10 +140,9 @@ def worker(
 
     from worker import datadir
     from worker.agent import Agent, default_cpu_slots
-    from worker.api import Refused
     from worker.procs import make_undumpable
     from worker.requirements import Policy
-    from worker.walls import Walls, WallsError
+    from worker.walls import Walls
 
     make_undumpable()  # before the token is read: jobs run as this user
 
@@ -169,10 +169,7 @@ def worker(
         pip_policy = Policy.parse(pip_allow or [])
     except ValueError as exc:
         _fail(f"--pip-allow: {exc}", EXIT_USAGE)
-    try:
-        identity = datadir.hold(data_dir)
-    except datadir.DataDirBusy as exc:
-        _fail(str(exc), EXIT_USAGE)
+    identity = datadir.hold(data_dir)  # DataDirBusy: another worker's (exit 2)
     common: dict[str, Any] = {
         "url": url, "token": token, "name": name, "workspace": workspace,
         "data_dir": data_dir, "checkpoint_dir": checkpoint_dir, "identity": identity,
@@ -189,8 +186,8 @@ def worker(
     if executor != "local":
         _fail(f"--executor takes local or slurm, not {executor!r}", EXIT_USAGE)
     try:
-        walls = Walls.configure(job_uids)
-    except (ValueError, WallsError) as exc:
+        walls = Walls.configure(job_uids)  # WallsError: cannot wall as asked (exit 2)
+    except ValueError as exc:
         _fail(str(exc), EXIT_USAGE)
     agent = Agent(
         **common,
@@ -204,10 +201,10 @@ def worker(
     )
     try:
         agent.run()
-    except Refused as exc:  # a live worker holds this name (409), or a bad token
-        _fail(f"the API refused this worker: {exc}", EXIT_USAGE)
+    except ApiRefused as exc:  # a live worker holds this name (409), or a bad token
+        _failed(exc, f"the API refused this worker: {exc}")
     except WallsError as exc:
-        _fail(f"cannot wall jobs: {exc}", EXIT_USAGE)
+        _failed(exc, f"cannot wall jobs: {exc}")
 
 
 def _run_bridge(
@@ -219,8 +216,7 @@ def _run_bridge(
     poll_s: float,
 ) -> None:
     """Run a Slurm bridge, or exit with why the partition or the API refuse it."""
-    from worker.api import Refused
-    from worker.bridge import Bridge, SlurmError
+    from worker.bridge import Bridge
 
     bridge = Bridge(
         **common,
@@ -232,12 +228,14 @@ def _run_bridge(
     )
     try:
         bridge.shape()
-    except (SlurmError, ValueError) as exc:
+    except SlurmError as exc:
+        _failed(exc, f"Slurm partition {partition}: {exc}")
+    except ValueError as exc:  # what sinfo says cannot be read
         _fail(f"Slurm partition {partition}: {exc}", EXIT_USAGE)
     try:
         bridge.run()
-    except Refused as exc:
-        _fail(f"the API refused this bridge: {exc}", EXIT_USAGE)
+    except ApiRefused as exc:
+        _failed(exc, f"the API refused this bridge: {exc}")
 
 
 @app.command("slurm-node", hidden=True)

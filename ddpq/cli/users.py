@@ -12,7 +12,6 @@ from ddpq import config
 from ddpq.cli.base import (
     API_HELP,
     JsonOpt,
-    _call,
     _client,
     _fit_table,
     _parse_time,
@@ -74,7 +73,7 @@ def add(
 ) -> None:
     """Add a user and print their token, this once."""
     with _client() as c:
-        user = _call(c.add_user, name, admin)
+        user = c.add_user(name, admin)
     if as_json:
         _print_json(user)
         return
@@ -88,7 +87,7 @@ def list_users(as_json: JsonOpt = False) -> None:
     TOKEN is the start of each one's token, to tell tokens apart.
     """
     with _client() as c:
-        items = _call(c.users)
+        items = c.users()
     if as_json:
         _print_json({"items": items})
         return
@@ -114,7 +113,7 @@ def revoke(name: UserName, as_json: JsonOpt = False) -> None:
     Their jobs stay theirs.
     """
     with _client() as c:
-        user = _call(c.revoke_user, name)
+        user = c.revoke_user(name)
     if as_json:
         _print_json(user)
         return
@@ -130,8 +129,8 @@ def rotate(name: UserName, as_json: JsonOpt = False) -> None:
     """
     target = _target()
     with _client() as c:
-        me = _call(c.whoami)["name"]
-        user = _call(c.rotate_user, name)
+        me = c.whoami()["name"]
+        user = c.rotate_user(name)
     own = _own(user, target) if me == user["name"] else None
     if as_json:
         _print_json(user)
@@ -187,7 +186,7 @@ def audit(
     Submits, cancels, and changes to users. --json prints {"items", "next_cursor"}.
     """
     with _client() as c:
-        items, next_cursor = _call(_find_events, c, limit, cursor)
+        items, next_cursor = _find_events(c, limit, cursor)
     if as_json:
         _print_json({"items": items, "next_cursor": next_cursor})
         return
@@ -218,7 +217,7 @@ def usage(as_json: JsonOpt = False) -> None:
     Among queued jobs of one priority, the user who used least lately goes first.
     """
     with _client() as c:
-        items = _call(Client.usage, c)
+        items = c.usage()
     if as_json:
         _print_json({"items": items})
         return
@@ -260,7 +259,7 @@ def _limit(value: int | None) -> str:
 def quota_ls(as_json: JsonOpt = False) -> None:
     """Every user's limits, and everyone's default (*); a user's own row wins whole."""
     with _client() as c:
-        items = _call(Client.quotas, c)
+        items = c.quotas()
     if as_json:
         _print_json({"items": items})
         return
@@ -284,7 +283,7 @@ def quota_set(
     Their queued jobs are held back at once, each saying which limit holds it.
     """
     with _client() as c:
-        q = _call(Client.set_quota, c, name, max_gpus=gpus, max_running=running, max_queued=queued)
+        q = c.set_quota(name, max_gpus=gpus, max_running=running, max_queued=queued)
     if as_json:
         _print_json(q)
         return
@@ -298,5 +297,5 @@ def quota_set(
 def quota_clear(name: QuotaName) -> None:
     """Remove a user's limits (everyone's default applies again), or the default."""
     with _client() as c:
-        _call(Client.clear_quota, c, name)
+        c.clear_quota(name)
     _say(f"quota {name}: cleared")

@@ -1,0 +1,98 @@
+"""An attempt's launch, prepared one way whatever runs it (a worker's runner, the Slurm
+bridge): the job's directory of its code, the program, the checkpoint it resumes from,
+the ranks' environment (worker.torchrun decides each) and the interpreter with the
+job's requirements (worker.venvs), activated in that environment."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from ddpq.messages import ClaimedJob
+from worker import procs, torchrun
+from worker.api import WorkerAPI
+from worker.code import Workdirs, describe
+from worker.venvs import Venvs, activate, python_for
+from worker.walls import JobUser
+
+
+class Sources(Protocol):
+    """Where a launch comes from: the same for every attempt of one worker."""
+
+    api: WorkerAPI
+    url: str  # the API as ranks reach it
+    workspace: Path
+    workdirs: Workdirs
+    venvs: Venvs
+
+
+@dataclass
+class Launch:
+    """What an attempt runs: in ``cwd``, ``program`` under ``python``, with ``env``."""
+
+    cwd: Path
+    program: list[str]
+    env: dict[str, str]
+    python: str
+
+
+def environment(
+    src: Sources,
+    claim: ClaimedJob,
+    launch_id: str,
+    resume_from: str | None,
+    scratch: Path | None = None,
+    user: JobUser | None = None,
+) -> dict[str, str]:
+    """The ranks' environment (worker.torchrun.environment) for this worker's attempt."""
+    at = torchrun.Placement(
+        api_url=src.url,
+        checkpoint_dir=claim.checkpoint_dir,
+        launch_var=procs.LAUNCH_ID_VAR,
+        launch_id=launch_id,
+        resume_from=resume_from,
+        scratch=str(scratch) if scratch else None,
+        user=user.name if user else None,
+    )
+    return torchrun.environment(os.environ, claim, at)
+
+
+@contextlib.contextmanager
+def prepared(
+    src: Sources,
+    claim: ClaimedJob,
+    *,
+    launch_id: str,
+    say: Callable[[str], None],
+    stop: threading.Event,
+    where: str,
+    scratch: Path | None = None,
+    user: JobUser | None = None,
+    own: Callable[[Path], Path] = lambda path: path,
+) -> Iterator[Launch]:
+    """The attempt's launch, held while the block runs (its environment is in use).
+    ``say`` writes a line to the job's log; ``stop`` ends a wait for code or pip early
+    (worker.venvs.Stopped); ``where`` names the workspace a job without code runs in;
+    walled, ``own`` gives the code directory to the attempt's ``user`` (worker.walls).
+    A job that cannot start raises JobError."""
+    spec = claim.spec
+    if spec.get("code"):
+        snapshot_id = str(spec["code"])
+        workdir, written = src.workdirs.fetch(src.api, claim.job_id, snapshot_id, stop)
+        say(describe(snapshot_id, workdir, written))
+        cwd, where = own(workdir), "the job's code"
+    else:
+        cwd = src.workspace
+    program = torchrun.program(spec, cwd, where)
+    resume_from = torchrun.resume_path(claim)
+    if resume_from:
+        say(f"[ddpq] resuming from {resume_from}\n")
+    env = environment(src, claim, launch_id, resume_from, scratch, user)
+    with python_for(src.venvs, spec, cwd, env, say, stop, user) as python:
+        activate(env, python)
+        yield Launch(cwd, program, env, python)

@@ -5,6 +5,7 @@
 - ``books``: what each worker has and what of it is held.
 - ``claim``: hand a worker the best queued job that fits.
 - ``gangs``: multi-node jobs, claimed as gangs of node slots.
+- ``states``: the job state machine: every move a status may make, and what it does.
 - ``leases``: workers, heartbeats, how attempts end, and the fencing check.
 - ``reasons``: why a queued job waits, in words.
 - ``shares``: fair share: each user's recent usage, the share a queued job is ordered by.

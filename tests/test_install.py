@@ -29,10 +29,11 @@ import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from ddpq.cli.extras import MODULES
-from tests.conftest import Server, start_server, stop_server
+from tests.conftest import Server, free_port, start_server, stop_process, stop_server, wait_for
 from tests.helpers import submit_and_claim
 
 REPO = Path(__file__).resolve().parent.parent
@@ -396,3 +397,53 @@ def test_train_under_an_older_torch(dist: Path, api: Server, tmp_path: Path) -> 
     items = user.get(f"/jobs/{claim['job_id']}/metrics").json()["items"]
     assert items == [{**items[0], "step": 1, "values": {"loss": 1.0, "lr": 0.25}}], items
     # (its registration is refused: the hand-made worker's checkpoint root is /ckpt)
+
+
+def test_the_server_lock_installs_and_serves(dist: Path, tmp_path: Path) -> None:
+    """What the API needs, as requirements/server.txt locks it (hashes checked), plus the
+    wheel: `ddpq serve` answers, with no torch installed."""
+    venv = tmp_path / "venv"
+    assert _run(_python(), "-m", "venv", venv, env=_clean_env()).returncode == 0
+    pip = [venv / "bin" / "python", "-m", "pip", "--disable-pip-version-check", "-q"]
+    lock = REPO / "requirements" / "server.txt"
+    offline = [*pip, "install", "--no-index", "--find-links", WHEELHOUSE, "--require-hashes"]
+    WHEELHOUSE.mkdir(parents=True, exist_ok=True)
+    with open(WHEELHOUSE / ".lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        r = _run(*offline, "-r", lock, env=_clean_env())
+        if r.returncode != 0:
+            got = _run(*pip, "download", "-d", WHEELHOUSE, "--require-hashes", "-r", lock,
+                       env=_clean_env())  # fmt: skip
+            assert got.returncode == 0, got.stdout + got.stderr
+            r = _run(*offline, "-r", lock, env=_clean_env())
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = _run(*pip, "install", "--no-deps", next(dist.glob("*.whl")), env=_clean_env())
+    assert r.returncode == 0, r.stdout + r.stderr
+    probe = "import importlib.util as u; print(u.find_spec('torch'))"
+    assert _run(venv / "bin" / "python", "-c", probe, cwd=tmp_path).stdout.strip() == "None"
+    port = free_port()
+    data = tmp_path / "data"
+    data.mkdir()
+    env = _clean_env(
+        DDPQ_DATA_DIR=str(data),
+        DDPQ_DATABASE_URL=f"sqlite:///{data / 'ddpq.db'}",
+        DDPQ_API_TOKEN="a" * 8 + "-install-test-token-" + "b" * 8,
+        DDPQ_WORKER_TOKEN="c" * 8 + "-install-test-token-" + "d" * 8,
+    )
+    with open(tmp_path / "serve.log", "wb") as log:
+        proc = subprocess.Popen(
+            [venv / "bin" / "ddpq", "serve", "--port", str(port)],
+            env=env, cwd=data, stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+
+        def healthy() -> bool:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).is_success
+            except httpx.HTTPError:
+                return False
+
+        wait_for(healthy, 60, "ddpq serve from the server lock to answer")
+    finally:
+        stop_process(proc)

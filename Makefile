@@ -22,7 +22,7 @@ venv: $(VENV)/.installed
 # the lock, every file checked against its hash; ddpq itself last, editable, adding nothing
 # (--no-deps). .venv/tools holds the OpenAPI client generator tests/test_openapi_client.py
 # runs, apart from the rest: it pins its own (older) typer.
-$(VENV)/.installed: pyproject.toml $(LOCK)
+$(VENV)/.installed: pyproject.toml $(LOCK) $(TORCH_PINS)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -r $(TORCH_PINS)

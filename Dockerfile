@@ -16,12 +16,13 @@ COPY worker ./worker
 COPY recipes ./recipes
 COPY migrations ./migrations
 COPY examples ./examples
-# torch and torchvision are already in the base image at the pinned versions.
+# torch and torchvision are already in the base image at the pinned versions (ddpq[all]
+# asks for torch>=2.2, which they satisfy; a plain `.` would now lack the server and worker).
 # /data/checkpoints and /workspace exist, owned by ddpq, in the image: a fresh named
 # volume takes the owner of the image's directory, so the worker (uid 1000) can write
 # its checkpoints (Docker would otherwise create them root-owned and every job fail).
 # The examples are in the workspace so `--entrypoint examples/ddp_plain.py` runs as is.
-RUN pip install --no-cache-dir . \
+RUN pip install --no-cache-dir '.[all]' \
     && python -c "import torch, torchvision, ddpq, service, worker, recipes" \
     && useradd --create-home --uid 1000 ddpq \
     && mkdir -p /data/checkpoints /workspace \

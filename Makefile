@@ -5,24 +5,45 @@ PY ?= $(firstword $(wildcard /usr/bin/python3.11) python3.11)
 VENV := .venv
 BIN := $(VENV)/bin
 # torch and torchvision come from this machine's disk through pip (uv/poetry would download 3 GB).
-TORCH_PINS := torch==2.14.1 torchvision==0.29.1
+TORCH_PINS := requirements/torch.txt
+# The lock: every package of .[all,dev] at the version the suite passed with, with hashes
+# (make lock refreshes it; requirements/server.txt is the API image's part of it).
+LOCK := requirements/all.txt
+PIP_COMPILE_FLAGS := -q --generate-hashes --allow-unsafe --strip-extras \
+	--no-emit-index-url --no-emit-find-links --constraint $(TORCH_PINS)
 # Pinned: tests/test_openapi_client.py asserts the generated code's names and shapes.
 OPENAPI_GENERATOR := openapi-python-client==0.29.1
 
-.PHONY: venv browser slurm run test test-learning compose-test lint fmt bench clean
+.PHONY: venv lock browser slurm run test test-learning compose-test lint fmt bench clean
 
 venv: $(VENV)/.installed
 
-# .venv/tools holds the OpenAPI client generator tests/test_openapi_client.py runs, apart
-# from the rest: it pins its own (older) typer.
-$(VENV)/.installed: pyproject.toml
+# torch first, from the disk (already there, pip checks no hash of it), then the rest of
+# the lock, every file checked against its hash; ddpq itself last, editable, adding nothing
+# (--no-deps). .venv/tools holds the OpenAPI client generator tests/test_openapi_client.py
+# runs, apart from the rest: it pins its own (older) typer.
+$(VENV)/.installed: pyproject.toml $(LOCK) $(TORCH_PINS)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q $(TORCH_PINS)
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -r $(TORCH_PINS)
+	$(BIN)/pip install -q --require-hashes -r $(LOCK)
+	$(BIN)/pip install -q --no-deps -e '.[all,dev]'
 	test -x $(VENV)/tools/bin/python || $(PY) -m venv $(VENV)/tools
 	$(VENV)/tools/bin/pip install -q $(OPENAPI_GENERATOR)
 	touch $@
+
+# Refresh the lock from pyproject.toml's floors (the newest releases that fit, torch held to
+# requirements/torch.txt), with pip-tools from a venv of its own (.venv/lock: the lock may
+# not exist yet, and .venv is made from it). pip-compile lists ddpq itself (ddpq[all] names
+# its own extras): requirements/unself.py drops that line, since ddpq is the checkout.
+LOCKER := $(VENV)/lock/bin
+lock:
+	test -x $(LOCKER)/python || $(PY) -m venv $(VENV)/lock
+	$(LOCKER)/pip install -q "pip-tools$$(sed -n 's/^pip-tools==\([^ ]*\).*/==\1/p' $(LOCK) 2>/dev/null)"
+	$(LOCKER)/pip-compile $(PIP_COMPILE_FLAGS) --upgrade --extra all --extra dev -o $(LOCK) pyproject.toml
+	cp $(LOCK) requirements/server.txt  # its pins are the preferences: server's are all's
+	$(LOCKER)/pip-compile $(PIP_COMPILE_FLAGS) --extra server -o requirements/server.txt pyproject.toml
+	$(LOCKER)/python requirements/unself.py $(LOCK) requirements/server.txt
 
 run: venv
 	$(BIN)/ddpq up
@@ -53,13 +74,13 @@ compose-test: venv
 	bash tests/compose/run.sh
 
 lint: venv
-	$(BIN)/ruff check service worker ddpq recipes migrations tests bench
-	$(BIN)/ruff format --check service worker ddpq recipes migrations tests bench
+	$(BIN)/ruff check service worker ddpq recipes migrations tests bench requirements
+	$(BIN)/ruff format --check service worker ddpq recipes migrations tests bench requirements
 	$(BIN)/mypy
 
 fmt: venv
-	$(BIN)/ruff format service worker ddpq recipes migrations tests bench
-	$(BIN)/ruff check --fix service worker ddpq recipes migrations tests bench
+	$(BIN)/ruff format service worker ddpq recipes migrations tests bench requirements
+	$(BIN)/ruff check --fix service worker ddpq recipes migrations tests bench requirements
 
 bench: venv
 	$(BIN)/python bench/overhead.py

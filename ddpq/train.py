@@ -26,6 +26,11 @@ compact line to stderr for the first report, then at most one every
 PLAIN_INTERVAL_S and the last at exit, formatting nothing in between; checkpoints
 go to ``DDPQ_CHECKPOINT_DIR`` or ``./checkpoints``, so the same script runs anywhere.
 
+Importing this module, and ``report``/``flush`` of Python numbers, need no torch (a plain
+``pip install ddpq``): torch is imported inside ``save_checkpoint`` and
+``load_checkpoint`` only, whichever torch >= 2.2 the training environment has. Tensors
+reach ``report`` duck-typed (``requires_grad``, ``detach()``, ``item()``).
+
 With ``DDPQ_TENSORBOARD_DIR`` set (a worker passes on its own), the sender thread
 also writes the reported scalars as TensorBoard event files into
 ``$DDPQ_TENSORBOARD_DIR/job-<id>``: one run per job, which every attempt appends to.

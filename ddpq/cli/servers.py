@@ -16,6 +16,7 @@ from rich.markup import escape
 
 from ddpq import config
 from ddpq.cli.base import EXIT_USAGE, _fail, _failed, app, out
+from ddpq.cli.extras import needs
 from ddpq.errors import ApiRefused, SlurmError, WallsError
 
 
@@ -26,9 +27,10 @@ def serve(
     log_level: str = "info",
 ) -> None:
     """Run the API (applies database migrations first)."""
-    from service.config import TokenError
-    from service.main import serve as run_serve
-    from worker.procs import make_undumpable
+    with needs("serve", "the API", "server"):
+        from service.config import TokenError
+        from service.main import serve as run_serve
+        from worker.procs import make_undumpable
 
     make_undumpable()  # its tokens and database URL stay out of reach of jobs on this host
     os.umask(0o077)  # what it writes (the SQLite database, token files) is its own alone
@@ -138,11 +140,12 @@ def worker(
     """
     import logging
 
-    from worker import datadir
-    from worker.agent import Agent, default_cpu_slots
-    from worker.procs import make_undumpable
-    from worker.requirements import Policy
-    from worker.walls import Walls
+    with needs("worker", "a worker", "worker"):
+        from worker import datadir
+        from worker.agent import Agent, default_cpu_slots
+        from worker.procs import make_undumpable
+        from worker.requirements import Policy
+        from worker.walls import Walls
 
     make_undumpable()  # before the token is read: jobs run as this user
 
@@ -241,7 +244,8 @@ def _run_bridge(
 @app.command("slurm-node", hidden=True)
 def slurm_node() -> None:
     """Run one node of a Slurm attempt (the bridge's batch script starts it with srun)."""
-    from worker import slurmnode
+    with needs("slurm-node", "a Slurm node of a job", "worker"):
+        from worker import slurmnode
 
     raise typer.Exit(slurmnode.main())
 
@@ -313,9 +317,10 @@ def up(
     """
     import logging
 
-    from service.config import TokenError
-    from service.main import ApiServer, build
-    from worker.procs import launcher_argv, make_undumpable
+    with needs("up", "the API with a local worker", "server", "worker"):
+        from service.config import TokenError
+        from service.main import ApiServer, build
+        from worker.procs import launcher_argv, make_undumpable
 
     # It holds the API's tokens and database URL, and hands the worker its token.
     make_undumpable()

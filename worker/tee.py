@@ -9,15 +9,23 @@ log gets ``...step-000000162.pt[rank0]: `` followed by a line ``[rank0]: sample:
 The tails of all ranks also write into one file concurrently.
 
 This replaces torchrun's tail with one that passes on complete lines only, each
-with its prefix, every write whole and under one lock. A piece without its newline
+with its prefix once, every write whole and under one lock. (After init_process_group
+PyTorch's excepthook prefixes a traceback's lines with ``[rankN]: `` itself; a line
+that already starts with the rank's prefix is not given a second one.) A piece without its newline
 is held until the newline comes, the rank ends, or PARTIAL_WAIT_S passes (a progress
 bar redrawn with ``\\r`` never ends its line: it is shown that often). Torch is pinned
 (2.14.1), and tests/test_observe.py fails if a torch upgrade changes what is replaced.
+
+When a rank fails, torchrun raises ChildFailedError, whose traceback (through this
+module) and 20-line table are noise in a job's log. This prints instead one line per
+failed rank, the first to fail first (``failure_line``; worker.torchrun.root_cause reads
+them), and exits 1 as torchrun would.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 import time
@@ -33,7 +41,7 @@ _write_lock = threading.Lock()
 
 def _emit(header: str, lines: list[bytes], dst: TextIO, keep: Callable[[str], bool] | None) -> None:
     text = "".join(
-        f"{header}{line}"
+        f"{header}{line.removeprefix(header) if header else line}"
         for line in (raw.decode("utf-8", errors="replace") + "\n" for raw in lines)
         if keep is None or keep(line)
     )
@@ -79,13 +87,80 @@ def tail_whole_lines(
             time.sleep(interval_sec)
 
 
+# worker.torchrun.FAILURE_LINE reads these; tests/test_torchrun_failures.py holds both
+# to each other.
+FIRST = "[ddpq] first to fail: "
+ALSO = "[ddpq] also failed: "
+
+
+def failed_words(rank: int, local_rank: int, exitcode: int) -> str:
+    """How a rank ended, from torch's exit code (negative: killed by that signal):
+    ``rank 1 (local rank 1) exited with code 1``, ``rank 0 (local rank 0) killed by
+    SIGKILL``."""
+    if exitcode < 0:
+        try:
+            how = f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            how = f"killed by signal {-exitcode}"
+    else:
+        how = f"exited with code {exitcode}"
+    return f"rank {rank} (local rank {local_rank}) {how}"
+
+
+def failure_line(
+    first: bool, rank: int, local_rank: int, exitcode: int, message: str | None = None
+) -> str:
+    """One failed rank's line: ``[ddpq] first to fail: rank 1 (local rank 1) exited with
+    code 1``, then ``: ValueError: bad input`` when the rank's error file says so (as
+    under ``@record``)."""
+    said = f": {' '.join(message.split())[:500]}" if message else ""
+    return f"{FIRST if first else ALSO}{failed_words(rank, local_rank, exitcode)}{said}"
+
+
+def _error_file_message(failure: object) -> str | None:
+    """What a rank's error file says (torch's ProcessFailure.message: a string, or
+    ``{"message": ...}`` as ``@record`` writes it), when it left one."""
+    if getattr(failure, "error_file", "<N/A>") == "<N/A>":  # torch's _NOT_AVAILABLE
+        return None
+    message = getattr(failure, "message", None)
+    if isinstance(message, dict):
+        message = message.get("message")
+    return message if isinstance(message, str) and message else None
+
+
+def failure_lines(failures: dict[int, object], first_rank: int) -> list[str]:
+    """Each failed rank's line (torch's ChildFailedError.failures), the first to fail
+    first."""
+    order = [first_rank, *sorted(r for r in failures if r != first_rank)]
+    return [
+        failure_line(
+            rank == first_rank,
+            rank,
+            int(getattr(failures[rank], "local_rank", rank)),
+            int(getattr(failures[rank], "exitcode", 1)),
+            _error_file_message(failures[rank]),
+        )
+        for rank in order
+    ]
+
+
 def main() -> None:
     from torch.distributed.elastic.multiprocessing import tail_log
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
     tail_log.tail_logfile = tail_whole_lines  # TailLog.start looks it up at each call
     sys.argv[0] = "torchrun"
-    torchrun()
+    try:
+        torchrun()
+    except ChildFailedError as exc:
+        first_rank, _ = exc.get_first_failure()
+        lines = failure_lines(dict(exc.failures), first_rank)
+        with _write_lock:
+            sys.stdout.flush()
+            sys.stderr.write("".join(f"{line}\n" for line in lines))
+            sys.stderr.flush()
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -115,6 +115,41 @@ def test_failure_lines_put_the_first_to_fail_first_with_its_error_file() -> None
     ]
 
 
+def test_the_first_to_fail_carries_its_own_error_line_from_its_recent_output() -> None:
+    # With 8 ranks each printing a consequence traceback, the runner's tail of the whole
+    # output may have lost the first rank's error line: the tee's line carries it.
+    failures = {
+        r: SimpleNamespace(local_rank=r, exitcode=1 if r == 3 else -15, error_file="<N/A>")
+        for r in range(8)
+    }
+    recent = {
+        "[rank3]: ": ["Traceback (most recent call last):", "KeyError: 'label'"],
+        "[rank0]: ": ["RuntimeError: [gloo] Connection closed by peer"],
+    }
+    lines = tee.failure_lines(failures, 3, recent)
+    assert (
+        lines[0]
+        == "[ddpq] first to fail: rank 3 (local rank 3) exited with code 1: KeyError: 'label'"
+    )
+    assert lines[1] == "[ddpq] also failed: rank 0 (local rank 0) killed by SIGTERM"
+    noise = [f"[rank{r}]: RuntimeError: Connection reset by peer" for r in range(8)] * 10
+    tail = [*noise, *lines][-TAIL_LINES:]
+    assert (
+        torchrun.root_cause(tail) == "rank 3 (local rank 3) exited with code 1: KeyError: 'label'"
+    )
+
+
+def test_the_prefix_the_tee_looks_for_is_the_one_torchrun_is_given(tmp_path: Path) -> None:
+    from tests.helpers import job_runner
+
+    argv = torchrun.argv("python", job_runner(tmp_path, {"world_size": 2}).claim, [], [], tmp_path)
+    assert (
+        argv[argv.index("--log-line-prefix-template") + 1]
+        == tee.PREFIX_TEMPLATE
+        == "[rank${rank}]: "
+    )
+
+
 def test_a_line_torch_already_prefixed_gets_no_second_prefix(tmp_path: Path) -> None:
     out = tmp_path / "rank1.log"
     out.write_bytes(b"plain\n[rank1]: ValueError: bad input\n[rank0]: not mine\n")

@@ -18,33 +18,73 @@ bar redrawn with ``\\r`` never ends its line: it is shown that often). Torch is 
 
 When a rank fails, torchrun raises ChildFailedError, whose traceback (through this
 module) and 20-line table are noise in a job's log. This prints instead one line per
-failed rank, the first to fail first (``failure_line``; worker.torchrun.root_cause reads
-them), and exits 1 as torchrun would.
+failed rank, the first to fail first, with its error: its error file's (under
+``@record``), else the error line of its own recent output (``error_line``), which the
+runner's tail of the whole output may have lost among the other ranks' tracebacks.
+worker.torchrun.root_cause reads these lines. It exits 1 as torchrun would.
 """
 
 from __future__ import annotations
 
+import collections
 import os
+import re
 import signal
+import string
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from threading import Event
 from typing import TextIO
 
 PARTIAL_WAIT_S = 2.0
 READ_BYTES = 1 << 16
+RECENT_LINES = 200  # of each rank's output, kept to name its error when it fails
+# torchrun's --log-line-prefix-template as worker.torchrun.argv gives it.
+PREFIX_TEMPLATE = "[rank${rank}]: "
 
 _write_lock = threading.Lock()
+_recent: dict[str, collections.deque[str]] = {}  # by the rank's prefix
+
+# Lines that name why a program failed: an exception, or argparse's "prog: error: ...".
+# Any number of "[rank1]:" prefixes go first (torchrun's, PyTorch's excepthook's).
+ERROR_LINE = re.compile(
+    r"^(?:\[[^\]]*\]:?\s*)*((?:[\w.]+(?:Error|Exception|Interrupt)\b.*)|(?:\S+: error: .*))$"
+)
+# Errors that follow from another rank's failure, not its cause: the ranks still in a
+# collective see their peer's connection close, and torchrun reports its child failed.
+CONSEQUENCE = re.compile(
+    r"ChildFailedError|SignalException|torch\.distributed\.elastic|DistBackendError|"
+    r"DistNetworkError|DistStoreError|gloo|NCCL|[Cc]onnection (?:closed|reset|refused)|"
+    r"[Bb]roken pipe|ProcessGroup"
+)
+CHILD_FAILED = re.compile(r"\bChildFailedError\b")
+
+
+def error_line(lines: Iterable[str]) -> str | None:
+    """The error line that says why: the last one that is not a consequence of another
+    rank's failure (else the last of those); never torchrun's ChildFailedError."""
+    errors = [
+        m.group(1)
+        for line in lines
+        for m in [ERROR_LINE.match(line)]
+        if m and not CHILD_FAILED.search(m.group(1))
+    ]
+    causes = [e for e in errors if not CONSEQUENCE.search(e)]
+    return (causes or errors or [None])[-1]
 
 
 def _emit(header: str, lines: list[bytes], dst: TextIO, keep: Callable[[str], bool] | None) -> None:
-    text = "".join(
-        f"{header}{line.removeprefix(header) if header else line}"
+    shown = [
+        line.removeprefix(header) if header else line
         for line in (raw.decode("utf-8", errors="replace") + "\n" for raw in lines)
         if keep is None or keep(line)
+    ]
+    _recent.setdefault(header, collections.deque(maxlen=RECENT_LINES)).extend(
+        line.rstrip() for line in shown
     )
+    text = "".join(f"{header}{line}" for line in shown)
     if text:
         with _write_lock:
             dst.write(text)
@@ -128,20 +168,27 @@ def _error_file_message(failure: object) -> str | None:
     return message if isinstance(message, str) and message else None
 
 
-def failure_lines(failures: dict[int, object], first_rank: int) -> list[str]:
+def failure_lines(
+    failures: dict[int, object],
+    first_rank: int,
+    recent: Mapping[str, Iterable[str]] | None = None,
+) -> list[str]:
     """Each failed rank's line (torch's ChildFailedError.failures), the first to fail
-    first."""
+    first, with its error file's message; the first's, without one, is the error line
+    of its ``recent`` output (by the prefix of its lines, PREFIX_TEMPLATE)."""
+    recent = _recent if recent is None else recent
     order = [first_rank, *sorted(r for r in failures if r != first_rank)]
-    return [
-        failure_line(
-            rank == first_rank,
-            rank,
-            int(getattr(failures[rank], "local_rank", rank)),
-            int(getattr(failures[rank], "exitcode", 1)),
-            _error_file_message(failures[rank]),
-        )
-        for rank in order
-    ]
+    lines = []
+    for rank in order:
+        failure = failures[rank]
+        message = _error_file_message(failure)
+        if message is None and rank == first_rank:
+            header = string.Template(PREFIX_TEMPLATE).safe_substitute(rank=rank)
+            message = error_line(recent.get(header, ()))
+        local_rank = int(getattr(failure, "local_rank", rank))
+        exitcode = int(getattr(failure, "exitcode", 1))
+        lines.append(failure_line(rank == first_rank, rank, local_rank, exitcode, message))
+    return lines
 
 
 def main() -> None:

@@ -43,19 +43,6 @@ INHERITED_PREFIXES = (
     "PYTORCH_", "HF_", "TRANSFORMERS_", "XDG_",
 )  # fmt: skip
 
-# Lines that name why a program failed: an exception, or argparse's "prog: error: ...".
-# Any number of "[rank1]:" prefixes go first: torchrun adds one, and after
-# init_process_group PyTorch's own excepthook adds another ("[rank1]: [rank1]: ValueError").
-ERROR_LINE = re.compile(
-    r"^(?:\[[^\]]*\]:?\s*)*((?:[\w.]+(?:Error|Exception|Interrupt)\b.*)|(?:\S+: error: .*))$"
-)
-# Errors that follow from another rank's failure, not its cause: the ranks still in a
-# collective see their peer's connection close, and torchrun reports its child failed.
-CONSEQUENCE = re.compile(
-    r"ChildFailedError|SignalException|torch\.distributed\.elastic|DistBackendError|"
-    r"DistNetworkError|DistStoreError|gloo|NCCL|[Cc]onnection (?:closed|reset|refused)|"
-    r"[Bb]roken pipe|ProcessGroup"
-)
 TORCHRUN_EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
 # The rank that failed first: worker.tee's line for it (tee.failure_line), else the root
 # cause in the table of torchrun's own ChildFailedError (a launch without worker.tee).
@@ -67,7 +54,6 @@ FAILURE_LINE = re.compile(
 TABLE_ROOT = "Root Cause (first observed failure):"
 TABLE_RANK = re.compile(r"^\s*rank\s*: (\d+) \(local_rank: (\d+)\)")
 TABLE_EXITCODE = re.compile(r"^\s*exitcode\s*: (-?\d+)")
-CHILD_FAILED = re.compile(r"\bChildFailedError\b")
 
 
 # ---- what runs -------------------------------------------------------------------------
@@ -130,7 +116,7 @@ def argv(
         "--monitor-interval", str(MONITOR_INTERVAL_S),
         "--log-dir", str(log_dir),
         "--tee", "3",
-        "--log-line-prefix-template", "[rank${rank}]: ",
+        "--log-line-prefix-template", tee.PREFIX_TEMPLATE,
         *program,
     ]  # fmt: skip
 
@@ -262,19 +248,6 @@ def _signum(line: str, number: str | None) -> int:
         return 0
 
 
-def _errors(lines: list[str]) -> str | None:
-    """The error line that says why: the last one that is not a consequence of another
-    rank's failure (else the last of those); never torchrun's ChildFailedError."""
-    errors = [
-        m.group(1)
-        for line in lines
-        for m in [ERROR_LINE.match(line)]
-        if m and not CHILD_FAILED.search(m.group(1))
-    ]
-    causes = [e for e in errors if not CONSEQUENCE.search(e)]
-    return (causes or errors or [None])[-1]
-
-
 def root_cause(tail: list[str]) -> str | None:
     """Why an attempt failed: which rank failed first and how (``rank 1 (local rank 1)
     exited with code 1: ValueError: bad input``, ``rank 0 (local rank 0) killed by
@@ -282,11 +255,11 @@ def root_cause(tail: list[str]) -> str | None:
     failed), the error line of the whole output."""
     failed = first_failure(tail)
     if failed is None:
-        found = _errors(tail)
+        found = tee.error_line(tail)
         return found[:500] if found else None
     words = tee.failed_words(failed.rank, failed.local_rank, failed.exitcode)
     prefix = f"[rank{failed.rank}]:"
-    said = failed.said or _errors([line for line in tail if line.startswith(prefix)])
+    said = failed.said or tee.error_line(line for line in tail if line.startswith(prefix))
     return f"{words}: {said}"[:500] if said else words
 
 

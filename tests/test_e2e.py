@@ -214,9 +214,9 @@ def test_a_failure_after_init_names_the_exception(server: Server, start_worker) 
     log = c.get(f"/jobs/{job['id']}/logs").text
     assert final["status"] == "failed", final
     assert final["exit_code"] == 1, final
-    assert (
-        "rank 1 (local rank 1) exited with code 1: ValueError: labels and logits differ"
-        in final["reason"]
+    assert final["reason"].startswith(
+        "exited with code 1: rank 1 (local rank 1) failed first: "
+        "ValueError: labels and logits differ"
     ), (final["reason"], log[-3000:])
     assert "ChildFailedError" not in final["reason"]
     lines = log.splitlines()

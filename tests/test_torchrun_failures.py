@@ -24,8 +24,8 @@ def _tail(name: str) -> list[str]:
     return [line.rstrip() for line in lines][-TAIL_LINES:]
 
 
-RAISED = "rank 1 (local rank 1) exited with code 1: ValueError: bad input"
-KILLED = "rank 0 (local rank 0) killed by SIGKILL"
+RAISED = "rank 1 (local rank 1) failed first: ValueError: bad input"
+KILLED = "rank 0 (local rank 0) failed first"  # the exit code says SIGKILL
 
 
 @pytest.mark.parametrize(
@@ -96,7 +96,13 @@ def test_the_tee_line_and_its_reading_agree(exitcode: int, message: str | None, 
     )
     assert failed is not None
     assert (failed.rank, failed.local_rank, failed.exitcode) == (3, 1, exitcode)
-    assert torchrun.root_cause([line]) == words
+    assert failed.said == (" ".join(message.split()) if message else None) and failed.others
+    # The reason names the rank and its error; how it ended is the exit code's, which
+    # the service words ("killed by SIGKILL ..., exit code 137: rank 3 ...").
+    said = f": {failed.said}" if message else ""
+    assert torchrun.root_cause([line]) == f"rank 3 (local rank 1) failed{said}"
+    exit_status = exitcode if exitcode >= 0 else 128 - exitcode
+    assert torchrun.outcome(1, [line], None, None).exit_code == exit_status
 
 
 def test_failure_lines_put_the_first_to_fail_first_with_its_error_file() -> None:
@@ -134,9 +140,7 @@ def test_the_first_to_fail_carries_its_own_error_line_from_its_recent_output() -
     assert lines[1] == "[ddpq] also failed: rank 0 (local rank 0) killed by SIGTERM"
     noise = [f"[rank{r}]: RuntimeError: Connection reset by peer" for r in range(8)] * 10
     tail = [*noise, *lines][-TAIL_LINES:]
-    assert (
-        torchrun.root_cause(tail) == "rank 3 (local rank 3) exited with code 1: KeyError: 'label'"
-    )
+    assert torchrun.root_cause(tail) == "rank 3 (local rank 3) failed first: KeyError: 'label'"
 
 
 def test_the_prefix_the_tee_looks_for_is_the_one_torchrun_is_given(tmp_path: Path) -> None:

@@ -213,6 +213,7 @@ class Failed:
     local_rank: int
     exitcode: int
     said: str | None = None  # what its error file said, when it left one
+    others: bool = False  # other ranks failed after it
 
     @property
     def exit_status(self) -> int:
@@ -221,13 +222,17 @@ class Failed:
 
 def first_failure(tail: list[str]) -> Failed | None:
     """The first rank to fail, from worker.tee's line, else torchrun's own table."""
+    others = any(line.startswith(tee.ALSO) for line in tail)
     for line in tail:
         m = FAILURE_LINE.match(line)
         if m:
             code = int(m["code"]) if m["code"] else -_signum(line, m["signum"])
-            return Failed(int(m["rank"]), int(m["local"]), code, m["said"] or None)
+            return Failed(int(m["rank"]), int(m["local"]), code, m["said"] or None, others)
     if TABLE_ROOT not in tail:
         return None
+    if "Failures:" in tail:  # the others, or "<NO_OTHER_FAILURES>"
+        after = tail[tail.index("Failures:") + 1 :]
+        others = bool(after) and "<NO_OTHER_FAILURES>" not in after[0]
     ranks: re.Match[str] | None = None
     exitcode: re.Match[str] | None = None
     for line in tail[tail.index(TABLE_ROOT) + 1 :]:
@@ -235,7 +240,7 @@ def first_failure(tail: list[str]) -> Failed | None:
         exitcode = exitcode or TABLE_EXITCODE.match(line)
     if ranks is None or exitcode is None:
         return None
-    return Failed(int(ranks[1]), int(ranks[2]), int(exitcode[1]))
+    return Failed(int(ranks[1]), int(ranks[2]), int(exitcode[1]), None, others)
 
 
 def _signum(line: str, number: str | None) -> int:
@@ -249,15 +254,18 @@ def _signum(line: str, number: str | None) -> int:
 
 
 def root_cause(tail: list[str]) -> str | None:
-    """Why an attempt failed: which rank failed first and how (``rank 1 (local rank 1)
-    exited with code 1: ValueError: bad input``, ``rank 0 (local rank 0) killed by
-    SIGKILL``), with that rank's own error line; without a failed rank (torchrun itself
-    failed), the error line of the whole output."""
+    """Why an attempt failed: which rank failed first, with that rank's own error line
+    (``rank 1 (local rank 1) failed first: ValueError: bad input``; ``rank 0 (local
+    rank 0) failed first`` for one killed without a word); without a failed rank
+    (torchrun itself failed), the error line of the whole output. How it ended is not
+    repeated: the outcome's exit code is that rank's, and the service words it
+    ("exited with code 1: rank 1 ...", "killed by SIGKILL ..., exit code 137: rank 0 ...")."""
     failed = first_failure(tail)
     if failed is None:
         found = tee.error_line(tail)
         return found[:500] if found else None
-    words = tee.failed_words(failed.rank, failed.local_rank, failed.exitcode)
+    first = " first" if failed.others else ""
+    words = f"rank {failed.rank} (local rank {failed.local_rank}) failed{first}"
     prefix = f"[rank{failed.rank}]:"
     said = failed.said or tee.error_line(line for line in tail if line.startswith(prefix))
     return f"{words}: {said}"[:500] if said else words

@@ -180,6 +180,11 @@ class Client:
         result: dict[str, Any] = self._json("GET", f"/jobs/{job_id}")
         return result
 
+    def attempts(self, job_id: int) -> list[dict[str, Any]]:
+        """A job's attempts, oldest first: number, worker, outcome, reason, ..."""
+        result: dict[str, Any] = self._json("GET", f"/jobs/{job_id}/attempts")
+        return list(result["items"])
+
     def jobs(
         self,
         status: str | list[str] | None = None,

@@ -38,7 +38,17 @@ log = logging.getLogger("ddpq.service")
 
 class BodyLimit:
     """413 for request bodies over the limit, whether declared or streamed. Paths under
-    a prefix of ``larger`` take that prefix's limit instead (code uploads)."""
+    a prefix of ``larger`` take that prefix's limit instead (code uploads).
+
+    Before answering it reads and discards the rest of the body, up to ``DRAIN_BYTES``
+    or ``DRAIN_S`` (nginx's "lingering close"): a server that answers and closes while
+    the client is still sending makes the kernel reset the connection, and the client
+    sees `Connection reset by peer` instead of the 413 (issue 30: 27 of 40 POSTs of
+    2 MiB). A client that waits for `100 Continue` has sent nothing: it is answered at
+    once."""
+
+    DRAIN_BYTES = 64 * 1024 * 1024
+    DRAIN_S = 5.0
 
     def __init__(self, app: ASGIApp, max_bytes: int, larger: dict[str, int] | None = None) -> None:
         self.app = app
@@ -63,6 +73,8 @@ class BodyLimit:
                 except ValueError:
                     too_big = False
                 if too_big:
+                    if not _expects_continue(scope):
+                        await self._drain(receive)
                     await self._reject(send, limit)
                     return
         seen = 0
@@ -74,6 +86,10 @@ class BodyLimit:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > limit:
+                    # Whoever answers the 413 (this middleware, or the app's handler of
+                    # the HTTPException), the rest of the body is read first.
+                    if message.get("more_body", False):
+                        await self._drain(receive)
                     raise _TooLarge(limit)
             return message
 
@@ -88,6 +104,19 @@ class BodyLimit:
         except _TooLarge:
             if not started:
                 await self._reject(send, limit)
+
+    async def _drain(self, receive: Receive) -> None:
+        """Read and drop the rest of the request body, within the bounds."""
+        left = self.DRAIN_BYTES
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.DRAIN_S):
+                while left > 0:
+                    message = await receive()
+                    if message["type"] != "http.request":
+                        return
+                    left -= len(message.get("body", b""))
+                    if not message.get("more_body", False):
+                        return
 
     async def _reject(self, send: Send, limit: int) -> None:
         body = json.dumps({"detail": _too_large(limit)}).encode()
@@ -110,6 +139,13 @@ class _TooLarge(HTTPException):
 
     def __init__(self, max_bytes: int) -> None:
         super().__init__(413, _too_large(max_bytes))
+
+
+def _expects_continue(scope: Scope) -> bool:
+    return any(
+        key == b"expect" and value.lower() == b"100-continue"
+        for key, value in scope.get("headers", [])
+    )
 
 
 def _too_large(limit: int) -> str:

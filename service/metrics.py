@@ -33,6 +33,7 @@ from service.errors import NotFound
 from service.jobs import current_job
 from service.models import Attempt, AttemptOutcome, Job, MetricPoint, utcnow
 from service.schemas import (
+    MAX_METRIC_NAMES,
     AttemptPublic,
     MetricItemIn,
     MetricsIn,
@@ -409,11 +410,25 @@ def ingest_metrics(db: Database, attempt: Attempt, body: MetricsIn) -> int:
         }
         latest = job.latest_metrics
         if latest is None or last.step > latest["step"]:
+            # Each series keeps its latest value: a step that reports only val_* values
+            # leaves the job's latest loss in place (issue 30: `ddpq ls` showed no LOSS).
             job.latest_metrics = {
                 "step": last.step,
                 "epoch": metric_out(metric_in(last.epoch)) if last.epoch is not None else None,
-                "values": latest_values,
+                "values": _kept(latest["values"] if latest else {}, latest_values),
             }
         elif last.step == latest["step"]:
-            job.latest_metrics = {**latest, "values": {**latest["values"], **latest_values}}
+            job.latest_metrics = {**latest, "values": _kept(latest["values"], latest_values)}
     return len(rows)
+
+
+def _kept(older: dict[str, Any], newest: dict[str, Any]) -> dict[str, Any]:
+    """The latest value of each series, the newest step's first: at most
+    MAX_METRIC_NAMES, those reported longest ago dropped first (a program that names
+    a new series at every step does not grow the job's row without bound)."""
+    kept = {**older, **newest}
+    over = max(0, len(kept) - MAX_METRIC_NAMES)
+    drop = [name for name in older if name not in newest][:over]
+    for name in drop:
+        del kept[name]
+    return kept

@@ -381,10 +381,11 @@ def test_metrics_keep_one_point_per_step_and_non_finite_values(server: Server) -
     assert items[4]["values"] == {"loss": 0.2, "lr": 0.1}
     assert items[5]["values"] == {"loss": "NaN", "gnorm": "Infinity"}
     job = user.get(f"/jobs/{jid}").json()
+    # Each series' latest value: lr was last reported at step 5.
     assert job["latest_metrics"] == {
         "step": 6,
         "epoch": None,
-        "values": {"loss": "NaN", "gnorm": "Infinity"},
+        "values": {"loss": "NaN", "gnorm": "Infinity", "lr": 0.1},
     }
     assert [
         i["step"]

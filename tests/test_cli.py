@@ -315,6 +315,40 @@ def test_ls_filters_follows_cursors_and_prints_json(server: Server) -> None:
     assert r.returncode == 1 and "status" in r.stderr and "sleeping" in r.stderr
 
 
+def test_ls_shows_the_latest_loss_and_names_attempts_handed_back(server: Server) -> None:
+    # Issue 30: the last report at a step carried only val_* values and LOSS was blank;
+    # after a hand-back (no failure counted) ATTEMPT read `2/3`, as if one were counted.
+    claim = submit_and_claim(server, name="hand", max_attempts=3)
+    jid = claim["job_id"]
+    c = server.client()
+    report(server, claim, [{"step": 1, "values": {"loss": 0.25}}])
+    report(server, claim, [{"step": 2, "values": {"val_loss": 0.75, "val_acc": 0.5}}])
+    values = c.get(f"/jobs/{jid}").json()["latest_metrics"]["values"]
+    assert values == {"loss": 0.25, "val_loss": 0.75, "val_acc": 0.5}
+    # The worker hands the attempt back (its shutdown), and it is claimed again.
+    r = server.client("worker").post(
+        f"/workers/jobs/{jid}/finish",
+        json={"worker": "hand", "attempt": 1, "outcome": "requeue"},
+    )
+    assert r.status_code == 200, r.text
+
+    def row() -> list[str]:
+        r = ddpq(server, "ls", "--name", "train.py", "--limit", "1")
+        assert r.returncode == 0, r.stderr
+        header, first = r.stdout.strip().splitlines()[:2]
+        assert first.split()[0] == str(jid), r.stdout
+        return [first[header.index(col) :].split("  ")[0].strip() for col in ("ATTEMPT", "LOSS")]
+
+    assert row() == ["1 (1 handed back)/3", "0.25"]  # back in the queue
+    again = server.client("worker").post(
+        "/workers/claim", json={"name": "hand", "free_cpu_slots": 8, "free_gpus": [], "wait_s": 5}
+    )
+    assert again.status_code == 200 and again.json()["attempt"] == 2, again.text
+    assert row() == ["2 (1 handed back)/3", "0.25"]
+    finish(server, again.json(), exit_code=1)  # a failure, counted: named apart
+    assert row() == ["2 (1 handed back)/3", "0.25"]
+
+
 def test_workers_table_and_json(server: Server) -> None:
     claim = submit_and_claim(server, name="cli-workers")
     r = ddpq(server, "workers", "--json")

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import importlib.metadata
 import importlib.util
 import os
 import posixpath
 import random
 import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -882,6 +884,10 @@ def test_one_environment_is_built_for_two_jobs_and_torch_is_never_replaced(
     assert len(set(pythons)) == 1 and len(pythons) == 2
     assert sum("building an environment" in line for line in said) == 1, said
     assert sum("reusing environment" in line for line in said) == 1, said
+    # pip's output is one line in the log when the build succeeds (issue 30).
+    assert [line for line in said if line.startswith("[pip]")] == [
+        "[pip] Successfully installed ddpqtestpkg-0.1\n"
+    ], said
     out = subprocess.run(
         [
             pythons[0],
@@ -899,6 +905,42 @@ def test_one_environment_is_built_for_two_jobs_and_torch_is_never_replaced(
     # Another torch than the worker's fails the build (the constraints pin it).
     bad = requirements.read(None, ["torch==1.0.0"])
     building = venvs.using(bad, tmp_path, dict(os.environ), said.append, threading.Event())
+    said.clear()
     with pytest.raises(JobError, match="requirements failed"), building:
         pass
     assert len([d for d in (tmp_path / "venvs").iterdir() if (d / ".ddpq-ready").exists()]) == 1
+    # A failed build shows all of pip's output.
+    shown = "".join(line for line in said if line.startswith("[pip]"))
+    assert shown.count("\n") > 1 and "[pip] ERROR:" in shown, said
+
+
+def test_requirements_the_worker_already_satisfies_build_no_environment(tmp_path: Path) -> None:
+    # Issue 30: a requirements.txt of only `torch>=1.11.0`, which the worker has, built an
+    # environment and put ~30 lines of `Requirement already satisfied` in the job's log.
+    from worker import requirements
+    from worker.venvs import Venvs, python_for, satisfied
+
+    venvs = Venvs(tmp_path / "venvs", max_envs=1)
+    (tmp_path / "requirements.txt").write_text("torch>=1.11.0\n")
+    said: list[str] = []
+    spec = {"code": "0" * 64, "pip": ["Packaging", "absent-pkg; python_version < '3'"]}
+    with python_for(venvs, spec, tmp_path, dict(os.environ), said.append, threading.Event()) as py:
+        assert py == sys.executable
+    assert said == [
+        "[ddpq] requirements: the worker's environment already has torch>=1.11.0, Packaging, "
+        "absent-pkg; python_version < '3'; no environment built\n"
+    ]
+    assert list((tmp_path / "venvs").iterdir()) == []
+
+    def sat(*pip: str) -> bool:
+        return satisfied(requirements.read(None, list(pip)))
+
+    torch_version = importlib.metadata.version("torch")
+    assert sat(f"torch=={torch_version}", "torch<99", "TORCH >= 1")
+    assert not sat("torch>=99")  # another version: pip decides (here, the pins refuse it)
+    assert not sat("packaging", "absent-pkg")  # one missing is enough to build
+    assert not sat("torch[an-extra]")  # what an extra pulls in is pip's to judge
+    digest = "sha256:" + "0" * 64
+    assert not sat(f"torch --hash={digest}")
+    (tmp_path / "w.whl").write_bytes(b"x")
+    assert not satisfied(requirements.read(tmp_path, ["./w.whl"]))

@@ -199,9 +199,11 @@ dist.barrier()  # rank 0 waits here until rank 1's failure ends the group
 
 
 def test_a_failure_after_init_names_the_exception(server: Server, start_worker) -> None:
-    # Most real failures happen after init_process_group, where torchrun and PyTorch
-    # both prefix the lines ("[rank1]: [rank1]: ValueError: ..."), and the other rank
-    # fails too, of the broken connection: the reason names the first rank's error.
+    # Most real failures happen after init_process_group, where PyTorch's excepthook
+    # prefixes a traceback's lines with "[rank1]: " as torchrun's tail does, and the
+    # other rank fails too, of the broken connection: the reason names the rank that
+    # failed first and its error (issue 30), and the log shows each line once with one
+    # prefix, without torchrun's ChildFailedError traceback.
     worker = start_worker(server)
     (worker.workspace / "after_init.py").write_text(AFTER_INIT)
     c = server.client()
@@ -209,11 +211,21 @@ def test_a_failure_after_init_names_the_exception(server: Server, start_worker) 
         "/jobs", json={"entrypoint": "after_init.py", "world_size": 2, "device": "cpu"}
     ).json()
     final = terminal(c, job["id"])
+    log = c.get(f"/jobs/{job['id']}/logs").text
     assert final["status"] == "failed", final
-    assert "ValueError: labels and logits differ in shape" in final["reason"], (
-        final["reason"],
-        c.get(f"/jobs/{job['id']}/logs").text[-3000:],
-    )
+    assert final["exit_code"] == 1, final
+    assert final["reason"].startswith(
+        "exited with code 1: rank 1 (local rank 1) failed first: "
+        "ValueError: labels and logits differ"
+    ), (final["reason"], log[-3000:])
+    assert "ChildFailedError" not in final["reason"]
+    lines = log.splitlines()
+    error = "[rank1]: ValueError: labels and logits differ in shape: (32,) vs (32, 10)"
+    assert lines.count(error) == 1, log
+    assert not [line for line in lines if line.startswith(("[rank0]: [rank0]", "[rank1]: [rank1]"))]
+    assert "ChildFailedError" not in log and "worker/tee.py" not in log, log
+    first = "[ddpq] first to fail: rank 1 (local rank 1) exited with code 1: ValueError: labels"
+    assert [line for line in lines if line.startswith(first)], log
 
 
 POLITE = r"""

@@ -314,5 +314,7 @@ def test_bad_arguments_fail_the_job_with_the_recipes_own_reason(
     for recipe, job_id in ids.items():
         final = terminal(c, job_id, timeout=120)
         assert final["status"] == "failed" and final["exit_code"] == 2, final
-        assert final["reason"].startswith(f"exited with code 2: {recipe}: error: "), final
+        # The rank that failed first, then its error (issue 30).
+        first = r"exited with code 2: rank (\d) \(local rank \1\) failed first: "
+        assert re.match(first + re.escape(f"{recipe}: error: "), final["reason"]), final
         assert bad[recipe][1] in final["reason"], final

@@ -9,34 +9,82 @@ log gets ``...step-000000162.pt[rank0]: `` followed by a line ``[rank0]: sample:
 The tails of all ranks also write into one file concurrently.
 
 This replaces torchrun's tail with one that passes on complete lines only, each
-with its prefix, every write whole and under one lock. A piece without its newline
+with its prefix once, every write whole and under one lock. (After init_process_group
+PyTorch's excepthook prefixes a traceback's lines with ``[rankN]: `` itself; a line
+that already starts with the rank's prefix is not given a second one.) A piece without its newline
 is held until the newline comes, the rank ends, or PARTIAL_WAIT_S passes (a progress
 bar redrawn with ``\\r`` never ends its line: it is shown that often). Torch is pinned
 (2.14.1), and tests/test_observe.py fails if a torch upgrade changes what is replaced.
+
+When a rank fails, torchrun raises ChildFailedError, whose traceback (through this
+module) and 20-line table are noise in a job's log. This prints instead one line per
+failed rank, the first to fail first, with its error: its error file's (under
+``@record``), else the error line of its own recent output (``error_line``), which the
+runner's tail of the whole output may have lost among the other ranks' tracebacks.
+worker.torchrun.root_cause reads these lines. It exits 1 as torchrun would.
 """
 
 from __future__ import annotations
 
+import collections
 import os
+import re
+import signal
+import string
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from threading import Event
 from typing import TextIO
 
 PARTIAL_WAIT_S = 2.0
 READ_BYTES = 1 << 16
+RECENT_LINES = 200  # of each rank's output, kept to name its error when it fails
+# torchrun's --log-line-prefix-template as worker.torchrun.argv gives it.
+PREFIX_TEMPLATE = "[rank${rank}]: "
 
 _write_lock = threading.Lock()
+_recent: dict[str, collections.deque[str]] = {}  # by the rank's prefix
+
+# Lines that name why a program failed: an exception, or argparse's "prog: error: ...".
+# Any number of "[rank1]:" prefixes go first (torchrun's, PyTorch's excepthook's).
+ERROR_LINE = re.compile(
+    r"^(?:\[[^\]]*\]:?\s*)*((?:[\w.]+(?:Error|Exception|Interrupt)\b.*)|(?:\S+: error: .*))$"
+)
+# Errors that follow from another rank's failure, not its cause: the ranks still in a
+# collective see their peer's connection close, and torchrun reports its child failed.
+CONSEQUENCE = re.compile(
+    r"ChildFailedError|SignalException|torch\.distributed\.elastic|DistBackendError|"
+    r"DistNetworkError|DistStoreError|gloo|NCCL|[Cc]onnection (?:closed|reset|refused)|"
+    r"[Bb]roken pipe|ProcessGroup"
+)
+CHILD_FAILED = re.compile(r"\bChildFailedError\b")
+
+
+def error_line(lines: Iterable[str]) -> str | None:
+    """The error line that says why: the last one that is not a consequence of another
+    rank's failure (else the last of those); never torchrun's ChildFailedError."""
+    errors = [
+        m.group(1)
+        for line in lines
+        for m in [ERROR_LINE.match(line)]
+        if m and not CHILD_FAILED.search(m.group(1))
+    ]
+    causes = [e for e in errors if not CONSEQUENCE.search(e)]
+    return (causes or errors or [None])[-1]
 
 
 def _emit(header: str, lines: list[bytes], dst: TextIO, keep: Callable[[str], bool] | None) -> None:
-    text = "".join(
-        f"{header}{line}"
+    shown = [
+        line.removeprefix(header) if header else line
         for line in (raw.decode("utf-8", errors="replace") + "\n" for raw in lines)
         if keep is None or keep(line)
+    ]
+    _recent.setdefault(header, collections.deque(maxlen=RECENT_LINES)).extend(
+        line.rstrip() for line in shown
     )
+    text = "".join(f"{header}{line}" for line in shown)
     if text:
         with _write_lock:
             dst.write(text)
@@ -79,13 +127,87 @@ def tail_whole_lines(
             time.sleep(interval_sec)
 
 
+# worker.torchrun.FAILURE_LINE reads these; tests/test_torchrun_failures.py holds both
+# to each other.
+FIRST = "[ddpq] first to fail: "
+ALSO = "[ddpq] also failed: "
+
+
+def failed_words(rank: int, local_rank: int, exitcode: int) -> str:
+    """How a rank ended, from torch's exit code (negative: killed by that signal):
+    ``rank 1 (local rank 1) exited with code 1``, ``rank 0 (local rank 0) killed by
+    SIGKILL``."""
+    if exitcode < 0:
+        try:
+            how = f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            how = f"killed by signal {-exitcode}"
+    else:
+        how = f"exited with code {exitcode}"
+    return f"rank {rank} (local rank {local_rank}) {how}"
+
+
+def failure_line(
+    first: bool, rank: int, local_rank: int, exitcode: int, message: str | None = None
+) -> str:
+    """One failed rank's line: ``[ddpq] first to fail: rank 1 (local rank 1) exited with
+    code 1``, then ``: ValueError: bad input`` when the rank's error file says so (as
+    under ``@record``)."""
+    said = f": {' '.join(message.split())[:500]}" if message else ""
+    return f"{FIRST if first else ALSO}{failed_words(rank, local_rank, exitcode)}{said}"
+
+
+def _error_file_message(failure: object) -> str | None:
+    """What a rank's error file says (torch's ProcessFailure.message: a string, or
+    ``{"message": ...}`` as ``@record`` writes it), when it left one."""
+    if getattr(failure, "error_file", "<N/A>") == "<N/A>":  # torch's _NOT_AVAILABLE
+        return None
+    message = getattr(failure, "message", None)
+    if isinstance(message, dict):
+        message = message.get("message")
+    return message if isinstance(message, str) and message else None
+
+
+def failure_lines(
+    failures: dict[int, object],
+    first_rank: int,
+    recent: Mapping[str, Iterable[str]] | None = None,
+) -> list[str]:
+    """Each failed rank's line (torch's ChildFailedError.failures), the first to fail
+    first, with its error file's message; the first's, without one, is the error line
+    of its ``recent`` output (by the prefix of its lines, PREFIX_TEMPLATE)."""
+    recent = _recent if recent is None else recent
+    order = [first_rank, *sorted(r for r in failures if r != first_rank)]
+    lines = []
+    for rank in order:
+        failure = failures[rank]
+        message = _error_file_message(failure)
+        if message is None and rank == first_rank:
+            header = string.Template(PREFIX_TEMPLATE).safe_substitute(rank=rank)
+            message = error_line(recent.get(header, ()))
+        local_rank = int(getattr(failure, "local_rank", rank))
+        exitcode = int(getattr(failure, "exitcode", 1))
+        lines.append(failure_line(rank == first_rank, rank, local_rank, exitcode, message))
+    return lines
+
+
 def main() -> None:
     from torch.distributed.elastic.multiprocessing import tail_log
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
     tail_log.tail_logfile = tail_whole_lines  # TailLog.start looks it up at each call
     sys.argv[0] = "torchrun"
-    torchrun()
+    try:
+        torchrun()
+    except ChildFailedError as exc:
+        first_rank, _ = exc.get_first_failure()
+        lines = failure_lines(dict(exc.failures), first_rank)
+        with _write_lock:
+            sys.stdout.flush()
+            sys.stderr.write("".join(f"{line}\n" for line in lines))
+            sys.stderr.flush()
+        sys.exit(1)
 
 
 if __name__ == "__main__":

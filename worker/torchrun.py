@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from ddpq.catalog import catalog
 from ddpq.errors import JobError
 from ddpq.messages import ClaimedJob, GangReply
 from ddpq.rules import entrypoint_problem, env_problem
+from worker import tee
 from worker.outcome import Outcome, stopped
 
 MONITOR_INTERVAL_S = 0.1  # torchrun's check of its ranks; the default 5 s delays every exit
@@ -41,20 +43,17 @@ INHERITED_PREFIXES = (
     "PYTORCH_", "HF_", "TRANSFORMERS_", "XDG_",
 )  # fmt: skip
 
-# Lines that name why a program failed: an exception, or argparse's "prog: error: ...".
-# Any number of "[rank1]:" prefixes go first: torchrun adds one, and after
-# init_process_group PyTorch's own excepthook adds another ("[rank1]: [rank1]: ValueError").
-ERROR_LINE = re.compile(
-    r"^(?:\[[^\]]*\]:?\s*)*((?:[\w.]+(?:Error|Exception|Interrupt)\b.*)|(?:\S+: error: .*))$"
-)
-# Errors that follow from another rank's failure, not its cause: the ranks still in a
-# collective see their peer's connection close, and torchrun reports its child failed.
-CONSEQUENCE = re.compile(
-    r"ChildFailedError|SignalException|torch\.distributed\.elastic|DistBackendError|"
-    r"DistNetworkError|DistStoreError|gloo|NCCL|[Cc]onnection (?:closed|reset|refused)|"
-    r"[Bb]roken pipe|ProcessGroup"
-)
 TORCHRUN_EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
+# The rank that failed first: worker.tee's line for it (tee.failure_line), else the root
+# cause in the table of torchrun's own ChildFailedError (a launch without worker.tee).
+FAILURE_LINE = re.compile(
+    "^" + re.escape(tee.FIRST) + r"rank (?P<rank>\d+) \(local rank (?P<local>\d+)\) "
+    r"(?:exited with code (?P<code>-?\d+)|killed by (?:SIG\w+|signal (?P<signum>\d+)))"
+    r"(?:: (?P<said>.*))?$"
+)
+TABLE_ROOT = "Root Cause (first observed failure):"
+TABLE_RANK = re.compile(r"^\s*rank\s*: (\d+) \(local_rank: (\d+)\)")
+TABLE_EXITCODE = re.compile(r"^\s*exitcode\s*: (-?\d+)")
 
 
 # ---- what runs -------------------------------------------------------------------------
@@ -117,7 +116,7 @@ def argv(
         "--monitor-interval", str(MONITOR_INTERVAL_S),
         "--log-dir", str(log_dir),
         "--tee", "3",
-        "--log-line-prefix-template", "[rank${rank}]: ",
+        "--log-line-prefix-template", tee.PREFIX_TEMPLATE,
         *program,
     ]  # fmt: skip
 
@@ -205,13 +204,71 @@ def inside_job_dir(path: str, job_id: int) -> bool:
 # ---- what an exit means ----------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Failed:
+    """The rank that failed first, as torchrun saw it; ``exitcode`` is torch's
+    (negative: killed by that signal)."""
+
+    rank: int
+    local_rank: int
+    exitcode: int
+    said: str | None = None  # what its error file said, when it left one
+    others: bool = False  # other ranks failed after it
+
+    @property
+    def exit_status(self) -> int:
+        return self.exitcode if self.exitcode >= 0 else 128 - self.exitcode
+
+
+def first_failure(tail: list[str]) -> Failed | None:
+    """The first rank to fail, from worker.tee's line, else torchrun's own table."""
+    others = any(line.startswith(tee.ALSO) for line in tail)
+    for line in tail:
+        m = FAILURE_LINE.match(line)
+        if m:
+            code = int(m["code"]) if m["code"] else -_signum(line, m["signum"])
+            return Failed(int(m["rank"]), int(m["local"]), code, m["said"] or None, others)
+    if TABLE_ROOT not in tail:
+        return None
+    if "Failures:" in tail:  # the others, or "<NO_OTHER_FAILURES>"
+        after = tail[tail.index("Failures:") + 1 :]
+        others = bool(after) and "<NO_OTHER_FAILURES>" not in after[0]
+    ranks: re.Match[str] | None = None
+    exitcode: re.Match[str] | None = None
+    for line in tail[tail.index(TABLE_ROOT) + 1 :]:
+        ranks = ranks or TABLE_RANK.match(line)
+        exitcode = exitcode or TABLE_EXITCODE.match(line)
+    if ranks is None or exitcode is None:
+        return None
+    return Failed(int(ranks[1]), int(ranks[2]), int(exitcode[1]), None, others)
+
+
+def _signum(line: str, number: str | None) -> int:
+    if number:
+        return int(number)
+    name = re.search(r"killed by (SIG\w+)", line)
+    try:
+        return int(signal.Signals[name[1]]) if name else 0
+    except KeyError:
+        return 0
+
+
 def root_cause(tail: list[str]) -> str | None:
-    """The error line that says why an attempt failed: the last one that is not a
-    consequence of another rank's failure (else the last of those)."""
-    errors = [m.group(1) for line in tail for m in [ERROR_LINE.match(line)] if m]
-    causes = [e for e in errors if not CONSEQUENCE.search(e)]
-    found = (causes or errors or [None])[-1]
-    return found[:500] if found else None
+    """Why an attempt failed: which rank failed first, with that rank's own error line
+    (``rank 1 (local rank 1) failed first: ValueError: bad input``; ``rank 0 (local
+    rank 0) failed first`` for one killed without a word); without a failed rank
+    (torchrun itself failed), the error line of the whole output. How it ended is not
+    repeated: the outcome's exit code is that rank's, and the service words it
+    ("exited with code 1: rank 1 ...", "killed by SIGKILL ..., exit code 137: rank 0 ...")."""
+    failed = first_failure(tail)
+    if failed is None:
+        found = tee.error_line(tail)
+        return found[:500] if found else None
+    first = " first" if failed.others else ""
+    words = f"rank {failed.rank} (local rank {failed.local_rank}) failed{first}"
+    prefix = f"[rank{failed.rank}]:"
+    said = failed.said or tee.error_line(line for line in tail if line.startswith(prefix))
+    return f"{words}: {said}"[:500] if said else words
 
 
 def outcome(
@@ -231,7 +288,10 @@ def outcome(
     # torchrun exits 1 whenever a rank fails; the rank's own code is in its summary.
     rank_codes = [int(m.group(1)) for line in tail for m in [TORCHRUN_EXITCODE.search(line)] if m]
     exit_code = code if code >= 0 else 128 - code
-    if rank_codes:
+    failed = first_failure(tail)
+    if failed is not None:
+        exit_code = failed.exit_status
+    elif rank_codes:
         rc = rank_codes[0]
         exit_code = rc if rc >= 0 else 128 - rc
     # The service puts the exit status into words; it gets the program's error.

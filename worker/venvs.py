@@ -25,12 +25,18 @@ constraints file pins it (and torchvision, torchaudio) to the worker's versions,
 requirement for another torch fails the build instead of installing a second one.
 
 pip runs with the allow-listed environment jobs get plus the worker's PIP_* settings
-(the package index comes from the worker's configuration), in the job's directory, and
-its output goes to the job's log. A failed build fails the job with pip's error.
+(the package index comes from the worker's configuration), in the job's directory. The
+job's log gets one line of it, what pip installed, unless the build fails: then all of
+pip's output, and the job fails with pip's error.
+
+Requirements the worker's own environment already satisfies (project names whose
+installed versions their specifiers allow: ``torch>=1.11``) build nothing: pip would
+install nothing, and the job runs under the worker's interpreter (``satisfied``).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import hashlib
@@ -52,6 +58,11 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from packaging.markers import UndefinedEnvironmentName
+from packaging.requirements import InvalidRequirement
+from packaging.requirements import Requirement as Pep508
+from packaging.version import InvalidVersion
+
 from ddpq.errors import JobError, RequirementsRefused, Stopped
 from worker import procs, requirements
 from worker.requirements import Requirement
@@ -66,6 +77,7 @@ STALE = ".stale-"  # an environment a job changed, put aside until no job uses i
 PINNED = ("torch", "torchvision", "torchaudio")  # never replaced by a job's requirements
 PIP_TIMEOUT_S = 3600.0
 PIP_GRACE_S = 10.0  # SIGTERM to SIGKILL when a build is stopped
+PIP_LOG_LINES = 2000  # of pip's output, shown in the job's log when the build fails
 
 
 def _pins() -> list[str]:
@@ -266,18 +278,25 @@ class Venvs:
         watcher = threading.Thread(target=_stop_on, args=(stop, proc), daemon=True)
         watcher.start()
         errors: list[str] = []
+        # Kept, not passed on: the log gets pip's summary, or all of it when it fails.
+        output: collections.deque[str] = collections.deque(maxlen=PIP_LOG_LINES)
+        installed = ""
         with proc.stdout:
             for raw in proc.stdout:
                 line = raw.decode(errors="replace").rstrip()
-                say(f"[pip] {line}\n")
+                output.append(line)
                 if line.startswith("ERROR:"):
                     errors.append(line.removeprefix("ERROR:").strip())
+                elif line.startswith("Successfully installed "):
+                    installed = line
         code = proc.wait(timeout=PIP_TIMEOUT_S)
         if stop.is_set():
             raise Stopped()
         if code != 0:
+            say("".join(f"[pip] {line}\n" for line in output))
             why = errors[0] if errors else f"pip exited with code {code}"
             raise JobError(f"installing the job's requirements failed: {why[:400]}")
+        say(f"[pip] {installed or 'nothing to install: every requirement already satisfied'}\n")
 
     def _trim(self) -> None:
         """Keep at most max_envs built environments: the least recently used go first,
@@ -401,7 +420,38 @@ def python_for(
         raise JobError(f"requirements refused: {exc}") from None
     if not reqs:
         return contextlib.nullcontext(sys.executable)
+    if satisfied(reqs):
+        what = ", ".join(r.text for r in reqs)
+        say(
+            f"[ddpq] requirements: the worker's environment already has {what[:300]}; "
+            "no environment built\n"
+        )
+        return contextlib.nullcontext(sys.executable)
     return _as_str(venvs.using(reqs, cwd, env, say, stop, user))
+
+
+def satisfied(reqs: list[Requirement]) -> bool:
+    """Whether the worker's own environment already satisfies every requirement, as pip
+    would find it: each a project name (no file, URL, option, hash or extras) that is
+    installed at a version its specifiers allow (pre-releases too, as pip allows an
+    installed one), or whose marker leaves it out here. Then pip would install nothing."""
+    for r in reqs:
+        if r.kind != "name" or "--hash" in r.line:
+            return False
+        try:
+            req = Pep508(r.line)
+            if req.marker is not None and not req.marker.evaluate():
+                continue
+            if req.extras:  # what an extra pulls in is not checked here: pip decides
+                return False
+            version = importlib.metadata.version(req.name)
+            if not req.specifier.contains(version, prereleases=True):
+                return False
+        except (InvalidRequirement, UndefinedEnvironmentName, InvalidVersion):
+            return False
+        except importlib.metadata.PackageNotFoundError:
+            return False
+    return True
 
 
 @contextlib.contextmanager

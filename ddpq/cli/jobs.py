@@ -460,9 +460,10 @@ def list_jobs(
     statuses = [x.strip() for s in status or [] for x in s.split(",") if x.strip()]
     with _client() as c:
         items, next_cursor = _find_jobs(c, statuses, name, limit, cursor, user, mine)
-    if as_json:
-        _print_json({"items": items, "next_cursor": next_cursor})
-        return
+        if as_json:
+            _print_json({"items": items, "next_cursor": next_cursor})
+            return
+        handed_back = {j["id"]: _handed_back(c, j) for j in items}
     rows = []
     for j in items:
         m = j.get("latest_metrics") or {}
@@ -473,7 +474,7 @@ def list_jobs(
                 _owner(j),
                 _program(j),
                 j["status"],
-                f"{j['attempt']}/{j['spec'].get('max_attempts', '?')}",
+                _attempt(j, handed_back[j["id"]]),
                 _where(j),
                 str(m.get("step", "")),
                 _loss(j),
@@ -492,6 +493,24 @@ def list_jobs(
     _print_table(table)
     if next_cursor:
         _say(_text(f"more: --cursor {next_cursor}", style="dim"))
+
+
+def _handed_back(c: Client, job: dict[str, Any]) -> int:
+    """How many of a job's attempts were handed back (a worker's shutdown, preemption):
+    asked only of a job that may have one, an attempt before its current one, or its
+    last when it is back in the queue."""
+    if job["attempt"] < 2 and not (job["status"] == "queued" and job["attempt"] == 1):
+        return 0
+    return sum(a["outcome"] == "requeued" for a in c.attempts(job["id"]))
+
+
+def _attempt(job: dict[str, Any], handed_back: int) -> str:
+    """ATTEMPT: the attempt's number (as `ddpq status` and the log number it) over
+    max_attempts. max_attempts counts failures, and an attempt handed back is none: a
+    bare `2/3` after a hand-back would read as one failure counted, so the hand-backs
+    are named, `2 (1 handed back)/3` (issue 30)."""
+    back = f" ({handed_back} handed back)" if handed_back else ""
+    return f"{job['attempt']}{back}/{job['spec'].get('max_attempts', '?')}"
 
 
 @client_command()

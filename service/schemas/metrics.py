@@ -51,6 +51,9 @@ def metric_in(value: float | str) -> float:
 
 
 class LatestMetrics(BaseModel):
+    """The job's newest step reported, its epoch, and each series' latest value (a
+    series not reported at that step keeps the value it last had)."""
+
     step: int
     epoch: MetricValue | None
     values: dict[str, MetricValue | None]

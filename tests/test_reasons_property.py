@@ -115,6 +115,30 @@ def _arrange(db: Database, workers: list[WorkerState], owner: str | None = None)
                 )
 
 
+def _agrees(
+    db: Database, workers: list[WorkerState], job_id: int, order: object, waiting: str
+) -> None:
+    """The job's reason, read now, agrees with what the live workers' claims (in a random
+    order) then do: CLAIMS_FIT exactly when one of them takes it; any other reason starts
+    with ``waiting`` (or says it is unschedulable) and no claim takes the job."""
+    reason = jobs.get_job(db, job_id).reason or ""
+    live = [i for i, w in enumerate(workers) if w.alive]
+    order.shuffle(live)  # type: ignore[attr-defined]
+    taken_by = None
+    for i in live:
+        claim = _claim(db, f"w{i}", workers[i])
+        if claim is not None:
+            assert claim.job_id == job_id, "only the job under test is queued"
+            taken_by = i
+            break
+
+    if reason == CLAIMS_FIT:
+        assert taken_by is not None, f"the reason says a live worker can take it: {workers}"
+    else:
+        assert taken_by is None, f"worker w{taken_by} took a job whose reason is {reason!r}"
+        assert reason.startswith((waiting, "unschedulable")), reason
+
+
 @settings(
     max_examples=150,
     deadline=None,
@@ -132,23 +156,7 @@ def test_the_reason_agrees_with_the_claim(
     _reset(db)
     _arrange(db, workers)
     job_id = _submit(db, device, ranks, priority=1)
-    reason = jobs.get_job(db, job_id).reason or ""
-
-    live = [i for i, w in enumerate(workers) if w.alive]
-    order.shuffle(live)  # type: ignore[attr-defined]
-    taken_by = None
-    for i in live:
-        claim = _claim(db, f"w{i}", workers[i])
-        if claim is not None:
-            assert claim.job_id == job_id, "only the job under test is queued"
-            taken_by = i
-            break
-
-    if reason == CLAIMS_FIT:
-        assert taken_by is not None, f"the reason says a live worker can take it: {workers}"
-    else:
-        assert taken_by is None, f"worker w{taken_by} took a job whose reason is {reason!r}"
-        assert reason.startswith(("waiting for", "unschedulable")), reason
+    _agrees(db, workers, job_id, order, waiting="waiting for")
 
 
 limits = st.one_of(st.none(), st.integers(0, 4))
@@ -186,23 +194,7 @@ def test_the_reason_agrees_with_the_claim_under_quotas(
         s.flush()
         queue.refresh_quota_flags(s, "alice")
     job_id = _submit(db, device, ranks, priority=1, owner="alice")
-    reason = jobs.get_job(db, job_id).reason or ""
-
-    live = [i for i, w in enumerate(workers) if w.alive]
-    order.shuffle(live)  # type: ignore[attr-defined]
-    taken_by = None
-    for i in live:
-        claim = _claim(db, f"w{i}", workers[i])
-        if claim is not None:
-            assert claim.job_id == job_id, "only the job under test is queued"
-            taken_by = i
-            break
-
-    if reason == CLAIMS_FIT:
-        assert taken_by is not None, f"the reason says a live worker can take it: {workers}"
-    else:
-        assert taken_by is None, f"worker w{taken_by} took a job whose reason is {reason!r}"
-        assert reason.startswith(("waiting", "unschedulable")), reason
+    _agrees(db, workers, job_id, order, waiting="waiting")
 
 
 @settings(
@@ -226,20 +218,4 @@ def test_the_reason_agrees_with_the_claim_under_preemption(
     _reset(db)
     _arrange(db, workers)
     job_id = _submit(db, device, ranks, priority=1)
-    reason = jobs.get_job(db, job_id).reason or ""
-
-    live = [i for i, w in enumerate(workers) if w.alive]
-    order.shuffle(live)  # type: ignore[attr-defined]
-    taken_by = None
-    for i in live:
-        claim = _claim(db, f"w{i}", workers[i])
-        if claim is not None:
-            assert claim.job_id == job_id, "only the job under test is queued"
-            taken_by = i
-            break
-
-    if reason == CLAIMS_FIT:
-        assert taken_by is not None, f"the reason says a live worker can take it: {workers}"
-    else:
-        assert taken_by is None, f"worker w{taken_by} took a job whose reason is {reason!r}"
-        assert reason.startswith(("waiting", "unschedulable")), reason
+    _agrees(db, workers, job_id, order, waiting="waiting")

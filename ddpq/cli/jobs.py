@@ -33,7 +33,7 @@ from ddpq.cli.base import (
     err,
     out,
 )
-from ddpq.cli.live import Interrupted, follow
+from ddpq.cli.live import follow
 from ddpq.cli.spec import _parse_env, _read_spec_file
 from ddpq.client import Client
 from ddpq.rules import UNSCHEDULABLE, is_unschedulable
@@ -257,31 +257,20 @@ def _submit(
 ) -> None:
     with _client() as c:
         job = c.submit(spec, idempotency_key, strict)
-        line = (
-            f"job {job['id']} {job['status']} ({_program(job)},"
-            f" world size {job['spec']['world_size']})"
-        )
-        if as_json:
-            if wait:  # stdout is for the final Job; the id, at once, goes to stderr
-                err.print(_text(f"{line}; waiting for it to end"), highlight=False)
-        else:
-            _say(f"{code_words} · {line}" if code_words else line)
-            if job.get("reason") and not wait:
-                _say(f"  {job['reason']}")
-        if not wait:
-            if as_json:
-                _print_json(job)
-            return
         try:
-            job = follow(c, job["id"], 1.0, False, _never_runs, quiet=as_json)
-        except Interrupted as exc:
-            seen = exc.job or job
+            job = _said_and_followed(c, job, wait, as_json, code_words)
+        except KeyboardInterrupt as exc:
+            # Anywhere after the API took the job (while printing its line, importing
+            # the live view, polling), Ctrl-C stops the waiting and says the job goes on.
+            seen = getattr(exc, "job", None) or job
             _fail(
                 f"interrupted: job {seen['id']} is still {seen['status']} (Ctrl-C stops the"
                 f" waiting, not the job); `ddpq watch {seen['id']}` follows it, `ddpq cancel"
                 f" {seen['id']}` cancels it",
                 EXIT_INTERRUPTED,
             )
+        if not wait:
+            return
     if as_json:
         _print_json(job)
     if _never_runs(job):
@@ -293,6 +282,29 @@ def _submit(
         )
     if job["status"] != "succeeded":
         raise typer.Exit(EXIT_JOB_FAILED)
+
+
+def _said_and_followed(
+    c: Client, job: dict[str, Any], wait: bool, as_json: bool, code_words: str
+) -> dict[str, Any]:
+    """Print the accepted job's line and, with --wait, follow it to its end; returns the
+    last Job seen. Ctrl-C raises KeyboardInterrupt (Interrupted, with the job, while
+    following)."""
+    line = (
+        f"job {job['id']} {job['status']} ({_program(job)}, world size {job['spec']['world_size']})"
+    )
+    if as_json:
+        if wait:  # stdout is for the final Job; the id, at once, goes to stderr
+            err.print(_text(f"{line}; waiting for it to end"), highlight=False)
+    else:
+        _say(f"{code_words} · {line}" if code_words else line)
+        if job.get("reason") and not wait:
+            _say(f"  {job['reason']}")
+    if not wait:
+        if as_json:
+            _print_json(job)
+        return job
+    return follow(c, job["id"], 1.0, False, _never_runs, quiet=as_json)
 
 
 def _never_runs(job: dict[str, Any]) -> bool:

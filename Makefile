@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 # torch and torchvision come from this machine's disk through pip (uv/poetry would download 3 GB).
 TORCH_PINS := requirements/torch.txt
 # The lock: every package of .[all,dev] at the version the suite passed with, with hashes
-# (make lock refreshes it; requirements/server.txt is the API image's part of it).
+# (make lock refreshes it; requirements/server.txt and worker.txt are the two images' parts).
 LOCK := requirements/all.txt
 PIP_COMPILE_FLAGS := -q --generate-hashes --allow-unsafe --strip-extras \
 	--no-emit-index-url --no-emit-find-links --constraint $(TORCH_PINS)
@@ -41,9 +41,13 @@ lock:
 	test -x $(LOCKER)/python || $(PY) -m venv $(VENV)/lock
 	$(LOCKER)/pip install -q "pip-tools$$(sed -n 's/^pip-tools==\([^ ]*\).*/==\1/p' $(LOCK) 2>/dev/null)"
 	$(LOCKER)/pip-compile $(PIP_COMPILE_FLAGS) --upgrade --extra all --extra dev -o $(LOCK) pyproject.toml
-	cp $(LOCK) requirements/server.txt  # its pins are the preferences: server's are all's
+	# Each image's part: all's pins are the preferences, so a part's pins are all's.
+	cp $(LOCK) requirements/server.txt
 	$(LOCKER)/pip-compile $(PIP_COMPILE_FLAGS) --extra server -o requirements/server.txt pyproject.toml
-	$(LOCKER)/python requirements/unself.py $(LOCK) requirements/server.txt
+	cp $(LOCK) requirements/worker.txt
+	$(LOCKER)/pip-compile $(PIP_COMPILE_FLAGS) --extra worker --extra recipes \
+		-o requirements/worker.txt pyproject.toml
+	$(LOCKER)/python requirements/unself.py $(LOCK) requirements/server.txt requirements/worker.txt
 
 run: venv
 	$(BIN)/ddpq up

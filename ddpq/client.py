@@ -166,7 +166,16 @@ class Client:
 
         new, sent = codepack.upload(entries, found.sources, missing, put, advanced)
         made = self._json("POST", "/code/snapshots", json={"files": [e.wire() for e in entries]})
-        return codepack.Pushed(made["id"], made["files"], made["bytes"], new, sent, found.skipped)
+        return codepack.Pushed(
+            made["id"],
+            made["files"],
+            made["bytes"],
+            new,
+            sent,
+            found.skipped,
+            found.left_out,
+            codepack.named_in_sources(found),
+        )
 
     def code(self, snapshot_id: str) -> dict[str, Any]:
         """A snapshot's manifest: id, files, bytes, manifest (path, size, digest, ...)."""

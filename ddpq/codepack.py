@@ -30,6 +30,7 @@ from ddpq.snapshot import (
     MAX_LINKS,
     Entry,
     Limits,
+    human_bytes,
     is_vcs,
     limit_problem,
     link_problems,
@@ -40,6 +41,31 @@ from ddpq.snapshot import (
 NEVER = frozenset({".git", "__pycache__", ".hg", ".svn"})
 IGNORE_FILES = (".gitignore", ".ddpqignore")  # later ones win where both match
 UPLOAD_THREADS = 4
+# Sizing what stays home walks it; a huge tree (a dataset of a million files) is sized
+# only this far and said to be "more than" that.
+SIZE_WALK_ENTRIES = 20_000
+# The program's sources read for names of what stays home: the first bytes of each .py.
+SCAN_BYTES = 256 * 1024
+
+
+@dataclass
+class LeftOut:
+    """Something of the directory that stays home, and why: a user must know that
+    ``data/`` did not go, or the job fails on a path that is not there."""
+
+    path: str
+    is_dir: bool
+    bytes: int
+    why: str  # ".gitignore", ".ddpqignore", "a virtualenv"
+    partial: bool = False  # too big to size in full: ``bytes`` is a floor
+
+    @property
+    def shown(self) -> str:
+        return f"{self.path}/" if self.is_dir else self.path
+
+    def words(self) -> str:
+        size = ("more than " if self.partial else "") + human_bytes(self.bytes)
+        return f"{self.shown} ({size}, {self.why})"
 
 
 @dataclass
@@ -47,6 +73,7 @@ class Collected:
     entries: list[Entry]
     sources: dict[str, Path]  # a file's path in the snapshot -> where it is here
     skipped: list[str] = field(default_factory=list)  # what was left out that a user expects
+    left_out: list[LeftOut] = field(default_factory=list)  # what stays home, largest first
 
     @property
     def size(self) -> int:
@@ -63,9 +90,12 @@ class Pushed:
     new: int
     sent: int
     skipped: list[str]
+    left_out: list[LeftOut] = field(default_factory=list)
+    named: list[tuple[str, str]] = field(default_factory=list)  # (source, what stays home)
 
 
-Specs = tuple[tuple[str, pathspec.PathSpec], ...]
+# (the directory they apply below, the ignore file's name, its rules)
+Specs = tuple[tuple[str, str, pathspec.PathSpec], ...]
 
 
 def _with_ignore_files(specs: Specs, directory: Path, rel_dir: str) -> Specs:
@@ -75,22 +105,44 @@ def _with_ignore_files(specs: Specs, directory: Path, rel_dir: str) -> Specs:
         f = directory / name
         if f.is_file():
             lines = f.read_text(errors="replace").splitlines()
-            own.append((rel_dir, pathspec.GitIgnoreSpec.from_lines(lines)))
+            own.append((rel_dir, name, pathspec.GitIgnoreSpec.from_lines(lines)))
     return specs + tuple(own)
 
 
-def _ignored(specs: Specs, rel: str, is_dir: bool) -> bool:
+def _ignored(specs: Specs, rel: str, is_dir: bool) -> str | None:
     """gitignore's verdict: the last pattern that matches decides, and a deeper
-    directory's files come after the ones above."""
-    verdict = False
-    for base, spec in specs:
+    directory's files come after the ones above. The ignore file that left ``rel`` out
+    (its path from the root), or None if it goes."""
+    verdict: str | None = None
+    for base, name, spec in specs:
         if base and not rel.startswith(base + "/"):
             continue
         sub = rel[len(base) + 1 :] if base else rel
         result = spec.check_file(sub + "/" if is_dir else sub)
         if result.include is not None:
-            verdict = bool(result.include)
+            verdict = (f"{base}/{name}" if base else name) if result.include else None
     return verdict
+
+
+def _size_of(directory: Path) -> tuple[int, bool]:
+    """Bytes of the regular files below ``directory`` (links not followed), and whether
+    the walk stopped at SIZE_WALK_ENTRIES before the end."""
+    total, seen = 0, 0
+    stack = [directory]
+    while stack:
+        try:
+            with os.scandir(stack.pop()) as it:
+                for entry in it:
+                    seen += 1
+                    if seen > SIZE_WALK_ENTRIES:
+                        return total, True
+                    if entry.is_dir(follow_symlinks=False):
+                        stack.append(Path(entry.path))
+                    elif entry.is_file(follow_symlinks=False):
+                        total += entry.stat(follow_symlinks=False).st_size
+        except OSError:
+            continue
+    return total, False
 
 
 def collect(root: Path) -> Collected:
@@ -99,8 +151,9 @@ def collect(root: Path) -> Collected:
     entries: list[Entry] = []
     sources: dict[str, Path] = {}
     skipped: list[str] = []
+    left_out: list[LeftOut] = []
     links = Counter[str]()  # why symlinks were left out -> how many
-    for rel, path, st in _walk(root, (), "", skipped):
+    for rel, path, st in _walk(root, (), "", skipped, left_out):
         problem = path_problem(rel)
         if problem:
             raise CodeError(f"cannot send {rel!r}: {problem} (leave it out with .ddpqignore)")
@@ -125,7 +178,8 @@ def collect(root: Path) -> Collected:
         entries = [e for e in entries if e.path not in refused]
         links.update(_OUTSIDE if p.leaves else _LOOPING for p in refused.values())
     skipped.extend(f"{n} symlink(s) {why}" for why, n in links.items())
-    return Collected(entries, sources, skipped)
+    left_out.sort(key=lambda o: (-o.bytes, o.path))
+    return Collected(entries, sources, skipped, left_out)
 
 
 _OUTSIDE = "pointing outside the directory"
@@ -134,7 +188,7 @@ _LOOPING = f"in a loop of links, or a chain of more than {MAX_LINKS}"
 
 
 def _walk(
-    directory: Path, specs: Specs, rel_dir: str, skipped: list[str]
+    directory: Path, specs: Specs, rel_dir: str, skipped: list[str], left_out: list[LeftOut]
 ) -> Iterator[tuple[str, Path, os.stat_result]]:
     specs = _with_ignore_files(specs, directory, rel_dir)
     try:
@@ -155,14 +209,53 @@ def _walk(
             raise CodeError(f"cannot send {rel!r}: its name is not UTF-8") from None
         st = path.lstat()
         if stat.S_ISDIR(st.st_mode):
-            if name in NEVER or (path / "pyvenv.cfg").exists():
+            if name in NEVER:
                 continue
-            if not _ignored(specs, rel, is_dir=True):
-                yield from _walk(path, specs, rel, skipped)
-        elif (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)) and not _ignored(
-            specs, rel, is_dir=False
-        ):
-            yield rel, path, st
+            why = "a virtualenv" if (path / "pyvenv.cfg").exists() else None
+            why = why or _ignored(specs, rel, is_dir=True)
+            if why:
+                size, partial = _size_of(path)
+                left_out.append(LeftOut(rel, True, size, why, partial))
+            else:
+                yield from _walk(path, specs, rel, skipped, left_out)
+        elif stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode):
+            why = _ignored(specs, rel, is_dir=False)
+            if why:
+                size = st.st_size if stat.S_ISREG(st.st_mode) else 0
+                left_out.append(LeftOut(rel, False, size, why))
+            else:
+                yield rel, path, st
+
+
+def named_in_sources(found: Collected) -> list[tuple[str, str]]:
+    """(a sent .py file, what stays home) for each thing left out whose path that source
+    names, as ``open("data/train.csv")`` names ``data/``: the job would look for it in its
+    directory on the worker, where it is not. Only what an ignore file left out counts (a
+    virtualenv is named by no program); each source's first SCAN_BYTES are read."""
+    wanted = [o for o in found.left_out if o.why != "a virtualenv"]
+    if not wanted:
+        return []
+    named: list[tuple[str, str]] = []
+    for rel, path in sorted(found.sources.items()):
+        if not rel.endswith(".py"):
+            continue
+        try:
+            with open(path, "rb") as f:
+                text = f.read(SCAN_BYTES).decode("utf-8", errors="replace")
+        except OSError:
+            continue
+        for o in wanted:
+            if _names(text, o):
+                named.append((rel, o.shown))
+    return named
+
+
+def _names(text: str, o: LeftOut) -> bool:
+    """Whether source text names the path: ``data/...`` or ``"data"`` for a directory,
+    the path itself for a file."""
+    if o.is_dir:
+        return f"{o.path}/" in text or f'"{o.path}"' in text or f"'{o.path}'" in text
+    return o.path in text
 
 
 def _stays_inside(root: Path, link: Path) -> bool:

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from sqlalchemy import create_engine, func, select, update
 
-from ddpq.codepack import collect
+from ddpq.codepack import collect, named_in_sources
 from ddpq.snapshot import (
     MAX_LINKS,
     Entry,
@@ -559,6 +559,61 @@ def test_what_is_sent_honours_ignore_files_and_never_sends_git_or_environments(
     assert by_path["run.sh"].executable and not by_path["train.py"].executable
     assert by_path["latest.py"].symlink == "pkg/model.py"
     assert any("outside" in s for s in found.skipped), found.skipped
+
+
+def _new_users_project(root: Path) -> Path:
+    """The new user's project of issue 30: data in .gitignore, named by the program."""
+    for rel, data in {
+        "train.py": b"import pandas\ndf = open('data/train.csv')\n",
+        "model.py": b"X = 1\n",
+        ".gitignore": b"data/\nwandb/\n*.log\n",
+        "data/train.csv": b"x" * 300_000,
+        "data/raw/more.csv": b"y" * 100_000,
+        "wandb/run.json": b"{}",
+        "train.log": b"z" * 5_000,
+        ".venv/pyvenv.cfg": b"home = /usr\n",
+        ".venv/lib/big.so": b"v" * 600_000,
+    }.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+    return root
+
+
+def test_what_stays_home_is_said_largest_first_with_why_and_names_in_the_source(
+    tmp_path: Path,
+) -> None:
+    found = collect(_new_users_project(tmp_path / "proj"))
+    assert {e.path for e in found.entries} == {"train.py", "model.py", ".gitignore"}
+    said = [o.words() for o in found.left_out]
+    assert said == [
+        ".venv/ (600.0 KB, a virtualenv)",
+        "data/ (400.0 KB, .gitignore)",
+        "train.log (5.0 KB, .gitignore)",
+        "wandb/ (2 B, .gitignore)",
+    ], said
+    # train.py opens data/train.csv; nothing names the rest (a venv never counts).
+    assert named_in_sources(found) == [("train.py", "data/")]
+
+
+def test_submit_says_what_stayed_home_and_warns_when_the_program_names_it(
+    server: Server, tmp_path: Path
+) -> None:
+    proj = _new_users_project(tmp_path / "proj")
+    env = {"DDPQ_URL": server.url, "DDPQ_TOKEN": server.api_token}
+    out = run_ddpq("submit", "--entrypoint", "train.py", env=env, cwd=proj, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("code: 3 files"), lines
+    assert lines[1] == (
+        "  left out: .venv/ (600.0 KB, a virtualenv); data/ (400.0 KB, .gitignore);"
+        " train.log (5.0 KB, .gitignore); wandb/ (2 B, .gitignore)"
+    ), lines
+    assert "warning: train.py names data/, which was left out" in out.stderr, out.stderr
+    assert "where data goes" in out.stderr
+    # --json: stdout stays one Job; the warning still reaches the user.
+    out = run_ddpq("submit", "--entrypoint", "train.py", "--json", env=env, cwd=proj)
+    assert out.returncode == 0 and '"id"' in out.stdout and "left out" not in out.stdout
+    assert "warning: train.py names data/" in out.stderr
 
 
 def test_links_that_leave_on_their_way_or_loop_and_version_control_are_not_sent(

@@ -116,3 +116,25 @@ def test_env_example_holds_placeholders_that_serve_refuses() -> None:
     # And no secret sits in the compose file itself.
     text = (REPO / "docker-compose.yml").read_text()
     assert env["POSTGRES_PASSWORD"] not in text and env["DDPQ_API_TOKEN"] not in text
+
+
+def test_two_images_from_one_dockerfile_each_from_its_part_of_the_lock() -> None:
+    """The API runs the slim image (no torch), the worker PyTorch's; both install from the
+    lock with hashes, so an image holds what the suite passed with."""
+    services = _compose()["services"]
+    assert services["api"]["build"] == {"context": ".", "target": "api"}
+    assert services["worker"]["build"] == {"context": ".", "target": "worker"}
+    assert services["api"]["image"] != services["worker"]["image"]
+    dockerfile = (REPO / "Dockerfile").read_text()
+    assert "FROM ${PYTHON_IMAGE} AS api" in dockerfile
+    assert "FROM ${BASE_IMAGE} AS worker" in dockerfile
+    assert "--require-hashes -r requirements/server.txt" in dockerfile
+    assert "--require-hashes -r requirements/worker.txt" in dockerfile
+    # The API's part of the lock has no torch; the worker's holds it at the pinned version.
+    server = (REPO / "requirements" / "server.txt").read_text()
+    assert "\ntorch==" not in server and "\nnvidia-" not in server
+    torch_pin = (REPO / "requirements" / "torch.txt").read_text().split("torch==")[1].split()[0]
+    assert f"\ntorch=={torch_pin} " in (REPO / "requirements" / "worker.txt").read_text()
+    host = yaml.safe_load((REPO / "deploy" / "worker-host.compose.yml").read_text())
+    assert host["services"]["worker"]["build"]["target"] == "worker"
+    assert host["services"]["worker"]["image"] == services["worker"]["image"]

@@ -315,7 +315,7 @@ def _pins(path: Path) -> dict[str, str]:
     return {_name(n): v for n, v in found}
 
 
-def test_the_lock_holds_every_declared_package_and_the_servers_part_agrees() -> None:
+def test_the_lock_holds_every_declared_package_and_the_images_parts_agree() -> None:
     pins = _pins(LOCK)
     assert set(_declared("all", "dev")) <= set(pins), set(_declared("all", "dev")) - set(pins)
     torch = _pins(REPO / "requirements" / "torch.txt")
@@ -324,7 +324,12 @@ def test_the_lock_holds_every_declared_package_and_the_servers_part_agrees() -> 
     assert set(_declared("server")) <= set(server)
     assert "torch" not in server
     assert {k: pins[k] for k in server} == server
-    assert "ddpq @" not in LOCK.read_text() and "file://" not in LOCK.read_text()
+    worker = _pins(REPO / "requirements" / "worker.txt")  # the worker image's part
+    assert set(_declared("worker", "recipes")) <= set(worker)
+    assert {k: pins[k] for k in worker} == worker and {k: worker[k] for k in torch} == torch
+    assert not {"fastapi", "sqlalchemy", "uvicorn"} & set(worker)
+    for part in (LOCK, REPO / "requirements" / "server.txt", REPO / "requirements" / "worker.txt"):
+        assert "ddpq @" not in part.read_text() and "file://" not in part.read_text(), part
 
 
 HELP_LOADS = """

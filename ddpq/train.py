@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import functools
 import json
 import logging
 import numbers
@@ -350,14 +351,29 @@ def _get_sender() -> _Sender | None:
     url = os.environ.get("DDPQ_URL")
     if not url or not is_master():
         return None
+    job_id, token = os.environ.get("DDPQ_JOB_ID"), os.environ.get("DDPQ_JOB_TOKEN")
+    if not job_id or not token:
+        # DDPQ_URL alone is a CLI user's setting (the README has them export it), not a
+        # job: a bare torchrun run prints its metrics, as without DDPQ_URL.
+        _not_a_job_said_once()
+        return None
     with _sender_lock:
         if _sender is None:
-            job_id = os.environ["DDPQ_JOB_ID"]
             tb_dir = os.environ.get("DDPQ_TENSORBOARD_DIR")
             writer = EventWriter(Path(tb_dir) / f"job-{job_id}") if tb_dir else None
-            _sender = _Sender(url, job_id, os.environ["DDPQ_JOB_TOKEN"], writer)
+            _sender = _Sender(url, job_id, token, writer)
             atexit.register(flush, EXIT_FLUSH_TIMEOUT_S)
         return _sender
+
+
+@functools.cache
+def _not_a_job_said_once() -> None:
+    print(
+        "ddpq: DDPQ_URL is set but this run is not a ddpq job (no DDPQ_JOB_ID or"
+        " DDPQ_JOB_TOKEN): metrics are printed here, not sent",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _detach(value: Any) -> Any:

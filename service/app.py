@@ -36,19 +36,62 @@ from service.wakeup import Wakeup
 log = logging.getLogger("ddpq.service")
 
 
-class BodyLimit:
-    """413 for request bodies over the limit, whether declared or streamed. Paths under
-    a prefix of ``larger`` take that prefix's limit instead (code uploads).
-
-    Before answering it reads and discards the rest of the body, up to ``DRAIN_BYTES``
-    or ``DRAIN_S`` (nginx's "lingering close"): a server that answers and closes while
-    the client is still sending makes the kernel reset the connection, and the client
-    sees `Connection reset by peer` instead of the 413 (issue 30: 27 of 40 POSTs of
-    2 MiB). A client that waits for `100 Continue` has sent nothing: it is answered at
-    once."""
+class LingeringClose:
+    """Reads and discards the rest of a request body the app answered without reading,
+    up to ``DRAIN_BYTES`` or ``DRAIN_S``, before the answer goes out (nginx's "lingering
+    close"). A server that answers and closes while the client is still sending makes the
+    kernel reset the connection, and the client sees `Connection reset by peer` instead of
+    the answer: issue 30 saw it for 27 of 40 POSTs of 2 MiB that got a 413, and a wrong
+    token's 401 on a code upload lost the same way. It sits outside the token gate, so
+    every early answer (401, 413, 404) arrives. A client that waits for `100 Continue`
+    and was never asked for its body has sent nothing: it is answered at once."""
 
     DRAIN_BYTES = 64 * 1024 * 1024
     DRAIN_S = 5.0
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not _has_body(scope):
+            await self.app(scope, receive, send)
+            return
+        asked = False  # the app called receive (so a 100-continue client is sending)
+        body_read = False  # the app has the whole body, or the client is gone
+
+        async def tracked_receive() -> Message:
+            nonlocal asked, body_read
+            asked = True
+            message = await receive()
+            body_read = message["type"] != "http.request" or not message.get("more_body", False)
+            return message
+
+        async def draining_send(message: Message) -> None:
+            early = message["type"] == "http.response.start" and not body_read
+            if early and (asked or not _expects_continue(scope)):
+                await self._drain(receive)
+            await send(message)
+
+        await self.app(scope, tracked_receive, draining_send)
+
+    async def _drain(self, receive: Receive) -> None:
+        """Read and drop the rest of the request body, within the bounds."""
+        left = self.DRAIN_BYTES
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.DRAIN_S):
+                while left > 0:
+                    message = await receive()
+                    if message["type"] != "http.request":
+                        return
+                    left -= len(message.get("body", b""))
+                    if not message.get("more_body", False):
+                        return
+
+
+class BodyLimit:
+    """413 for request bodies over the limit, whether declared or streamed. Paths under
+    a prefix of ``larger`` take that prefix's limit instead (code uploads). The rest of
+    an oversize body is read and dropped by LingeringClose, outside, so the 413 arrives."""
 
     def __init__(self, app: ASGIApp, max_bytes: int, larger: dict[str, int] | None = None) -> None:
         self.app = app
@@ -73,8 +116,6 @@ class BodyLimit:
                 except ValueError:
                     too_big = False
                 if too_big:
-                    if not _expects_continue(scope):
-                        await self._drain(receive)
                     await self._reject(send, limit)
                     return
         seen = 0
@@ -86,10 +127,6 @@ class BodyLimit:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > limit:
-                    # Whoever answers the 413 (this middleware, or the app's handler of
-                    # the HTTPException), the rest of the body is read first.
-                    if message.get("more_body", False):
-                        await self._drain(receive)
                     raise _TooLarge(limit)
             return message
 
@@ -104,19 +141,6 @@ class BodyLimit:
         except _TooLarge:
             if not started:
                 await self._reject(send, limit)
-
-    async def _drain(self, receive: Receive) -> None:
-        """Read and drop the rest of the request body, within the bounds."""
-        left = self.DRAIN_BYTES
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(self.DRAIN_S):
-                while left > 0:
-                    message = await receive()
-                    if message["type"] != "http.request":
-                        return
-                    left -= len(message.get("body", b""))
-                    if not message.get("more_body", False):
-                        return
 
     async def _reject(self, send: Send, limit: int) -> None:
         body = json.dumps({"detail": _too_large(limit)}).encode()
@@ -139,6 +163,16 @@ class _TooLarge(HTTPException):
 
     def __init__(self, max_bytes: int) -> None:
         super().__init__(413, _too_large(max_bytes))
+
+
+def _has_body(scope: Scope) -> bool:
+    """A request that declares a body: a length over 0, or chunked."""
+    for key, value in scope.get("headers", []):
+        if key == b"content-length":
+            return value.strip() not in (b"", b"0")
+        if key == b"transfer-encoding":
+            return True
+    return False
 
 
 def _expects_continue(scope: Scope) -> bool:
@@ -307,6 +341,9 @@ def create_app(
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, larger=_body_limits(settings))
     # No token, no further (not even the body limit or the router's 422).
     app.add_middleware(TokenGate, fastapi_app=app)
+    # Outside the gate: every early answer, the gate's 401 included, reaches a client
+    # that is still sending its body.
+    app.add_middleware(LingeringClose)
     # Outermost: it times whole requests, those the gate refuses included (their route
     # is not matched yet: they count as "unmatched").
     app.add_middleware(RequestMetrics, telemetry=app.state.telemetry)

@@ -6,8 +6,10 @@ and Postgres where the database matters."""
 from __future__ import annotations
 
 import ast
+import hashlib
 import http.client
 import json
+import os
 import pickle
 import sqlite3
 import subprocess
@@ -200,6 +202,39 @@ def test_the_413_always_arrives_even_when_the_client_closes(server: Server) -> N
         finally:
             conn.close()
     assert server.client().get("/jobs").json()["items"] == []
+
+
+def test_an_early_answer_always_arrives_while_the_client_is_still_sending(
+    server: Server,
+) -> None:
+    """A wrong token is answered before the body is read (a code upload's 4 MiB, within its
+    limit); answering and closing then reset the connection under the client, which saw
+    `Connection reset by peer` instead of the 401. The rest of the body is read first:
+    40 rounds, declared and chunked, every one gets its 401."""
+    host, port = server.url.removeprefix("http://").split(":")
+    big = os.urandom(4 * 1024 * 1024)
+    digest = hashlib.sha256(big).hexdigest()
+    headers = {
+        "Authorization": "Bearer ddpq_u_not-a-token",
+        "Content-Type": "application/octet-stream",
+        "Connection": "close",
+    }
+    for n in range(40):
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        try:
+            path = f"/code/blobs/{digest}"
+            if n % 2:
+                chunks = (big[i : i + 65536] for i in range(0, len(big), 65536))
+                conn.request("PUT", path, body=chunks, headers=headers, encode_chunked=True)
+            else:
+                conn.request("PUT", path, body=big, headers=headers)
+            r = conn.getresponse()
+            assert r.status == 401, (n, r.status)
+            r.read()
+        finally:
+            conn.close()
+    missing = server.client().post("/code/missing", json={"digests": [digest]}).json()
+    assert missing["missing"] == [digest], "nothing was stored"
 
 
 def test_metrics_limits_non_finite_values_and_unicode_names(server: Server) -> None:

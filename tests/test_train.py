@@ -247,6 +247,30 @@ def test_without_a_server_train_is_a_plain_logger(tmp_path: Path) -> None:
     assert (tmp_path / "ck" / "step-000000001.pt").is_file()
 
 
+def test_under_a_bare_torchrun_with_ddpq_url_exported_report_prints_and_never_raises(
+    tmp_path: Path,
+) -> None:
+    """A CLI user exports DDPQ_URL (the README says so) and runs their script under a bare
+    torchrun: no job id, no job token. report() prints as a plain run does and says why."""
+    code = (
+        "from ddpq import train\n"
+        "train.report(1, loss=0.5)\n"
+        "train.report(2, loss=0.25)\n"
+        "assert train.flush(timeout=5)\n"
+        "print('done')\n"
+    )
+    env = _child_env({"DDPQ_URL": "http://127.0.0.1:9", "DDPQ_TOKEN": "ddpq_u_x"})
+    for leaked in ("DDPQ_JOB_ID", "DDPQ_JOB_TOKEN"):
+        env.pop(leaked, None)
+    r = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0 and "done" in r.stdout, r.stderr
+    assert "Traceback" not in r.stderr and "KeyError" not in r.stderr, r.stderr
+    assert "step 1: loss=0.5" in r.stderr
+    assert r.stderr.count("this run is not a ddpq job") == 1, r.stderr
+
+
 FIRST_AT_ONCE = r"""
 import sys, time
 from pathlib import Path

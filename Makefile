@@ -14,7 +14,7 @@ PIP_COMPILE_FLAGS := -q --generate-hashes --allow-unsafe --strip-extras \
 # Pinned: tests/test_openapi_client.py asserts the generated code's names and shapes.
 OPENAPI_GENERATOR := openapi-python-client==0.29.1
 
-.PHONY: venv lock browser slurm run test test-learning compose-test lint fmt bench clean
+.PHONY: venv lock browser slurm run test test-slurm test-learning compose-test lint fmt bench clean
 
 venv: $(VENV)/.installed
 
@@ -62,11 +62,15 @@ browser:
 slurm:
 	command -v sbatch >/dev/null && command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v munged >/dev/null || { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y slurmctld slurmd slurm-client munge; }
 
-# The Slurm tests share one cluster: they run one at a time, after the others (beside
-# them, on 2 cores, they saved a minute of 14 and slowed the rest by 3).
-test: venv browser slurm
+# Everything but the slow suites that have targets of their own (CI runs them all).
+test: venv browser
 	$(BIN)/pytest -n 3 --dist worksteal -m 'not exclusive and not learning and not slurm'
 	$(BIN)/pytest -m exclusive
+
+# The Slurm executor against a real one-node cluster (tests/slurmcluster.py). The tests
+# share that cluster, so they run one at a time: their own target, which CI runs after
+# `make test` (inside it they took 2.5 of its 15 minutes).
+test-slurm: venv slurm
 	$(BIN)/pytest -m slurm
 
 # The recipes trained until they learn (minutes of CPU each): CI runs these after `make test`.

@@ -314,8 +314,14 @@ def start_worker(tmp_path: Path) -> Iterator[Callable[..., Worker]]:
     workers: list[Worker] = []
 
     def start(
-        server: Server, *args: str, name: str | None = None, cpu_slots: int = 4, gpus: str = "none"
+        server: Server,
+        *args: str,
+        name: str | None = None,
+        cpu_slots: int = 4,
+        gpus: str | None = "none",
+        env: dict[str, str] | None = None,
     ) -> Worker:
+        """A `ddpq worker` for ``server``; ``gpus=None`` lets it find its GPUs (NVML)."""
         name = name or f"w{len(workers)}"
         base = tmp_path / f"worker-{name}"
         workspace = base / "workspace"
@@ -330,11 +336,10 @@ def start_worker(tmp_path: Path) -> Iterator[Callable[..., Worker]]:
                     base / "data",
                     "--cpu-slots",
                     str(cpu_slots),
-                    "--gpus",
-                    gpus,
+                    *(["--gpus", gpus] if gpus is not None else []),
                     *args,
                 ),
-                env=_child_env({"DDPQ_WORKER_TOKEN": server.worker_token}),
+                env=_child_env({"DDPQ_WORKER_TOKEN": server.worker_token, **(env or {})}),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 cwd=base,

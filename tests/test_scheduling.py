@@ -226,7 +226,7 @@ PROBE = r"""
 import json, os, pathlib, sys, time
 out = pathlib.Path(sys.argv[1])
 job, rank = os.environ["DDPQ_JOB_ID"], os.environ["RANK"]
-seen = {"cvd": os.environ["CUDA_VISIBLE_DEVICES"]}
+seen = {"cvd": os.environ["CUDA_VISIBLE_DEVICES"], "order": os.environ.get("CUDA_DEVICE_ORDER")}
 (out / f"job{job}-rank{rank}.json").write_text(json.dumps(seen))
 deadline = time.time() + 120
 while not (out / f"release-{job}").exists() and time.time() < deadline:
@@ -254,6 +254,9 @@ def test_gpu_jobs_on_a_four_gpu_worker(server: Server, start_worker, tmp_path: P
     cvd_a = wait_for(lambda: seen(a, 2), 90, "job A's ranks")
     cvd_b = wait_for(lambda: seen(b, 2), 90, "job B's ranks")
     assert len(set(cvd_a)) == 1 and len(set(cvd_b)) == 1, "every rank of a job sees the same GPUs"
+    # CUDA numbers the GPUs as the worker (NVML, nvidia-smi) does, not fastest-first.
+    orders = {json.loads(f.read_text())["order"] for f in out.glob(f"job{a['id']}-rank*.json")}
+    assert orders == {"PCI_BUS_ID"}
     gpus_a, gpus_b = set(cvd_a[0].split(",")), set(cvd_b[0].split(","))
     assert len(gpus_a) == len(gpus_b) == 2 and not gpus_a & gpus_b
     assert _job(server, c["id"])["reason"] == "waiting for 4 GPUs; the most free on one worker is 0"

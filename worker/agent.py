@@ -227,10 +227,8 @@ def default_cpu_slots() -> int:
 
 
 def detect_gpus() -> list[int]:
-    """Every GPU torch sees (imports torch: only when --gpus is not given)."""
-    try:
-        import torch
+    """Every GPU NVML sees, by its index (only when --gpus is not given); none without
+    NVML. The agent never imports torch for this (worker/nvml.py says why)."""
+    from worker import nvml
 
-        return list(range(torch.cuda.device_count()))
-    except Exception:
-        return []
+    return [g.index for g in nvml.inventory()]

@@ -168,6 +168,9 @@ def environment(environ: Mapping[str, str], claim: ClaimedJob, at: Placement) ->
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
             # The ranks see only the GPUs the job holds, as cuda:0..n-1; none on a CPU job.
             "CUDA_VISIBLE_DEVICES": ",".join(map(str, claim.gpus)),
+            # ...numbered as the worker numbers them (NVML, nvidia-smi: PCI bus order),
+            # not CUDA's default fastest-first, which may name other GPUs by the same index.
+            "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
         }
     )
     if at.resume_from:

@@ -65,12 +65,25 @@ def fail(recipe: str, message: str) -> NoReturn:
     raise SystemExit(2)
 
 
+def choose_precision(cuda: bool, bf16_supported: bool) -> str:
+    """Mixed precision as the GPU allows: bf16 where it has bf16 units (Ampere and
+    later), else fp16 with a GradScaler (V100, T4: bf16 there is emulated, slow, or
+    refused); full fp32 on the CPU, where autocast buys nothing."""
+    if not cuda:
+        return "fp32"
+    return "bf16" if bf16_supported else "fp16"
+
+
+_AUTOCAST_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 @dataclass
 class Dist:
     rank: int
     local_rank: int
     world_size: int
     device: torch.device
+    precision: str = "fp32"  # choose_precision's answer for this device
 
     @property
     def is_master(self) -> bool:
@@ -82,10 +95,15 @@ class Dist:
         return self.device.type == "cuda"
 
     def autocast(self) -> AbstractContextManager[Any]:
-        """bf16 autocast on a GPU; full precision on the CPU, where bf16 is slow or absent."""
-        if self.cuda:
-            return torch.autocast("cuda", dtype=torch.bfloat16)
+        """The forward pass in bf16 or fp16 on a GPU (``precision``); fp32 on the CPU."""
+        if self.precision in _AUTOCAST_DTYPE:
+            return torch.autocast("cuda", dtype=_AUTOCAST_DTYPE[self.precision])
         return nullcontext()
+
+    def grad_scaler(self) -> torch.amp.GradScaler:
+        """fp16's gradients underflow without loss scaling; bf16's and fp32's do not
+        (a disabled scaler passes everything through unchanged)."""
+        return torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
 
     def wrap(self, model: nn.Module) -> DDP:
         model = model.to(self.device)
@@ -107,18 +125,22 @@ def setup() -> Dist:
     if use_cuda:
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
-        # TF32 matmuls: the precision bf16 autocast already gives up, at tensor-core speed.
+        # TF32 matmuls: the precision mixed precision already gives up, at tensor-core speed.
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+        precision = choose_precision(True, torch.cuda.is_bf16_supported())
     else:
         device = torch.device("cpu")
+        precision = choose_precision(False, False)
     backend = "nccl" if use_cuda else "gloo"
     if "RANK" in os.environ:
         dist.init_process_group(backend=backend)
     else:
         # Plain ``python -m recipes.X``: a world of one, so the same DDP code path runs.
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
-    return Dist(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
+    if rank == 0:
+        print(f"device {device.type}, precision {precision}", flush=True)
+    return Dist(rank, local_rank, world_size, device, precision)
 
 
 def teardown() -> None:
@@ -202,6 +224,7 @@ class Trainer:
         self.model = env.wrap(model)
         # Built once the parameters are on their device, as torch.optim expects.
         self.optimizer = make_optimizer(self.model.module)
+        self.scaler = env.grad_scaler()
         self.save_every: int = args.save_every
         self.log_every: int = args.log_every
         self.config = vars(args)
@@ -218,6 +241,8 @@ class Trainer:
         if self.snapshot is not None:
             self.model.module.load_state_dict(self.snapshot["model"])
             self.optimizer.load_state_dict(self.snapshot["optimizer"])
+            if "scaler" in self.snapshot:  # the loss scale fp16 had found, not 65536 again
+                self.scaler.load_state_dict(self.snapshot["scaler"])
             self.epoch = self.snapshot["epoch"] + 1
             self.step = self.snapshot["step"]
             self.say(f"resuming at epoch {self.epoch}, step {self.step}")
@@ -267,7 +292,7 @@ class Trainer:
             with nullcontext() if last else self.model.no_sync():
                 with self.env.autocast():
                     loss, correct = self.batch_loss(self.model, batch)
-                (loss / group).backward()
+                self.scaler.scale(loss / group).backward()
             self._loss_sum += loss.detach().float()
             if correct is not None:
                 self._correct += correct.detach()
@@ -291,8 +316,10 @@ class Trainer:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
         if self.grad_clip > 0:
+            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled
             nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
-        self.optimizer.step()
+        self.scaler.step(self.optimizer)  # skipped if fp16 overflowed (inf/nan gradients)
+        self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
 
@@ -370,6 +397,7 @@ class Trainer:
         state = {
             "model": self.model.module.state_dict(),
             "optimizer": self.optimizer.state_dict(),
+            **({"scaler": self.scaler.state_dict()} if self.scaler.is_enabled() else {}),
             "epoch": epoch,
             "step": self.step,
             "config": self.config,

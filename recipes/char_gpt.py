@@ -16,8 +16,9 @@ every epoch (``val_loss``). One optimizer step takes ``--grad-accum``
 micro-batches per rank: the backward passes of all but the last run under
 ``model.no_sync()``, so DDP all-reduces the gradients once per step, as nanoGPT
 does. AdamW with nanoGPT's schedule (linear warm-up, cosine decay to a tenth),
-gradient clipping, bf16 autocast on GPUs. Only rank 0 reports (``loss``, averaged
-over all ranks, and ``samples_per_s`` every ``--log-every`` steps), saves the
+gradient clipping, bf16 autocast on GPUs (fp16 with loss scaling where the GPU
+lacks bf16). Only rank 0 reports (``loss``, averaged over all ranks, and
+``samples_per_s`` every ``--log-every`` steps), saves the
 model, optimizer, step, config and vocabulary every ``--save-every`` epochs, and
 prints a sample of generated text at the end.
 

@@ -11,7 +11,7 @@ shards the training part and is told the epoch. Rank 0 reports ``loss`` and
 ``test_loss``/``test_accuracy`` at the end, saves ``model.module.state_dict()``
 with the optimizer every ``--save-every`` epochs, and a restarted run resumes.
 
-Run it with torchrun (gloo on CPU, nccl with bf16 autocast on GPUs):
+Run it with torchrun (gloo on CPU, nccl with bf16 or fp16 autocast on GPUs):
 
     torchrun --standalone --nproc-per-node 2 -m recipes.mlp_classifier --total-epochs 30
 

@@ -8,7 +8,7 @@ and the time of every epoch. Rank 0 reports ``loss``, ``accuracy`` and
 ``samples_per_s`` (averaged over all ranks) every ``--log-every`` steps,
 ``epoch_time_s`` after each epoch and ``test_loss``/``test_accuracy`` at the end,
 and saves ``model.module.state_dict()`` with the optimizer every ``--save-every``
-epochs; a restarted run resumes. On GPUs: nccl, bf16 autocast, channels_last.
+epochs; a restarted run resumes. On GPUs: nccl, bf16 or fp16 autocast, channels_last.
 
 Unlike the seed, only one process per host downloads the data set (the seed had
 every rank download into one directory at once), and a missing data set fails the

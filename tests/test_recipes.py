@@ -318,3 +318,55 @@ def test_bad_arguments_fail_the_job_with_the_recipes_own_reason(
         first = r"exited with code 2: rank (\d) \(local rank \1\) failed first: "
         assert re.match(first + re.escape(f"{recipe}: error: "), final["reason"]), final
         assert bad[recipe][1] in final["reason"], final
+
+
+@pytest.mark.parametrize(
+    ("cuda", "bf16", "chosen"),
+    [(True, True, "bf16"), (True, False, "fp16"), (False, False, "fp32"), (False, True, "fp32")],
+)
+def test_precision_is_bf16_only_where_the_gpu_has_it_else_fp16_with_a_scaler(
+    cuda: bool, bf16: bool, chosen: str
+) -> None:
+    """V100s and T4s (no bf16) train in fp16 with loss scaling, as is standard there; the
+    real GPUs are checked by `make gpu-check`."""
+    import torch
+
+    from recipes._common import Dist, choose_precision
+
+    assert choose_precision(cuda, bf16) == chosen
+    if not cuda:  # this machine's device: no autocast, and no loss scaling outside fp16
+        env = Dist(0, 0, 1, torch.device("cpu"), chosen)
+        assert not env.grad_scaler().is_enabled()
+        assert not isinstance(env.autocast(), torch.autocast)
+
+
+def test_a_scaled_fp16_step_unscales_before_clipping_and_skips_an_overflow() -> None:
+    """The Trainer's step with a live scaler (fp16's path) on the CPU: clipping sees the
+    true gradients, and a step whose gradients overflowed leaves the weights as they were."""
+    import torch
+    from torch import nn
+
+    from recipes._common import Trainer
+
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    host = type("Host", (), {})()
+    host.model, host.optimizer, host.scaler, host.grad_clip = model, opt, scaler, 1.0
+    host.lr_at, host.step = None, 0
+
+    def weights() -> torch.Tensor:
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    start = weights()
+    scaler.scale(model(torch.ones(1, 2)).sum() * 1e3).backward()
+    Trainer._optimizer_step(host)  # type: ignore[arg-type]
+    # Clipped to norm 1 after unscaling, the step is lr * 1; clipping the scaled gradients
+    # and unscaling after would have moved the weights 1024 times less.
+    moved = float((weights() - start).norm())
+    assert host.step == 1 and abs(moved - 0.1) < 1e-4, moved
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.scale(model(torch.ones(1, 2)).sum() * float("inf")).backward()
+    Trainer._optimizer_step(host)  # type: ignore[arg-type]
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert scaler.get_scale() < 2.0**10, "an overflow halves the scale"

@@ -372,7 +372,7 @@ def resubmit(
         )
     flags = {k: v for k, v in locals().items() if k in SPEC_FLAGS}
     _override(spec, flags, args, env, pip)
-    _submit(spec, None, wait, strict, as_json, "")
+    _submit(spec, None, wait, strict, as_json, None)
 
 
 def _where(job: dict[str, Any]) -> str:

@@ -86,8 +86,9 @@ def _type_name(annotation: Any) -> str:
 def _default(value: Any) -> str:
     if value is None:
         return "unset"
-    if isinstance(value, Path):
-        return f"`{value}`"
+    if isinstance(value, Path):  # Path("./var") prints as "var": say it is relative
+        text = str(value)
+        return f"`{text if value.is_absolute() or text.startswith('.') else './' + text}`"
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, int) and value >= 1024**2 and value % 1024**2 == 0:
@@ -122,8 +123,8 @@ def configuration() -> str:
         "tokens are set, at least 16 characters with 8 distinct, and neither a well-known "
         "default nor an example's placeholder.\n"
     )
-    out.append("\n## The worker's options that take a variable\n\n")
-    out.append("Every option is in the [CLI reference](cli.md#ddpq-worker).\n\n")
+    out.append("\n## Options that take a variable\n\n")
+    out.append("Every option is in the [CLI reference](cli.md).\n\n")
     out.append("| variable | option | default |\n| --- | --- | --- |\n")
     for command_name in ("worker", "up", "serve"):
         for param in _command(command_name).params:
@@ -213,7 +214,8 @@ def cli() -> str:
         if rows:
             out.append("| option | default | variable | what |\n| --- | --- | --- | --- |\n")
             for opts, required, default, envvar, what in rows:
-                shown = "required" if required else (_default(default) if default else "")
+                given = default is not None and default is not False and default != ""
+                shown = "required" if required else (_default(default) if given else "")
                 env = f"`{envvar}`" if envvar else ""
                 out.append(f"| {opts} | {shown} | {env} | {_cell(what)} |\n")
             out.append("\n")

@@ -153,6 +153,47 @@ def test_every_command_the_docs_name_exists() -> None:
 
 
 @functools.cache
+def _root() -> Any:
+    return generator()._root_command()
+
+
+def _options(words: list[str]) -> set[str] | None:
+    """The options of the command ``words`` names (``["users", "add"]``), or None."""
+    command = _root()
+    for word in words:
+        command = getattr(command, "commands", {}).get(word)
+        if command is None:
+            return None
+    return {opt for p in command.params for opt in [*p.opts, *p.secondary_opts]}
+
+
+def test_every_option_the_docs_give_a_command_exists() -> None:
+    """`ddpq submit --wait`, `ddpq ls -s queued`: each option is one of that command's
+    (up to a bare `--`, after which the words are the program's)."""
+    checked = 0
+    wrong = []
+    commands = _commands()
+    for page in written_pages():
+        for span in code_spans(page.read_text()):
+            for line in span.splitlines() or [span]:
+                for match in COMMAND.finditer(line):
+                    command, sub = match.groups()
+                    words = (
+                        [command, sub] if sub and sub in commands.get(command, ()) else [command]
+                    )
+                    options = _options(words)
+                    if options is None:
+                        continue  # test_every_command_the_docs_name_exists says so
+                    rest = re.split(r"\s(?:--|\||&&|;)(?:\s|$)", line[match.end() :] + " ")[0]
+                    for opt in re.findall(r"(?<![\w-])(--?[a-z][a-z0-9-]*)", rest):
+                        checked += 1
+                        if opt not in options:
+                            wrong.append(f"{page.name}: ddpq {' '.join(words)} {opt}")
+    assert checked > 50, "the check found almost no options: its patterns are broken"
+    assert not wrong, f"options the commands do not have: {sorted(set(wrong))}"
+
+
+@functools.cache
 def operations() -> list[tuple[str, re.Pattern[str]]]:
     doc: dict[str, Any] = generator().openapi()
     found = []

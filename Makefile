@@ -14,7 +14,7 @@ PIP_COMPILE_FLAGS := -q --generate-hashes --allow-unsafe --strip-extras \
 # Pinned: tests/test_openapi_client.py asserts the generated code's names and shapes.
 OPENAPI_GENERATOR := openapi-python-client==0.29.1
 
-.PHONY: venv lock browser slurm run test test-slurm test-learning compose-test lint fmt bench clean
+.PHONY: venv lock browser slurm run test test-slurm test-learning compose-test docs lint fmt bench clean
 
 venv: $(VENV)/.installed
 
@@ -77,18 +77,25 @@ test-slurm: venv slurm
 test-learning: venv
 	$(BIN)/pytest -n 2 --dist worksteal -m learning
 
+# The documentation site (mkdocs.yml, docs/): the reference pages generated from the code
+# first, then the build into site/ with warnings as errors (a broken link or anchor, a page
+# missing from nav). CI runs it after make test.
+docs: venv
+	$(BIN)/python docs/gen_reference.py
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
 # docker compose up for real (slow: builds images; cached in /var/cache/ddpq-compose-test).
 compose-test: venv
 	bash tests/compose/run.sh
 
 lint: venv
-	$(BIN)/ruff check service worker ddpq recipes migrations tests bench requirements
-	$(BIN)/ruff format --check service worker ddpq recipes migrations tests bench requirements
+	$(BIN)/ruff check service worker ddpq recipes migrations tests bench requirements docs
+	$(BIN)/ruff format --check service worker ddpq recipes migrations tests bench requirements docs
 	$(BIN)/mypy
 
 fmt: venv
-	$(BIN)/ruff format service worker ddpq recipes migrations tests bench requirements
-	$(BIN)/ruff check --fix service worker ddpq recipes migrations tests bench requirements
+	$(BIN)/ruff format service worker ddpq recipes migrations tests bench requirements docs
+	$(BIN)/ruff check --fix service worker ddpq recipes migrations tests bench requirements docs
 
 bench: venv
 	$(BIN)/python bench/overhead.py
@@ -100,4 +107,4 @@ bench: venv
 	$(BIN)/python bench/slurm.py
 
 clean:
-	rm -rf $(VENV) var .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) var site .pytest_cache .mypy_cache .ruff_cache

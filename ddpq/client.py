@@ -166,7 +166,10 @@ class Client:
 
         new, sent = codepack.upload(entries, found.sources, missing, put, advanced)
         made = self._json("POST", "/code/snapshots", json={"files": [e.wire() for e in entries]})
-        return codepack.Pushed(made["id"], made["files"], made["bytes"], new, sent, found.skipped)
+        return codepack.Pushed(
+            made["id"], made["files"], made["bytes"], new, sent, found.skipped,
+            codepack.checkpoint_like(entries),
+        )  # fmt: skip
 
     def code(self, snapshot_id: str) -> dict[str, Any]:
         """A snapshot's manifest: id, files, bytes, manifest (path, size, digest, ...)."""
@@ -175,6 +178,12 @@ class Client:
 
     def code_blob(self, digest: str) -> bytes:
         return self._call("GET", f"/code/blobs/{digest}").content
+
+    def outputs(self, job_id: int) -> dict[str, Any]:
+        """What a job wrote in its directory beyond its code (items: path, change, size,
+        digest or symlink), the snapshot of that directory, and until when it is kept."""
+        result: dict[str, Any] = self._json("GET", f"/jobs/{job_id}/outputs")
+        return result
 
     def job(self, job_id: int) -> dict[str, Any]:
         result: dict[str, Any] = self._json("GET", f"/jobs/{job_id}")

@@ -20,6 +20,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from ddpq.snapshot import Limits
 from service.db import Policy
 from service.errors import ServiceError
+from service.schemas.outputs import OutputsLimits
 
 API_TOKEN_FILE = "api-token"  # noqa: S105 - a file name, not a secret
 WORKER_TOKEN_FILE = "worker-token"  # noqa: S105
@@ -83,9 +84,37 @@ class Settings(BaseSettings):
     code_max_bytes: int = Field(default=1024**3, ge=1)
     code_max_file_bytes: int = Field(default=100 * 1024**2, ge=1)
     code_retention_s: float = Field(default=7 * 24 * 3600.0, ge=0)
+    # What a job wrote in its working directory (service.outputs): kept, on its worker
+    # and in the API, for this many seconds after the job ended, and with no end for
+    # each user's newest ended jobs (workdir_keep_newest of them). The worker sends
+    # what the job wrote beyond its snapshot, at most outputs_max_files files and
+    # outputs_max_bytes in all (one file at most code_max_file_bytes); the rest is
+    # named, left on the worker's disk. (docs/outputs.md says why both, after SkyPilot
+    # and Ray.)
+    workdir_retention: float = Field(default=7 * 24 * 3600.0, ge=0)
+    workdir_keep_newest: int = Field(default=3, ge=0, le=1000)
+    outputs_max_files: int = Field(default=10_000, ge=0)
+    outputs_max_bytes: int = Field(default=1024**3, ge=0)
 
     def code_limits(self) -> Limits:
         return Limits(self.code_max_files, self.code_max_bytes, self.code_max_file_bytes)
+
+    def outputs_limits(self) -> OutputsLimits:
+        return OutputsLimits(
+            max_files=self.outputs_max_files,
+            max_bytes=self.outputs_max_bytes,
+            max_file_bytes=self.code_max_file_bytes,
+            retention_s=self.workdir_retention,
+            keep_newest=self.workdir_keep_newest,
+        )
+
+    def directory_limits(self) -> Limits:
+        """What a job's directory as it ended may hold: its code and its outputs."""
+        return Limits(
+            self.code_max_files + self.outputs_max_files,
+            self.code_max_bytes + self.outputs_max_bytes,
+            self.code_max_file_bytes,
+        )
 
     def policy(self) -> Policy:
         return Policy(

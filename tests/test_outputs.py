@@ -33,7 +33,7 @@ from worker.outputs import Limits, capture
 # working directory every epoch and resumes from it when it is there. The first run
 # stalls after epoch 2 (the test cancels it there); it also writes what a hostile
 # program would.
-TUTORIAL = '''
+TUTORIAL = """
 import os, sys, time
 from pathlib import Path
 import torch
@@ -73,7 +73,7 @@ for epoch in range(start, 5):
         while True:  # the first run waits here to be cancelled
             time.sleep(0.2)
 dist.destroy_process_group()
-'''
+"""
 
 
 def _env(server: Server) -> dict[str, str]:

@@ -382,9 +382,9 @@ def resubmit(
         else:
             words = _rerun_words(c, old)
     _override(spec, flags, args, env, pip)
-    if words:
-        (err.print if as_json else out.print)(_text(words), highlight=False, soft_wrap=True)
-    _submit(spec, None, wait, strict, as_json, "")
+    if as_json and words:  # stdout is for the Job
+        err.print(_text(words), highlight=False, soft_wrap=True)
+    _submit(spec, None, wait, strict, as_json, words)
 
 
 def _resume_from(c: Client, old: dict[str, Any]) -> tuple[str, str]:

@@ -55,7 +55,7 @@ async def get_code_limits(settings: SettingsDep) -> CodeLimits:
 
 
 @router.post("/missing", response_model=MissingReply)
-@workers_router.post("/missing", response_model=MissingReply, name="worker_find_missing_blobs")
+@workers_router.post("/missing", response_model=MissingReply, name="worker_find_missing")
 async def find_missing_blobs(body: MissingRequest, db: DB) -> MissingReply:
     """Which of these contents the API lacks: upload only those."""
     return MissingReply(missing=await run_in_threadpool(code.missing, db, body.digests))

@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +22,7 @@ import pytest
 from ddpq.client import Client
 from ddpq.snapshot import Entry
 from tests.conftest import (
+    REPO,
     Server,
     run_ddpq,
     start_server,
@@ -27,6 +32,7 @@ from tests.conftest import (
     wait_for,
 )
 from tests.helpers import register
+from tests.test_walls import open_the_way, start_host_worker
 from worker.outputs import Limits, capture
 
 # The pytorch/examples DDP tutorial's shape (issue 30): it saves snapshot.pt in its
@@ -279,3 +285,78 @@ def test_submit_names_checkpoint_like_files_and_resubmit_says_what_it_reruns(
 
     none = run_ddpq("resubmit", str(job["id"]), "--resume", env=_env(server), cwd=tmp_path)
     assert none.returncode == 1 and "left no directory to resume in" in none.stderr, none.stderr
+
+
+# Walled: the kept directory is the worker's again (0700) once the attempt ends, so the
+# job after it (another uid) can neither read, list nor write it; `resubmit --resume`
+# gives that job a fresh directory holding a copy. A host test: SQLite only.
+WALLED = """
+import os, sys
+from pathlib import Path
+if sys.argv[1] == "write":
+    Path("secret.txt").write_text("A's output")
+    print(f"WROTE cwd={os.getcwd()} uid={os.getuid()}", flush=True)
+    sys.exit(0)
+old = Path(sys.argv[2])
+for what, attempt in (
+    ("list", lambda: os.listdir(old)),
+    ("read", lambda: (old / "secret.txt").read_text()),
+    ("write", lambda: (old / "planted.txt").write_text("x")),
+):
+    try:
+        attempt()
+        print(f"ATTACK {what} done", flush=True)
+    except OSError as exc:
+        print(f"ATTACK {what} denied {exc.errno}", flush=True)
+print(f"COPY cwd={os.getcwd()} holds={Path('secret.txt').read_text()!r}", flush=True)
+"""
+
+
+@pytest.fixture
+def host_dir() -> Iterator[Path]:
+    """A directory job uids can reach (as tests/test_walls.py's)."""
+    open_the_way(Path(sys.executable))
+    open_the_way(REPO / "worker")
+    base = Path(tempfile.mkdtemp(prefix="ddpq-outputs-", dir="/var/tmp"))
+    base.chmod(0o711)
+    yield base
+    shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.mark.torchrun
+def test_a_kept_directory_is_closed_to_the_next_job_and_resume_gets_a_copy(
+    tmp_path: Path, host_dir: Path
+) -> None:
+    server = start_server(f"sqlite:///{tmp_path / 'ddpq.db'}", tmp_path / "api")
+    worker, worker_log = start_host_worker(server, host_dir, True)
+    project = tmp_path / "walled"
+    project.mkdir()
+    (project / "train.py").write_text(WALLED)
+    try:
+        wait_for(lambda: "jobs run walled" in worker_log.read_text(), 60, "the worker to start")
+        with Client(server.url, server.api_token) as c:
+            snap = c.push_code(project)
+            first = c.submit({"entrypoint": "train.py", "args": ["write"], "code": snap.id})["id"]
+            assert c.wait(first, timeout=180)["status"] == "succeeded", _log(c, first)
+            old = Path(_log(c, first).split("WROTE cwd=")[1].split()[0])
+            st = old.stat()
+            assert (st.st_uid, st.st_mode & 0o777) == (os.geteuid(), 0o700)
+            again = run_ddpq(
+                "resubmit", str(first), "--resume", "--json", "--", "attack", str(old),
+                env=_env(server), cwd=tmp_path,
+            )  # fmt: skip
+            assert again.returncode == 0, again.stderr
+            second = json.loads(again.stdout)["id"]
+            job = c.wait(second, timeout=180)
+            log = _log(c, second)
+            assert job["status"] == "succeeded", log
+            for what in ("list", "read", "write"):
+                assert f"ATTACK {what} denied" in log, log
+            cwd = Path(log.split("COPY cwd=")[1].split()[0])
+            assert cwd != old and 'holds="A\'s output"' in log, log
+            assert (old / "secret.txt").read_text() == "A's output"
+            assert not (old / "planted.txt").exists()
+            assert {i["path"] for i in c.outputs(first)["items"]} == {"secret.txt"}
+    finally:
+        stop_process(worker)
+        stop_server(server)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from datetime import UTC
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -18,6 +19,7 @@ from ddpq.cli.base import (
     _fail,
     _failed,
     _fit_table,
+    _parse_time,
     _print_json,
     _print_table,
     _say,
@@ -140,7 +142,8 @@ def _kept_words(outs: dict[str, Any]) -> str:
         return "kept for as long as it is one of its owner's newest ended jobs"
     if outs["kept_until"] is None:
         return "kept while the job runs, and for its retention after it ends"
-    return f"kept until {outs['kept_until']}"
+    until = _parse_time(outs["kept_until"]).astimezone(UTC)
+    return f"kept until {until:%Y-%m-%d %H:%M} UTC"
 
 
 def _download(c: Client, manifest: list[dict[str, Any]], dest: Path) -> None:

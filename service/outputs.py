@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, exists, func, or_, select, update
+from sqlalchemy import ColumnElement, and_, exists, func, or_, select, update
 from sqlalchemy.orm import Session, aliased
 
 from service import queue
@@ -189,7 +189,7 @@ def _aware(t: datetime) -> datetime:
 
 def kept(limits: OutputsLimits) -> ColumnElement[bool]:
     """For code collection (service.code.collect): the snapshot is the directory of a
-    job whose directory is still kept."""
+    job whose directory is still kept, or its code (what it wrote is told from that)."""
     cutoff = utcnow() - timedelta(seconds=limits.retention_s)
     j = aliased(Job)
     ranked = (
@@ -202,7 +202,10 @@ def kept(limits: OutputsLimits) -> ColumnElement[bool]:
     )
     newest = select(ranked.c.id).where(ranked.c.rank <= limits.keep_newest)
     return exists().where(
-        Job.outputs == CodeSnapshot.id,
+        or_(
+            Job.outputs == CodeSnapshot.id,
+            and_(Job.code == CodeSnapshot.id, Job.outputs.is_not(None)),
+        ),
         or_(
             Job.status.not_in(sorted(TERMINAL)),
             Job.finished_at >= cutoff,

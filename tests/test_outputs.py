@@ -8,6 +8,7 @@ reruns and whether the files here differ."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -359,4 +360,65 @@ def test_a_kept_directory_is_closed_to_the_next_job_and_resume_gets_a_copy(
             assert {i["path"] for i in c.outputs(first)["items"]} == {"secret.txt"}
     finally:
         stop_process(worker)
+        stop_server(server)
+
+
+def _directory(server: Server, files: dict[str, bytes]) -> str:
+    """Send ``files`` as a worker sends a job's directory: their id."""
+    w = server.client("worker")
+    digests = {path: hashlib.sha256(data).hexdigest() for path, data in files.items()}
+    for path, digest in digests.items():
+        r = w.put(f"/workers/code/blobs/{digest}", content=files[path])
+        assert r.status_code == 204, r.text
+    manifest = [
+        {"path": p, "digest": d, "size": len(files[p]), "executable": False}
+        for p, d in digests.items()
+    ]
+    r = w.post("/workers/code/snapshots", json={"files": manifest})
+    assert r.status_code == 201, r.text
+    return str(r.json()["id"])
+
+
+def test_the_api_keeps_the_newest_directory_of_each_user_and_collects_the_rest(
+    db_url: str, tmp_path: Path
+) -> None:
+    server = start_server(
+        db_url,
+        tmp_path / "api",
+        DDPQ_CODE_RETENTION_S="0",
+        DDPQ_WORKDIR_RETENTION="0",
+        DDPQ_WORKDIR_KEEP_NEWEST="1",
+    )
+    try:
+        user, w = server.client(), server.client("worker")
+        code = _directory(server, {"train.py": b"print(1)\n"})
+        register(server)
+        dirs = {}
+        for n in (1, 2):
+            job = user.post("/jobs", json={"entrypoint": "train.py", "code": code}).json()
+            claim = w.post(
+                "/workers/claim",
+                json={"name": "hand", "free_cpu_slots": 8, "free_gpus": [], "wait_s": 5},
+            ).json()
+            assert claim["job_id"] == job["id"]
+            files = {"train.py": b"print(1)\n", f"out-{n}.txt": f"run {n}\n".encode()}
+            dirs[job["id"]] = _directory(server, files)
+            body = {"worker": "hand", "attempt": 1, "directory": dirs[job["id"]], "workdir": "/d"}
+            assert w.post(f"/workers/jobs/{job['id']}/outputs", json=body).status_code == 204
+            done = {"worker": "hand", "attempt": 1, "exit_code": 0}
+            assert w.post(f"/workers/jobs/{job['id']}/finish", json=done).status_code == 200
+        older, newer = sorted(dirs)
+
+        def collected() -> bool:
+            return user.get(f"/jobs/{older}/outputs").json()["directory"] is None
+
+        wait_for(collected, 30, "the older job's directory to be collected")
+        assert user.get(f"/code/snapshots/{dirs[older]}").status_code == 404
+        kept = user.get(f"/jobs/{newer}/outputs").json()
+        assert kept["directory"] == dirs[newer] and kept["kept_newest"], kept
+        assert [i["path"] for i in kept["items"]] == ["out-2.txt"]
+        # The worker is told the older directory may go, not the newer.
+        beat = w.post("/workers/heartbeat", json={"name": "hand", "kept": [older, newer]})
+        assert beat.json()["ended"] == [older], beat.text
+    finally:
         stop_server(server)

@@ -110,7 +110,7 @@ def record(db: Database, job_id: int, body: OutputsIn, limits: OutputsLimits) ->
         job.outputs_left = [x.model_dump() for x in body.left]
         if body.left_more:
             job.outputs_left.append(
-                {"path": "...", "size": None, "why": f"{body.left_more} more not named"}
+                {"path": "(more)", "size": None, "why": f"{body.left_more} more, not named"}
             )
         job.workdir = body.workdir
         job.outputs_attempt = body.attempt
@@ -140,7 +140,6 @@ def listing(db: Database, job_id: int, limits: OutputsLimits) -> OutputsPublic:
             bytes=sum(i.size or 0 for i in items),
             removed=removed,
             left=left,
-            left_more=0,
             kept_until=until,
             kept_newest=ended and newest,
         )

@@ -74,8 +74,9 @@ class OutputsPublic(BaseModel):
     items: list[OutputFile]
     bytes: int
     removed: int  # files of the snapshot the job deleted
+    # What the job wrote that was not sent (it stays on its worker only), and why; past
+    # MAX_LEFT named, one last entry counts the rest.
     left: list[OutputLeft]
-    left_more: int
     # When the directory goes (on the worker and here): null while the job runs, and
     # while it is among its owner's newest ended jobs (kept_newest says so).
     kept_until: datetime | None

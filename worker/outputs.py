@@ -112,13 +112,21 @@ def _is_link(name: str, dir_fd: int) -> bool:
 def capture(root: Path, code: dict[str, Entry], limits: Limits) -> Captured:
     """Read the job's directory ``root`` (its attempt's processes gone): every file
     hashed, the job's own (not in its ``code``, or changed) kept smallest first within the
-    limits."""
+    limits. What is read is bounded too: past as many entries as its code and the
+    outputs may hold, the rest are counted, not read; a file of its own larger than all
+    the outputs may hold is not hashed."""
     out = Captured()
     mine: list[Entry] = []
     refused: list[Entry] = []  # links left, standing in as links that leave
+    most = len(code) + limits.max_files
+    seen = 0
     root_fd = os.open(root, DIR_FLAGS)
     try:
         for rel, name, dir_fd in _walk(root_fd):
+            seen += 1
+            if seen > most:
+                out.left_more += 1
+                continue
             try:
                 st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
             except OSError:
@@ -148,6 +156,9 @@ def capture(root: Path, code: dict[str, Entry], limits: Limits) -> Captured:
                     st.st_size,
                     f"over {human_bytes(limits.max_file_bytes)} (DDPQ_CODE_MAX_FILE_BYTES)",
                 )
+            elif st.st_size > limits.max_bytes and rel not in code:
+                over = f"over {human_bytes(limits.max_bytes)} (DDPQ_OUTPUTS_MAX_BYTES)"
+                out.leave(rel, st.st_size, over)
             else:
                 digest = _digest(name, dir_fd, st)
                 if digest is None:
@@ -239,8 +250,9 @@ def send(
         else []
     )
     gone: set[str] = set()
-    for e in captured.written:
-        if e.digest not in missing:
+    # What the job wrote, and any of its code the API no longer holds.
+    for e in [*captured.written, *captured.entries]:
+        if e.digest not in missing or e.path in gone:
             continue
         data = read_under(root, e.path, max_file_bytes)
         if data is None or hashlib.sha256(data).hexdigest() != e.digest:

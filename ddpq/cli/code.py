@@ -72,7 +72,7 @@ def outputs(
     job_id: int,
     download: Annotated[
         Path | None,
-        typer.Option(help="write what the job wrote into this new directory"),
+        typer.Option(metavar="DIR", help="write what the job wrote into this new directory"),
     ] = None,
     as_json: JsonOpt = False,
 ) -> None:

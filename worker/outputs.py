@@ -162,7 +162,7 @@ def capture(root: Path, code: dict[str, Entry], limits: Limits) -> Captured:
             else:
                 digest = _digest(name, dir_fd, st)
                 if digest is None:
-                    out.leave(rel, st.st_size, "changed while it was read")
+                    out.leave(rel, st.st_size, "not readable, or changed while it was read")
                     continue
                 e = Entry(
                     path=rel,

@@ -175,6 +175,7 @@ class Client:
             found.skipped,
             found.left_out,
             codepack.named_in_sources(found),
+            codepack.checkpoint_like(entries),
         )
 
     def code(self, snapshot_id: str) -> dict[str, Any]:
@@ -184,6 +185,12 @@ class Client:
 
     def code_blob(self, digest: str) -> bytes:
         return self._call("GET", f"/code/blobs/{digest}").content
+
+    def outputs(self, job_id: int) -> dict[str, Any]:
+        """What a job wrote in its directory beyond its code (items: path, change, size,
+        digest or symlink), the snapshot of that directory, and until when it is kept."""
+        result: dict[str, Any] = self._json("GET", f"/jobs/{job_id}/outputs")
+        return result
 
     def job(self, job_id: int) -> dict[str, Any]:
         result: dict[str, Any] = self._json("GET", f"/jobs/{job_id}")

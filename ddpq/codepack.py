@@ -39,6 +39,7 @@ from ddpq.snapshot import (
 )
 
 NEVER = frozenset({".git", "__pycache__", ".hg", ".svn"})
+CHECKPOINT_LIKE = (".pt", ".ckpt", ".safetensors")
 IGNORE_FILES = (".gitignore", ".ddpqignore")  # later ones win where both match
 UPLOAD_THREADS = 4
 # Sizing what stays home walks it; a huge tree (a dataset of a million files) is sized
@@ -92,6 +93,9 @@ class Pushed:
     skipped: list[str]
     left_out: list[LeftOut] = field(default_factory=list)
     named: list[tuple[str, str]] = field(default_factory=list)  # (source, what stays home)
+    # Files that look like checkpoints (CHECKPOINT_LIKE), with their sizes: a program
+    # that resumes from a file in its directory resumes from these (issue 30).
+    checkpoints: list[tuple[str, int]] = field(default_factory=list)
 
 
 # (the directory they apply below, the ignore file's name, its rules)
@@ -284,6 +288,13 @@ def hashed(found: Collected) -> list[Entry]:
         size = src.stat().st_size
         out.append(Entry(path=e.path, digest=digest_of(src), size=size, executable=e.executable))
     return out
+
+
+def checkpoint_like(entries: list[Entry]) -> list[tuple[str, int]]:
+    """The files sent that look like checkpoints, largest first."""
+    found = [(e.path, e.size) for e in entries if e.symlink is None]
+    found = [(p, n) for p, n in found if p.lower().endswith(CHECKPOINT_LIKE)]
+    return sorted(found, key=lambda x: (-x[1], x[0]))
 
 
 def check_limits(found: Collected, limits: Limits) -> None:

@@ -69,7 +69,8 @@ class HeartbeatReply(BaseModel):
     abandon: list[AttemptRef]
     preempt: list[HandBack] = []
     # Of the jobs whose working directories the worker keeps (Heartbeat.kept), those
-    # that have ended (or are gone): their directories may be removed.
+    # whose directories may be removed: gone, or ended and past their retention
+    # (service.outputs.due).
     ended: list[int] = []
 
 

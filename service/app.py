@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service import code as code_store
-from service import queue, telemetry
+from service import outputs, queue, telemetry
 from service.auth import TokenGate, route_rules
 from service.config import Settings
 from service.db import Database, libpq_conninfo
@@ -188,12 +188,21 @@ def _too_large(limit: int) -> str:
 
 def _body_limits(settings: Settings) -> dict[str, int]:
     """The larger bodies code uploads take: one file's content, and a manifest (or its
-    list of digests) of the most files a snapshot may hold."""
+    list of digests) of the most files a snapshot may hold (a job's directory: its code
+    and its outputs)."""
     manifest = max(settings.max_body_bytes, settings.code_max_files * MANIFEST_ENTRY_BYTES)
+    directory = max(
+        manifest, (settings.code_max_files + settings.outputs_max_files) * MANIFEST_ENTRY_BYTES
+    )
     return {
         "/code/blobs/": settings.code_max_file_bytes,
         "/code/snapshots": manifest,
         "/code/missing": manifest,
+        # A worker sends a job's directory as it ended (service.outputs): its code and
+        # what it wrote.
+        "/workers/code/blobs/": settings.code_max_file_bytes,
+        "/workers/code/snapshots": directory,
+        "/workers/code/missing": directory,
     }
 
 
@@ -224,7 +233,10 @@ async def _sweep_leases(app: FastAPI) -> None:
         if asyncio.get_running_loop().time() - code_swept >= code_every:
             code_swept = asyncio.get_running_loop().time()
             try:
-                gone = await run_in_threadpool(code_store.collect, db, settings.code_retention_s)
+                keep = outputs.kept(settings.outputs_limits())
+                gone = await run_in_threadpool(
+                    code_store.collect, db, settings.code_retention_s, keep
+                )
                 if any(gone):
                     log.info("collected %d code snapshot(s) and %d content(s)", *gone)
             except Exception:

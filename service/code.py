@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any, cast
 
-from sqlalchemy import delete, exists, select, update
+from sqlalchemy import ColumnElement, delete, exists, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import CursorResult
 from sqlalchemy.exc import IntegrityError
@@ -207,13 +207,19 @@ def summaries(s: Session, ids: Iterable[str | None]) -> dict[str, CodeSummary]:
 # ---- collection --------------------------------------------------------------------------
 
 
-def collect(db: Database, retention_s: float) -> tuple[int, int]:
-    """Delete what no job needs and nobody used for ``retention_s``: (snapshots, blobs)."""
+def collect(
+    db: Database, retention_s: float, keep: ColumnElement[bool] | None = None
+) -> tuple[int, int]:
+    """Delete what no job needs and nobody used for ``retention_s``: (snapshots, blobs).
+    ``keep``: the snapshots kept for another reason (a job's directory as it ended,
+    service.outputs.kept)."""
     cutoff = utcnow() - timedelta(seconds=retention_s)
-    needed = exists().where(
+    needed: ColumnElement[bool] = exists().where(
         Job.code == CodeSnapshot.id,
         Job.status.not_in(sorted(TERMINAL)) | (Job.finished_at >= cutoff),
     )
+    if keep is not None:
+        needed = needed | keep
     linked = exists().where(CodeSnapshotBlob.digest == CodeBlob.digest)
     with db.write() as s:
         gone = s.execute(delete(CodeSnapshot).where(CodeSnapshot.used_at < cutoff, ~needed))

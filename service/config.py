@@ -20,6 +20,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from ddpq.snapshot import Limits
 from service.db import Policy
 from service.errors import ServiceError
+from service.schemas.outputs import OutputsLimits
 
 API_TOKEN_FILE = "api-token"  # noqa: S105 - a file name, not a secret
 WORKER_TOKEN_FILE = "worker-token"  # noqa: S105
@@ -154,9 +155,52 @@ class Settings(BaseSettings):
         description="A snapshot stays while a job of it is queued or running, and this long "
         "after its last job ended (for `ddpq resubmit` and `ddpq code`).",
     )
+    # What a job wrote in its working directory (service.outputs): docs/outputs.md says
+    # why both a period and the newest few, after SkyPilot and Ray.
+    workdir_retention: float = Field(
+        default=7 * 24 * 3600.0,
+        ge=0,
+        description="Seconds a job's directory (what it wrote, on its worker and in the API) "
+        "is kept after the job ended; `ddpq outputs` and `ddpq resubmit --resume` read it.",
+    )
+    workdir_keep_newest: int = Field(
+        default=3,
+        ge=0,
+        le=1000,
+        description="Each user's newest ended jobs whose directories are kept with no end.",
+    )
+    outputs_max_files: int = Field(
+        default=10_000,
+        ge=0,
+        description="Most files of a job's directory its worker sends to the API; the rest "
+        "are named and stay on the worker's disk.",
+    )
+    outputs_max_bytes: int = Field(
+        default=1024**3,
+        ge=0,
+        description="Most bytes of a job's directory its worker sends to the API (one file "
+        "at most `DDPQ_CODE_MAX_FILE_BYTES`); the rest are named and stay on the worker.",
+    )
 
     def code_limits(self) -> Limits:
         return Limits(self.code_max_files, self.code_max_bytes, self.code_max_file_bytes)
+
+    def outputs_limits(self) -> OutputsLimits:
+        return OutputsLimits(
+            max_files=self.outputs_max_files,
+            max_bytes=self.outputs_max_bytes,
+            max_file_bytes=self.code_max_file_bytes,
+            retention_s=self.workdir_retention,
+            keep_newest=self.workdir_keep_newest,
+        )
+
+    def directory_limits(self) -> Limits:
+        """What a job's directory as it ended may hold: its code and its outputs."""
+        return Limits(
+            self.code_max_files + self.outputs_max_files,
+            self.code_max_bytes + self.outputs_max_bytes,
+            self.code_max_file_bytes,
+        )
 
     def policy(self) -> Policy:
         return Policy(

@@ -18,7 +18,6 @@ from service import code, queue, users
 from service.db import Database
 from service.errors import Conflict, Forbidden, Invalid, NotFound, TooMany
 from service.models import (
-    TERMINAL,
     Attempt,
     Checkpoint,
     Job,
@@ -360,17 +359,6 @@ def finish_attempt(db: Database, job_id: int, worker: str, req: FinishRequest) -
         queue.end_attempt(s, job, worker, req, db.policy)
         s.flush()
         return _publics(s, [job])[0]
-
-
-def ended_jobs(db: Database, job_ids: list[int]) -> list[int]:
-    """Which of these jobs have ended, or no longer exist."""
-    with db.read() as s:
-        live = set(
-            s.scalars(
-                select(Job.id).where(Job.id.in_(job_ids), Job.status.not_in(sorted(TERMINAL)))
-            )
-        )
-    return sorted(set(job_ids) - live)
 
 
 # ---- what ranks report ----------------------------------------------------------------

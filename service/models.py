@@ -141,6 +141,15 @@ class Job(Base):
     preempted_by: Mapped[int | None] = mapped_column(BigInteger)
     preempting_on: Mapped[str | None] = mapped_column(String(200))
     preempting_since: Mapped[datetime | None]
+    # What the job's working directory held when its last attempt ended (service.outputs):
+    # a code snapshot (its code and what it wrote), kept for the workdir retention; what
+    # was not sent ([{path, size, why}]); the directory on its worker.
+    outputs: Mapped[str | None] = mapped_column(
+        String(64), ForeignKey("code_snapshots.id", ondelete="SET NULL"), index=True
+    )
+    outputs_left: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)
+    workdir: Mapped[str | None] = mapped_column(Text)
+    outputs_attempt: Mapped[int | None] = mapped_column(Integer)
 
     __table_args__ = (
         # A user's jobs (ddpq ls --mine) and, later, what each user holds.

@@ -133,6 +133,33 @@ class WorkerAPI:
         except httpx.HTTPError as exc:
             raise no_answer("GET", self.url + path, exc) from exc
 
+    # ---- a job's directory as it ended (worker.outputs) ---------------------------------
+
+    def outputs_limits(self) -> dict[str, Any]:
+        result: dict[str, Any] = self._request("GET", "/workers/outputs/limits").json()
+        return result
+
+    def missing_blobs(self, digests: list[str]) -> list[str]:
+        r = self._request("POST", "/workers/code/missing", json={"digests": digests})
+        return list(r.json()["missing"])
+
+    def put_blob(self, digest: str, data: bytes) -> None:
+        self._request(
+            "PUT",
+            f"/workers/code/blobs/{digest}",
+            content=data,
+            headers={"Content-Type": "application/octet-stream"},
+            timeout=600.0,
+        )
+
+    def create_snapshot(self, files: list[dict[str, Any]]) -> dict[str, Any]:
+        r = self._request("POST", "/workers/code/snapshots", json={"files": files}, timeout=120.0)
+        result: dict[str, Any] = r.json()
+        return result
+
+    def record_outputs(self, job_id: int, body: dict[str, Any]) -> None:
+        self._request("POST", f"/workers/jobs/{job_id}/outputs", json={"worker": self.name, **body})
+
     def close(self) -> None:
         self._client.close()
 

@@ -19,7 +19,10 @@ directory of its own for each job, written from its snapshot's manifest.
   name and renamed when whole, kept across the job's attempts on this worker while this
   process lives (what the program wrote there is still there on a retry; nothing on
   disk says which directory is whose, so a restarted worker writes a new one), and
-  removed once the service says the job has ended (after a retention period).
+  removed once the service says its retention is over (service.outputs: a period after
+  the job ended, none for its owner's newest jobs). A new job never runs in an old one's
+  directory: `ddpq resubmit --resume` gets a fresh one written from the snapshot its
+  worker sent of the old one (worker.outputs).
 - Nothing from the wire is trusted: every path and link of the manifest is checked
   again here (ddpq.snapshot), files are created with O_EXCL|O_NOFOLLOW, and links
   are made last, so no write ever goes through one.
@@ -296,6 +299,12 @@ class Workdirs:
         except ApiUnavailable:  # only once a stop was asked for: the API is waited out
             raise Stopped() from None
         return Path(workdir), written
+
+    def path_of(self, job_id: int) -> Path | None:
+        """The directory this process made for the job, if it is still there."""
+        with self._lock:
+            made = self._made.get(job_id)
+        return made[0] if made is not None and _is_real_dir(made[0]) else None
 
     def kept(self) -> list[int]:
         """The jobs whose directories are here (this process's, an earlier one's, or

@@ -23,7 +23,7 @@ from typing import Any
 
 from ddpq.errors import ApiRefused, ApiUnavailable, JobError, Stopped
 from ddpq.messages import ClaimedJob, GangReply
-from worker import prepare, procs, torchrun
+from worker import outputs, prepare, procs, torchrun
 from worker.api import WorkerAPI
 from worker.code import Workdirs
 from worker.logship import LogShipper, Tailed
@@ -143,9 +143,30 @@ class JobRunner:
                 log.error("job %s: processes survived SIGKILL", self.job_id)
         if result.outcome == "error":
             shipper.write(f"[ddpq] {result.reason}\n".encode())
+        self._keep_outputs(shipper)
         shipper.close(timeout_s=60.0)
         self._report(result)
         self.release(self)
+
+    def _keep_outputs(self, shipper: LogShipper) -> None:
+        """Send the job's directory as this attempt leaves it (worker.outputs), before its
+        finish: node 0's (where rank 0 writes), once no process of it runs. Nothing of
+        it fails the attempt: the directory stays here whatever the API took."""
+        code = self.claim.spec.get("code")
+        workdir = self.ctx.workdirs.path_of(self.job_id)
+        node0 = self.gang is None or self.gang.node_rank == 0
+        if not code or workdir is None or not node0 or self.stop_reason == "abandoned":
+            return
+        api = self.ctx.api
+        try:
+            words = outputs.keep(
+                api, self.job_id, self.attempt, workdir, lambda: api.snapshot(code).manifest
+            )
+        except Exception as exc:
+            log.exception("job %s: keeping its outputs failed", self.job_id)
+            words = f"[ddpq] its outputs could not be sent ({exc}); its directory {workdir} "
+            words += "stays on this worker\n"
+        shipper.write(words.encode())
 
     def _first_line(self) -> str:
         gpus = self.claim.gpus

@@ -27,7 +27,7 @@ from ddpq.errors import DdpqError
 ORDER = [
     "serve", "worker", "up",
     "login", "logout", "whoami",
-    "submit", "resubmit", "status", "ls", "cancel", "code", "logs", "watch",
+    "submit", "resubmit", "status", "ls", "cancel", "code", "outputs", "logs", "watch",
     "workers", "recipes",
     "users", "audit", "usage", "quota",
     "slurm-node",  # hidden: what the Slurm bridge starts on each node

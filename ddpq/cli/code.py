@@ -1,9 +1,11 @@
-"""A job's code: list the snapshot it runs, or download it."""
+"""A job's code (the snapshot it runs) and its outputs (what it wrote in its directory):
+list them, or download them."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+from datetime import UTC
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -17,6 +19,7 @@ from ddpq.cli.base import (
     _fail,
     _failed,
     _fit_table,
+    _parse_time,
     _print_json,
     _print_table,
     _say,
@@ -62,6 +65,85 @@ def code(
     ]
     _print_table(_fit_table(["PATH", "SIZE"], rows, caps={}))
     _say(f"code {snap['id'][:12]}: {file_count(snap['files'])}, {human_bytes(snap['bytes'])}")
+
+
+@client_command(name="outputs")
+def outputs(
+    job_id: int,
+    download: Annotated[
+        Path | None,
+        typer.Option(metavar="DIR", help="write what the job wrote into this new directory"),
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """List what a job wrote in its directory beyond its code, or --download it.
+
+    Its worker sends the directory as each attempt ends; it is kept for
+    DDPQ_WORKDIR_RETENTION after the job ends, and while the job is one of its
+    owner's newest (docs/outputs.md).
+    """
+    with _client() as c:
+        outs = c.outputs(job_id)
+        if download is not None:
+            if outs["directory"] is None:
+                _fail(f"job {job_id} has no outputs kept: {_none_why(c.job(job_id))}", EXIT_API)
+            entries = [
+                {"path": i["path"], "symlink": i["symlink"]}
+                if i.get("symlink") is not None
+                else {k: i[k] for k in ("path", "digest", "size", "executable")}
+                for i in outs["items"]
+            ]
+            if not entries:
+                _fail(f"job {job_id} wrote nothing beyond its code", EXIT_API)
+            _download(c, entries, download)
+        elif outs["directory"] is None and not as_json:
+            _say(f"job {job_id}: no outputs kept: {_none_why(c.job(job_id))}")
+            return
+    if as_json:
+        _print_json(outs)
+        return
+    files = [i for i in outs["items"] if i.get("symlink") is None]
+    if download is not None:
+        _say(f"job {job_id}: {file_count(len(outs['items']))} written to {download}")
+    else:
+        rows = [
+            [
+                i["path"],
+                human_bytes(i["size"]) if i.get("symlink") is None else f"-> {i['symlink']}",
+                i["change"],
+            ]
+            for i in outs["items"]
+        ]
+        if rows:
+            _print_table(_fit_table(["PATH", "SIZE", "CHANGE"], rows, caps={}))
+        _say(
+            f"job {job_id} wrote {file_count(len(files))}, {human_bytes(outs['bytes'])} "
+            f"beyond its code (attempt {outs['attempt']}, {outs['worker']}:{outs['workdir']})"
+        )
+    for x in outs["left"]:
+        size = f", {human_bytes(x['size'])}" if x.get("size") is not None else ""
+        _say(f"  not kept here: {x['path']} ({x['why']}{size}): on its worker only")
+    _say(_kept_words(outs))
+
+
+def _none_why(job: dict[str, Any]) -> str:
+    if not job["spec"].get("code"):
+        return "it ran no code of its own (a recipe, or --no-code), so it had no directory"
+    if job["status"] in ("queued", "running", "cancelling") and not job.get("attempt"):
+        return "it has not run yet"
+    return (
+        "no attempt of it has ended yet on a worker that sends them, or they were "
+        "collected after their retention (DDPQ_WORKDIR_RETENTION)"
+    )
+
+
+def _kept_words(outs: dict[str, Any]) -> str:
+    if outs["kept_newest"]:
+        return "kept for as long as it is one of its owner's newest ended jobs"
+    if outs["kept_until"] is None:
+        return "kept while the job runs, and for its retention after it ends"
+    until = _parse_time(outs["kept_until"]).astimezone(UTC)
+    return f"kept until {until:%Y-%m-%d %H:%M} UTC"
 
 
 def _download(c: Client, manifest: list[dict[str, Any]], dest: Path) -> None:

@@ -36,6 +36,7 @@ from ddpq.cli.base import (
 from ddpq.cli.live import follow
 from ddpq.cli.spec import _parse_env, _read_spec_file
 from ddpq.client import Client
+from ddpq.errors import CodeError
 from ddpq.rules import UNSCHEDULABLE, is_unschedulable
 from ddpq.snapshot import file_count, human_bytes
 
@@ -187,6 +188,8 @@ def submit(
     if code_dir is not None:
         pushed = _push(code_dir, quiet=as_json)
         spec["code"] = pushed.id
+        if pushed.checkpoints:
+            _warn(_checkpoint_words(pushed.checkpoints))
     else:
         pushed = None
     _submit(spec, idempotency_key, wait, strict, as_json, pushed)
@@ -238,6 +241,23 @@ def _push(root: Path, quiet: bool) -> codepack.Pushed:
             bar.stop()
 
 
+def _warn(message: str) -> None:
+    """A warning, in one line on stderr (stdout stays the command's answer)."""
+    err.print(_text(f"warning: {message}"), highlight=False, soft_wrap=True)
+
+
+def _checkpoint_words(found: list[tuple[str, int]]) -> str:
+    """The warning for checkpoint-like files sent with the code (issue 30: a stale local
+    snapshot.pt went with the next submit, and the job silently "resumed" from it)."""
+    named = ", ".join(f"{path} ({human_bytes(size)})" for path, size in found[:5])
+    more = f" and {len(found) - 5} more" if len(found) > 5 else ""
+    return (
+        f"sending checkpoint-like file(s) with the code: {named}{more}. A program that "
+        "resumes from a file in its directory starts from these; leave them out with "
+        ".ddpqignore, or run on from a job's own with `ddpq resubmit --resume JOB`"
+    )
+
+
 LEFT_OUT_SHOWN = 5  # the largest things left out, named; the rest counted
 
 
@@ -274,11 +294,14 @@ def _submit(
     strict: bool,
     as_json: bool,
     pushed: codepack.Pushed | None,
+    words: str = "",
 ) -> None:
+    """Submit ``spec`` and say so: what of the code was sent (``pushed``) or ``words``
+    (resubmit's: which snapshot), then, with ``wait``, follow it to its end."""
     with _client() as c:
         job = c.submit(spec, idempotency_key, strict)
         try:
-            job = _said_and_followed(c, job, wait, as_json, pushed)
+            job = _said_and_followed(c, job, wait, as_json, pushed, words)
         except KeyboardInterrupt as exc:
             # Anywhere after the API took the job (while printing its line, importing
             # the live view, polling), Ctrl-C stops the waiting and says the job goes on.
@@ -305,7 +328,12 @@ def _submit(
 
 
 def _said_and_followed(
-    c: Client, job: dict[str, Any], wait: bool, as_json: bool, pushed: codepack.Pushed | None
+    c: Client,
+    job: dict[str, Any],
+    wait: bool,
+    as_json: bool,
+    pushed: codepack.Pushed | None,
+    words: str,
 ) -> dict[str, Any]:
     """Print the accepted job's line and, with --wait, follow it to its end; returns the
     last Job seen. Ctrl-C raises KeyboardInterrupt (Interrupted, with the job, while
@@ -317,7 +345,8 @@ def _said_and_followed(
         if wait:  # stdout is for the final Job; the id, at once, goes to stderr
             err.print(_text(f"{line}; waiting for it to end"), highlight=False)
     else:
-        _say(f"{_code_words(pushed)} · {line}" if pushed else line)
+        said = _code_words(pushed) if pushed else words
+        _say(f"{said} · {line}" if said else line)
         for note in _code_notes(pushed) if pushed else []:
             _say(f"  {note}")
         if job.get("reason") and not wait:
@@ -352,6 +381,14 @@ def resubmit(
     timeout_s: TimeoutS = None,
     env: EnvOpt = None,
     pip: PipOpt = None,
+    resume: Annotated[
+        bool,
+        typer.Option(
+            "--resume",
+            help="run in a copy of the job's directory as it ended (what it wrote there "
+            "included, a snapshot.pt to resume from), not in its original code",
+        ),
+    ] = False,
     wait: Wait = False,
     strict: Strict = False,
     as_json: JsonOpt = False,
@@ -359,20 +396,94 @@ def resubmit(
     """Run a job's program again.
 
     The same code and spec, with these flags overriding it ([-- ARGS...] replaces its
-    arguments).
+    arguments). It says which snapshot it reruns and, run in the job's own directory
+    (the one holding its entrypoint), whether the files here differ from it.
+    --resume runs in a copy of the job's directory as it ended instead.
     """
+    flags = {k: v for k, v in locals().items() if k in SPEC_FLAGS}
     with _client() as c:
         old = c.job(job_id)
-    spec = {k: v for k, v in old["spec"].items() if v is not None}
-    if spec.get("code") and not old.get("code"):
-        _fail(
-            f"job {job_id}'s code is no longer kept (collected after its retention period); "
-            "submit it again from its directory",
-            EXIT_API,
-        )
-    flags = {k: v for k, v in locals().items() if k in SPEC_FLAGS}
+        spec = {k: v for k, v in old["spec"].items() if v is not None}
+        if resume:
+            spec["code"], words = _resume_from(c, old)
+        elif spec.get("code") and not old.get("code"):
+            _fail(
+                f"job {job_id}'s code is no longer kept (collected after its retention "
+                "period); submit it again from its directory",
+                EXIT_API,
+            )
+        else:
+            words = _rerun_words(c, old)
     _override(spec, flags, args, env, pip)
-    _submit(spec, None, wait, strict, as_json, None)
+    if as_json and words:  # stdout is for the Job
+        err.print(_text(words), highlight=False, soft_wrap=True)
+    _submit(spec, None, wait, strict, as_json, None, words)
+
+
+def _resume_from(c: Client, old: dict[str, Any]) -> tuple[str, str]:
+    """The snapshot of ``old``'s directory as its last attempt left it, and the words
+    that say what goes with it (docs/outputs.md)."""
+    job_id = old["id"]
+    outs = c.outputs(job_id)
+    if outs["directory"] is None:
+        why = (
+            "it ran no code of its own (a recipe, or --no-code)"
+            if not old["spec"].get("code")
+            else "no attempt of it ended on a worker that sent it, or it was collected "
+            "after its retention (DDPQ_WORKDIR_RETENTION)"
+        )
+        _fail(f"job {job_id} left no directory to resume in: {why}", EXIT_API)
+    wrote = [i for i in outs["items"] if i.get("symlink") is None]
+    words = (
+        f"resuming in a copy of job {job_id}'s directory as attempt {outs['attempt']} left "
+        f"it: its code and {file_count(len(wrote))} it wrote ({human_bytes(outs['bytes'])})"
+    )
+    if outs["left"]:
+        named = ", ".join(f"{x['path']} ({x['why']})" for x in outs["left"][:5])
+        words += f"; not carried: {named}"
+    return str(outs["directory"]), words
+
+
+def _rerun_words(c: Client, old: dict[str, Any]) -> str:
+    """Which snapshot a resubmit reruns, and, when run in the job's own directory (it
+    holds the entrypoint), whether the files here differ from it (issue 30: an edited
+    train.py was not what ran, and nothing said so)."""
+    snap = old.get("code")
+    if not snap:
+        return ""
+    words = (
+        f"rerunning job {old['id']}'s code {snap['id'][:12]} as it was sent "
+        f"({file_count(snap['files'])}, {human_bytes(snap['bytes'])})"
+    )
+    entrypoint = old["spec"].get("entrypoint")
+    if not entrypoint or not Path(entrypoint).is_file():
+        return words
+    try:
+        here = {e.path: e for e in codepack.hashed(codepack.collect(Path(".")))}
+    except (CodeError, OSError):
+        return words
+    sent = {e["path"]: e for e in c.code(snap["id"])["manifest"]}
+    diff = _differences(sent, here)
+    if not diff:
+        return words + "; the files here are the same"
+    more = f" and {len(diff) - 5} more" if len(diff) > 5 else ""
+    return (
+        f"{words}; the files here differ from it: {', '.join(diff[:5])}{more} "
+        "(`ddpq submit` sends them)"
+    )
+
+
+def _differences(sent: dict[str, dict[str, Any]], here: dict[str, Any]) -> list[str]:
+    out = []
+    for path in sorted(set(sent) | set(here)):
+        a, b = sent.get(path), here.get(path)
+        if a is None:
+            out.append(f"{path} (new here)")
+        elif b is None:
+            out.append(f"{path} (not here)")
+        elif (a.get("digest"), a.get("symlink")) != (b.digest, b.symlink):
+            out.append(f"{path} (changed)")
+    return out
 
 
 def _where(job: dict[str, Any]) -> str:

@@ -91,7 +91,10 @@ def worker(
     ] = 10.0,
     keep_workdirs_s: Annotated[
         float,
-        typer.Option(help="keep a job's code directory this long after it ends (debugging)"),
+        typer.Option(
+            help="keep a job's directory this long past the API's retention for it "
+            "(DDPQ_WORKDIR_RETENTION; debugging)"
+        ),
     ] = 0.0,
     max_envs: Annotated[
         int, typer.Option(help="environments kept for jobs' Python requirements")

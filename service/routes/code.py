@@ -55,20 +55,20 @@ async def get_code_limits(settings: SettingsDep) -> CodeLimits:
 
 
 @router.post("/missing", response_model=MissingReply)
+@workers_router.post("/missing", response_model=MissingReply, name="worker_find_missing")
 async def find_missing_blobs(body: MissingRequest, db: DB) -> MissingReply:
     """Which of these contents the API lacks: upload only those."""
     return MissingReply(missing=await run_in_threadpool(code.missing, db, body.digests))
 
 
-@router.put(
-    "/blobs/{digest}",
-    status_code=204,
-    openapi_extra={
-        "requestBody": {
-            "required": True,
-            "content": {"application/octet-stream": BINARY},
-        }
-    },
+PUT_BLOB = {"requestBody": {"required": True, "content": {"application/octet-stream": BINARY}}}
+
+
+# A worker sends a job's directory as it ended (service.outputs) the way a client sends
+# code: the contents the API lacks, then the manifest.
+@router.put("/blobs/{digest}", status_code=204, openapi_extra=PUT_BLOB)
+@workers_router.put(
+    "/blobs/{digest}", status_code=204, openapi_extra=PUT_BLOB, name="worker_put_blob"
 )
 async def put_blob(digest: DigestPath, request: Request, db: DB) -> Response:
     """Upload one file's content; the API checks its sha256 against the path's."""
@@ -82,6 +82,15 @@ async def create_snapshot(body: SnapshotIn, db: DB, settings: SettingsDep) -> Co
     """Store a manifest whose contents are uploaded; answer its id for POST /jobs."""
     entries = [Entry.of(e.model_dump(exclude_none=True)) for e in body.files]
     return await run_in_threadpool(code.create_snapshot, db, entries, settings.code_limits())
+
+
+@workers_router.post("/snapshots", status_code=201, response_model=CodeSummary)
+async def worker_create_snapshot(body: SnapshotIn, db: DB, settings: SettingsDep) -> CodeSummary:
+    """Store a job's directory as its attempt ended (its code and what it wrote), for
+    POST /workers/jobs/{id}/outputs."""
+    entries = [Entry.of(e.model_dump(exclude_none=True)) for e in body.files]
+    limits = settings.directory_limits()
+    return await run_in_threadpool(code.create_snapshot, db, entries, limits)
 
 
 # One handler under both tokens; the worker's route has a name (its operation id) of its own.

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Header, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response, StreamingResponse
 
-from service import jobs, logs, metrics, streams
+from service import jobs, logs, metrics, outputs, streams
 from service.auth import CurrentUser, UserAuth
 from service.deps import DB, JobId, SettingsDep, WakeupDep, gone
 from service.errors import Invalid, responses
@@ -24,6 +24,7 @@ from service.schemas import (
     JobSpec,
     JobsPublic,
     MetricsPublic,
+    OutputsPublic,
 )
 
 router = APIRouter(dependencies=[UserAuth], tags=["jobs"])
@@ -237,6 +238,13 @@ async def get_job_events(
 def list_job_checkpoints(job_id: JobId, db: DB) -> CheckpointsPublic:
     """Checkpoints the job registered, oldest first."""
     return CheckpointsPublic(items=jobs.list_checkpoints(db, job_id))
+
+
+@router.get("/jobs/{job_id}/outputs", response_model=OutputsPublic, responses=responses(NO_JOB))
+def list_job_outputs(job_id: JobId, db: DB, settings: SettingsDep) -> OutputsPublic:
+    """What the job wrote in its directory that was not in its code, and until when it is
+    kept (each file's content: GET /code/blobs/{digest})."""
+    return outputs.listing(db, job_id, settings.outputs_limits())
 
 
 # No caching, and no buffering by a proxy (nginx honours X-Accel-Buffering).

@@ -20,7 +20,7 @@ from ddpq.messages import (
     HeldAttempt,
     WorkerRegistered,
 )
-from service import jobs, logs, queue
+from service import jobs, logs, outputs, queue
 from service.auth import WorkerAuth, mint_job_token
 from service.deps import (
     DB,
@@ -40,6 +40,8 @@ from service.schemas import (
     Heartbeat,
     JobPublic,
     LogAppended,
+    OutputsIn,
+    OutputsLimits,
     WorkerName,
     WorkerRegister,
 )
@@ -177,7 +179,7 @@ async def wait_for_gang(
     response_model=HeartbeatReply,
     responses=responses({**NOT_REGISTERED, **NAME_TAKEN}),
 )
-def send_heartbeat(body: Heartbeat, db: DB) -> HeartbeatReply:
+def send_heartbeat(body: Heartbeat, db: DB, settings: SettingsDep) -> HeartbeatReply:
     """Extend the leases of the worker's attempts; learn which to stop."""
     cancel, abandon, preempt = queue.record_heartbeat(
         db,
@@ -194,7 +196,7 @@ def send_heartbeat(body: Heartbeat, db: DB) -> HeartbeatReply:
         cancel=[AttemptRef(job_id=j, attempt=a) for j, a in cancel],
         abandon=[AttemptRef(job_id=j, attempt=a) for j, a in abandon],
         preempt=[HandBack(job_id=j, attempt=a, reason=why) for j, a, why in preempt],
-        ended=jobs.ended_jobs(db, body.kept) if body.kept else [],
+        ended=outputs.due(db, body.kept, settings.outputs_limits()) if body.kept else [],
     )
 
 
@@ -246,3 +248,27 @@ async def finish_attempt(job_id: JobId, body: FinishBody, db: DB, wakeup: Wakeup
     job = await run_in_threadpool(jobs.finish_attempt, db, job_id, body.worker, body)
     wakeup.notify()  # its slots are free again
     return job
+
+
+@router.get("/outputs/limits", response_model=OutputsLimits)
+def get_outputs_limits(settings: SettingsDep) -> OutputsLimits:
+    """What a worker may send of a job's directory as it ended, and how long it keeps it."""
+    return settings.outputs_limits()
+
+
+@router.post(
+    "/jobs/{job_id}/outputs",
+    status_code=204,
+    responses=responses(
+        {
+            404: "no such job, or no such snapshot (send the directory first)",
+            409: "the attempt is not this worker's or was replaced",
+            413: "what the job wrote is over the outputs limits",
+        }
+    ),
+)
+def record_outputs(job_id: JobId, body: OutputsIn, db: DB, settings: SettingsDep) -> Response:
+    """Record the job's directory as an attempt ended (a snapshot sent first), before the
+    attempt's finish."""
+    outputs.record(db, job_id, body, settings.outputs_limits())
+    return Response(status_code=204)

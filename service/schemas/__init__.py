@@ -15,6 +15,7 @@ A module per resource, each importing what it shares from the ones before it
 - ``workers``: the worker protocol (register, claim, gang, heartbeat, finish) and
   the workers' views;
 - ``users``: users, tokens, the audit trail, usage and quotas;
+- ``outputs``: what a job wrote in its directory, sent by its worker, read by users;
 - ``meta``: health and the recipes.
 
 Everything is importable from here too (``from service.schemas import JobSpec``).
@@ -79,6 +80,13 @@ from service.schemas.metrics import (
     TotalSteps,
     metric_in,
     metric_out,
+)
+from service.schemas.outputs import (
+    OutputFile,
+    OutputLeft,
+    OutputsIn,
+    OutputsLimits,
+    OutputsPublic,
 )
 from service.schemas.users import (
     AuditEventPublic,
@@ -173,6 +181,11 @@ __all__ = [
     "MetricsPublic",
     "MissingReply",
     "MissingRequest",
+    "OutputFile",
+    "OutputLeft",
+    "OutputsIn",
+    "OutputsLimits",
+    "OutputsPublic",
     "PipRequirement",
     "QuotaIn",
     "QuotaLimit",

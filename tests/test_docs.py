@@ -185,6 +185,7 @@ def test_every_option_the_docs_give_a_command_exists() -> None:
                     if options is None:
                         continue  # test_every_command_the_docs_name_exists says so
                     rest = re.split(r"\s(?:--|\||&&|;)(?:\s|$)", line[match.end() :] + " ")[0]
+                    rest = rest.split("`")[0]  # a quoted command ends at its backquote
                     for opt in re.findall(r"(?<![\w-])(--?[a-z][a-z0-9-]*)", rest):
                         checked += 1
                         if opt not in options:

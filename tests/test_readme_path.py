@@ -55,6 +55,10 @@ state = ddpq.load_checkpoint()
 if state is not None:
     model.module.load_state_dict(state["model"])
     start = state["epoch"] + 1
+elif os.path.exists("out/state.pt"):  # the tutorial's way: its own file in its directory
+    state = torch.load("out/state.pt")
+    model.module.load_state_dict(state["model"])
+    start = state["epoch"] + 1
 for epoch in range(start, args.epochs):
     loss = torch.nn.functional.mse_loss(model(x[rank::world]), y[rank::world])
     opt.zero_grad()
@@ -66,6 +70,7 @@ for epoch in range(start, args.epochs):
 if rank == 0:
     os.makedirs("out", exist_ok=True)
     open("out/weights.txt", "w").write(str(model.module.weight.item()))
+    torch.save({"model": model.module.state_dict(), "epoch": args.epochs - 1}, "out/state.pt")
 dist.destroy_process_group()
 """
 
@@ -216,6 +221,27 @@ def test_the_readme_path_from_make_run_to_your_own_project_learning(
         assert len(losses) == 20 and losses[-1] < losses[0] / 4, losses
         assert c.get(f"/jobs/{job}/checkpoints").json()["items"], "it checkpointed"
     assert newcomer.ddpq("ddpq ls").returncode == 0
+
+    # 7. Keep what it wrote, and go on from it: the README's block, job 1 being this one.
+    step7 = commands(
+        next(b for b in blocks(section("Your own project in five minutes")) if "outputs" in b)
+    )
+    outputs, download, resume = (re.sub(r"\b1\b", str(job), line) for line in step7)
+    r = newcomer.ddpq(outputs, cwd=project)
+    assert r.returncode == 0 and "out/weights.txt" in r.stdout and "out/state.pt" in r.stdout
+    assert "train.py" not in r.stdout, "outputs are what it wrote, not what was sent"
+    r = newcomer.ddpq(download, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    fetched = tmp_path / f"results-{job}" / "out" / "weights.txt"
+    assert abs(float(fetched.read_text()) - 3.0) < 0.5, "the fitted slope, y = 3x + 1"
+    r = newcomer.ddpq(f"{resume} -- --data {data} --epochs 30", cwd=project)
+    assert r.returncode == 0, r.stderr
+    assert f"resuming in a copy of job {job}'s directory" in r.stdout + r.stderr
+    again = int(re.search(r"job (\d+) queued", r.stdout)[1])
+    assert newcomer.ddpq(f"ddpq watch {again}").returncode == 0
+    with httpx.Client(base_url=newcomer.url, headers={"Authorization": f"Bearer {token}"}) as c:
+        steps = [p["step"] for p in c.get(f"/jobs/{again}/metrics").json()["items"]]
+    assert steps == list(range(20, 30)), "it went on from epoch 20, not from the start"
 
     # Submitting with curl: the README's block, run by a shell from `make run`'s directory.
     curl = next(b for b in blocks(section("Submitting: the CLI and curl")) if "curl" in b)

@@ -14,7 +14,7 @@ PIP_COMPILE_FLAGS := -q --generate-hashes --allow-unsafe --strip-extras \
 # Pinned: tests/test_openapi_client.py asserts the generated code's names and shapes.
 OPENAPI_GENERATOR := openapi-python-client==0.29.1
 
-.PHONY: venv lock browser slurm run test test-slurm test-learning compose-test docs lint fmt bench clean
+.PHONY: venv lock browser slurm run test test-slurm gpu-check gpu-check-compose test-learning compose-test docs lint fmt bench clean
 
 venv: $(VENV)/.installed
 
@@ -64,7 +64,7 @@ slurm:
 
 # Everything but the slow suites that have targets of their own (CI runs them all).
 test: venv browser
-	$(BIN)/pytest -n 3 --dist worksteal -m 'not exclusive and not learning and not slurm'
+	$(BIN)/pytest -n 3 --dist worksteal -m 'not exclusive and not learning and not slurm and not gpu'
 	$(BIN)/pytest -m exclusive
 
 # The Slurm executor against a real one-node cluster (tests/slurmcluster.py). The tests
@@ -72,6 +72,19 @@ test: venv browser
 # `make test` (inside it they took 2.5 of its 15 minutes).
 test-slurm: venv slurm
 	$(BIN)/pytest -m slurm
+
+# Everything ddpq promises about GPUs, on a host that has them (tests/gpu/: under 10
+# minutes; it prints a table to paste into an issue). Without a CUDA device it skips, in
+# one line. DDPQ_GPU_CHECK_TUTORIAL / DDPQ_GPU_CHECK_NANOGPT: checkouts of the DDP
+# tutorial series and nanoGPT to run as jobs too.
+gpu-check: venv
+	$(BIN)/pytest -p no:cacheprovider -rs tests/gpu; rc=$$?; test $$rc -eq 5 || exit $$rc  # 5: skipped whole
+
+# docker-compose.yml on this host's GPUs (the NVIDIA Container Toolkit, docs/deployment.md):
+# up with the real images, a 2-GPU recipe job through it, down.
+gpu-check-compose: venv
+	DDPQ_GPU_CHECK_COMPOSE=1 $(BIN)/pytest -p no:cacheprovider -rs tests/gpu/test_gpu_compose.py; \
+		rc=$$?; test $$rc -eq 5 || exit $$rc
 
 # The recipes trained until they learn (minutes of CPU each): CI runs these after `make test`.
 test-learning: venv

@@ -46,6 +46,10 @@ class Settings(BaseSettings):
     starvation_s: float = Field(default=600.0, ge=0)
     # How often workers are asked to heartbeat (they also learn of cancels then).
     heartbeat_s: float = Field(default=2.0, gt=0)
+    # How often a worker samples its running jobs' GPUs (NVML: utilisation, memory); the
+    # samples ride on its heartbeats. Also the finest resolution of a job's GPU history
+    # (service.gpus), which coarsens as the job ages.
+    gpu_sample_s: float = Field(default=5.0, ge=0.1, le=3600)
     # Longest a worker's claim request is held open waiting for a job.
     max_claim_wait_s: float = Field(default=30.0, ge=0)
     # How often an idle long-poll re-checks the database (covers jobs submitted

@@ -44,6 +44,14 @@ from service.schemas.common import (
     Strict,
     StrictPosInt,
 )
+from service.schemas.gpus import (
+    GpuDevice,
+    GpuSampleIn,
+    GpuUse,
+    JobGpu,
+    JobGpusPublic,
+    WorkerGpu,
+)
 from service.schemas.jobs import (
     MAX_ARG_CHARS,
     MAX_ARGS,
@@ -150,10 +158,15 @@ __all__ = [
     "FinishRequest",
     "FiniteNumber",
     "GangRequest",
+    "GpuDevice",
     "GpuIndex",
+    "GpuSampleIn",
+    "GpuUse",
     "Health",
     "Heartbeat",
     "IdempotencyKey",
+    "JobGpu",
+    "JobGpusPublic",
     "JobIdIn",
     "JobPublic",
     "JobSpec",
@@ -197,6 +210,7 @@ __all__ = [
     "UsersPublic",
     "WaitS",
     "WhoAmI",
+    "WorkerGpu",
     "WorkerIdentity",
     "WorkerJob",
     "WorkerName",

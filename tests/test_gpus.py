@@ -249,6 +249,7 @@ def test_bad_gpu_reports_name_the_field(server: Server) -> None:
     sample = {"gpu": 0, "ago_s": 0, "utilization": 50, "memory_used": 1, "memory_total": 2}
     for bad, field in (
         ({**sample, "utilization": 101}, "utilization"),
+        ({**sample, "utilization": "50"}, "utilization"),
         ({**sample, "ago_s": -1}, "ago_s"),
         ({k: v for k, v in sample.items() if k != "memory_used"}, "memory_used"),
     ):

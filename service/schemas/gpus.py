@@ -36,8 +36,8 @@ class GpuSampleIn(Strict):
     gpu: GpuIndex
     # How long before the heartbeat it was taken: the service dates it by its own clock,
     # so a worker's skewed clock cannot put a sample in the future.
-    ago_s: Annotated[float, Field(strict=False, ge=0, le=3600, allow_inf_nan=False)] = 0.0
-    utilization: Annotated[float, Field(strict=False, ge=0, le=100, allow_inf_nan=False)]
+    ago_s: Annotated[float, Field(strict=True, ge=0, le=3600, allow_inf_nan=False)] = 0.0
+    utilization: Annotated[float, Field(strict=True, ge=0, le=100, allow_inf_nan=False)]
     memory_used: GpuBytes
     memory_total: GpuBytes
 

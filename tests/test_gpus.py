@@ -269,3 +269,88 @@ def test_bad_gpu_reports_name_the_field(server: Server) -> None:
     assert user.get(f"/jobs/{job}/gpus").json() == {"items": []}
     r = user.get(f"/jobs/{job}/gpus", params={"max_points": -1})
     assert r.status_code == 422 and "max_points" in str(r.json()["detail"][0]["loc"])
+
+
+# Reports a falling loss (rank 0) until released: the dashboard draws it beside the GPUs.
+TRAIN_AND_HOLD = r"""
+import os, pathlib, sys, time
+import ddpq
+out = pathlib.Path(sys.argv[1])
+release = out / f"release-{os.environ['DDPQ_JOB_ID']}"
+deadline, step = time.time() + 180, 0
+while not release.exists() and time.time() < deadline:
+    step += 1
+    if os.environ["RANK"] == "0":
+        ddpq.report(step, loss=2.0 / (1 + 0.3 * step))
+    time.sleep(0.2)
+"""
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_the_dashboard_shows_a_jobs_gpu_use_beside_its_loss(
+    sampling_server: Server, start_worker: Any, tmp_path: Path
+) -> None:
+    from playwright.sync_api import expect, sync_playwright
+
+    from tests.test_dashboard import CHROMIUM, CHROMIUM_ARGS, TIMEOUT_MS, _console
+
+    server = sampling_server
+    fake = fake_gpus(tmp_path / "nvml.json", 4, utilization=12, memory_used=3 * GIB)
+    worker = start_worker(server, name="gpu-host", gpus=None, env=nvml_env(fake))
+    (worker.workspace / "train.py").write_text(TRAIN_AND_HOLD)
+    out = tmp_path / "out"
+    out.mkdir()
+    spec = {"entrypoint": "train.py", "args": [str(out)], "device": "cuda", "world_size": 2}
+    r = server.client().post("/jobs", json=spec)
+    assert r.status_code == 201, r.text
+    job_id = r.json()["id"]
+    held = _running_on(server, job_id, "gpu-host")["gpus"]
+    # A CPU job beside it: its page has no GPU panel.
+    cpu = server.client().post("/jobs", json={**spec, "device": "cpu", "world_size": 1}).json()
+
+    problems: list[str] = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.set_default_timeout(TIMEOUT_MS)
+            expect.set_options(timeout=TIMEOUT_MS)
+            page.on("console", lambda m: _console(m, problems))
+            page.on("pageerror", lambda e: problems.append(str(e)))
+            page.goto(f"{server.url}/#/jobs/{job_id}")
+            page.fill("#token-input", server.api_token)
+            page.click("#login button[type=submit]")
+
+            expect(page.locator("#chart path.chart-line")).to_have_count(1)  # the loss
+            panel = page.locator("#gpus-panel")
+            expect(panel).to_be_visible()
+            rows = page.locator("#gpus .gpu")
+            expect(rows).to_have_count(2)
+            for gpu in held:
+                row = page.locator(f'#gpus .gpu[data-gpu="gpu-host:{gpu}"]')
+                expect(row.locator(".gpu-name")).to_contain_text(
+                    f"GPU {gpu} · NVIDIA A100-SXM4-80GB"
+                )
+                expect(row.locator(".gpu-util")).to_have_text("12%")
+                expect(row.locator(".gpu-mem")).to_have_text("3.0 / 80.0 GiB")
+            # The use changes; the page follows, and its charts draw both values over time.
+            fake_gpus(fake, 4, utilization=88, memory_used=61 * GIB)
+            expect(rows.locator(".gpu-util")).to_have_text(["88%", "88%"])
+            expect(rows.locator(".gpu-mem")).to_have_text(["61.0 / 80.0 GiB"] * 2)
+            expect(rows.first.locator("svg.gpu-spark polyline")).to_have_count(2)
+            page.wait_for_timeout(1500)  # a few more samples on the chart for the picture
+            shot = Path(os.environ.get("DDPQ_SCREENSHOT_DIR", str(tmp_path))) / "job-gpus.png"
+            shot.parent.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(shot), full_page=True)
+
+            page.goto(f"{server.url}/#/jobs/{cpu['id']}")
+            expect(page.locator("#job-title")).to_contain_text(f"Job {cpu['id']}")
+            expect(page.locator("#job-facts")).to_contain_text("program")
+            expect(panel).to_be_hidden()
+            assert not problems, problems
+        finally:
+            browser.close()
+            (out / f"release-{job_id}").touch()
+            (out / f"release-{cpu['id']}").touch()
+    assert terminal(server.client(), job_id)["status"] == "succeeded"

@@ -245,6 +245,8 @@ def test_bad_gpu_reports_name_the_field(server: Server) -> None:
         r = worker.post("/workers/register", json={**base, "gpu_devices": [bad]})
         assert r.status_code == 422, r.text
         assert field in str(r.json()["detail"][0]["loc"]), r.text
+    r = worker.post("/workers/register", json={**base, "gpu_devices": [device, device]})
+    assert r.status_code == 422 and "gpu_devices" in r.text, r.text
     assert worker.post("/workers/register", json={**base, "gpu_devices": [device]}).is_success
     sample = {"gpu": 0, "ago_s": 0, "utilization": 50, "memory_used": 1, "memory_total": 2}
     for bad, field in (
@@ -354,3 +356,19 @@ def test_the_dashboard_shows_a_jobs_gpu_use_beside_its_loss(
             (out / f"release-{job_id}").touch()
             (out / f"release-{cpu['id']}").touch()
     assert terminal(server.client(), job_id)["status"] == "succeeded"
+
+
+def test_a_gpus_history_is_bounded_by_its_age_and_stays_in_time_order() -> None:
+    from datetime import UTC, datetime, timedelta
+
+    from service.gpus import FULL_SLOTS, slot_of
+
+    start = datetime(2026, 11, 1, 12, 0, 0, 123000, tzinfo=UTC)
+    month = [slot_of(start, start + timedelta(seconds=t), 5.0) for t in range(0, 30 * 86400, 5)]
+    # Never back in time: a wider slot begins where the narrower ones ended.
+    assert month == sorted(month)
+    # The first hour at full resolution, then O(log(age)): about 4,100 for a month.
+    assert len(set(month[:FULL_SLOTS])) == FULL_SLOTS
+    assert FULL_SLOTS < len(set(month)) < 4500
+    # A sample before the attempt's start (clocks) goes into its first slot.
+    assert slot_of(start, start - timedelta(seconds=3), 5.0) == month[0]

@@ -7,7 +7,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from service.models import JobStatus
 from service.schemas.common import INT32_MAX, INT64_MAX, MAX_PATH_CHARS, Label, Strict
@@ -86,6 +86,13 @@ class WorkerRegister(Strict):
     # keeps its attempts across its restarts (they run in Slurm, not in its process):
     # the reply lists them for it to re-adopt, and `running` releases nothing.
     cluster: ClusterShape | None = None
+
+    @model_validator(mode="after")
+    def _each_gpu_once(self) -> WorkerRegister:
+        indices = [d.index for d in self.gpu_devices]
+        if len(set(indices)) != len(indices):
+            raise ValueError("gpu_devices: each GPU index at most once")
+        return self
 
 
 class ClaimRequest(Strict):

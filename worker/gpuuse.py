@@ -13,7 +13,8 @@ from typing import Any
 from worker import nvml
 
 # Samples kept per GPU of an attempt until a heartbeat takes them: with a heartbeat every
-# 2 s and a sample every 5 s it holds one; more only while heartbeats fail.
+# 2 s and a sample every 5 s it holds one; more only while a heartbeat hangs (one that
+# fails loses what it carried: a gap in the job's system metrics, nothing more).
 KEEP_PER_GPU = 12
 
 

@@ -309,6 +309,14 @@ class Client:
         ]
         return items
 
+    def job_gpus(self, job_id: int, max_points: int = 0) -> list[dict[str, Any]]:
+        """The job's system metrics: each GPU it held, its latest use and at most
+        ``max_points`` of its history (none without NVML on its workers)."""
+        items: list[dict[str, Any]] = self._json(
+            "GET", f"/jobs/{job_id}/gpus", params={"max_points": max_points}
+        )["items"]
+        return items
+
     def checkpoints(self, job_id: int) -> list[dict[str, Any]]:
         items: list[dict[str, Any]] = self._json("GET", f"/jobs/{job_id}/checkpoints")["items"]
         return items

@@ -90,6 +90,9 @@ class WorkerRegistered(BaseModel):
     name: str
     heartbeat_s: float
     lease_s: float
+    # How often to sample the GPUs of running jobs (sent with the heartbeats); a service
+    # of an earlier version sends none: the default.
+    gpu_sample_s: float = 5.0
     # A bridge's attempts that have not ended (empty for a worker).
     held: list[HeldAttempt] = []
 

@@ -78,6 +78,14 @@ class Settings(BaseSettings):
         gt=0,
         description="How often workers are asked to heartbeat (they learn of cancels then).",
     )
+    gpu_sample_s: float = Field(
+        default=5.0,
+        ge=0.1,
+        le=3600,
+        description="How often a worker samples its running jobs' GPUs (NVML: utilisation, "
+        "memory); the samples ride on its heartbeats. Also the finest resolution of a job's "
+        "GPU history, which coarsens as the job ages.",
+    )
     max_claim_wait_s: float = Field(
         default=30.0,
         ge=0,

@@ -337,6 +337,11 @@ class Worker(Base):
     # none_as_null: a worker's is SQL NULL, which the gang pick's `IS NULL` looks for
     # (a JSON column stores Python None as the JSON text 'null' otherwise).
     cluster: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True), default=None)
+    # Each of its GPUs as NVML names it (schemas.GpuDevice: index, uuid, name, memory_total),
+    # as it last registered; None from a worker without NVML or of an earlier version.
+    gpu_devices: Mapped[list[dict[str, Any]] | None] = mapped_column(
+        JSON(none_as_null=True), default=None
+    )
 
 
 class MetricPoint(Base):
@@ -361,6 +366,32 @@ class MetricPoint(Base):
         # as one contiguous range instead of an index walk plus a lookup per point.
         {"sqlite_with_rowid": False},
     )
+
+
+class GpuSample(Base):
+    """A GPU's use while a job held it (its worker samples NVML): the job's system metrics,
+    a family apart from what its ranks report (docs/architecture.md says why).
+
+    One row per time slot of one GPU: ``slot`` is the slot's start (Unix seconds), the
+    slot as wide as the service's sampling interval while the job is young and twice as
+    wide each time its age doubles past an hour's worth of slots (service.gpus), so a job
+    keeps O(log(its age)) rows per GPU. A slot keeps its latest sample."""
+
+    __tablename__ = "gpu_samples"
+
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    # Where the GPU is: a multi-node job's workers each have a GPU 0.
+    worker: Mapped[str] = mapped_column(String(200), primary_key=True)
+    gpu: Mapped[int] = mapped_column(Integer, primary_key=True)  # its index on the worker (NVML's)
+    slot: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    attempt: Mapped[int] = mapped_column(Integer)
+    at: Mapped[datetime]  # when the sample was taken (the service's clock)
+    utilization: Mapped[float] = mapped_column(Float)  # percent, over NVML's sample period
+    memory_used: Mapped[int] = mapped_column(BigInteger)  # bytes, whoever uses them
+    memory_total: Mapped[int] = mapped_column(BigInteger)
+
+    # SQLite: one GPU's series is one contiguous range of the primary key (no rowid).
+    __table_args__ = ({"sqlite_with_rowid": False},)
 
 
 class Checkpoint(Base):

@@ -28,7 +28,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from sqlalchemy import func, select
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service import queue
+from service import gpus, queue
 from service.auth import UserAuth
 from service.db import Database
 from service.models import ACTIVE, Job, JobStatus, utcnow
@@ -41,6 +41,9 @@ CLAIM_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5
 WAIT_BUCKETS = (0.1, 1, 5, 15, 30, 60, 300, 900, 1800, 3600, 4 * 3600, 12 * 3600, 86400, 7 * 86400)
 # Methods outside this set are counted as "other": a client must not be able to
 # create label values at will.
+# A running job's GPU: the job (id), who submitted it ("" from before users existed), and
+# where the GPU is (a multi-node job's workers each have a GPU 0).
+GPU_LABELS = ["job", "owner", "worker", "gpu"]
 METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"})
 
 
@@ -105,17 +108,37 @@ class _QueueCollector:
                 "The decayed usage fair share orders a user's jobs by",
                 labels=["user"],
             ),
+            # A running job's GPUs, as its worker last sampled them (NVML). Only GPUs held
+            # now: a series per GPU of a running job, gone when it ends, so the label
+            # sets stay as many as the GPUs in use.
+            GaugeMetricFamily(
+                "ddpq_job_gpu_utilization_percent",
+                "A running job's GPU: its utilisation over NVML's last sample period",
+                labels=GPU_LABELS,
+            ),
+            GaugeMetricFamily(
+                "ddpq_job_gpu_memory_used_bytes",
+                "A running job's GPU: its device memory in use (by any process)",
+                labels=GPU_LABELS,
+            ),
+            GaugeMetricFamily(
+                "ddpq_job_gpu_memory_total_bytes",
+                "A running job's GPU: its device memory",
+                labels=GPU_LABELS,
+            ),
         ]
 
     def collect(self) -> Iterable[Metric]:
         fams = self._families()
         up, jobs, running, oldest, gpu, cpu, per_worker, worker_up, heartbeat = fams[:9]
-        user_jobs, gpu_hours, cpu_hours, usage = fams[9:]
+        user_jobs, gpu_hours, cpu_hours, usage = fams[9:13]
+        gpu_util, gpu_mem, gpu_mem_total = fams[13:]
         try:
             counts, oldest_queued = _job_counts(self.db)
             workers = queue.workers_overview(self.db)
             with self.db.read() as s:
                 people = queue.usage_overview(s, utcnow())
+            in_use = gpus.current_use(self.db, workers)
         except Exception as exc:  # a scrape must answer even while the database is down
             log.warning("metrics: cannot read the database: %s", exc)
             up.add_metric([], 0)
@@ -146,6 +169,11 @@ class _QueueCollector:
                 gpu_hours.add_metric([user, window], p[f"gpu_hours_{window}"])
                 cpu_hours.add_metric([user, window], p[f"cpu_slot_hours_{window}"])
             usage.add_metric([user], p["usage_gpu_s"])
+        for (worker, index), (holder, now) in sorted(in_use.items()):
+            labels = [str(holder["job_id"]), holder["owner"] or "", worker, str(index)]
+            gpu_util.add_metric(labels, now.utilization)
+            gpu_mem.add_metric(labels, now.memory_used)
+            gpu_mem_total.add_metric(labels, now.memory_total)
         return fams
 
 

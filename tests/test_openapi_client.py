@@ -40,6 +40,7 @@ OPERATIONS = {
     ("post", "/jobs/{job_id}/cancel"): ("jobs", "cancel_job"),
     ("get", "/jobs/{job_id}/metrics"): ("jobs", "get_job_metrics"),
     ("get", "/jobs/{job_id}/attempts"): ("jobs", "list_job_attempts"),
+    ("get", "/jobs/{job_id}/gpus"): ("jobs", "get_job_gpus"),
     ("get", "/jobs/{job_id}/events"): ("jobs", "get_job_events"),
     ("get", "/jobs/{job_id}/checkpoints"): ("jobs", "list_job_checkpoints"),
     ("get", "/jobs/{job_id}/outputs"): ("jobs", "list_job_outputs"),

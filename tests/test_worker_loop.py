@@ -135,6 +135,9 @@ class FakeExecutor:
     def rounds(self) -> list[tuple[str, float, Callable[[], None]]]:
         return []
 
+    def gpu_samples(self) -> dict[tuple[int, int], list[dict[str, Any]]]:
+        return {}
+
     def drain(self) -> None:
         pass
 

@@ -16,6 +16,7 @@ from typing import Any, Unpack
 from ddpq.messages import ClaimedJob, HeldAttempt
 from worker import procs
 from worker import walls as walls_
+from worker.gpuuse import GpuUseLog
 from worker.loop import Loop, Room, Settings
 from worker.runner import JobRunner, RunContext
 from worker.walls import Walls
@@ -64,6 +65,7 @@ class Agent:
         self._lock = threading.Lock()
         self._runners: dict[tuple[int, int], JobRunner] = {}
         self._slots_changed = threading.Event()
+        self.gpu_use = GpuUseLog()
         (self.data_dir / "torchrun-logs").mkdir(exist_ok=True)
         self.context = RunContext(
             api=self.loop.api,
@@ -128,7 +130,23 @@ class Agent:
         )
 
     def registration(self) -> dict[str, Any]:
-        return {"cpu_slots": self.cpu_slots, "gpus": self.gpus, "running": self.attempts()}
+        body = {"cpu_slots": self.cpu_slots, "gpus": self.gpus, "running": self.attempts()}
+        devices = self.gpu_devices()
+        if devices:
+            body["gpu_devices"] = devices
+        return body
+
+    def gpu_devices(self) -> list[dict[str, Any]]:
+        """This worker's GPUs as NVML names them (none without NVML, or without GPUs)."""
+        if not self.gpus:
+            return []
+        from worker import nvml
+
+        return [
+            {"index": g.index, "uuid": g.uuid, "name": g.name, "memory_total": g.memory_total}
+            for g in nvml.inventory()
+            if g.index in self.gpus
+        ]
 
     def attempts(self) -> list[dict[str, Any]]:
         return [{"job_id": r.job_id, "attempt": r.attempt} for r in self.running()]
@@ -164,7 +182,17 @@ class Agent:
             runner.request_stop(why, words)
 
     def rounds(self) -> list[tuple[str, float, Callable[[], None]]]:
-        return []
+        # GPU use is sampled only where NVML names this worker's GPUs: on a host
+        # without it there is nothing to sample, and nothing is sent.
+        if not self.gpu_devices():
+            return []
+        return [("gpu use", self.loop.gpu_sample_s, self.sample_gpus)]
+
+    def sample_gpus(self) -> None:
+        self.gpu_use.sample([(r.job_id, r.attempt, list(r.claim.gpus)) for r in self.running()])
+
+    def gpu_samples(self) -> dict[tuple[int, int], list[dict[str, Any]]]:
+        return self.gpu_use.take()
 
     def drain(self) -> None:
         for r in self.running():

@@ -423,6 +423,10 @@ class Bridge:
     def rounds(self) -> list[tuple[str, float, Callable[[], None]]]:
         return [("poll", self.poll_s, self.poll_once)]
 
+    def gpu_samples(self) -> dict[tuple[int, int], list[dict[str, Any]]]:
+        """None: Slurm's nodes hold the GPUs, out of this process's sight."""
+        return {}
+
     def drain(self) -> None:
         """Nothing: Slurm runs them on; a bridge started again under this name re-adopts
         them."""

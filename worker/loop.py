@@ -118,6 +118,11 @@ class Executor(Protocol):
         """What else it does every so often: (what, every seconds, one round)."""
         ...
 
+    def gpu_samples(self) -> dict[tuple[int, int], list[dict[str, Any]]]:
+        """The GPU use of its attempts sampled since the last call, by (job, attempt),
+        for the next heartbeat to carry (schemas.GpuSampleIn); none without NVML."""
+        ...
+
     def drain(self) -> None:
         """Once stopped: wait for its attempts in this process to end."""
         ...
@@ -194,6 +199,7 @@ class Loop:
         policy = settings.get("pip_policy")
         self.venvs = Venvs(self.data_dir / "venvs", max_envs, walls, policy, token)
         self.heartbeat_s = 2.0
+        self.gpu_sample_s = 5.0  # the service's, once registered
         self.stopping = threading.Event()
         self.claimer_done = threading.Event()  # the claim loop has returned (a stop)
         self._all_done = threading.Event()
@@ -214,11 +220,22 @@ class Loop:
 
         reply = retry(lambda: self.api.register(body()), what="register", stop=self.stopping)
         self.heartbeat_s = reply.heartbeat_s
+        self.gpu_sample_s = reply.gpu_sample_s
         health.record(self.data_dir, self.heartbeat_s)
         return list(reply.held)
 
     def heartbeat_once(self) -> None:
         running = self.executor.attempts()
+        # The GPU samples ride on the heartbeat: no request of their own. Lost with a
+        # heartbeat that fails (a gap in the job's system metrics, nothing more).
+        samples = self.executor.gpu_samples()
+        if samples:
+            running = [
+                {**item, "gpu_samples": samples[key]}
+                if (key := (item["job_id"], item["attempt"])) in samples
+                else item
+                for item in running
+            ]
         keys = {(item["job_id"], item["attempt"]) for item in running}
         try:
             reply = self.api.heartbeat(running, self.workdirs.kept()[:MAX_KEPT])

@@ -345,6 +345,17 @@ def _age(value: str | None) -> str:
     return f"{int(seconds)}s"
 
 
+def _gib(n: int) -> str:
+    """Device memory as nvidia-smi users read it: binary gigabytes."""
+    return f"{n / 2**30:.1f} GiB"
+
+
+def _gpu_use(use: dict[str, Any]) -> str:
+    """'87% util, 12.3/80.0 GiB': one sample of a GPU (schemas.GpuUse)."""
+    used, total = _gib(use["memory_used"]), _gib(use["memory_total"])
+    return f"{use['utilization']:.0f}% util, {used.removesuffix(' GiB')}/{total}"
+
+
 STATUS_STYLE = {
     "queued": "yellow",
     "running": "cyan",

@@ -9,6 +9,8 @@ from ddpq.cli.base import (
     _age,
     _client,
     _fit_table,
+    _gib,
+    _gpu_use,
     _print_json,
     _print_table,
     _say,
@@ -46,6 +48,24 @@ def workers(as_json: JsonOpt = False) -> None:
     headers = ["NAME", "HOST", "STATE", "CPU FREE", "GPUS", "GPUS FREE", "HEARTBEAT", "RUNNING"]
     table = _fit_table(headers, rows, caps={"NAME": 24, "HOST": 24, "GPUS": 24})
     _print_table(table)
+    # Each GPU NVML named, its holder and use: only where a worker has NVML.
+    gpus = [
+        [
+            w["name"],
+            str(g["index"]),
+            g["name"],
+            _gib(g["memory_total"]),
+            "-" if g["job_id"] is None else str(g["job_id"]),
+            g["owner"] or "-",
+            _gpu_use(g["use"]) if g.get("use") else "-",
+        ]
+        for w in items
+        for g in w.get("gpu_devices") or []
+    ]
+    if gpus:
+        headers = ["WORKER", "GPU", "NAME", "MEMORY", "JOB", "OWNER", "USE"]
+        _say("")
+        _print_table(_fit_table(headers, gpus, caps={"WORKER": 24, "NAME": 28}))
 
 
 def _slots(w: dict[str, Any]) -> list[str]:

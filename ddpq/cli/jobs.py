@@ -22,6 +22,7 @@ from ddpq.cli.base import (
     _client,
     _fail,
     _fit_table,
+    _gpu_use,
     _loss,
     _print_json,
     _print_table,
@@ -36,7 +37,7 @@ from ddpq.cli.base import (
 from ddpq.cli.live import follow
 from ddpq.cli.spec import _parse_env, _read_spec_file
 from ddpq.client import Client
-from ddpq.errors import CodeError
+from ddpq.errors import ApiRefused, CodeError
 from ddpq.rules import UNSCHEDULABLE, is_unschedulable
 from ddpq.snapshot import file_count, human_bytes
 
@@ -498,6 +499,8 @@ def status(job_id: int, as_json: JsonOpt = False) -> None:
     """Show one job. Exits 0 unless it failed or was cancelled (4)."""
     with _client() as c:
         job = c.job(job_id)
+        # GPU use only where a GPU was held (a CPU job asks nothing more).
+        gpus = _job_gpus(c, job_id) if job["gpus"] and not as_json else []
     if as_json:
         _print_json(job)
     else:
@@ -534,9 +537,34 @@ def status(job_id: int, as_json: JsonOpt = False) -> None:
             fields.append(("checkpoint", job["latest_checkpoint"]["path"]))
         if job.get("metrics_dropped"):
             fields.append(("metrics lost", f"{job['metrics_dropped']} points never stored"))
+        fields += _gpu_lines(job, gpus)
         _print_fields([(key, str(value)) for key, value in fields if value != ""])
     if job["status"] in ("failed", "cancelled"):
         raise typer.Exit(EXIT_JOB_FAILED)
+
+
+def _job_gpus(c: Client, job_id: int) -> list[dict[str, Any]]:
+    """The job's GPU use; none from a service of an earlier version (no such route)."""
+    try:
+        return c.job_gpus(job_id)
+    except ApiRefused as exc:
+        if exc.status == 404:
+            return []
+        raise
+
+
+def _gpu_lines(job: dict[str, Any], gpus: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """A line per GPU of the job's current attempt, as its worker last sampled it:
+    'gpu 0  87% util, 12.3/80.0 GiB (NVIDIA A100, on w0, 3s ago)'."""
+    lines = []
+    mine = [g for g in gpus if g["attempt"] == job["attempt"]]
+    several = len({g["worker"] for g in mine}) > 1
+    for g in mine:
+        where = [g["name"]] if g.get("name") else []
+        where += [f"on {g['worker']}", f"{_age(g['latest']['time'])} ago"]
+        key = f"gpu {g['worker']}:{g['gpu']}" if several else f"gpu {g['gpu']}"
+        lines.append((key, f"{_gpu_use(g['latest'])} ({', '.join(where)})"))
+    return lines
 
 
 def _owner(job: dict[str, Any]) -> str:

@@ -174,13 +174,15 @@ def overview(db: Database) -> list[dict[str, Any]]:
         caps = {c.name: c for c in capacities(s, db.policy.lease_s)}
         running: dict[str, list[dict[str, Any]]] = {}
         single = (
-            select(j.id, j.name, j.status, j.attempt, j.nproc_per_node, j.gpus, j.worker)
+            select(j.id, j.name, j.status, j.attempt, j.nproc_per_node, j.gpus, j.worker, j.owner)
             .where(is_active(j.status, SQL), j.nnodes == 1)
             .order_by(j.id)
         )
         # A multi-node job shows on every worker holding one of its node slots.
         node_slots = (
-            select(j.id, j.name, j.status, jn.attempt, j.nproc_per_node, jn.gpus, jn.worker)
+            select(
+                j.id, j.name, j.status, jn.attempt, j.nproc_per_node, jn.gpus, jn.worker, j.owner
+            )
             .where(NODE_LIVE)
             .order_by(j.id, jn.node_rank)
         )
@@ -193,10 +195,19 @@ def overview(db: Database) -> list[dict[str, Any]]:
                     "attempt": r.attempt,
                     "nproc_per_node": r.nproc_per_node,
                     "gpus": r.gpus or [],
+                    "owner": r.owner,
                 }
             )
         rows = s.execute(
-            select(w.name, w.hostname, w.gpus, w.cpu_slots, w.last_heartbeat, w.registered_at)
+            select(
+                w.name,
+                w.hostname,
+                w.gpus,
+                w.cpu_slots,
+                w.last_heartbeat,
+                w.registered_at,
+                w.gpu_devices,
+            )
             .select_from(workers)
             .order_by(w.name)
         )
@@ -213,6 +224,8 @@ def overview(db: Database) -> list[dict[str, Any]]:
                 "last_heartbeat": r.last_heartbeat,
                 "registered_at": r.registered_at,
                 "running": running.get(r.name, []),
+                # As registered (service.gpus adds each one's holder and use).
+                "gpu_devices": r.gpu_devices or [],
             }
             for r in rows
         ]

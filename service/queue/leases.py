@@ -19,6 +19,7 @@ from typing import Any
 from sqlalchemy import and_, or_, select, tuple_, update
 from sqlalchemy.orm import Session
 
+from service import gpus
 from service.db import STALL_S, Database, Policy
 from service.errors import Conflict, UnknownWorker
 from service.models import (
@@ -43,7 +44,7 @@ from service.queue.rules import (
     started,
 )
 from service.queue.states import Event
-from service.schemas import FinishRequest
+from service.schemas import FinishRequest, GpuSampleIn
 
 
 class NameTaken(Conflict):
@@ -220,8 +221,10 @@ def register_worker(
     gpus: list[int],
     checkpoint_root: str,
     cluster: dict[str, Any] | None = None,
+    gpu_devices: list[dict[str, Any]] | None = None,
 ) -> None:
-    """Record a worker and what it has (a bridge: the partition it hands jobs to).
+    """Record a worker and what it has (a bridge: the partition it hands jobs to; a
+    worker with NVML: its GPUs as NVML names them).
 
     The same identity (or none, from a worker of an earlier version) is the same
     worker starting again; another identity is refused while the name's heartbeats are
@@ -247,6 +250,7 @@ def register_worker(
         w.gpus = sorted(set(gpus))
         w.checkpoint_root = checkpoint_root
         w.cluster = cluster
+        w.gpu_devices = gpu_devices or None
         w.last_heartbeat = now
 
 
@@ -297,6 +301,8 @@ def record_heartbeat(
     running: list[tuple[int, int]],
     identity: str | None = None,
     elsewhere: dict[tuple[int, int], Elsewhere] | None = None,
+    gpu_samples: dict[tuple[int, int], list[GpuSampleIn]] | None = None,
+    gpu_sample_s: float = 5.0,
 ) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int, str]]]:
     """Extend the leases of a worker's attempts (a bridge's: with their Slurm job ids
     and pending reasons, ``elsewhere``).
@@ -332,6 +338,11 @@ def record_heartbeat(
                 )
                 .values(**values)
             )
+        if gpu_samples:
+            # Only the attempts still this worker's: a late sample of one moved on is
+            # nobody's system metric.
+            mine = {k: v for k, v in gpu_samples.items() if k in set(beat.live)}
+            gpus.store(s, worker, now, gpu_sample_s, mine)
         handback = [(j, n, preempt.words(s, by)) for j, n, by in beat.preempt]
     return beat.cancel, beat.abandon, handback
 

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Header, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response, StreamingResponse
 
-from service import jobs, logs, metrics, outputs, streams
+from service import gpus, jobs, logs, metrics, outputs, streams
 from service.auth import CurrentUser, UserAuth
 from service.deps import DB, JobId, SettingsDep, WakeupDep, gone
 from service.errors import Invalid, responses
@@ -20,6 +20,7 @@ from service.schemas import (
     AttemptsPublic,
     CheckpointsPublic,
     IdempotencyKey,
+    JobGpusPublic,
     JobPublic,
     JobSpec,
     JobsPublic,
@@ -182,6 +183,25 @@ async def get_job_metrics(
     items = await run_in_threadpool(metrics.history, db, job_id, names, since_step, max_points)
     # Serialised here, not through MetricsPublic: the same shape, seconds faster for 10^5 points.
     return Response(metrics.to_json(items), media_type="application/json")
+
+
+@router.get("/jobs/{job_id}/gpus", response_model=JobGpusPublic, responses=responses(NO_JOB))
+async def get_job_gpus(
+    job_id: JobId,
+    db: DB,
+    max_points: Annotated[
+        int,
+        Query(
+            ge=0,
+            le=10_000,
+            description="at most this many samples of each GPU's history, evenly spread, "
+            "the latest kept (0: the latest sample only)",
+        ),
+    ] = 500,
+) -> JobGpusPublic:
+    """The job's system metrics: each GPU its attempts held, its utilisation and memory
+    as its worker sampled them (NVML), latest and history; none without NVML."""
+    return JobGpusPublic(items=await run_in_threadpool(gpus.history, db, job_id, max_points))
 
 
 @router.get("/jobs/{job_id}/attempts", response_model=AttemptsPublic, responses=responses(NO_JOB))

@@ -7,7 +7,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
 from ddpq.catalog import catalog
-from service import queue
+from service import gpus, queue
 from service.auth import UserAuth
 from service.deps import DB
 from service.schemas import (
@@ -44,8 +44,10 @@ async def get_health(db: DB) -> JSONResponse:
 
 @router.get("/workers", response_model=WorkersPublic, dependencies=[UserAuth])
 def list_workers(db: DB) -> WorkersPublic:
-    """Registered workers: their slots, what is free, what runs on them, their last heartbeat."""
-    return WorkersPublic(items=[WorkerPublic(**w) for w in queue.workers_overview(db)])
+    """Registered workers: their slots, what is free, what runs on them, their last
+    heartbeat; their GPUs as NVML names them, each with its holder and use."""
+    items = gpus.worker_gpus(db, queue.workers_overview(db))
+    return WorkersPublic(items=[WorkerPublic(**w) for w in items])
 
 
 @router.get("/recipes", response_model=RecipesPublic, dependencies=[UserAuth])

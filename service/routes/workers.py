@@ -82,6 +82,7 @@ def register_worker(
         body.gpus,
         body.checkpoint_root,
         cluster,
+        [d.model_dump() for d in body.gpu_devices if d.index in body.gpus],
     )
     held: list[HeldAttempt] = []
     if cluster is not None:
@@ -96,7 +97,11 @@ def register_worker(
     elif queue.release_worker(db, body.name, keep=[(r.job_id, r.attempt) for r in body.running]):
         wakeup.notify()
     return WorkerRegistered(
-        name=body.name, heartbeat_s=settings.heartbeat_s, lease_s=settings.lease_s, held=held
+        name=body.name,
+        heartbeat_s=settings.heartbeat_s,
+        lease_s=settings.lease_s,
+        held=held,
+        gpu_sample_s=settings.gpu_sample_s,
     )
 
 
@@ -180,7 +185,8 @@ async def wait_for_gang(
     responses=responses({**NOT_REGISTERED, **NAME_TAKEN}),
 )
 def send_heartbeat(body: Heartbeat, db: DB, settings: SettingsDep) -> HeartbeatReply:
-    """Extend the leases of the worker's attempts; learn which to stop."""
+    """Extend the leases of the worker's attempts (storing the samples of their GPUs it
+    carries: the jobs' system metrics); learn which to stop."""
     cancel, abandon, preempt = queue.record_heartbeat(
         db,
         body.name,
@@ -191,6 +197,8 @@ def send_heartbeat(body: Heartbeat, db: DB, settings: SettingsDep) -> HeartbeatR
             for r in body.running
             if r.external_id is not None or r.pending is not None
         },
+        {(r.job_id, r.attempt): r.gpu_samples for r in body.running if r.gpu_samples},
+        settings.gpu_sample_s,
     )
     return HeartbeatReply(
         cancel=[AttemptRef(job_id=j, attempt=a) for j, a in cancel],

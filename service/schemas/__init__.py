@@ -45,6 +45,14 @@ from service.schemas.common import (
     Strict,
     StrictPosInt,
 )
+from service.schemas.gpus import (
+    GpuDevice,
+    GpuSampleIn,
+    GpuUse,
+    JobGpu,
+    JobGpusPublic,
+    WorkerGpu,
+)
 from service.schemas.jobs import (
     MAX_ARG_CHARS,
     MAX_ARGS,
@@ -158,10 +166,15 @@ __all__ = [
     "FinishRequest",
     "FiniteNumber",
     "GangRequest",
+    "GpuDevice",
     "GpuIndex",
+    "GpuSampleIn",
+    "GpuUse",
     "Health",
     "Heartbeat",
     "IdempotencyKey",
+    "JobGpu",
+    "JobGpusPublic",
     "JobIdIn",
     "JobPublic",
     "JobSpec",
@@ -210,6 +223,7 @@ __all__ = [
     "UsersPublic",
     "WaitS",
     "WhoAmI",
+    "WorkerGpu",
     "WorkerIdentity",
     "WorkerJob",
     "WorkerName",

@@ -7,15 +7,22 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from service.models import JobStatus
 from service.schemas.common import INT32_MAX, INT64_MAX, MAX_PATH_CHARS, Label, Strict
+from service.schemas.gpus import (
+    MAX_GPUS,
+    MAX_SAMPLES_PER_ATTEMPT,
+    GpuDevice,
+    GpuIndex,
+    GpuSampleIn,
+    WorkerGpu,
+)
 
 # A host name or an IPv4/IPv6 address (no scheme, no port).
 HOST = r"^[A-Za-z0-9.:_%-]+$"
 WorkerName = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:@-]+$")]
-GpuIndex = Annotated[int, Field(strict=True, ge=0, le=1023)]
 
 
 JobIdIn = Annotated[int, Field(strict=True, ge=1, le=INT64_MAX)]
@@ -36,6 +43,9 @@ class RunningAttempt(Strict):
     # why, in words (the job's reason until it starts).
     external_id: ExternalId | None = None
     pending: Annotated[str | None, Field(min_length=1, max_length=500)] = None
+    # Samples of the attempt's GPUs on this worker since the last heartbeat (NVML): the
+    # job's system metrics. None from a worker without NVML.
+    gpu_samples: Annotated[list[GpuSampleIn], Field(max_length=MAX_SAMPLES_PER_ATTEMPT)] = []
 
 
 class ClusterShape(Strict):
@@ -64,7 +74,10 @@ class WorkerRegister(Strict):
     identity: WorkerIdentity | None = None
     hostname: Annotated[Label, Field(max_length=255)]
     cpu_slots: Annotated[int, Field(strict=True, ge=0, le=100_000)]
-    gpus: Annotated[list[GpuIndex], Field(max_length=1024)]
+    gpus: Annotated[list[GpuIndex], Field(max_length=MAX_GPUS)]
+    # Each GPU of `gpus` as NVML names it; none from a worker without NVML (or of an
+    # earlier version, or told its GPUs by --gpus on a host without NVML).
+    gpu_devices: Annotated[list[GpuDevice], Field(max_length=MAX_GPUS)] = []
     checkpoint_root: Annotated[str, Field(min_length=1, max_length=MAX_PATH_CHARS)]
     # What this worker process still runs (empty when it has just started): any other
     # attempt the service has on its books for this name died with an earlier process.
@@ -73,6 +86,13 @@ class WorkerRegister(Strict):
     # keeps its attempts across its restarts (they run in Slurm, not in its process):
     # the reply lists them for it to re-adopt, and `running` releases nothing.
     cluster: ClusterShape | None = None
+
+    @model_validator(mode="after")
+    def _each_gpu_once(self) -> WorkerRegister:
+        indices = [d.index for d in self.gpu_devices]
+        if len(set(indices)) != len(indices):
+            raise ValueError("gpu_devices: each GPU index at most once")
+        return self
 
 
 class ClaimRequest(Strict):
@@ -122,6 +142,7 @@ class WorkerJob(BaseModel):
     attempt: int
     nproc_per_node: int
     gpus: list[int]
+    owner: str | None = None  # who submitted it (None: from before users existed)
 
 
 class WorkerPublic(BaseModel):
@@ -137,6 +158,8 @@ class WorkerPublic(BaseModel):
     running: list[WorkerJob]
     # A Slurm bridge: the partition it hands jobs to.
     cluster: ClusterShape | None = None
+    # Its GPUs as NVML names them, each with its holder and use (none without NVML).
+    gpu_devices: list[WorkerGpu] = []
 
 
 class WorkersPublic(BaseModel):

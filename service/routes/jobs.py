@@ -9,7 +9,7 @@ from fastapi import APIRouter, Header, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response, StreamingResponse
 
-from service import jobs, logs, metrics, streams
+from service import checkpoints, jobs, logs, metrics, streams
 from service.auth import CurrentUser, UserAuth
 from service.deps import DB, JobId, SettingsDep, WakeupDep, gone
 from service.errors import Invalid, responses
@@ -235,8 +235,8 @@ async def get_job_events(
     "/jobs/{job_id}/checkpoints", response_model=CheckpointsPublic, responses=responses(NO_JOB)
 )
 def list_job_checkpoints(job_id: JobId, db: DB) -> CheckpointsPublic:
-    """Checkpoints the job registered, oldest first."""
-    return CheckpointsPublic(items=jobs.list_checkpoints(db, job_id))
+    """Checkpoints the job registered, oldest first, each kept, pruning, pruned or refused."""
+    return CheckpointsPublic(items=checkpoints.list_checkpoints(db, job_id))
 
 
 # No caching, and no buffering by a proxy (nginx honours X-Accel-Buffering).

@@ -20,7 +20,7 @@ from ddpq.messages import (
     HeldAttempt,
     WorkerRegistered,
 )
-from service import jobs, logs, queue
+from service import checkpoints, jobs, logs, queue
 from service.auth import WorkerAuth, mint_job_token
 from service.deps import (
     DB,
@@ -190,11 +190,14 @@ def send_heartbeat(body: Heartbeat, db: DB) -> HeartbeatReply:
             if r.external_id is not None or r.pending is not None
         },
     )
+    prune, drop = checkpoints.worker_round(db, body.name, body.pruned, body.dropped)
     return HeartbeatReply(
         cancel=[AttemptRef(job_id=j, attempt=a) for j, a in cancel],
         abandon=[AttemptRef(job_id=j, attempt=a) for j, a in abandon],
         preempt=[HandBack(job_id=j, attempt=a, reason=why) for j, a, why in preempt],
         ended=jobs.ended_jobs(db, body.kept) if body.kept else [],
+        prune=prune,
+        drop=drop,
     )
 
 

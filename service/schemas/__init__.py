@@ -99,6 +99,8 @@ from service.schemas.users import (
 from service.schemas.workers import (
     HOST,
     AttemptNumber,
+    CheckpointPruned,
+    CheckpointsDropped,
     ClaimRequest,
     ClusterShape,
     ExternalId,
@@ -137,7 +139,9 @@ __all__ = [
     "AuditEventPublic",
     "AuditPublic",
     "CheckpointIn",
+    "CheckpointPruned",
     "CheckpointPublic",
+    "CheckpointsDropped",
     "CheckpointsPublic",
     "ClaimRequest",
     "ClusterShape",

@@ -117,6 +117,8 @@ def register(
     s.add(c)
     s.flush()
     keep_last = keep_last_of(job.spec, policy)
+    if keep_last == 0:
+        return c
     kept = [
         Held(r.id, r.step, r.keep)
         for r in s.execute(

@@ -148,10 +148,10 @@ def test_a_file_registered_again_is_superseded_not_deleted(server: Server) -> No
     assert _states(server, jid) == {10: "pruned", 20: "pruning", 30: "kept"}
 
 
-def test_keep_last_0_keeps_all_and_the_server_default_applies_without_one(
+def test_the_server_keeps_3_unless_a_job_says_and_an_ended_jobs_for_7_days(
     server: Server,
 ) -> None:
-    every = submit_and_claim(server, keep_last=0)
+    every = submit_and_claim(server, keep_last=0)  # 0: every one
     for step in range(1, 6):
         _register(server, every, f"{step}.pt", step)
     assert set(_states(server, every["job_id"]).values()) == {"kept"}
@@ -161,6 +161,14 @@ def test_keep_last_0_keeps_all_and_the_server_default_applies_without_one(
     assert _states(server, default["job_id"]) == {
         1: "pruning", 2: "pruning", 3: "kept", 4: "kept", 5: "kept"
     }  # fmt: skip
+    # DDPQ_CHECKPOINT_RETENTION: 7d after the job's end, shown on each live checkpoint.
+    ended = finish(server, every)
+    finished = datetime.fromisoformat(ended["finished_at"])
+    for c in server.client().get(f"/jobs/{every['job_id']}/checkpoints").json()["items"]:
+        assert datetime.fromisoformat(c["expires_at"]) == finished + timedelta(days=7)
+    job = server.client().get(f"/jobs/{every['job_id']}").json()
+    assert job["latest_checkpoint"]["step"] == 5 and job["latest_checkpoint"]["expires_at"]
+    assert _heartbeat(server)["drop"] == []
 
 
 def test_an_ended_jobs_checkpoints_go_after_the_retention(db_url: str, tmp_path: Path) -> None:
@@ -198,18 +206,11 @@ def test_an_ended_jobs_checkpoints_go_after_the_retention(db_url: str, tmp_path:
         stop_server(server)
 
 
-def test_retention_is_shown_and_waits(server: Server) -> None:
-    claim = submit_and_claim(server)
-    _register(server, claim, "a.pt", 1)
-    ended = finish(server, claim)
-    (c,) = server.client().get(f"/jobs/{claim['job_id']}/checkpoints").json()["items"]
-    finished = datetime.fromisoformat(ended["finished_at"])
-    assert datetime.fromisoformat(c["expires_at"]) == finished + timedelta(days=7)
-    job = server.client().get(f"/jobs/{claim['job_id']}").json()
-    assert job["latest_checkpoint"]["expires_at"] == c["expires_at"]
-    assert _heartbeat(server)["drop"] == []
+# Refused before the database is asked; and the CLI's formatting: SQLite is enough.
+SQLITE_ONLY = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 
 
+@SQLITE_ONLY
 def test_bad_input_is_refused_naming_the_field(server: Server) -> None:
     c = server.client()
     for bad in (-1, "3", 1.5, 10**7):
@@ -240,6 +241,7 @@ def test_bad_input_is_refused_naming_the_field(server: Server) -> None:
         assert field in r.text
 
 
+@SQLITE_ONLY
 def test_the_cli_lists_checkpoints_and_submits_keep_last(server: Server, tmp_path: Path) -> None:
     env = {"DDPQ_URL": server.url, "DDPQ_TOKEN": server.api_token}
     claim = submit_and_claim(server, keep_last=1)
@@ -388,6 +390,32 @@ def test_the_pruner_does_each_order_once_and_reports_until_answered(ckroot: Path
     assert pruner.reports() == ([], [])
 
 
+def test_save_checkpoint_registers_the_file_as_written_and_keep(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    from ddpq import train
+
+    sent: list[dict[str, Any]] = []
+
+    class Sender:
+        def add_checkpoint(self, body: dict[str, Any]) -> None:
+            sent.append(body)
+
+    monkeypatch.setenv("DDPQ_CHECKPOINT_DIR", str(tmp_path))
+    monkeypatch.setattr(train, "_get_sender", lambda: Sender())
+    path = train.save_checkpoint({"w": torch.zeros(3)}, step=4, keep=True)
+    assert path is not None
+    st = path.stat()
+    assert sent == [
+        {"path": str(path), "step": 4, "bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
+        | {"keep": True}
+    ]
+    train.save_checkpoint({"w": torch.zeros(3)}, step=5)
+    assert "keep" not in sent[-1]
+
+
 # ---- end to end: real serve, worker, torchrun -------------------------------------------
 
 # A job that tries, with its own token, to make its worker delete what is not its own: a
@@ -520,7 +548,7 @@ def _checkpoints(server: Server, jid: int) -> list[dict[str, Any]]:
 # What this needs of the database (which checkpoints are kept and offered for a resume)
 # is tested above on both; the kill and the resume are the worker's and torchrun's.
 @pytest.mark.torchrun
-@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+@SQLITE_ONLY
 def test_kill_9_of_the_worker_mid_job_resumes_from_the_newest_kept_checkpoint(
     db_url: str, tmp_path: Path, start_worker: Any
 ) -> None:
@@ -565,5 +593,7 @@ def test_kill_9_of_the_worker_mid_job_resumes_from_the_newest_kept_checkpoint(
         assert [c["step"] for c in items if c["state"] == "kept"] == [60]
         for c in items:
             assert Path(c["path"]).exists() == (c["state"] == "kept"), c
+            if c["state"] == "kept":
+                assert Path(c["path"]).stat().st_size == c["bytes"]
     finally:
         stop_server(server)

@@ -193,8 +193,9 @@ class CheckpointPublic(BaseModel):
     metrics: dict[str, MetricValue | None]
     # Retention (docs/checkpoints.md): saved with keep=True; its size as rank 0 reported
     # it; kept, pruning (chosen to go, not yet deleted), pruned or refused (its worker
-    # would not delete it), why in ``note``; when it was deleted; when it will be (its job
-    # ended: the job's end plus the checkpoint retention; None while it runs or forever).
+    # would not delete it), why in ``note``; when its worker deleted it (or refused to);
+    # when it will go (its job ended: the job's end plus the checkpoint retention; None
+    # while the job runs, or with no retention).
     keep: bool = False
     bytes: int | None = None
     state: CheckpointState = "kept"

@@ -61,6 +61,18 @@ class HandBack(AttemptRef):
     reason: str
 
 
+class PruneOrder(BaseModel):
+    """A registered checkpoint this worker holds that its job no longer keeps (keep_last):
+    delete the file, if it is still a regular file inside the job's checkpoint directory
+    here and, when rank 0 reported them, of the size and mtime it was registered with."""
+
+    id: int
+    job_id: int
+    path: str
+    bytes: int | None = None
+    mtime_ns: int | None = None
+
+
 class HeartbeatReply(BaseModel):
     """POST /workers/heartbeat: attempts the worker must stop, cancelled by a user or
     no longer theirs to run, or hand back (preempted by a job that outranks them)."""
@@ -72,6 +84,11 @@ class HeartbeatReply(BaseModel):
     # whose directories may be removed: gone, or ended and past their retention
     # (service.outputs.due).
     ended: list[int] = []
+    # Checkpoints to delete (asked again until a heartbeat reports them: Heartbeat.pruned),
+    # and ended jobs whose checkpoint retention ran out: remove their checkpoint
+    # directories here (Heartbeat.dropped).
+    prune: list[PruneOrder] = []
+    drop: list[int] = []
 
 
 class HeldAttempt(BaseModel):

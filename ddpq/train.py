@@ -3,6 +3,7 @@
     import ddpq
     ddpq.report(step, loss=loss, epoch=epoch)          # rank 0 sends, in the background
     ddpq.save_checkpoint(state, step=step, epoch=epoch) # rank 0 writes, then registers
+                                                        # (keep=True: outlives keep_last)
     state = ddpq.load_checkpoint()                      # resume point, or None
 
 (``from ddpq import report, save_checkpoint, load_checkpoint`` works too; so does
@@ -433,11 +434,16 @@ def save_checkpoint(
     step: int,
     epoch: float | None = None,
     metrics: dict[str, float] | None = None,
+    keep: bool = False,
 ) -> Path | None:
     """Write ``state`` on rank 0 under DDPQ_CHECKPOINT_DIR and register it; None elsewhere.
 
     The file is written to a temporary name, synced, and renamed, so a crash
     never leaves a half-written checkpoint under the final name.
+
+    Under ddpq only the job's newest ``keep_last`` checkpoints stay while it runs (the
+    older ones are deleted as new ones register; docs/checkpoints.md); ``keep=True``
+    keeps this one too, until the job's checkpoint retention ends.
     """
     if not is_master():
         return None
@@ -451,10 +457,20 @@ def save_checkpoint(
         torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
+        # The file as written: the worker deletes it only while it is still this one
+        # (renaming keeps size and mtime).
+        written = os.fstat(f.fileno())
     os.replace(tmp, path)
     sender = _get_sender()
     if sender is not None:
-        body: dict[str, Any] = {"path": str(path), "step": step}
+        body: dict[str, Any] = {
+            "path": str(path),
+            "step": step,
+            "bytes": written.st_size,
+            "mtime_ns": written.st_mtime_ns,
+        }
+        if keep:
+            body["keep"] = True
         if epoch is not None:
             body["epoch"] = epoch
         if metrics:

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 import secrets
 from functools import cached_property
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr
+from pydantic import BeforeValidator, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from ddpq.snapshot import Limits
@@ -29,6 +30,35 @@ MIN_TOKEN_CHARS = 16
 # a token containing one was copied from an example, not generated.
 PLACEHOLDER_WORDS = ("replace-me", "replace_me", "changeme", "change-me", "example", "your-")
 MIN_DISTINCT_CHARS = 8  # "aaaaaaaaaaaaaaaa" is long enough and still guessable
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*(s|m|h|d|w)?")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+NEVER = ("never", "forever")
+
+
+def duration_s(value: object) -> float | None:
+    """A duration setting as seconds: ``90``, ``90s``, ``30m``, ``12h``, ``7d``, ``2w``;
+    ``never`` for no limit (None)."""
+    if value is None:
+        return None
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        if value < 0:
+            raise ValueError("a duration is not negative")
+        return float(value)
+    text = str(value).strip().lower()
+    if text in NEVER:
+        return None
+    m = _DURATION.fullmatch(text)
+    if m is None:
+        raise ValueError(
+            f"{str(value)[:50]!r} is not a duration: a number with s, m, h, d or w "
+            "(90s, 30m, 12h, 7d, 2w; seconds without one), or never"
+        )
+    return float(m[1]) * _UNIT_S[m[2] or "s"]
+
+
+# Seconds (None: never), from a number or words such as "7d" (duration_s).
+Duration = Annotated[float | None, BeforeValidator(duration_s)]
 
 
 class Settings(BaseSettings):
@@ -189,6 +219,21 @@ class Settings(BaseSettings):
         description="Most bytes of a job's directory its worker sends to the API (one file "
         "at most `DDPQ_CODE_MAX_FILE_BYTES`); the rest are named and stay on the worker.",
     )
+    # Checkpoint retention (service.checkpoints; docs/checkpoints.md).
+    keep_last: int = Field(
+        default=3,
+        ge=0,
+        le=1_000_000,
+        description="How many of a job's newest checkpoints stay while it runs, for jobs whose "
+        "spec does not say (`keep_last`; 0: all). Older ones are deleted on their worker as "
+        "new ones register, except those saved with `keep=True` and the one a resume would use.",
+    )
+    checkpoint_retention: Duration = Field(
+        default=7 * 24 * 3600.0,
+        description="How long an ended job's checkpoints stay (a duration: `7d`, `12h`, `90s`, "
+        "`0`; `never`), after which the worker that holds them deletes the job's checkpoint "
+        "directory.",
+    )
 
     def code_limits(self) -> Limits:
         return Limits(self.code_max_files, self.code_max_bytes, self.code_max_file_bytes)
@@ -222,6 +267,8 @@ class Settings(BaseSettings):
             cpu_slot_weight=self.cpu_slot_weight,
             preemption=self.preemption,
             preempt_min_run_s=self.preempt_min_run_s,
+            keep_last=self.keep_last,
+            checkpoint_retention_s=self.checkpoint_retention,
         )
 
     @cached_property

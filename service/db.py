@@ -172,6 +172,10 @@ class Policy:
     # has run less than this.
     preemption: str = "off"
     preempt_min_run_s: float = 60.0
+    # Checkpoint retention (service.checkpoints): a job's newest checkpoints kept when
+    # its spec does not say (0: all); how long an ended job's stay (None: forever).
+    keep_last: int = 3
+    checkpoint_retention_s: float | None = 7 * 24 * 3600.0
 
 
 class Database:

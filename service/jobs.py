@@ -14,8 +14,8 @@ from sqlalchemy import Table, bindparam, func, or_, select, tuple_
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from service import code, queue, users
-from service.db import Database
+from service import checkpoints, code, queue, users
+from service.db import Database, Policy
 from service.errors import Conflict, Forbidden, Invalid, NotFound, TooMany
 from service.models import (
     Attempt,
@@ -25,6 +25,7 @@ from service.models import (
     utcnow,
 )
 from service.queue import states
+from service.queue.rules import policy_of
 from service.queue.states import Event
 from service.schemas import (
     CheckpointIn,
@@ -34,8 +35,6 @@ from service.schemas import (
     JobSpec,
     JobSpecPublic,
     LatestMetrics,
-    metric_in,
-    metric_out,
 )
 from service.users import Principal
 
@@ -57,18 +56,6 @@ _NEWEST_CHECKPOINT = (
 
 
 # ---- reading -----------------------------------------------------------------------
-
-
-def _checkpoint_public(c: Checkpoint) -> CheckpointPublic:
-    return CheckpointPublic(
-        id=c.id,
-        path=c.path,
-        step=c.step,
-        epoch=metric_out(c.epoch) if c.epoch is not None else None,
-        attempt=c.attempt,
-        created_at=c.created_at,
-        metrics=c.metrics or {},
-    )
 
 
 def _queue_positions(s: Session, jobs: list[Job]) -> dict[int, int]:
@@ -119,6 +106,7 @@ def _publics(s: Session, jobs: list[Job]) -> list[JobPublic]:
         checkpoints = {
             c.job_id: c for c in s.scalars(select(Checkpoint).where(Checkpoint.id.in_(newest)))
         }
+    policy = policy_of(s)
     positions = _queue_positions(s, jobs)
     pending = queue.pending_reasons(s, [j for j in jobs if j.status == JobStatus.QUEUED], positions)
     snapshots = code.summaries(s, (j.code for j in jobs))
@@ -141,7 +129,7 @@ def _publics(s: Session, jobs: list[Job]) -> list[JobPublic]:
                 worker=j.worker,
                 gpus=j.gpus,
                 latest_metrics=LatestMetrics(**j.latest_metrics) if j.latest_metrics else None,
-                latest_checkpoint=_checkpoint_public(c) if c else None,
+                latest_checkpoint=_latest(c, j, policy) if c else None,
                 queue_position=positions.get(j.id),
                 metrics_dropped=j.metrics_dropped or 0,
                 owner=j.owner,
@@ -151,6 +139,10 @@ def _publics(s: Session, jobs: list[Job]) -> list[JobPublic]:
             )
         )
     return out
+
+
+def _latest(c: Any, job: Job, policy: Policy) -> CheckpointPublic:
+    return checkpoints.public(c, checkpoints.expires_at(c, job.status, job.finished_at, policy))
 
 
 def _external_ids(s: Session, jobs: list[Job]) -> dict[int, str]:
@@ -377,31 +369,12 @@ def current_job(s: Session, attempt: Attempt) -> Job:
 
 
 def register_checkpoint(db: Database, attempt: Attempt, body: CheckpointIn) -> CheckpointPublic:
-    """Record a checkpoint file; its path must lie inside the attempt's checkpoint directory."""
+    """Record a checkpoint file; its path must lie inside the attempt's checkpoint
+    directory. What it lets go is service.checkpoints'."""
     path = posixpath.normpath(body.path)
     root = posixpath.normpath(attempt.checkpoint_dir)
     if not path.startswith(root + "/"):
         raise Invalid(("body", "path"), f"must be inside the job's checkpoint directory {root}")
-    c = Checkpoint(
-        job_id=attempt.job_id,
-        attempt=attempt.number,
-        path=path,
-        step=body.step,
-        epoch=metric_in(body.epoch) if body.epoch is not None else None,
-        metrics={k: metric_out(metric_in(v)) for k, v in body.metrics.items()},
-        created_at=utcnow(),
-    )
     with db.write() as s:
-        current_job(s, attempt)
-        s.add(c)
-        s.flush()
-        return _checkpoint_public(c)
-
-
-def list_checkpoints(db: Database, job_id: int) -> list[CheckpointPublic]:
-    with db.read() as s:
-        _get(s, job_id)
-        rows = s.scalars(
-            select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.id)
-        )
-        return [_checkpoint_public(c) for c in rows]
+        job = current_job(s, attempt)
+        return checkpoints.public(checkpoints.register(s, job, attempt, path, body, db.policy))

@@ -394,6 +394,13 @@ class GpuSample(Base):
     __table_args__ = ({"sqlite_with_rowid": False},)
 
 
+# Where a registered checkpoint's file stands (service.checkpoints): kept; pruning (the
+# API chose it to go, its worker has not said it is gone yet); pruned (deleted, or found
+# gone); refused (its worker would not delete it: not a regular file inside the job's
+# checkpoint directory, or changed since it was registered; the note says which).
+CheckpointState = TypeAliasType("CheckpointState", Literal["kept", "pruning", "pruned", "refused"])
+
+
 class Checkpoint(Base):
     __tablename__ = "checkpoints"
 
@@ -405,6 +412,24 @@ class Checkpoint(Base):
     epoch: Mapped[float | None] = mapped_column(Float)
     metrics: Mapped[dict[str, Any]] = mapped_column(default=dict)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    # The worker whose disk holds the file (its attempt's; node 0's for a gang): the one
+    # asked to delete it. None for rows of jobs that had ended before retention existed
+    # (migration 0015): those are never deleted by ddpq.
+    worker: Mapped[str | None] = mapped_column(String(200))
+    # save_checkpoint(keep=True): never pruned by keep_last (only by the retention of
+    # an ended job).
+    keep: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    # The file as rank 0 saw it once written (size, and mtime as the worker's identity
+    # check: a file written again under the same name since is not deleted).
+    bytes: Mapped[int | None] = mapped_column(BigInteger)
+    mtime_ns: Mapped[int | None] = mapped_column(BigInteger)
+    # A CheckpointState; why it went (or was refused) in words; when its worker said so.
+    state: Mapped[str] = mapped_column(String(16), default="kept", server_default="kept")
+    note: Mapped[str | None] = mapped_column(Text)
+    pruned_at: Mapped[datetime | None]
+
+    # A worker's heartbeat asks for its checkpoints to delete, every few seconds.
+    __table_args__ = (Index("ix_checkpoints_worker_state", "worker", "state"),)
 
 
 class LogChunk(Base):

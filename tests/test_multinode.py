@@ -25,6 +25,9 @@ from worker.procs import find_by_launch_id
 
 CPU_JOB = {"entrypoint": "train.py", "device": "cpu"}
 
+# A heartbeat's reply that asks nothing of the worker.
+NOTHING_ASKED = {"cancel": [], "abandon": [], "preempt": [], "ended": [], "prune": [], "drop": []}
+
 
 def _submit(server: Server, **spec: Any) -> dict[str, Any]:
     r = server.client().post("/jobs", json={**CPU_JOB, **spec})
@@ -113,7 +116,7 @@ def test_a_gang_forms_from_one_slot_per_worker_and_succeeds_when_every_node_does
     assert workers["w1"]["free_cpu_slots"] == 0
     assert [j["job_id"] for j in workers["w1"]["running"]] == [job["id"]]
     # Its heartbeat keeps the forming slot.
-    assert _beat(server, "w1", first) == {"cancel": [], "abandon": [], "preempt": [], "ended": []}
+    assert _beat(server, "w1", first) == NOTHING_ASKED
 
     second = _claim(server, "w2")
     assert second and second["job_id"] == job["id"] and second["node_rank"] == 1
@@ -151,7 +154,7 @@ def test_a_gang_forms_from_one_slot_per_worker_and_succeeds_when_every_node_does
     # Node 0 done: the attempt goes on until node 1 is done too.
     assert _finish(server, "w1", first, exit_code=0)["status"] == "running"
     assert _finish(server, "w1", first, exit_code=0)["status"] == "running"  # repeated
-    assert _beat(server, "w2", second) == {"cancel": [], "abandon": [], "preempt": [], "ended": []}
+    assert _beat(server, "w2", second) == NOTHING_ASKED
     done = _finish(server, "w2", second, exit_code=0)
     assert done["status"] == "succeeded" and done["finished_at"]
 

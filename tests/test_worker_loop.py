@@ -14,13 +14,14 @@ from typing import Any
 
 import pytest
 
-from ddpq.errors import ApiRefused
+from ddpq.errors import ApiRefused, ApiUnavailable
 from ddpq.messages import (
     AttemptRef,
     ClaimedJob,
     HandBack,
     HeartbeatReply,
     HeldAttempt,
+    PruneOrder,
     WorkerRegistered,
 )
 from ddpq.wire import Backoff
@@ -145,12 +146,20 @@ class FakeExecutor:
 class FakeAPI:
     def __init__(self) -> None:
         self.heartbeats: list[list[dict[str, Any]]] = []
+        self.reports: list[tuple[list[dict[str, Any]], list[dict[str, Any]]]] = []
         self.registered: list[dict[str, Any]] = []
         self.finished: list[tuple[int, dict[str, Any]]] = []
         self.reply: HeartbeatReply | Exception = HeartbeatReply(cancel=[], abandon=[])
 
-    def heartbeat(self, running: list[dict[str, Any]], kept: list[int]) -> HeartbeatReply:
+    def heartbeat(
+        self,
+        running: list[dict[str, Any]],
+        kept: list[int],
+        pruned: list[dict[str, Any]] | None = None,
+        dropped: list[dict[str, Any]] | None = None,
+    ) -> HeartbeatReply:
         self.heartbeats.append(running)
+        self.reports.append((pruned or [], dropped or []))
         if isinstance(self.reply, Exception):
             raise self.reply
         return self.reply
@@ -211,6 +220,34 @@ def test_a_heartbeat_carries_the_executors_attempts_and_hands_on_what_the_reply_
         (3, 1, "abandoned", None),
     ]
     assert (tmp_path / "data").is_dir()  # health recorded
+
+
+def test_a_reply_asking_to_delete_checkpoints_is_done_and_reported_once_answered(
+    tmp_path: Path,
+) -> None:
+    executor = FakeExecutor(detached=False, running=[(2, 1)])
+    loop, api = _loop(tmp_path, executor)
+    old = loop.checkpoint_root / "job-1" / "step-1.pt"
+    old.parent.mkdir(parents=True)
+    old.write_bytes(b"w")
+    (loop.checkpoint_root / "job-2").mkdir()  # job 2 runs here: its directory stays
+    api.reply = HeartbeatReply(
+        cancel=[], abandon=[], prune=[PruneOrder(id=7, job_id=1, path=str(old))], drop=[2, 3]
+    )
+    loop.heartbeat_once()
+    assert loop.pruner.wait_idle(10) and not old.exists()
+    assert (loop.checkpoint_root / "job-2").is_dir()
+    reports = ([{"id": 7, "outcome": "deleted", "why": None}], [
+        {"job_id": 3, "outcome": "missing", "why": None}
+    ])  # fmt: skip
+    # A heartbeat that fails keeps the reports for the next one.
+    api.reply = ApiUnavailable("POST", "/workers/heartbeat", 503, "database down")
+    loop.heartbeat_once()
+    api.reply = HeartbeatReply(cancel=[], abandon=[])
+    loop.heartbeat_once()
+    assert api.reports[-2:] == [reports, reports]
+    loop.heartbeat_once()
+    assert api.reports[-1] == ([], [])
 
 
 def test_a_forgotten_worker_registers_again_and_a_superseded_one_stops(tmp_path: Path) -> None:

@@ -92,12 +92,22 @@ class WorkerAPI:
         )
         return GangReply.model_validate_json(r.content)
 
-    def heartbeat(self, running: list[dict[str, Any]], kept: list[int]) -> HeartbeatReply:
+    def heartbeat(
+        self,
+        running: list[dict[str, Any]],
+        kept: list[int],
+        pruned: list[dict[str, Any]] | None = None,
+        dropped: list[dict[str, Any]] | None = None,
+    ) -> HeartbeatReply:
         body: dict[str, Any] = {"name": self.name, "running": running}
         if self.identity:
             body["identity"] = self.identity
         if kept:
             body["kept"] = kept
+        if pruned:
+            body["pruned"] = pruned
+        if dropped:
+            body["dropped"] = dropped
         r = self._request("POST", "/workers/heartbeat", json=body)
         return HeartbeatReply.model_validate_json(r.content)
 

@@ -27,6 +27,7 @@ from ddpq.messages import ClaimedJob, HeartbeatReply, HeldAttempt
 from ddpq.wire import Backoff
 from worker import health
 from worker.api import WorkerAPI, claim_or_wait, retry
+from worker.checkpoints import Pruner
 from worker.code import Workdirs
 from worker.outcome import Outcome
 from worker.requirements import Policy
@@ -188,6 +189,8 @@ class Loop:
         self.data_dir = settings["data_dir"].resolve()
         checkpoint_dir = settings["checkpoint_dir"]
         self.checkpoint_root = (checkpoint_dir or self.data_dir / "checkpoints").resolve()
+        # Deletes the checkpoints the API lets go (keep_last, retention) under that root.
+        self.pruner = Pruner(self.checkpoint_root)
         token = settings["token"]
         self.api = WorkerAPI(self.url, token, self.name, settings.get("identity"))
         self.workdirs = Workdirs(
@@ -237,8 +240,9 @@ class Loop:
                 for item in running
             ]
         keys = {(item["job_id"], item["attempt"]) for item in running}
+        pruned, dropped = self.pruner.reports()
         try:
-            reply = self.api.heartbeat(running, self.workdirs.kept()[:MAX_KEPT])
+            reply = self.api.heartbeat(running, self.workdirs.kept()[:MAX_KEPT], pruned, dropped)
         except ApiUnavailable as exc:
             log.warning("heartbeat: API unavailable (%s)", exc)
             return
@@ -258,6 +262,9 @@ class Loop:
                 log.warning("heartbeat refused: %s", exc)
             return
         health.record(self.data_dir, self.heartbeat_s)
+        self.pruner.answered(pruned, dropped)
+        if reply.prune or reply.drop:
+            self.pruner.take(reply.prune, reply.drop, running={job_id for job_id, _ in keys})
         if reply.ended:
             self.workdirs.ended(reply.ended, running={job_id for job_id, _ in keys})
         for s in stops(reply):

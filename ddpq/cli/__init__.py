@@ -18,7 +18,7 @@ from typing import Any
 
 import typer
 
-from ddpq.cli import code, info, jobs, live, login, logs, servers, users  # noqa: F401
+from ddpq.cli import checkpoints, code, info, jobs, live, login, logs, servers, users  # noqa: F401
 from ddpq.cli.base import app, end
 from ddpq.errors import DdpqError
 
@@ -28,6 +28,7 @@ ORDER = [
     "serve", "worker", "up",
     "login", "logout", "whoami",
     "submit", "resubmit", "status", "ls", "cancel", "code", "outputs", "logs", "watch",
+    "checkpoints",
     "workers", "recipes",
     "users", "audit", "usage", "quota",
     "slurm-node",  # hidden: what the Slurm bridge starts on each node

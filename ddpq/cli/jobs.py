@@ -63,6 +63,14 @@ RetryOnError = Annotated[
     ),
 ]
 TimeoutS = Annotated[int | None, typer.Option(help="stop the job after this many seconds")]
+KeepLast = Annotated[
+    int | None,
+    typer.Option(
+        min=0,
+        help="keep the newest N checkpoints while it runs, deleting older ones (0: all;"
+        " default: the server's, DDPQ_KEEP_LAST); see `ddpq checkpoints`",
+    ),
+]
 EnvOpt = Annotated[
     list[str] | None,
     typer.Option(metavar="KEY=VALUE", help="an environment variable for the ranks (repeatable)"),
@@ -93,7 +101,7 @@ Args = Annotated[list[str] | None, typer.Argument(help="arguments for the progra
 # The flags submit and resubmit share that override the spec field of their name.
 SPEC_FLAGS = (
     "name", "world_size", "nnodes", "device", "priority", "max_attempts", "max_restarts",
-    "retry_on_error", "timeout_s",
+    "retry_on_error", "timeout_s", "keep_last",
 )  # fmt: skip
 
 
@@ -148,6 +156,7 @@ def submit(
     max_restarts: MaxRestarts = None,
     retry_on_error: RetryOnError = None,
     timeout_s: TimeoutS = None,
+    keep_last: KeepLast = None,
     env: EnvOpt = None,
     pip: PipOpt = None,
     idempotency_key: Annotated[
@@ -380,6 +389,7 @@ def resubmit(
     max_restarts: MaxRestarts = None,
     retry_on_error: RetryOnError = None,
     timeout_s: TimeoutS = None,
+    keep_last: KeepLast = None,
     env: EnvOpt = None,
     pip: PipOpt = None,
     resume: Annotated[

@@ -207,12 +207,19 @@ def checkpoint_dir_of(root: str, job_id: int) -> str:
     return f"{root.rstrip('/')}/job-{job_id}"
 
 
+# Only kept checkpoints: one chosen to go (service.checkpoints) may be deleted any moment.
 _RESUME_FROM = (
     select(checkpoints.c.path)
-    .where(checkpoints.c.job_id == bindparam("job_id"))
+    .where(checkpoints.c.job_id == bindparam("job_id"), checkpoints.c.state == "kept")
     .order_by(checkpoints.c.step.desc(), checkpoints.c.id.desc())
     .limit(RESUME_CANDIDATES)
 )
+
+
+def resume_key(step: int, checkpoint_id: int) -> tuple[int, int]:
+    """_RESUME_FROM's order in Python: the checkpoint a resume takes first has the
+    largest key (the one keep_last never lets go, service.checkpoints)."""
+    return (step, checkpoint_id)
 
 
 def resume_from(conn: Connection | Session, job_id: int, number: int) -> list[str]:

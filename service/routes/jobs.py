@@ -9,7 +9,7 @@ from fastapi import APIRouter, Header, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response, StreamingResponse
 
-from service import gpus, jobs, logs, metrics, outputs, streams
+from service import checkpoints, gpus, jobs, logs, metrics, outputs, streams
 from service.auth import CurrentUser, UserAuth
 from service.deps import DB, JobId, SettingsDep, WakeupDep, gone
 from service.errors import Invalid, responses
@@ -256,8 +256,8 @@ async def get_job_events(
     "/jobs/{job_id}/checkpoints", response_model=CheckpointsPublic, responses=responses(NO_JOB)
 )
 def list_job_checkpoints(job_id: JobId, db: DB) -> CheckpointsPublic:
-    """Checkpoints the job registered, oldest first."""
-    return CheckpointsPublic(items=jobs.list_checkpoints(db, job_id))
+    """Checkpoints the job registered, oldest first, each kept, pruning, pruned or refused."""
+    return CheckpointsPublic(items=checkpoints.list_checkpoints(db, job_id))
 
 
 @router.get("/jobs/{job_id}/outputs", response_model=OutputsPublic, responses=responses(NO_JOB))

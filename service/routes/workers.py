@@ -20,7 +20,7 @@ from ddpq.messages import (
     HeldAttempt,
     WorkerRegistered,
 )
-from service import jobs, logs, outputs, queue
+from service import checkpoints, jobs, logs, outputs, queue
 from service.auth import WorkerAuth, mint_job_token
 from service.deps import (
     DB,
@@ -200,11 +200,14 @@ def send_heartbeat(body: Heartbeat, db: DB, settings: SettingsDep) -> HeartbeatR
         {(r.job_id, r.attempt): r.gpu_samples for r in body.running if r.gpu_samples},
         settings.gpu_sample_s,
     )
+    prune, drop = checkpoints.worker_round(db, body.name, body.pruned, body.dropped)
     return HeartbeatReply(
         cancel=[AttemptRef(job_id=j, attempt=a) for j, a in cancel],
         abandon=[AttemptRef(job_id=j, attempt=a) for j, a in abandon],
         preempt=[HandBack(job_id=j, attempt=a, reason=why) for j, a, why in preempt],
         ended=outputs.due(db, body.kept, settings.outputs_limits()) if body.kept else [],
+        prune=prune,
+        drop=drop,
     )
 
 

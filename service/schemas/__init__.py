@@ -115,6 +115,8 @@ from service.schemas.users import (
 from service.schemas.workers import (
     HOST,
     AttemptNumber,
+    CheckpointPruned,
+    CheckpointsDropped,
     ClaimRequest,
     ClusterShape,
     ExternalId,
@@ -153,7 +155,9 @@ __all__ = [
     "AuditEventPublic",
     "AuditPublic",
     "CheckpointIn",
+    "CheckpointPruned",
     "CheckpointPublic",
+    "CheckpointsDropped",
     "CheckpointsPublic",
     "ClaimRequest",
     "ClusterShape",

@@ -18,9 +18,9 @@ from pydantic import (
 
 from ddpq.catalog import recipe_names
 from ddpq.rules import entrypoint_problem, env_problem
-from service.models import AttemptOutcome, JobStatus
+from service.models import AttemptOutcome, CheckpointState, JobStatus
 from service.schemas.code import CodeSummary, Digest
-from service.schemas.common import MAX_NAME_CHARS, MAX_PATH_CHARS, Label, Strict
+from service.schemas.common import INT64_MAX, MAX_NAME_CHARS, MAX_PATH_CHARS, Label, Strict
 from service.schemas.metrics import (
     MAX_METRIC_NAMES,
     LatestMetrics,
@@ -35,6 +35,7 @@ MAX_ARGS = 1000
 MAX_ARG_CHARS = 10_000
 MAX_ENV_VARS = 200
 MAX_PIP_REQUIREMENTS = 100
+MAX_KEEP_LAST = 1_000_000
 
 # Sent in an Idempotency-Key header: visible ASCII (spaces inside allowed), 1..200.
 # An empty key is refused, not taken as no key: a client that sends one (an unset
@@ -93,6 +94,10 @@ class JobSpec(Strict):
     # Python requirements for this job, installed (with a requirements.txt at the top
     # of its code snapshot, if any) into a virtualenv layered on the worker's own.
     pip: Annotated[list[PipRequirement], Field(max_length=MAX_PIP_REQUIREMENTS)] = []
+    # How many of the job's newest checkpoints stay while it runs (0: all; None: the
+    # server's DDPQ_KEEP_LAST); older ones are deleted as new ones register, except those
+    # saved with keep=True and the one a resume would use (service.checkpoints).
+    keep_last: Annotated[int | None, Field(strict=True, ge=0, le=MAX_KEEP_LAST)] = None
 
     @field_validator("recipe")
     @classmethod
@@ -159,6 +164,10 @@ class JobSpecPublic(BaseModel):
     timeout_s: int | None = None
     code: str | None = None
     pip: list[str] = []
+    keep_last: int | None = None
+
+
+FileBytes = Annotated[int, Field(strict=True, ge=0, le=INT64_MAX)]
 
 
 class CheckpointIn(Strict):
@@ -166,6 +175,12 @@ class CheckpointIn(Strict):
     step: Step
     epoch: MetricValueIn | None = None
     metrics: dict[MetricName, MetricValueIn] = Field(default={}, max_length=MAX_METRIC_NAMES)
+    # save_checkpoint(keep=True): never pruned by keep_last.
+    keep: Annotated[bool, Field(strict=True)] = False
+    # The file once written, as rank 0 saw it: its size, and its mtime, which its worker
+    # checks before deleting it (a file written again since under the name is left).
+    bytes: FileBytes | None = None
+    mtime_ns: FileBytes | None = None
 
 
 class CheckpointPublic(BaseModel):
@@ -176,6 +191,18 @@ class CheckpointPublic(BaseModel):
     attempt: int
     created_at: datetime
     metrics: dict[str, MetricValue | None]
+    # Retention (docs/checkpoints.md): saved with keep=True; its size as rank 0 reported
+    # it; kept, pruning (chosen to go, not yet deleted), pruned or refused (its worker
+    # would not delete it), why in ``note``; when its worker deleted it (or refused to);
+    # when it will go (its job ended: the job's end plus the checkpoint retention; None
+    # while the job runs, or with no retention).
+    keep: bool = False
+    bytes: int | None = None
+    state: CheckpointState = "kept"
+    note: str | None = None
+    pruned_at: datetime | None = None
+    expires_at: datetime | None = None
+    worker: str | None = None
 
 
 class CheckpointsPublic(BaseModel):

@@ -116,12 +116,35 @@ class GangRequest(Strict):
     leave: Annotated[bool, Field(strict=True)] = False
 
 
+# What a worker did with a checkpoint (or an ended job's checkpoint directory) the API
+# asked it to delete: deleted; missing (already gone); refused (not a regular file inside
+# the job's checkpoint directory here, or written again since it was registered: ``why``).
+PruneOutcome = Literal["deleted", "missing", "refused"]
+Why = Annotated[str | None, Field(max_length=500)]
+
+
+class CheckpointPruned(Strict):
+    id: Annotated[int, Field(strict=True, ge=1, le=INT64_MAX)]
+    outcome: PruneOutcome
+    why: Why = None
+
+
+class CheckpointsDropped(Strict):
+    job_id: JobIdIn
+    outcome: PruneOutcome
+    why: Why = None
+
+
 class Heartbeat(Strict):
     name: WorkerName
     identity: WorkerIdentity | None = None
     running: Annotated[list[RunningAttempt], Field(max_length=10_000)] = []
     # Jobs whose working directories the worker keeps: the reply says which have ended.
     kept: Annotated[list[JobIdIn], Field(max_length=10_000)] = []
+    # What became of the checkpoints (HeartbeatReply.prune) and the ended jobs' checkpoint
+    # directories (HeartbeatReply.drop) earlier replies asked this worker to delete.
+    pruned: Annotated[list[CheckpointPruned], Field(max_length=10_000)] = []
+    dropped: Annotated[list[CheckpointsDropped], Field(max_length=10_000)] = []
 
 
 class FinishRequest(Strict):

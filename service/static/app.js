@@ -471,6 +471,12 @@ function renderCheckpoints(items) {
       el("td", { class: "path" }, c.path),
       el("td", {}, Object.entries(c.metrics || {}).map(([k, v]) => `${k}=${formatNumber(v)}`).join(" ")),
       el("td", { class: "num", title: c.created_at }, age(c.created_at)),
+      // Retention (docs/checkpoints.md): kept, pruning, pruned or refused, and why.
+      el(
+        "td",
+        { class: c.state === "kept" ? "" : "muted", title: c.note ?? "" },
+        (c.state ?? "kept") + (c.keep ? " (keep)" : ""),
+      ),
     ),
   );
   fillTable("checkpoints", rows);

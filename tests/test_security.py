@@ -559,6 +559,7 @@ def test_checkpoint_registration_stays_in_the_job_directory_and_serves_no_file(
     r = rank0.post(f"/jobs/{jid}/checkpoints", json={"path": f"{root}/a.pt", "step": 1})
     assert r.status_code == 201
     answer = server.client().get(f"/jobs/{jid}/checkpoints").json()
+    # What a checkpoint is, where it stands (retention), never its file's contents.
     assert set(answer["items"][0]) == {
         "id",
         "path",
@@ -567,6 +568,13 @@ def test_checkpoint_registration_stays_in_the_job_directory_and_serves_no_file(
         "attempt",
         "created_at",
         "metrics",
+        "keep",
+        "bytes",
+        "state",
+        "note",
+        "pruned_at",
+        "expires_at",
+        "worker",
     }
 
 

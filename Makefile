@@ -72,7 +72,7 @@ test-learning: venv
 # torch's abort in the interpreter's teardown, counted over many torchrun runs (issue 31:
 # minutes of CPU, both databases): bare it still happens, through worker.entry it never does.
 test-teardown: venv
-	$(BIN)/pytest -n 2 --dist worksteal -m teardown -s
+	$(BIN)/pytest -n 2 --dist worksteal -m teardown
 
 # docker compose up for real (slow: builds images; cached in /var/cache/ddpq-compose-test).
 compose-test: venv

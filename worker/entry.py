@@ -5,7 +5,7 @@ ARGS`` (``-m MODULE ARGS`` for a recipe), which runs the program as ``__main__``
 Why: with torch 2.14.1 a gloo worker thread may still be destroying a finished collective
 when the interpreter finalizes; taking the GIL then ends that thread with pthread_exit, whose
 unwinding through a noexcept destructor calls std::terminate ("terminate called without an
-active exception", SIGABRT), in about 2 of 10 runs of a correct 2-rank program (issue 31).
+active exception", SIGABRT), in 1 to 2 runs of 10 of a correct 2-rank program (issue 31).
 So once the program has finished (returned, ``sys.exit``, or an uncaught exception) this
 does what the interpreter does before it finalizes, in its order: wait for the non-daemon
 threads (``threading._shutdown``), run the ``atexit`` callbacks (``weakref.finalize`` among
@@ -16,7 +16,8 @@ itself still crashes: nothing here catches a signal.
 What the program sees is what ``python -u PROGRAM`` gives it: ``sys.argv``, ``sys.path[0]``
 (the program's directory, its links resolved; the working directory for ``-m``), a fresh
 ``__main__`` with ``__file__``, ``__loader__``, ``__spec__`` and ``__builtins__`` as CPython
-sets them (``__file__`` and ``__cached__`` gone again when the atexit callbacks run), the
+sets them (``__file__`` and ``__cached__`` gone when the atexit callbacks run, unless it
+ended by ``sys.exit``), the
 exit status of ``sys.exit(n)`` and of an uncaught exception (1, after ``sys.excepthook``;
 an uncaught KeyboardInterrupt ends it by SIGINT), signals at their defaults. An uncaught
 exception is also written to torch's error file (TORCHELASTIC_ERROR_FILE, in the format of

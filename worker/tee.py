@@ -192,11 +192,12 @@ def finished_words(rank: int, local_rank: int, exitcode: int) -> str:
     """``rank 0 (local rank 0): the program finished; torch crashed during interpreter
     exit (SIGABRT)``: a rank that did its work and died after, by signal ``-exitcode``."""
     try:
-        sig: signal.Signals | None = signal.Signals(-exitcode)
-        name = signal.Signals(-exitcode).name
+        sig = signal.Signals(-exitcode)
     except ValueError:
-        sig, name = None, f"signal {-exitcode}"
-    how = "torch crashed" if sig in CRASH_SIGNALS else "stopped"
+        how, name = "killed", f"signal {-exitcode}"
+    else:
+        how = "torch crashed" if sig in CRASH_SIGNALS else "stopped"
+        name = sig.name
     who = f"rank {rank} (local rank {local_rank})"
     return f"{who}: {AFTER_FINISH}{how} during interpreter exit ({name})"
 

@@ -30,7 +30,7 @@ def probe(
     """Run ``python`` as ``uid``:``gid`` to look at what that uid can use of the
     worker's environment (``_CHECK``); None when the uid may not execute it at all."""
     plan = {
-        "modules": ["torch", "worker.tee", "ddpq.train"],
+        "modules": ["torch", "worker.tee", "worker.entry", "ddpq.train"],
         "reachable": [str(p) for p in reachable],
         "readable": [str(p) for p in readable],
         "protected": [str(p) for p in protected],

@@ -21,7 +21,12 @@ module) and 20-line table are noise in a job's log. This prints instead one line
 failed rank, the first to fail first, with its error: its error file's (under
 ``@record``), else the error line of its own recent output (``error_line``), which the
 runner's tail of the whole output may have lost among the other ranks' tracebacks.
-worker.torchrun.root_cause reads these lines. It exits 1 as torchrun would.
+worker.torchrun.root_cause reads these lines. It exits 1 as torchrun would, unless every
+failed rank had finished its program before a signal ended it (worker.entry marks that in
+the rank's error file; torch 2.14.1 may abort in the interpreter's teardown): then the
+attempt did its work, and one line per such rank says what happened
+(``[ddpq] rank 0 (local rank 0): the program finished; torch crashed during interpreter
+exit (SIGABRT)``, which worker.torchrun.outcome gives as the success's reason); it exits 0.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from threading import Event
 from typing import TextIO
+
+from worker import entry
 
 PARTIAL_WAIT_S = 2.0
 READ_BYTES = 1 << 16
@@ -168,6 +175,33 @@ def _error_file_message(failure: object) -> str | None:
     return message if isinstance(message, str) and message else None
 
 
+# A rank that dies by one of these after its program finished crashed on the way out (the
+# abort of issue 31); by another (torchrun's SIGTERM once a rank failed), it was stopped.
+CRASH_SIGNALS = frozenset({signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGILL})
+# worker.torchrun.outcome reads the success's words after this (FINISHED_LINE).
+AFTER_FINISH = "the program finished; "
+
+
+def finished(failure: object) -> bool:
+    """Whether a failed rank's program had finished well before the rank died: worker.entry
+    marks that point in the rank's error file."""
+    return _error_file_message(failure) == entry.FINISHED
+
+
+def finished_words(rank: int, local_rank: int, exitcode: int) -> str:
+    """``rank 0 (local rank 0): the program finished; torch crashed during interpreter
+    exit (SIGABRT)``: a rank that did its work and died after, by signal ``-exitcode``."""
+    try:
+        sig = signal.Signals(-exitcode)
+    except ValueError:
+        how, name = "killed", f"signal {-exitcode}"
+    else:
+        how = "torch crashed" if sig in CRASH_SIGNALS else "stopped"
+        name = sig.name
+    who = f"rank {rank} (local rank {local_rank})"
+    return f"{who}: {AFTER_FINISH}{how} during interpreter exit ({name})"
+
+
 def failure_lines(
     failures: dict[int, object],
     first_rank: int,
@@ -182,7 +216,9 @@ def failure_lines(
     for rank in order:
         failure = failures[rank]
         message = _error_file_message(failure)
-        if message is None and rank == first_rank:
+        if message == entry.FINISHED:
+            message = "its program had finished"
+        elif message is None and rank == first_rank:
             header = string.Template(PREFIX_TEMPLATE).safe_substitute(rank=rank)
             message = error_line(recent.get(header, ()))
         local_rank = int(getattr(failure, "local_rank", rank))
@@ -201,8 +237,20 @@ def main() -> None:
     try:
         torchrun()
     except ChildFailedError as exc:
+        failures: dict[int, object] = dict(exc.failures)
+        exitcodes = {r: int(getattr(f, "exitcode", 1)) for r, f in failures.items()}
+        if failures and all(finished(f) and exitcodes[r] < 0 for r, f in failures.items()):
+            # Every failed rank had done its work: the attempt succeeded, and says how.
+            with _write_lock:
+                sys.stdout.flush()
+                for rank, f in sorted(failures.items()):
+                    local_rank = int(getattr(f, "local_rank", rank))
+                    words = finished_words(rank, local_rank, exitcodes[rank])
+                    sys.stderr.write(f"[ddpq] {words}\n")
+                sys.stderr.flush()
+            sys.exit(0)
         first_rank, _ = exc.get_first_failure()
-        lines = failure_lines(dict(exc.failures), first_rank)
+        lines = failure_lines(failures, first_rank)
         with _write_lock:
             sys.stdout.flush()
             sys.stderr.write("".join(f"{line}\n" for line in lines))

@@ -23,6 +23,9 @@ from ddpq.rules import entrypoint_problem, env_problem
 from worker import tee
 from worker.outcome import Outcome, stopped
 
+# How a rank starts: the program through worker.entry, which ends the process once the
+# program has finished, before torch can abort in the interpreter's teardown (issue 31).
+RANK_ENTRY = ("-u", "-P", "-m", "worker.entry")
 MONITOR_INTERVAL_S = 0.1  # torchrun's check of its ranks; the default 5 s delays every exit
 
 # What a job inherits from the worker's environment: what programs, Python, CUDA, NCCL
@@ -50,6 +53,9 @@ FAILURE_LINE = re.compile(
     "^" + re.escape(tee.FIRST) + r"rank (?P<rank>\d+) \(local rank (?P<local>\d+)\) "
     r"(?:exited with code (?P<code>-?\d+)|killed by (?:SIG\w+|signal (?P<signum>\d+)))"
     r"(?:: (?P<said>.*))?$"
+)
+FINISHED_LINE = re.compile(
+    r"^\[ddpq\] (rank \d+ \(local rank \d+\): " + re.escape(tee.AFTER_FINISH) + r".*)$"
 )
 TABLE_ROOT = "Root Cause (first observed failure):"
 TABLE_RANK = re.compile(r"^\s*rank\s*: (\d+) \(local_rank: (\d+)\)")
@@ -107,7 +113,9 @@ def argv(
     on every line (--tee 3), which the runner ships as the job's log; worker.tee runs
     torchrun so that those lines arrive whole. -P: torchrun starts in the job's
     directory, whose own modules (a package named worker, say) must not stand in for
-    ddpq's; the ranks still find theirs beside their script, as under torchrun."""
+    ddpq's. Each rank runs the program through worker.entry (RANK_ENTRY, which finds
+    the program's modules beside it, as ``python -u PROGRAM`` does) under the same
+    ``python``: --no-python, since torchrun's own ``-m`` cannot pass -P."""
     return [
         python, "-P", "-m", "worker.tee",
         *rdzv,
@@ -117,6 +125,7 @@ def argv(
         "--log-dir", str(log_dir),
         "--tee", "3",
         "--log-line-prefix-template", tee.PREFIX_TEMPLATE,
+        "--no-python", python, *RANK_ENTRY,
         *program,
     ]  # fmt: skip
 
@@ -286,8 +295,9 @@ def outcome(
     the last lines of its output."""
     if stop_reason is not None:
         return stopped(stop_reason, timeout_s, code, words)
-    if code == 0:
-        return Outcome(0, "exited")
+    if code == 0:  # worker.tee's words when a rank died after its program finished
+        said = next((m[1] for line in tail for m in [FINISHED_LINE.match(line)] if m), None)
+        return Outcome(0, "exited", said)
     # torchrun exits 1 whenever a rank fails; the rank's own code is in its summary.
     rank_codes = [int(m.group(1)) for line in tail for m in [TORCHRUN_EXITCODE.search(line)] if m]
     exit_code = code if code >= 0 else 128 - code

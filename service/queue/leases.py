@@ -145,7 +145,9 @@ def reported(
     if report.outcome == "timeout":
         return Ending(Event.FAIL, report.reason or f"timeout after {job.spec.get('timeout_s')} s")
     if report.outcome == "exited" and code == 0:
-        return Ending(Event.SUCCEED, None)
+        # A success's reason, when the worker gives one, says what happened on the way
+        # out (a rank torch crashed after its program finished: worker.tee).
+        return Ending(Event.SUCCEED, report.reason)
     retryable = report.outcome == "exited" and code is not None and code != 0
     if retryable and code is not None and code < 128:
         # A multi-node attempt is retried whatever a node's exit code: when one node

@@ -140,6 +140,14 @@ def test_a_program_ends_as_it_would_bare(tmp_path: Path, ending: str) -> None:
     assert not (tmp_path / "error-0.json").exists()
 
 
+def test_a_program_that_cannot_be_opened_is_said_as_python_says_it(tmp_path: Path) -> None:
+    results = [_run([*argv, "missing.py"], tmp_path) for argv in ([sys.executable, "-u"], ENTRY)]
+    assert [(r.returncode, r.stdout, r.stderr) for r in results] == [
+        (2, "", f"{sys.executable}: can't open file {str(tmp_path / 'missing.py')!r}:"
+         " [Errno 2] No such file or directory\n")
+    ] * 2  # fmt: skip
+
+
 def test_the_error_file_the_program_wrote_itself_is_kept(tmp_path: Path) -> None:
     # A program under torch's @record writes its own error file, then re-raises.
     (tmp_path / "prog.py").write_text(

@@ -70,9 +70,6 @@ def _run(args: list[str], main_module: ModuleType, script: bool) -> int | None:
             _run_path(args, main_module)
         else:
             _run_module(args[1:])
-    except _CannotOpen as exc:
-        sys.stderr.write(f"{sys.executable}: {exc}\n")
-        return 2
     except SystemExit as exc:  # CPython exits from here, __file__ still set
         return _exit_status(exc)
     except BaseException as exc:
@@ -93,10 +90,6 @@ def _run_module(args: list[str]) -> None:
     sys.argv[:] = ["-m", *args[1:]]  # as CPython hands it to runpy
     sys.path.insert(0, os.getcwd())
     runpy._run_module_as_main(args[0])  # type: ignore[attr-defined]
-
-
-class _CannotOpen(Exception):
-    """The program's file cannot be read: CPython says so in one line and exits 2."""
 
 
 def _run_path(args: list[str], main_module: ModuleType) -> None:
@@ -121,7 +114,12 @@ def _run_path(args: list[str], main_module: ModuleType) -> None:
         with open(path, "rb") as f:
             source = f.read()
     except OSError as exc:
-        raise _CannotOpen(f"can't open file {path!r}: [Errno {exc.errno}] {exc.strerror}") from None
+        # CPython says so in one line and exits 2 (no class of our own: the entry raises
+        # nothing a job could meet but what Python itself would).
+        sys.stderr.write(
+            f"{sys.executable}: can't open file {path!r}: [Errno {exc.errno}] {exc.strerror}\n"
+        )
+        raise SystemExit(2) from None
     exec(compile(source, path, "exec", dont_inherit=True), namespace)  # noqa: S102  the program
 
 

@@ -36,9 +36,9 @@ _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 NEVER = ("never", "forever")
 
 
-def duration_s(value: object) -> float | None:
+def duration_s(value: object, never: bool = True) -> float | None:
     """A duration setting as seconds: ``90``, ``90s``, ``30m``, ``12h``, ``7d``, ``2w``;
-    ``never`` for no limit (None)."""
+    ``never`` for no limit (None), where ``never`` may be given."""
     if value is None:
         return None
     if isinstance(value, int | float) and not isinstance(value, bool):
@@ -46,19 +46,30 @@ def duration_s(value: object) -> float | None:
             raise ValueError("a duration is not negative")
         return float(value)
     text = str(value).strip().lower()
-    if text in NEVER:
+    if text in NEVER and never:
         return None
     m = _DURATION.fullmatch(text)
     if m is None:
         raise ValueError(
             f"{str(value)[:50]!r} is not a duration: a number with s, m, h, d or w "
-            "(90s, 30m, 12h, 7d, 2w; seconds without one), or never"
+            "(90s, 30m, 12h, 7d, 2w; seconds without one)" + (", or never" if never else "")
         )
     return float(m[1]) * _UNIT_S[m[2] or "s"]
 
 
 # Seconds (None: never), from a number or words such as "7d" (duration_s).
 Duration = Annotated[float | None, BeforeValidator(duration_s)]
+
+
+def finite_duration_s(value: object) -> float:
+    """duration_s, for a setting that has an end (no ``never``)."""
+    seconds = duration_s(value, never=False)
+    assert seconds is not None  # None only for never, refused above
+    return seconds
+
+
+# Seconds, from a number or words such as "7d"; never is refused.
+FiniteDuration = Annotated[float, BeforeValidator(finite_duration_s)]
 
 
 class Settings(BaseSettings):
@@ -195,11 +206,11 @@ class Settings(BaseSettings):
     )
     # What a job wrote in its working directory (service.outputs): docs/outputs.md says
     # why both a period and the newest few, after SkyPilot and Ray.
-    workdir_retention: float = Field(
+    workdir_retention: FiniteDuration = Field(
         default=7 * 24 * 3600.0,
-        ge=0,
-        description="Seconds a job's directory (what it wrote, on its worker and in the API) "
-        "is kept after the job ended; `ddpq outputs` and `ddpq resubmit --resume` read it.",
+        description="How long a job's directory (what it wrote, on its worker and in the API) "
+        "is kept after the job ended (a duration: `7d`, `12h`, `90s`; each user's newest "
+        "ended jobs' stay anyway); `ddpq outputs` and `ddpq resubmit --resume` read it.",
     )
     workdir_keep_newest: int = Field(
         default=3,

@@ -422,3 +422,17 @@ def test_the_api_keeps_the_newest_directory_of_each_user_and_collects_the_rest(
         assert beat.json()["ended"] == [older], beat.text
     finally:
         stop_server(server)
+
+
+def test_the_workdir_retention_takes_a_duration_with_an_end() -> None:
+    """As DDPQ_CHECKPOINT_RETENTION does (7d, 12h); never is refused: each user's newest
+    ended jobs keep their directories anyway (DDPQ_WORKDIR_KEEP_NEWEST)."""
+    import pydantic
+
+    from service.config import Settings
+
+    assert Settings(workdir_retention="7d").workdir_retention == 7 * 24 * 3600
+    assert Settings(workdir_retention=90).workdir_retention == 90
+    for bad in ("never", "soon", -1):
+        with pytest.raises(pydantic.ValidationError, match="duration"):
+            Settings(workdir_retention=bad)

@@ -54,7 +54,7 @@ opt = torch.optim.SGD(model.parameters(), lr=0.1)
 snap = Path("snapshot.pt")
 start = 0
 if snap.exists():
-    state = torch.load(snap)
+    state = torch.load(snap, weights_only=True)
     model.module.load_state_dict(state["model"])
     start = state["epoch"] + 1
     print(f"resuming from snapshot at epoch {start}", flush=True)

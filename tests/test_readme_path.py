@@ -56,7 +56,7 @@ if state is not None:
     model.module.load_state_dict(state["model"])
     start = state["epoch"] + 1
 elif os.path.exists("out/state.pt"):  # the tutorial's way: its own file in its directory
-    state = torch.load("out/state.pt")
+    state = torch.load("out/state.pt", weights_only=True)
     model.module.load_state_dict(state["model"])
     start = state["epoch"] + 1
 for epoch in range(start, args.epochs):

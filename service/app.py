@@ -23,10 +23,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service import code as code_store
-from service import outputs, queue, telemetry
+from service import outputs, queue, retention, telemetry
 from service.auth import TokenGate, route_rules
 from service.config import Settings
-from service.db import Database, libpq_conninfo
+from service.db import Database, Policy, libpq_conninfo
 from service.errors import DomainError, Invalid, not_utf8_json
 from service.routes import code, jobs, meta, reports, ui, users, workers
 from service.schemas import Error
@@ -219,6 +219,20 @@ def begin_shutdown(app: FastAPI) -> None:
     app.state.wakeup.notify()
 
 
+# A retention round works for at most this long (its transactions each delete at most
+# service.retention.BATCH_ROWS rows); with nothing due, the next looks this much later,
+# or sooner when the retention periods are short (a quarter of the shortest, from 1 s).
+RETENTION_BUDGET_S = 1.0
+RETENTION_IDLE_S = 60.0
+
+
+def _retention_every(policy: Policy) -> float:
+    periods = [
+        p for p in (policy.metrics_downsample_after_s, policy.log_retention_s) if p is not None
+    ]
+    return min([RETENTION_IDLE_S, *(max(p / 4, 1.0) for p in periods)])
+
+
 async def _sweep_leases(app: FastAPI) -> None:
     settings: Settings = app.state.settings
     db: Database = app.state.db
@@ -226,10 +240,28 @@ async def _sweep_leases(app: FastAPI) -> None:
     # Code no job needs is collected every quarter of its retention period (1 s to 10 min).
     code_every = min(max(settings.code_retention_s / 4, 1.0), 600.0)
     code_swept = asyncio.get_running_loop().time()
+    retention_at = 0.0  # the next retention round (service.retention), by the loop's clock
     while True:
         await asyncio.sleep(interval)
         if app.state.stopping.is_set():
             return
+        if asyncio.get_running_loop().time() >= retention_at:
+            try:
+                swept = await run_in_threadpool(retention.sweep, db, RETENTION_BUDGET_S)
+                if swept.points or swept.logs:
+                    log.info(
+                        "retention: %d metric point(s) of %d job(s) downsampled away, "
+                        "the logs of %d job(s) deleted",
+                        swept.points,
+                        swept.jobs,
+                        swept.logs,
+                    )
+                # A backlog (an upgrade, a retention shortened) goes on each round.
+                wait = 0.0 if not swept.done else _retention_every(db.policy)
+            except Exception:
+                log.exception("retention sweep failed")
+                wait = RETENTION_IDLE_S
+            retention_at = asyncio.get_running_loop().time() + wait
         if asyncio.get_running_loop().time() - code_swept >= code_every:
             code_swept = asyncio.get_running_loop().time()
             try:

@@ -246,6 +246,28 @@ class Settings(BaseSettings):
         "directory.",
     )
 
+    # History retention (service.retention; docs/monitoring.md): what keeps a year of
+    # finished jobs from costing the database as much as the jobs did while they ran.
+    metrics_downsample_after: Duration = Field(
+        default=30 * 24 * 3600.0,
+        description="How long after a job ended its metric series are downsampled to at most "
+        "`DDPQ_METRICS_DOWNSAMPLE_POINTS` points each, keeping each bucket's lowest and highest "
+        "point and the first and last (a duration: `30d`, `12h`; `never`). The job then says "
+        "how many points went (`metrics_downsampled`).",
+    )
+    metrics_downsample_points: int = Field(
+        default=2000,
+        ge=4,
+        le=100_000,
+        description="The points a series of an ended job keeps once downsampled (a shorter one "
+        "is kept whole): about what a chart of the dashboard shows.",
+    )
+    log_retention: Duration = Field(
+        default=180 * 24 * 3600.0,
+        description="How long after a job ended its log is kept (a duration: `180d`; `never`); "
+        "then it is deleted and reading it answers a line that says so.",
+    )
+
     def code_limits(self) -> Limits:
         return Limits(self.code_max_files, self.code_max_bytes, self.code_max_file_bytes)
 
@@ -280,6 +302,9 @@ class Settings(BaseSettings):
             preempt_min_run_s=self.preempt_min_run_s,
             keep_last=self.keep_last,
             checkpoint_retention_s=self.checkpoint_retention,
+            metrics_downsample_after_s=self.metrics_downsample_after,
+            metrics_downsample_points=self.metrics_downsample_points,
+            log_retention_s=self.log_retention,
         )
 
     @cached_property

@@ -176,6 +176,12 @@ class Policy:
     # its spec does not say (0: all); how long an ended job's stay (None: forever).
     keep_last: int = 3
     checkpoint_retention_s: float | None = 7 * 24 * 3600.0
+    # History retention (service.retention): an ended job's metric series downsampled
+    # to at most this many points each this long after its end, its log deleted this
+    # long after (None: never).
+    metrics_downsample_after_s: float | None = 30 * 24 * 3600.0
+    metrics_downsample_points: int = 2000
+    log_retention_s: float | None = 180 * 24 * 3600.0
 
 
 class Database:

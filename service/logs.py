@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from fastapi.concurrency import run_in_threadpool
@@ -155,6 +156,19 @@ def _store(s: Session, job_id: int, attempt: int, size: int, data: bytes, cap: i
         )
 
 
+def dropped_marker(size: int, at: datetime, retention_s: float | None) -> bytes:
+    """The line a read of a log deleted by the retention answers."""
+    kept = f"DDPQ_LOG_RETENTION={_days(retention_s)}" if retention_s is not None else "retention"
+    return (
+        f"[ddpq] this job's log ({size} bytes) was deleted on {at:%Y-%m-%d %H:%M} UTC: "
+        f"a job's log is kept for {kept} after it ended\n"
+    ).encode()
+
+
+def _days(seconds: float) -> str:
+    return f"{seconds / 86400:g}d" if seconds >= 86400 else f"{seconds:g}s"
+
+
 # ---- reading ----------------------------------------------------------------------------
 
 
@@ -180,10 +194,17 @@ def read(
     """
     cap = db.policy.log_max_bytes
     with db.read() as s:
-        row = s.execute(select(Job.status, Job.log_size).where(Job.id == job_id)).first()
+        row = s.execute(
+            select(Job.status, Job.log_size, Job.log_dropped_at).where(Job.id == job_id)
+        ).first()
         if row is None:
             raise NotFound(f"no job {job_id}")
-        status, size = row
+        status, size, dropped_at = row
+        if dropped_at is not None and offset < size:
+            # Deleted by the log retention (service.retention): said, never an empty log.
+            return LogSlice(
+                dropped_marker(size, dropped_at, db.policy.log_retention_s), size, size, status
+            )
         if offset > size and past_end_ok:
             offset = size
         if offset > size:

@@ -165,11 +165,16 @@ def history(
         return _downsampled(s, job_id, names, since_step or 0, max_points)
 
 
+def series_names(s: Session, job_id: int) -> list[str]:
+    """The job's metric names."""
+    return list(s.scalars(text(_NAMES), {"job_id": job_id}))
+
+
 def _downsampled(
     s: Session, job_id: int, names: list[str], since: int, max_points: int
 ) -> list[dict[str, Any]]:
     if not names:
-        names = list(s.scalars(text(_NAMES), {"job_id": job_id}))
+        names = series_names(s, job_id)
     pg = s.get_bind().dialect.name == "postgresql"
     rows: list[Any] = []
     for name in names:
@@ -193,6 +198,14 @@ _FETCH_BATCH = 5000
 
 def _pick(s: Session, job_id: int, name: str, since: int, max_points: int) -> list[int]:
     """The steps of one series to keep."""
+    return pick_steps(s, job_id, name, since, max_points)[0]
+
+
+def pick_steps(
+    s: Session, job_id: int, name: str, since: int, max_points: int
+) -> tuple[list[int], bool]:
+    """The steps of one series a downsampling to ``max_points`` keeps, and whether that
+    is every step (the series is no longer). Retention keeps the same (service.retention)."""
     series = (MetricPoint.job_id == job_id, MetricPoint.name == name, MetricPoint.step >= since)
     # Two index probes (min() and max() in one query scan the range on Postgres when
     # its statistics are stale).
@@ -200,11 +213,11 @@ def _pick(s: Session, job_id: int, name: str, since: int, max_points: int) -> li
     lo = s.scalar(first.order_by(MetricPoint.step))
     hi = s.scalar(first.order_by(MetricPoint.step.desc()))
     if lo is None or hi is None:
-        return []
+        return [], True
     few = select(MetricPoint.step).where(*series).order_by(MetricPoint.step).limit(max_points + 1)
     steps = list(s.scalars(few))
     if len(steps) <= max_points:
-        return steps  # short enough to send whole
+        return steps, True  # short enough to send whole
     buckets, ends = buckets_for(max_points)
     width = -(-(hi - lo + 1) // buckets)  # ceil: at most `buckets` buckets cover lo..hi
     params = {
@@ -224,7 +237,7 @@ def _pick(s: Session, job_id: int, name: str, since: int, max_points: int) -> li
     }
     if ends:
         picked |= {lo, hi}
-    return sorted(picked)
+    return sorted(picked), False
 
 
 def attempts(db: Database, job_id: int) -> list[AttemptPublic]:

@@ -150,6 +150,12 @@ class Job(Base):
     outputs_left: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)
     workdir: Mapped[str | None] = mapped_column(Text)
     outputs_attempt: Mapped[int | None] = mapped_column(Integer)
+    # History retention (service.retention), once the job has ended: when its metric
+    # series were gone over (downsampled where longer than the retention keeps; NULL:
+    # not yet), how many points that removed, and when its log was deleted.
+    metrics_swept_at: Mapped[datetime | None]
+    metrics_thinned: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    log_dropped_at: Mapped[datetime | None]
 
     __table_args__ = (
         # A user's jobs (ddpq ls --mine) and, later, what each user holds.
@@ -170,6 +176,17 @@ class Job(Base):
 # all-ascending one makes the database sort every queued job of equal priority on
 # every claim.
 Index("ix_jobs_status_priority_share_id", Job.status, Job.priority.desc(), Job.share, Job.id)
+
+# What the retention sweep has still to do (service.retention): ended jobs not yet gone
+# over, oldest first. Partial: once gone over, a job leaves the index, so the sweep never
+# walks the years it has done.
+_ENDED = Job.finished_at.is_not(None)
+for _name, _column in (
+    ("ix_jobs_metrics_due", Job.metrics_swept_at),
+    ("ix_jobs_log_due", Job.log_dropped_at),
+):
+    _due = _ENDED & _column.is_(None)
+    Index(_name, Job.finished_at, postgresql_where=_due, sqlite_where=_due)
 
 
 class UserRole(enum.StrEnum):

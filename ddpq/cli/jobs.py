@@ -547,6 +547,17 @@ def status(job_id: int, as_json: JsonOpt = False) -> None:
             fields.append(("checkpoint", job["latest_checkpoint"]["path"]))
         if job.get("metrics_dropped"):
             fields.append(("metrics lost", f"{job['metrics_dropped']} points never stored"))
+        if job.get("metrics_downsampled"):
+            fields.append(
+                (
+                    "metrics",
+                    f"downsampled {job['metrics_downsampled_at'][:10]}: "
+                    f"{job['metrics_downsampled']} points of long series removed "
+                    "(each bucket's lowest and highest kept)",
+                )
+            )
+        if job.get("log_dropped_at"):
+            fields.append(("log", f"deleted {job['log_dropped_at'][:10]} (log retention)"))
         fields += _gpu_lines(job, gpus)
         _print_fields([(key, str(value)) for key, value in fields if value != ""])
     if job["status"] in ("failed", "cancelled"):

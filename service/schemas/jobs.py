@@ -228,6 +228,12 @@ class JobPublic(BaseModel):
     # Metric points reported but never stored (ddpq.train's buffer overflowed during a
     # long outage, or a point was refused): 0 when every point made it.
     metrics_dropped: int = 0
+    # History retention (DDPQ_METRICS_DOWNSAMPLE_AFTER, DDPQ_LOG_RETENTION): points its
+    # long series lost to downsampling once it had ended (each bucket's lowest and
+    # highest point stay), and when; when its log was deleted. 0 and None: all kept.
+    metrics_downsampled: int = 0
+    metrics_downsampled_at: datetime | None = None
+    log_dropped_at: datetime | None = None
     # The code snapshot the program runs among (spec.code), while it is kept.
     code: CodeSummary | None = None
     # How many steps the run takes, as its program last reported it (ddpq.train's

@@ -1,0 +1,202 @@
+"""History retention (service/retention.py): an ended job's long metric series
+downsampled, its log deleted, each after its own period; nothing of a running or recent
+job touched; what was dropped said to whoever reads it (the API, `ddpq status`,
+`ddpq logs`, the dashboard's metrics route)."""
+
+from __future__ import annotations
+
+import math
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import update
+
+from service.config import Settings
+from service.db import Database, Policy
+from service.models import Job, utcnow
+from service.retention import sweep
+from tests.conftest import Server, run_ddpq, start_server, stop_server, wait_for
+from tests.helpers import finish, register, report, send_log, submit_and_claim
+
+LONG = 3000  # points of the long series
+KEEP = 100  # DDPQ_METRICS_DOWNSAMPLE_POINTS in these tests
+
+
+def _items(n: int) -> list[dict[str, Any]]:
+    # A decaying loss with a spike and a NaN, and a short series beside it (lr, 10 points).
+    items = []
+    for step in range(n):
+        loss = 2.0 * math.exp(-step / 500) + (5.0 if step == 1234 else 0.0)
+        values: dict[str, Any] = {"loss": "NaN" if step == 2345 else loss}
+        if step % 300 == 0:
+            values["lr"] = 0.001
+        items.append({"step": step, "values": values})
+    return items
+
+
+def _job(server: Server, name: str, end: bool = True) -> dict[str, Any]:
+    """A job (claimed by worker ``name``) with LONG points of loss, 10 of lr and a log."""
+    claim = submit_and_claim(server, name)
+    report(server, claim, _items(LONG))
+    send_log(server, claim, 0, b"[rank0]: hello\n" * 100, worker=name)
+    if end:
+        finish(server, claim, name=name)
+    return claim
+
+
+def _metrics(server: Server, job_id: int, **params: Any) -> list[dict[str, Any]]:
+    r = server.client().get(f"/jobs/{job_id}/metrics", params=params)
+    assert r.status_code == 200, r.text
+    items: list[dict[str, Any]] = r.json()["items"]
+    return items
+
+
+def _series(items: list[dict[str, Any]], name: str) -> list[tuple[int, Any]]:
+    return [(i["step"], i["values"][name]) for i in items if name in i["values"]]
+
+
+def _shape(items: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any]]]:
+    return [(i["step"], i["values"]) for i in items]
+
+
+def _backdate(db_url: str, job_id: int, days: float) -> None:
+    db = Database(db_url)
+    with db.write() as s:
+        s.execute(
+            update(Job).where(Job.id == job_id).values(finished_at=utcnow() - timedelta(days=days))
+        )
+    db.engine.dispose()
+
+
+def test_retention_thins_and_drops_only_what_is_due(db_url: str, tmp_path: Path) -> None:
+    server = start_server(db_url, tmp_path / "api")  # the default periods: 30d, 180d
+    try:
+        old = _job(server, "w-old")  # ended 200 days ago: both rules apply
+        month = _job(server, "w-month")  # ended 40 days ago: metrics only
+        recent = _job(server, "w-recent")  # ended now: neither
+        running = _job(server, "w-run", end=False)  # running: never
+        _backdate(db_url, old["job_id"], 200)
+        _backdate(db_url, month["job_id"], 40)
+        # What the API's own downsampling to KEEP answers before: retention keeps these.
+        picked = _series(_metrics(server, old["job_id"], name="loss", max_points=KEEP), "loss")
+        whole = _shape(_metrics(server, recent["job_id"]))
+
+        db = Database(db_url, Policy(metrics_downsample_points=KEEP))
+        try:
+            got = sweep(db, budget_s=60)
+            assert got.done and got.logs == 1 and got.jobs == 2
+            assert got.points == 2 * (LONG - len(picked))
+            again = sweep(db, budget_s=60)  # nothing left, nothing more removed
+            assert again.done and (again.points, again.jobs, again.logs) == (0, 0, 0)
+        finally:
+            db.engine.dispose()
+
+        c = server.client()
+        for claim in (old, month):
+            job = c.get(f"/jobs/{claim['job_id']}").json()
+            assert job["metrics_downsampled"] == LONG - len(picked)
+            assert job["metrics_downsampled_at"] is not None
+            items = _metrics(server, claim["job_id"])
+            assert _series(items, "loss") == picked  # each bucket's extremes, spike, NaN
+            assert any(step == 1234 for step, _ in picked)  # the spike
+            assert (2345, "NaN") in picked
+            assert len(_series(items, "lr")) == 10  # a short series stays whole
+        old_job = c.get(f"/jobs/{old['job_id']}").json()
+        assert old_job["log_dropped_at"] is not None
+        log = c.get(f"/jobs/{old['job_id']}/logs")
+        assert log.status_code == 200
+        assert log.text.startswith("[ddpq] this job's log (1500 bytes) was deleted on ")
+        assert "DDPQ_LOG_RETENTION=180d" in log.text
+        assert int(log.headers["X-Next-Offset"]) == 1500
+        assert c.get(f"/jobs/{old['job_id']}/logs", params={"offset": 1500}).content == b""
+        assert c.get(f"/jobs/{month['job_id']}").json()["log_dropped_at"] is None
+        assert c.get(f"/jobs/{month['job_id']}/logs").content == b"[rank0]: hello\n" * 100
+        for claim in (recent, running):
+            job = c.get(f"/jobs/{claim['job_id']}").json()
+            assert job["metrics_downsampled"] == 0 and job["metrics_downsampled_at"] is None
+            assert job["log_dropped_at"] is None
+            assert _shape(_metrics(server, claim["job_id"])) == whole
+            assert c.get(f"/jobs/{claim['job_id']}/logs").content == b"[rank0]: hello\n" * 100
+    finally:
+        stop_server(server)
+
+
+def test_the_sweeper_applies_retention_and_readers_are_told(db_url: str, tmp_path: Path) -> None:
+    server = start_server(
+        db_url,
+        tmp_path / "api",
+        DDPQ_METRICS_DOWNSAMPLE_AFTER="0",
+        DDPQ_METRICS_DOWNSAMPLE_POINTS=str(KEEP),
+        DDPQ_LOG_RETENTION="0s",
+    )
+    try:
+        register(server, "w")
+        running = _job(server, "w", end=False)
+        ended = _job(server, "w2")
+        c = server.client()
+        job = wait_for(
+            lambda: (
+                (j := c.get(f"/jobs/{ended['job_id']}").json())["log_dropped_at"]
+                and j["metrics_downsampled"]
+                and j
+            ),
+            30,
+            "the sweeper to apply retention",
+        )
+        # The dashboard's fetch (max_points of a chart) and a whole read both answer.
+        chart = _metrics(server, ended["job_id"], max_points=500)
+        assert 0 < len(_series(chart, "loss")) <= KEEP and len(_series(chart, "lr")) == 10
+        assert len(_series(_metrics(server, ended["job_id"]), "loss")) <= KEEP
+        env = {"DDPQ_URL": server.url, "DDPQ_TOKEN": server.api_token}
+        status = run_ddpq("status", str(ended["job_id"]), env=env)
+        assert status.returncode == 0, status.stderr
+        assert f"{job['metrics_downsampled']} points of long series removed" in status.stdout
+        assert "deleted" in status.stdout and "log retention" in status.stdout
+        logs = run_ddpq("logs", str(ended["job_id"]), env=env)
+        assert logs.returncode == 0, logs.stderr
+        assert "this job's log (1500 bytes) was deleted on" in logs.stdout
+        assert "DDPQ_LOG_RETENTION=0s" in logs.stdout
+        # The running job keeps everything, however short the periods.
+        live = c.get(f"/jobs/{running['job_id']}").json()
+        assert live["metrics_downsampled"] == 0 and live["log_dropped_at"] is None
+        assert len(_series(_metrics(server, running["job_id"]), "loss")) == LONG
+    finally:
+        stop_server(server)
+
+
+@pytest.mark.parametrize(
+    ("value", "seconds"),
+    [("30d", 30 * 86400.0), ("12h", 43200.0), ("0", 0.0), ("never", None), ("90", 90.0)],
+)
+def test_retention_periods_are_durations(value: str, seconds: float | None) -> None:
+    s = Settings(metrics_downsample_after=value, log_retention=value)
+    assert s.metrics_downsample_after == seconds and s.log_retention == seconds
+    policy = s.policy()
+    assert policy.metrics_downsample_after_s == seconds and policy.log_retention_s == seconds
+
+
+def test_retention_defaults_and_bad_values() -> None:
+    s = Settings()
+    assert s.metrics_downsample_after == 30 * 86400 and s.log_retention == 180 * 86400
+    assert s.metrics_downsample_points == 2000
+    with pytest.raises(ValueError, match="not a duration"):
+        Settings(log_retention="soon")
+    with pytest.raises(ValueError, match="metrics_downsample_points"):
+        Settings(metrics_downsample_points=3)
+
+
+def test_a_bad_retention_period_stops_the_server_naming_it(tmp_path: Path) -> None:
+    r = run_ddpq(
+        "serve",
+        "--port",
+        "1",
+        env={
+            "DDPQ_METRICS_DOWNSAMPLE_AFTER": "-1d",
+            "DDPQ_DATA_DIR": str(tmp_path),
+            "DDPQ_DATABASE_URL": f"sqlite:///{tmp_path / 'x.db'}",
+        },
+    )
+    assert r.returncode != 0
+    assert "metrics_downsample_after" in r.stderr.lower() and "not a duration" in r.stderr

@@ -20,17 +20,17 @@ from service.retention import sweep
 from tests.conftest import Server, run_ddpq, start_server, stop_server, wait_for
 from tests.helpers import finish, register, report, send_log, submit_and_claim
 
-LONG = 3000  # points of the long series
-KEEP = 100  # DDPQ_METRICS_DOWNSAMPLE_POINTS in these tests
+LONG = 1000  # points of the long series
+KEEP = 50  # DDPQ_METRICS_DOWNSAMPLE_POINTS in these tests
 
 
 def _items(n: int) -> list[dict[str, Any]]:
     # A decaying loss with a spike and a NaN, and a short series beside it (lr, 10 points).
     items = []
     for step in range(n):
-        loss = 2.0 * math.exp(-step / 500) + (5.0 if step == 1234 else 0.0)
-        values: dict[str, Any] = {"loss": "NaN" if step == 2345 else loss}
-        if step % 300 == 0:
+        loss = 2.0 * math.exp(-step / 500) + (5.0 if step == 734 else 0.0)
+        values: dict[str, Any] = {"loss": "NaN" if step == 845 else loss}
+        if step % 100 == 0:
             values["lr"] = 0.001
         items.append({"step": step, "values": values})
     return items
@@ -100,8 +100,8 @@ def test_retention_thins_and_drops_only_what_is_due(db_url: str, tmp_path: Path)
             assert job["metrics_downsampled_at"] is not None
             items = _metrics(server, claim["job_id"])
             assert _series(items, "loss") == picked  # each bucket's extremes, spike, NaN
-            assert any(step == 1234 for step, _ in picked)  # the spike
-            assert (2345, "NaN") in picked
+            assert any(step == 734 for step, _ in picked)  # the spike
+            assert (845, "NaN") in picked
             assert len(_series(items, "lr")) == 10  # a short series stays whole
         old_job = c.get(f"/jobs/{old['job_id']}").json()
         assert old_job["log_dropped_at"] is not None

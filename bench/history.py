@@ -1,0 +1,462 @@
+"""A year of history: does the API stay as fast with 1,000,000 finished jobs and
+100,000,000 metric points in its database as with an empty one?
+
+Two Postgres databases, both made by `ddpq serve` (so through the real migrations):
+"full" holds JOBS finished jobs of many users, their attempts (1-3 each), their logs
+(one chunk per attempt, a few larger ones), checkpoints of a third of them and POINTS
+metric points (three series per job, mostly short, lengths varying, finished_at spread
+over a year), one job among them with a series of 1,000,000 points; "empty" holds that
+job and 199 others (a page of 50 costs the same to build on both). Both are written
+directly in SQL (generate_series, INSERT ... SELECT): through the API it would take days.
+Then a `ddpq serve` on each, side by side, and the same requests to each, alternating
+(the ratio full / empty is what counts on a noisy VM):
+
+- GET /jobs?limit=50, and with the filters the dashboard and `ddpq ls` use: a user
+  (`--user`, and `--mine`, the same query), a status, a user of few jobs;
+- GET /jobs/{id}; the downsampled metrics of the 1,000,000-point series as the
+  dashboard asks for them (max_points=1000); the claim (a job submitted, a registered
+  worker claims it, then finishes it).
+
+Goal: each within 2x of its cost on the empty database (p50).
+
+With --retention, the retention sweep (service/retention.py) then runs on the full
+database until it is done, and the database's rows and bytes per 1,000 finished jobs
+are shown before and after it (VACUUM FULL first with --vacuum-full: Postgres keeps the
+space of deleted rows for reuse, it does not give it back).
+
+    PYTHONPATH=$PWD .venv/bin/python bench/history.py [--jobs 1000000] [--points 100000000]
+        [--rounds 200] [--keep NAME] [--retention] [--vacuum-full]
+
+--keep NAME builds into databases NAME_full and NAME_empty and leaves them (a later run
+with the same NAME reuses them: building the full scale takes tens of minutes and
+about 20 GB); without it they are dropped at the end. --drop NAME drops them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+from _harness import PG_ADMIN, Api, percentile, register, serve
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+BIG = 1_000_000  # points of the one long series
+# The "empty" database: the long series' job and as many others as two dashboard pages
+# show (so a page of 50 costs the same work on both; only what lies beyond differs).
+EMPTY_JOBS = 200
+PREFIX = "h-history_"
+USERS = 200
+YEAR_S = 365 * 86400
+LINE = "[rank0]: step 00001000 loss 0.123456 lr 0.000300 epoch 1.00\n"  # a log line
+NAMES = ("accuracy", "loss", "lr")
+
+
+def pg_url(name: str) -> str:
+    host = PG_ADMIN.split("://", 1)[1].rsplit("/", 1)[0]
+    return f"postgresql+psycopg://{host}/{name}"
+
+
+def connect(name: str | None = None) -> object:
+    import psycopg
+
+    url = PG_ADMIN if name is None else f"{PG_ADMIN.rsplit('/', 1)[0]}/{name}"
+    return psycopg.connect(url, autocommit=True)
+
+
+def exists(name: str) -> bool:
+    with connect() as conn:  # type: ignore[attr-defined]
+        return bool(conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [name]).fetchone())
+
+
+def drop(name: str) -> None:
+    with connect() as conn:  # type: ignore[attr-defined]
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def step(what: str) -> Callable[[], None]:
+    t0 = time.monotonic()
+    print(f"  {what} ...", end="", flush=True)
+
+    def done() -> None:
+        print(f" {time.monotonic() - t0:.1f} s", flush=True)
+
+    return done
+
+
+def build(name: str, jobs: int, points: int) -> None:
+    """Make database ``name`` through `ddpq serve` (the migrations) and fill it: ``jobs``
+    finished jobs (the long-series job among them) and ``points`` metric points."""
+    print(f"building {name}: {jobs:,} jobs, {points:,} metric points", flush=True)
+    with connect() as conn:  # type: ignore[attr-defined]
+        conn.execute(f'CREATE DATABASE "{name}"')
+    with serve(pg_url(name)) as api, api.client() as c:
+        # One job through the API: its spec is what every generated job carries, so
+        # the rows read back as the API writes them.
+        template = c.post("/jobs", json={"entrypoint": "train.py", "device": "cpu"})
+        template.raise_for_status()
+        tid = template.json()["id"]
+    with connect(name) as conn:  # type: ignore[attr-defined]
+        spec = conn.execute("SELECT spec::text FROM jobs WHERE id = %s", [tid]).fetchone()[0]
+        conn.execute("DELETE FROM jobs")
+        big = (jobs + 1) // 2  # the long series' job: half-way through the year
+        small = max(0, points - BIG)
+        # Points per short series: 1 to 2 * mean - 1, varying by job (a pseudo-hash).
+        mean = max(1, small // max(1, (jobs - 1) * len(NAMES)))
+        spread = 2 * mean - 1
+        # Per attempt n of job g: (10 + (g + n) % 60) log lines; every 1000th job
+        # writes 64 times as much (a chatty run).
+        lines = "((10 + (g + n) %% 60) * CASE WHEN g %% 1000 = 0 THEN 64 ELSE 1 END)"
+        nattempts = "(1 + (g %% 10 = 0)::int + (g %% 50 = 0)::int)"
+        t0 = f"(now() - interval '{YEAR_S} seconds')"
+        created = f"({t0} + (g::float8 / {jobs} * {YEAR_S}) * interval '1 second')"
+        run_s = "(60 + (g::bigint * 7919) %% 36000)"
+        status = (
+            "CASE WHEN g %% 20 = 0 THEN 'cancelled' WHEN g %% 7 = 0 THEN 'failed' "
+            "ELSE 'succeeded' END"
+        )
+        done = step("jobs")
+        conn.execute(
+            f"""
+            INSERT INTO jobs (id, name, status, spec, priority, nnodes, nproc_per_node,
+                device, max_attempts, created_at, queued_at, started_at, finished_at, attempt,
+                failures, exit_code, reason, worker, gpus, held_cpu_slots, latest_metrics,
+                metrics_dropped, total_steps, log_size, metrics_seq, owner, share,
+                quota_running, quota_gpus)
+            SELECT g, 'run-' || g, {status}, %(spec)s::json, 0, 1, 1, 'cpu', 3,
+                {created}, {created}, {created} + interval '5 seconds',
+                {created} + ({run_s}) * interval '1 second',
+                {nattempts}, {nattempts} - 1,
+                CASE WHEN g %% 20 = 0 THEN -15 WHEN g %% 7 = 0 THEN 1 ELSE 0 END,
+                CASE WHEN g %% 7 = 0 AND g %% 20 <> 0 THEN 'exit code 1' END,
+                'host' || lpad((g %% 125)::text, 3, '0'), '[]'::json, 0,
+                json_build_object('step', 1000, 'epoch', 3.0,
+                    'values', json_build_object('loss', 0.1 + (g %% 97) / 1000.0, 'lr', 0.0003)),
+                0, 1000,
+                (SELECT sum({lines}) FROM generate_series(1, {nattempts}) n) * {len(LINE)},
+                1, 'u' || lpad((g %% {USERS})::text, 3, '0'), 0, false, false
+            FROM generate_series(1, %(jobs)s) g
+            """,
+            {"spec": spec, "jobs": jobs},
+        )
+        conn.execute("SELECT setval('jobs_id_seq', %s)", [jobs])
+        done()
+        done = step("attempts")
+        conn.execute(
+            f"""
+            INSERT INTO attempts (job_id, number, worker, token_hash, gpus, checkpoint_dir,
+                started_at, heartbeat_at, ended_at, counted_until, exit_code, log_bytes,
+                outcome, reason)
+            SELECT g, n, 'host' || lpad((g %% 125)::text, 3, '0'),
+                md5(g || '/' || n) || md5(n || '/' || g), '[]'::json, '/ckpt/' || g,
+                {created}, {created}, {created} + interval '60 seconds',
+                {created} + interval '60 seconds',
+                CASE WHEN n < {nattempts} THEN 1 WHEN g %% 20 = 0 THEN -15
+                     WHEN g %% 7 = 0 THEN 1 ELSE 0 END,
+                {lines} * {len(LINE)},
+                CASE WHEN n < {nattempts} THEN 'failed' ELSE {status} END,
+                CASE WHEN n < {nattempts} THEN 'exit code 1' END
+            FROM generate_series(1, %(jobs)s) g, generate_series(1, {nattempts}) n
+            """,
+            {"jobs": jobs},
+        )
+        done()
+        done = step("log chunks")
+        # start: the bytes of the attempts before (the stream of the whole job).
+        conn.execute(
+            f"""
+            INSERT INTO log_chunks (job_id, attempt, start, data)
+            SELECT g, n,
+                coalesce((SELECT sum({lines.replace("n)", "m)")}) FROM generate_series(1, n - 1) m),
+                         0) * {len(LINE)},
+                convert_to(repeat(%(line)s, {lines}), 'UTF8')
+            FROM generate_series(1, %(jobs)s) g, generate_series(1, {nattempts}) n
+            """,
+            {"jobs": jobs, "line": LINE},
+        )
+        done()
+        done = step("checkpoints")
+        conn.execute(
+            f"""
+            INSERT INTO checkpoints (job_id, attempt, path, step, epoch, metrics, created_at,
+                worker, keep, bytes, state)
+            SELECT g, {nattempts}, '/ckpt/' || g || '/step-1000.pt', 1000, 3.0,
+                '{{"loss": 0.1}}'::json, {created} + interval '60 seconds',
+                NULL, false, 45000000, 'kept'
+            FROM generate_series(1, %(jobs)s) g WHERE g %% 3 = 0
+            """,
+            {"jobs": jobs},
+        )
+        done()
+        # Metric points, a slice of jobs per statement (in primary-key order: the
+        # index grows on its right edge, as reports make it).
+        k = f"(1 + (g::bigint * 7919) %% {spread})"
+        insert_points = f"""
+            INSERT INTO metric_points (job_id, name, step, value, epoch, attempt, time, seq)
+            SELECT g, nm, s * 10,
+                CASE nm WHEN 'loss' THEN 2.0 * exp(-s::float8 / {k}) + (g %% 13) / 100.0
+                        WHEN 'lr' THEN 0.0003 ELSE 1.0 - exp(-s::float8 / {k}) END,
+                s::float8 / {k} * 3, {nattempts},
+                {created} + s * interval '1 second', 1
+            FROM generate_series(%(lo)s::int, %(hi)s::int) g,
+                unnest(ARRAY['accuracy', 'loss', 'lr']) nm,
+                generate_series(0, {k} - 1) s
+            WHERE g <> %(big)s
+            ORDER BY 1, 2, 3
+        """
+        if small and jobs > 1:
+            done = step(f"metric points: ~{mean} per series")
+            slice_ = 20_000
+            for lo in range(1, jobs + 1, slice_):
+                conn.execute(
+                    insert_points, {"lo": lo, "hi": min(jobs, lo + slice_ - 1), "big": big}
+                )
+                print(".", end="", flush=True)
+            done()
+        done = step(f"the long series: job {big}, {BIG:,} points")
+        conn.execute(
+            """
+            INSERT INTO metric_points (job_id, name, step, value, epoch, attempt, time, seq)
+            SELECT %(g)s, nm, s,
+                CASE nm WHEN 'loss' THEN 2.0 * exp(-s::float8 / 200000) + random() / 20
+                        WHEN 'lr' THEN 0.0003 ELSE 1.0 - exp(-s::float8 / 200000) END,
+                s / 10000.0, 1, now() - interval '180 days' + s * interval '10 ms', 1
+            FROM unnest(ARRAY['accuracy', 'loss', 'lr']) nm,
+                generate_series(0, CASE WHEN nm = 'loss' THEN %(n)s - 1 ELSE 999 END) s
+            ORDER BY 1, 2, 3
+            """,
+            {"g": big, "n": BIG},
+        )
+        # The long job's own shape: it ran for days and finished half a year ago.
+        conn.execute(
+            f"""UPDATE jobs SET name = 'long-run', created_at = now() - interval '190 days',
+                started_at = now() - interval '190 days',
+                finished_at = now() - interval '180 days', total_steps = {BIG}
+                WHERE id = %s""",
+            [big],
+        )
+        done()
+        done = step("VACUUM ANALYZE")
+        conn.execute("VACUUM ANALYZE")
+        done()
+    print(f"  {name}: {size(name)}", flush=True)
+
+
+def size(name: str) -> str:
+    with connect(name) as conn:  # type: ignore[attr-defined]
+        total = conn.execute("SELECT pg_database_size(current_database())").fetchone()[0]
+    return f"{total / 1e9:.2f} GB"
+
+
+TABLES = ("jobs", "attempts", "log_chunks", "metric_points", "checkpoints", "gpu_samples")
+
+
+def growth(name: str) -> dict[str, tuple[int, int]]:
+    """Rows and bytes (table, its TOAST and its indexes) of the tables that grow with
+    jobs."""
+    out = {}
+    with connect(name) as conn:  # type: ignore[attr-defined]
+        for t in TABLES:
+            rows = conn.execute(f"SELECT count(*) FROM {t}").fetchone()[0]
+            nbytes = conn.execute("SELECT pg_total_relation_size(%s)", [t]).fetchone()[0]
+            out[t] = (rows, nbytes)
+    return out
+
+
+def show_growth(label: str, g: dict[str, tuple[int, int]], jobs: int) -> None:
+    per = jobs / 1000
+    parts = [f"{t} {r / per:,.0f} rows {b / per / 1e6:.2f} MB" for t, (r, b) in g.items() if r]
+    total = sum(b for _, b in g.values())
+    print(f"{label}: per 1,000 finished jobs: {total / per / 1e6:.1f} MB ({'; '.join(parts)})")
+
+
+# ---- measuring ------------------------------------------------------------------------
+
+
+def timed(c: httpx.Client, method: str, path: str, **kw: object) -> float:
+    t0 = time.perf_counter()
+    r = c.request(method, path, **kw)  # type: ignore[arg-type]
+    took = time.perf_counter() - t0
+    r.raise_for_status()
+    return took
+
+
+def long_job(name: str) -> int:
+    with connect(name) as conn:  # type: ignore[attr-defined]
+        return int(
+            conn.execute(
+                "SELECT id FROM jobs WHERE name = 'long-run' ORDER BY id LIMIT 1"
+            ).fetchone()[0]
+        )
+
+
+def ask(
+    kind: str, api: Api, c: httpx.Client, w: httpx.Client, big: int, i: int, jobs: int
+) -> float:
+    """One request of ``kind``, timed."""
+    if kind == "claim":
+        c.post("/jobs", json={"entrypoint": "noop.py", "device": "cpu"}).raise_for_status()
+        t0 = time.perf_counter()
+        r = w.post(
+            "/workers/claim",
+            json={"name": "bench-w", "free_cpu_slots": 1, "free_gpus": [], "wait_s": 0},
+        )
+        took = time.perf_counter() - t0
+        r.raise_for_status()
+        claim = r.json()
+        w.post(
+            f"/workers/jobs/{claim['job_id']}/finish",
+            json={"worker": "bench-w", "attempt": claim["attempt"], "exit_code": 0},
+        ).raise_for_status()
+        return took
+    if kind == "job":
+        job = 1 + (i * 104_729) % jobs  # spread over the year
+        return timed(c, "GET", f"/jobs/{job}")
+    if kind == "metrics":
+        return timed(c, "GET", f"/jobs/{big}/metrics", params={"name": "loss", "max_points": 1000})
+    return timed(c, "GET", "/jobs", params=QUERIES[kind])
+
+
+QUERIES: dict[str, dict[str, str | int]] = {
+    "ls": {"limit": 50},
+    "ls dashboard (100)": {"limit": 100},
+    "ls --user": {"limit": 50, "user": "u007"},
+    "ls --status failed": {"limit": 50, "status": "failed"},
+    "ls --user --status failed": {"limit": 50, "user": "u007", "status": "failed"},
+    "ls --status running": {"limit": 50, "status": "running,queued"},
+    "ls --mine (few jobs)": {"limit": 50, "mine": "true"},
+}
+KINDS = [*QUERIES, "job", "metrics", "claim"]
+
+
+def measure(full: str, empty: str, rounds: int, kinds: list[str]) -> None:
+    with contextlib.ExitStack() as stack:
+        apis = {
+            label: stack.enter_context(serve(pg_url(name)))
+            for label, name in (("full", full), ("empty", empty))
+        }
+        bigs = {"full": long_job(full), "empty": long_job(empty)}
+        njobs = {}
+        clients = {}
+        for label, api in apis.items():
+            # The database's first admin was made with the token of the `ddpq serve`
+            # that built it: this one's token becomes theirs.
+            with connect(full if label == "full" else empty) as conn:  # type: ignore[attr-defined]
+                conn.execute(
+                    "UPDATE users SET token_hash = %s, revoked_at = NULL WHERE role = 'admin'",
+                    [hashlib.sha256(api.api_token.encode()).hexdigest()],
+                )
+            register(api, "bench-w", cpu_slots=1)
+            clients[label] = (
+                stack.enter_context(api.client()),
+                stack.enter_context(api.client("worker")),
+            )
+            with connect(full if label == "full" else empty) as conn:  # type: ignore[attr-defined]
+                njobs[label] = conn.execute("SELECT max(id) FROM jobs").fetchone()[0]
+        print(
+            f"\n{'request':32} {'full p50/p95 ms':>18} {'empty p50/p95 ms':>18}   ratio p50 (p95)"
+        )
+        for kind in kinds:
+            samples: dict[str, list[float]] = {"full": [], "empty": []}
+            for i in range(rounds + 10):  # the first 10 warm up
+                for label in ("full", "empty") if i % 2 else ("empty", "full"):
+                    c, w = clients[label]
+                    took = ask(kind, apis[label], c, w, bigs[label], i, njobs[label])
+                    if i >= 10:
+                        samples[label].append(took * 1000)
+            f50, f95 = percentile(samples["full"], 0.5), percentile(samples["full"], 0.95)
+            e50, e95 = percentile(samples["empty"], 0.5), percentile(samples["empty"], 0.95)
+            flag = "" if f50 <= 2 * e50 else "   OVER 2x"
+            print(
+                f"{kind:32} {f50:8.2f} / {f95:7.2f} {e50:8.2f} / {e95:7.2f}   "
+                f"{f50 / e50:5.2f} ({f95 / e95:.2f}){flag}",
+                flush=True,
+            )
+
+
+def retention(name: str, jobs: int, vacuum_full: bool) -> None:
+    """Run the retention sweep on ``name`` until it has nothing left, with the default
+    settings; rows and bytes per 1,000 jobs before and after."""
+    from service.config import Settings
+    from service.db import Database
+    from service.retention import sweep
+
+    if vacuum_full:
+        with connect(name) as conn:  # type: ignore[attr-defined]
+            conn.execute("VACUUM FULL")
+    show_growth("without retention", growth(name), jobs)
+    settings = Settings(database_url=pg_url(name))
+    db = Database(settings.resolved_database_url, settings.policy())
+    t0 = time.monotonic()
+    done = {"points": 0, "logs": 0}
+    while True:
+        got = sweep(db, budget_s=5.0)
+        done["points"] += got.points
+        done["logs"] += got.logs
+        if got.done:
+            break
+    db.engine.dispose()
+    print(
+        f"retention: {done['points']:,} points and the logs of {done['logs']:,} jobs "
+        f"dropped in {time.monotonic() - t0:.0f} s"
+    )
+    with connect(name) as conn:  # type: ignore[attr-defined]
+        conn.execute("VACUUM FULL" if vacuum_full else "VACUUM")
+    show_growth("with retention", growth(name), jobs)
+
+
+@contextlib.contextmanager
+def databases(keep: str | None, jobs: int, points: int) -> Iterator[tuple[str, str]]:
+    base = PREFIX + (keep or f"tmp{int(time.time())}")
+    full, empty = f"{base}_full", f"{base}_empty"
+    try:
+        for name, j, p in ((empty, EMPTY_JOBS, BIG + EMPTY_JOBS * 30), (full, jobs, points)):
+            if keep and exists(name):
+                print(f"reusing {name} ({size(name)})")
+            else:
+                drop(name)
+                try:
+                    build(name, j, p)
+                except BaseException:
+                    drop(name)  # never reused half-built
+                    raise
+        yield full, empty
+    finally:
+        if not keep:
+            drop(full)
+            drop(empty)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--jobs", type=int, default=1_000_000)
+    ap.add_argument("--points", type=int, default=100_000_000)
+    ap.add_argument("--rounds", type=int, default=200)
+    ap.add_argument("--keep", metavar="NAME", help=f"build into {PREFIX}NAME_full/_empty and keep")
+    ap.add_argument("--drop", metavar="NAME", help="drop the databases --keep NAME made, and exit")
+    ap.add_argument("--only", nargs="*", choices=KINDS, help="measure only these")
+    ap.add_argument("--build-only", action="store_true")
+    ap.add_argument("--retention", action="store_true", help="then run retention, show growth")
+    ap.add_argument("--vacuum-full", action="store_true")
+    args = ap.parse_args()
+    if args.drop:
+        for suffix in ("_full", "_empty"):
+            drop(f"{PREFIX}{args.drop}{suffix}")
+        return
+    with databases(args.keep, args.jobs, args.points) as (full, empty):
+        if not args.build_only:
+            measure(full, empty, args.rounds, args.only or KINDS)
+        if args.retention:
+            with connect(full) as conn:  # type: ignore[attr-defined]
+                jobs = conn.execute("SELECT count(*) FROM jobs").fetchone()[0]
+            retention(full, jobs, args.vacuum_full)
+
+
+if __name__ == "__main__":
+    main()

@@ -60,6 +60,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from ddpq.client import Client  # noqa: E402
+from ddpq.snapshot import human_bytes  # noqa: E402
 from worker.api import WorkerAPI  # noqa: E402
 from worker.code import Workdirs  # noqa: E402
 
@@ -337,7 +338,7 @@ def text_rounds(api: Api, backend: str, rounds: int, ray: tuple[Path, str] | Non
         print(
             f"{backend}: {where}: {step}: median {statistics.median(values):.2f} s "
             f"(rounds {', '.join(f'{v:.2f}' for v in values)}), "
-            f"{mb(statistics.median(sent[(who, step)]))} sent"
+            f"{human_bytes(statistics.median(sent[(who, step)]))} sent"
         )
     if ray is not None:
         for step in STEPS:

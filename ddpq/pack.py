@@ -66,8 +66,8 @@ class PackError(ValueError):
 @dataclass(frozen=True)
 class Frame:
     """One content of a pack as read and checked: its digest, uncompressed size, its
-    bytes, and its payload as it came (``stored``: the zstd frame, worth keeping
-    compressed; None when it came uncompressed)."""
+    bytes, and ``stored``: the zstd frame it came in, worth keeping compressed (None
+    when it came uncompressed, or compressed no smaller)."""
 
     digest: str
     size: int
@@ -175,7 +175,7 @@ def read(body: bytes, max_size: int, max_total: int) -> list[Frame]:
                 data = decompress(payload, size)
             except ValueError as exc:
                 raise PackError(f"{name}.size", str(exc)) from None
-            stored = payload
+            stored = payload if length < size else None  # kept compressed where it is smaller
         actual = hashlib.sha256(data).hexdigest()
         if actual != digest:
             raise PackError(

@@ -100,7 +100,7 @@ def database(backend: str) -> Iterator[str]:
         return
     import psycopg
 
-    name = f"ddpq_bench_{uuid.uuid4().hex[:10]}"
+    name = f"{os.environ.get('DDPQ_BENCH_DB_PREFIX', 'ddpq_bench_')}{uuid.uuid4().hex[:10]}"
     with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
     try:

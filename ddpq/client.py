@@ -18,6 +18,7 @@ token came from (ddpq.config.resolve).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,9 +27,9 @@ from urllib.parse import quote
 
 import httpx
 
-from ddpq import codepack, config
+from ddpq import codepack, config, pack
 from ddpq.errors import ApiError as ApiError  # where it was before ddpq.errors
-from ddpq.errors import answer_error, bad_answer, no_answer
+from ddpq.errors import ApiRefused, answer_error, bad_answer, no_answer
 from ddpq.errors import format_detail as format_detail
 from ddpq.snapshot import Limits
 from ddpq.wire import CUT_MARKER
@@ -143,17 +144,21 @@ class Client:
         found = codepack.collect(root)
         lim = self._json("GET", "/code/limits")
         codepack.check_limits(found, Limits(**lim))
-        entries = codepack.hashed(found)
+        entries, kept = codepack.read_hashed(found)
         digests = sorted({e.digest for e in entries if e.digest})
         missing = set(self._json("POST", "/code/missing", json={"digests": digests})["missing"])
         total = sum(e.size for e in {e.digest: e for e in entries if e.digest in missing}.values())
         sent_so_far = 0
+        lock = threading.Lock()
 
         def advanced(n: int) -> None:
             nonlocal sent_so_far
-            sent_so_far += n
-            if progress is not None:
-                progress(sent_so_far, total)
+            with lock:
+                sent_so_far += n
+                if progress is not None:
+                    progress(sent_so_far, total)
+
+        upload = httpx.Timeout(30.0, write=600.0)
 
         def put(digest: str, data: bytes) -> None:
             self._call(
@@ -161,10 +166,25 @@ class Client:
                 f"/code/blobs/{digest}",
                 content=data,
                 headers={"Content-Type": "application/octet-stream"},
-                timeout=httpx.Timeout(30.0, write=600.0),
+                timeout=upload,
             )
 
-        new, sent = codepack.upload(entries, found.sources, missing, put, advanced)
+        def post(body: bytes) -> None:
+            self._call(
+                "POST",
+                "/code/packs",
+                content=body,
+                headers={"Content-Type": pack.MEDIA_TYPE},
+                timeout=upload,
+            )
+
+        packs = self._pack_limits() if missing else None
+        if packs is not None:
+            new, sent = codepack.upload_packs(
+                entries, found.sources, missing, kept, post, *packs, advanced
+            )
+        else:
+            new, sent = codepack.upload(entries, found.sources, missing, put, advanced)
         made = self._json("POST", "/code/snapshots", json={"files": [e.wire() for e in entries]})
         return codepack.Pushed(
             made["id"],
@@ -177,6 +197,17 @@ class Client:
             codepack.named_in_sources(found),
             codepack.checkpoint_like(entries),
         )
+
+    def _pack_limits(self) -> tuple[int, int] | None:
+        """(largest body, most bytes uncompressed) of POST /code/packs; None from an API
+        older than packs (404), which takes one PUT a content."""
+        try:
+            lim = self._json("GET", "/code/packs")
+        except ApiRefused as exc:
+            if exc.status in (404, 405):
+                return None
+            raise
+        return int(lim["max_body_bytes"]), int(lim["max_content_bytes"])
 
     def code(self, snapshot_id: str) -> dict[str, Any]:
         """A snapshot's manifest: id, files, bytes, manifest (path, size, digest, ...)."""

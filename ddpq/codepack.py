@@ -8,8 +8,12 @@ virtualenv (a directory holding ``pyvenv.cfg``). A symlink pointing outside, dir
 through other links at any step, or into ``.git``, or in a loop of links, is skipped
 (its target would not exist on the worker, and the API refuses it) and said so.
 
-How: the API is asked which contents it lacks, and only those are uploaded, so sending
-the same tree again after a one-line change uploads one file (ddpq.snapshot).
+How: every file is read once, hashed as it is read (in a few threads) and kept in
+memory up to KEEP_BYTES; the API is asked which contents it lacks, and only those are
+uploaded, so sending the same tree again after a one-line change uploads one file
+(ddpq.snapshot). What is uploaded goes in packs (ddpq.pack): many contents a request,
+each compressed with zstd where that pays, a few requests at once; an API older than
+packs gets one uncompressed PUT a content, as before.
 """
 
 from __future__ import annotations
@@ -22,9 +26,11 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from threading import Lock
 
 import pathspec
 
+from ddpq import pack
 from ddpq.errors import CodeError
 from ddpq.snapshot import (
     MAX_LINKS,
@@ -41,7 +47,10 @@ from ddpq.snapshot import (
 NEVER = frozenset({".git", "__pycache__", ".hg", ".svn"})
 CHECKPOINT_LIKE = (".pt", ".ckpt", ".safetensors")
 IGNORE_FILES = (".gitignore", ".ddpqignore")  # later ones win where both match
-UPLOAD_THREADS = 4
+UPLOAD_THREADS = 4  # requests in flight; compressing and hashing run in them too
+# The contents read while hashing stay in memory up to this many bytes, so a first submit
+# reads each file once; past it, a content is read again when it is sent (and checked).
+KEEP_BYTES = 256 * 1024 * 1024
 # Sizing what stays home walks it; a huge tree (a dataset of a million files) is sized
 # only this far and said to be "more than" that.
 SIZE_WALK_ENTRIES = 20_000
@@ -279,15 +288,47 @@ def digest_of(path: Path) -> str:
 
 def hashed(found: Collected) -> list[Entry]:
     """The entries with their digests (and sizes as read: a file may change meanwhile)."""
-    out = []
-    for e in found.entries:
+    return read_hashed(found, 0)[0]
+
+
+def read_hashed(found: Collected, keep_bytes: int = KEEP_BYTES) -> tuple[list[Entry], Kept]:
+    """The entries with their digests, each file read once (in UPLOAD_THREADS threads:
+    reading and sha256 let go of the GIL), and the contents read, by digest, while
+    their sum stays within ``keep_bytes`` (smaller files first, as they come)."""
+    kept: Kept = {}
+    room = keep_bytes
+    lock = Lock()
+
+    def one(e: Entry) -> Entry:
+        nonlocal room
         if e.symlink is not None:
-            out.append(e)
-            continue
+            return e
         src = found.sources[e.path]
-        size = src.stat().st_size
-        out.append(Entry(path=e.path, digest=digest_of(src), size=size, executable=e.executable))
-    return out
+        h = hashlib.sha256()
+        with open(src, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            with lock:
+                keep = size <= room
+                if keep:
+                    room -= size
+            if keep:
+                data = f.read()
+                h.update(data)
+            else:
+                while chunk := f.read(1 << 20):
+                    h.update(chunk)
+        digest = h.hexdigest()
+        if keep:
+            if len(data) != size:  # changed while read: sized as read
+                size = len(data)
+            kept[digest] = data
+        return Entry(path=e.path, digest=digest, size=size, executable=e.executable)
+
+    with ThreadPoolExecutor(UPLOAD_THREADS) as pool:
+        return list(pool.map(one, found.entries)), kept
+
+
+Kept = dict[str, bytes]
 
 
 def checkpoint_like(entries: list[Entry]) -> list[tuple[str, int]]:
@@ -328,4 +369,66 @@ def upload(
 
     with ThreadPoolExecutor(UPLOAD_THREADS) as pool:
         sent = sum(pool.map(send, todo.items()))
+    return len(todo), sent
+
+
+def upload_packs(
+    entries: list[Entry],
+    sources: dict[str, Path],
+    missing: set[str],
+    kept: Kept,
+    post: Callable[[bytes], None],
+    max_body: int,
+    max_content: int,
+    progress: Callable[[int], None] | None = None,
+) -> tuple[int, int]:
+    """Upload the contents in ``missing``, each once, in packs (ddpq.pack) of at most
+    ``max_content`` bytes uncompressed and ``max_body`` on the wire, UPLOAD_THREADS at
+    once: (contents sent, bytes sent on the wire)."""
+    todo: dict[str, tuple[int, Path]] = {}
+    for e in entries:
+        if e.digest is not None and e.digest in missing and e.digest not in todo:
+            todo[e.digest] = (e.size, sources[e.path])
+    target = min(pack.TARGET_BYTES, max_content)
+    groups: list[list[str]] = []
+    group: list[str] = []
+    filled = 0
+    # The largest first, so the last requests in flight are small ones.
+    for digest, (size, _) in sorted(todo.items(), key=lambda kv: -kv[1][0]):
+        if group and (filled + size > target or len(group) >= pack.MAX_FRAMES):
+            groups.append(group)
+            group, filled = [], 0
+        group.append(digest)
+        filled += size
+    if group:
+        groups.append(group)
+
+    def content(digest: str) -> bytes:
+        data = kept.get(digest)
+        if data is not None:
+            return data
+        src = todo[digest][1]
+        data = src.read_bytes()
+        if hashlib.sha256(data).hexdigest() != digest:
+            raise CodeError(f"{src} changed while it was being sent; submit again")
+        return data
+
+    def send(digests: list[str]) -> int:
+        parts: list[bytes] = []
+        raw = 0
+        for digest in digests:
+            data = content(digest)
+            raw += len(data)
+            encoding, payload = pack.compress(data)
+            parts += [pack.frame(digest, encoding, len(data), payload), payload]
+        body = b"".join(parts)
+        if len(body) > max_body:  # only headers could make it so: the API's limits moved
+            raise CodeError(f"a pack of {len(body)} bytes is over the API's {max_body}")
+        post(body)
+        if progress is not None:
+            progress(raw)
+        return len(body)
+
+    with ThreadPoolExecutor(UPLOAD_THREADS) as pool:
+        sent = sum(pool.map(send, groups))
     return len(todo), sent

@@ -196,6 +196,7 @@ def _body_limits(settings: Settings) -> dict[str, int]:
     )
     return {
         "/code/blobs/": settings.code_max_file_bytes,
+        "/code/packs": settings.pack_limits()[0],
         "/code/snapshots": manifest,
         "/code/missing": manifest,
         # A worker sends a job's directory as it ended (service.outputs): its code and

@@ -1,7 +1,8 @@
 """Code snapshots: file contents stored once by digest, manifests, and their collection.
 
 A client sends a job's code as a manifest (ddpq.snapshot) and the contents the API
-lacks (``missing``, then ``put_blob`` for each), then creates the snapshot; a job names
+lacks (``missing``, then ``put_pack`` for packs of them, compressed where that pays
+(ddpq.pack), or ``put_blob`` for each, as older clients do), then creates the snapshot; a job names
 it in ``spec.code`` and every worker that runs the job fetches it from any API process.
 
 The contents live in the database (``code_blobs``), not on the API's disk: every API
@@ -30,6 +31,7 @@ from sqlalchemy.engine import CursorResult
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from ddpq import pack
 from ddpq.snapshot import Entry, Limits, limit_problem, manifest_problem, snapshot_id
 from service.db import Database
 from service.errors import Invalid, NotFound
@@ -82,17 +84,58 @@ def put_blob(db: Database, digest: str, data: bytes) -> None:
         s.execute(stmt.on_conflict_do_nothing(index_elements=["digest"]))
 
 
+def put_pack(db: Database, body: bytes, max_size: int, max_total: int) -> tuple[int, int]:
+    """Store every content of a pack (ddpq.pack), each checked against its digest after
+    decompressing: (stored now, held already). One bad frame refuses the pack (Invalid,
+    naming the frame's field) and stores nothing. A content that came compressed is
+    stored compressed (``encoding`` "zstd"): text shrinks to a third or so, in the
+    database and on its way to a worker that takes zstd (``blob``)."""
+    try:
+        frames = pack.read(body, max_size, max_total)
+    except pack.PackError as exc:
+        raise Invalid(("body", exc.field), exc.message) from None
+    now = utcnow()
+    rows = [
+        {
+            "digest": f.digest,
+            "size": f.size,
+            "data": f.data if f.stored is None else f.stored,
+            "encoding": None if f.stored is None else pack.ZSTD,
+            "created_at": now,
+            "used_at": now,
+        }
+        for f in frames
+    ]
+    with db.write() as s:
+        digests = [f.digest for f in frames]  # each once (pack.read)
+        have = set(s.scalars(select(CodeBlob.digest).where(CodeBlob.digest.in_(digests))))
+        new = [r for r in rows if r["digest"] not in have]
+        if new:
+            # A content another upload stored meanwhile is left as it is (DO NOTHING).
+            s.connection().execute(
+                _upsert(db)(CodeBlob).on_conflict_do_nothing(index_elements=["digest"]), new
+            )
+    return len(new), len(have)
+
+
 def _upsert(db: Database) -> Any:
     """The dialect's INSERT, which has ON CONFLICT DO NOTHING."""
     return postgresql.insert if db.dialect == "postgresql" else sqlite.insert
 
 
-def blob(db: Database, digest: str) -> bytes:
+def blob(db: Database, digest: str, zstd_ok: bool = False) -> tuple[bytes, str | None]:
+    """A content's bytes, and their encoding: as stored ("zstd") if ``zstd_ok`` (the
+    asker takes zstd), else uncompressed (None)."""
     with db.read() as s:
-        data = s.scalar(select(CodeBlob.data).where(CodeBlob.digest == digest))
-    if data is None:
+        row = s.execute(
+            select(CodeBlob.data, CodeBlob.size, CodeBlob.encoding).where(CodeBlob.digest == digest)
+        ).first()
+    if row is None:
         raise NotFound(f"no code content {digest}")
-    return bytes(data)
+    data, size, encoding = bytes(row.data), int(row.size), row.encoding
+    if encoding is None or zstd_ok:
+        return data, encoding
+    return pack.decompress(data, size), None
 
 
 # ---- snapshots ---------------------------------------------------------------------------

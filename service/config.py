@@ -18,6 +18,7 @@ from typing import Annotated, Literal
 from pydantic import BeforeValidator, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from ddpq import pack
 from ddpq.snapshot import Limits
 from service.db import Policy
 from service.errors import ServiceError
@@ -270,6 +271,14 @@ class Settings(BaseSettings):
 
     def code_limits(self) -> Limits:
         return Limits(self.code_max_files, self.code_max_bytes, self.code_max_file_bytes)
+
+    def pack_limits(self) -> tuple[int, int]:
+        """POST /code/packs (ddpq.pack): the largest body, and the most bytes its contents
+        hold uncompressed. Room for the largest file alone, or many small ones (a client
+        fills packs of PACK_TARGET_BYTES), plus the frames' headers; the API holds a
+        pack's body and its contents in memory at once, as one file's upload did."""
+        content = max(self.code_max_file_bytes, pack.CONTENT_BYTES)
+        return content + pack.HEADER_BYTES, content
 
     def outputs_limits(self) -> OutputsLimits:
         return OutputsLimits(

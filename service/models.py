@@ -475,6 +475,10 @@ class CodeBlob(Base):
     digest: Mapped[str] = mapped_column(String(64), primary_key=True)
     size: Mapped[int] = mapped_column(BigInteger)
     data: Mapped[bytes] = mapped_column(LargeBinary)
+    # How ``data`` is stored: None as uploaded, "zstd" one zstd frame (a content sent
+    # compressed in a pack stays so: less to store, and to send to a worker that takes
+    # zstd); ``size`` is always the uncompressed size, and the digest that of those bytes.
+    encoding: Mapped[str | None] = mapped_column(String(16), nullable=True)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     # Last asked for or linked into a snapshot: unreferenced blobs are collected only
     # once this is older than the retention period (an upload in progress keeps them).

@@ -103,8 +103,17 @@ class BlobCache:
             tmp = self.root / "tmp" / f"{digest}.{uuid.uuid4().hex}"
             try:
                 h = hashlib.sha256()
+                got = 0
                 with open(tmp, "wb") as f:
+                    # Arriving decompressed where the API sent zstd (httpx decodes it):
+                    # more than the manifest's size is refused as it comes, not on disk.
                     for chunk in fetch(digest):
+                        got += len(chunk)
+                        if got > size:
+                            raise JobError(
+                                f"code content {digest[:16]} from the API is longer than "
+                                f"its {size} bytes: refused"
+                            )
                         h.update(chunk)
                         f.write(chunk)
                 got = tmp.stat().st_size

@@ -1,9 +1,11 @@
 """Code snapshots: what a client uploads with the user token, and what workers fetch.
 
 The upload protocol (ddpq submit does it; the README's curl section shows it):
-GET /code/limits; POST /code/missing with every digest of the manifest; PUT
-/code/blobs/{digest} for each missing one; POST /code/snapshots with the manifest;
-then POST /jobs with ``"code": <snapshot id>``.
+GET /code/limits; POST /code/missing with every digest of the manifest; the missing
+ones in packs (GET /code/packs, then POST /code/packs: several contents a body, each
+compressed with zstd where that pays, ddpq.pack) or one by one (PUT
+/code/blobs/{digest}, uncompressed, as older clients do); POST /code/snapshots with
+the manifest; then POST /jobs with ``"code": <snapshot id>``.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from fastapi import APIRouter, Path, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 
+from ddpq import pack
 from ddpq.snapshot import Entry
 from service import code
 from service.auth import UserAuth, WorkerAuth
@@ -24,6 +27,8 @@ from service.schemas import (
     CodeSummary,
     MissingReply,
     MissingRequest,
+    PackLimits,
+    PackReply,
     SnapshotIn,
     SnapshotPublic,
 )
@@ -40,7 +45,11 @@ NO_SNAPSHOT = {404: "no such snapshot (never created, or collected)"}
 NO_BLOB = {404: "no such content (never uploaded, or collected)"}
 BINARY = {"schema": {"type": "string", "format": "binary"}}
 BLOB_ANSWER = {
-    200: {"content": {"application/octet-stream": BINARY}, "description": "the content"},
+    200: {
+        "content": {"application/octet-stream": BINARY},
+        "description": "the content; compressed (`Content-Encoding: zstd`) when it is stored "
+        "so and the request's `Accept-Encoding` names zstd",
+    },
     **responses(NO_BLOB),
 }
 
@@ -75,6 +84,44 @@ async def put_blob(digest: DigestPath, request: Request, db: DB) -> Response:
     data = await request.body()  # at most DDPQ_CODE_MAX_FILE_BYTES (app.BodyLimit)
     await run_in_threadpool(code.put_blob, db, digest, data)
     return Response(status_code=204)
+
+
+@router.get("/packs", response_model=PackLimits)
+async def get_pack_limits(settings: SettingsDep) -> PackLimits:
+    """How POST /code/packs takes contents: its largest body, the most bytes its
+    contents hold uncompressed, the encodings it reads."""
+    body, content = settings.pack_limits()
+    return PackLimits(
+        max_body_bytes=body, max_content_bytes=content, encodings=list(pack.ENCODINGS)
+    )
+
+
+POST_PACK = {
+    "requestBody": {
+        "required": True,
+        "description": "frames, each `<digest> <encoding> <size> <length>\\n` and `length` "
+        "bytes: the content, as is (`identity`) or one zstd frame (`zstd`); `digest` is the "
+        "sha256 of the uncompressed content, `size` its bytes (ddpq.pack)",
+        "content": {pack.MEDIA_TYPE: BINARY},
+    }
+}
+
+
+BAD_PACK = {422: "a frame that cannot be taken: `loc` names its field (`frames[3].size`)"}
+
+
+@router.post(
+    "/packs", response_model=PackReply, openapi_extra=POST_PACK, responses=responses(BAD_PACK)
+)
+async def put_pack(request: Request, db: DB, settings: SettingsDep) -> PackReply:
+    """Upload several contents in one body, each compressed or not; each is checked
+    against its digest after decompressing, and one bad frame refuses them all (422
+    naming the frame's field: `frames[3].size`)."""
+    data = await request.body()  # at most pack_limits' body (app.BodyLimit)
+    _, content = settings.pack_limits()
+    max_file = settings.code_max_file_bytes
+    stored, known = await run_in_threadpool(code.put_pack, db, data, max_file, content)
+    return PackReply(stored=stored, known=known)
 
 
 @router.post("/snapshots", status_code=201, response_model=CodeSummary)
@@ -112,7 +159,14 @@ async def get_snapshot(snapshot_id: DigestPath, db: DB) -> SnapshotPublic:
 @workers_router.get(
     "/blobs/{digest}", response_class=Response, responses=BLOB_ANSWER, name="worker_get_blob"
 )
-async def get_blob(digest: DigestPath, db: DB) -> Response:
-    """One content, as uploaded."""
-    data = await run_in_threadpool(code.blob, db, digest)
-    return Response(data, media_type="application/octet-stream", headers=BLOB_HEADERS)
+async def get_blob(digest: DigestPath, request: Request, db: DB) -> Response:
+    """One content, as uploaded; as stored (zstd) to an asker that takes zstd."""
+    # HTTP's own negotiation, not a parameter of the route: httpx names zstd in
+    # Accept-Encoding wherever zstandard is installed, and decodes the answer itself.
+    accepted = request.headers.get("accept-encoding", "").split(",")
+    zstd_ok = pack.ZSTD in [p.split(";")[0].strip() for p in accepted]
+    data, encoding = await run_in_threadpool(code.blob, db, digest, zstd_ok)
+    headers = {**BLOB_HEADERS, "Vary": "Accept-Encoding"}
+    if encoding is not None:
+        headers["Content-Encoding"] = encoding
+    return Response(data, media_type="application/octet-stream", headers=headers)

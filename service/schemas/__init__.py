@@ -29,6 +29,8 @@ from service.schemas.code import (
     ManifestEntryIn,
     MissingReply,
     MissingRequest,
+    PackLimits,
+    PackReply,
     SnapshotIn,
     SnapshotPublic,
 )
@@ -203,6 +205,8 @@ __all__ = [
     "OutputsIn",
     "OutputsLimits",
     "OutputsPublic",
+    "PackLimits",
+    "PackReply",
     "PipRequirement",
     "QuotaIn",
     "QuotaLimit",

@@ -66,6 +66,22 @@ class MissingReply(BaseModel):
     missing: list[str]
 
 
+class PackLimits(BaseModel):
+    """How POST /code/packs takes contents (ddpq.pack): the largest body (compressed, as
+    sent), the most bytes its contents may hold uncompressed, and the encodings known."""
+
+    max_body_bytes: int
+    max_content_bytes: int
+    encodings: list[str]
+
+
+class PackReply(BaseModel):
+    """What a pack stored: contents new to the API, and those it held already."""
+
+    stored: int
+    known: int
+
+
 class CodeLimits(BaseModel):
     """What one snapshot may hold (DDPQ_CODE_MAX_FILES, _BYTES, _FILE_BYTES)."""
 

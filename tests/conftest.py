@@ -151,6 +151,9 @@ def _child_env(extra: dict[str, str]) -> dict[str, str]:
     # directories tests make (pytest's, 0700) are closed to those. Jobs run as the worker's
     # user unless a test asks for walls (tests/test_walls.py).
     env["DDPQ_JOB_UIDS"] = "off"
+    # The whole suite under the warm launcher (issue 34): DDPQ_TEST_LAUNCHER=warm.
+    if os.environ.get("DDPQ_TEST_LAUNCHER"):
+        env["DDPQ_LAUNCHER"] = os.environ["DDPQ_TEST_LAUNCHER"]
     env.update(extra)
     env["PYTHONUNBUFFERED"] = "1"
     return env

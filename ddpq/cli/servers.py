@@ -133,6 +133,14 @@ def worker(
             "files of their code: url, option or path-outside (repeat for several)"
         ),
     ] = None,
+    launcher: Annotated[
+        str,
+        typer.Option(
+            envvar="DDPQ_LAUNCHER",
+            help="how jobs whose spec names no launcher start: torchrun (a cold torchrun per "
+            "attempt) or warm (forked from a process with torch imported: seconds faster)",
+        ),
+    ] = "torchrun",
     log_level: str = "info",
 ) -> None:
     """Run a worker on this host, or a bridge to a Slurm partition.
@@ -191,6 +199,8 @@ def worker(
         return
     if executor != "local":
         _fail(f"--executor takes local or slurm, not {executor!r}", EXIT_USAGE)
+    if launcher not in ("torchrun", "warm"):
+        _fail(f"--launcher takes torchrun or warm, not {launcher!r}", EXIT_USAGE)
     try:
         walls = Walls.configure(job_uids)  # WallsError: cannot wall as asked (exit 2)
     except ValueError as exc:
@@ -204,6 +214,7 @@ def worker(
         rdzv_ports=ports,
         keep_workdirs_s=keep_workdirs_s,
         walls=walls,
+        launcher=launcher,
     )
     try:
         agent.run()

@@ -312,6 +312,17 @@ def up_argv(port: int, *args: str) -> list[str]:
     ]  # fmt: skip
 
 
+@pytest.fixture(params=["torchrun", "warm"])
+def launcher(request: pytest.FixtureRequest) -> str:
+    """A test that runs both ways: its workers start jobs with a cold torchrun, or forked
+    from a warm process (issue 34): pass ``env=launcher_env(launcher)`` to start_worker."""
+    return str(request.param)
+
+
+def launcher_env(launcher: str) -> dict[str, str]:
+    return {"DDPQ_LAUNCHER": launcher}
+
+
 @pytest.fixture
 def start_worker(tmp_path: Path) -> Iterator[Callable[..., Worker]]:
     workers: list[Worker] = []

@@ -136,3 +136,67 @@ def test_which_launcher() -> None:
     z = zygote_env(env, {"env": {"MY": "1"}}, 2)
     assert "DDPQ_JOB_TOKEN" not in z and "MY" not in z and "TMPDIR" not in z
     assert z["OMP_NUM_THREADS"] == "1" and z["PATH"] == "/bin"
+
+
+FORKED = r"""
+import os, sys
+import torch.distributed as dist
+# torchrun's own module, which only a rank forked from the warm process has at its start.
+print(f"rank {os.environ['RANK']} forked {'torch.distributed.run' in sys.modules}", flush=True)
+dist.init_process_group("gloo")
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_a_slurm_node_forks_its_ranks_from_a_warm_process_of_its_own(
+    server: Server, tmp_path: Path
+) -> None:
+    """The bridge's plan says ``launcher: warm``: the node launcher (what srun starts, run
+    here by hand on one node) starts a warm process of its own and forks torchrun from it."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.test_bridge_protocol import _claim, _register_bridge
+
+    _register_bridge(server, nodes=1, cpus_per_node=2)
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    (workspace / "forked.py").write_text(FORKED)
+    c = server.client()
+    spec = {"entrypoint": "forked.py", "world_size": 2, "launcher": "warm"}
+    job_id = c.post("/jobs", json=spec).json()["id"]
+    claim = _claim(server)
+    assert claim is not None
+    plan_env = {
+        "PATH": os.environ["PATH"],
+        "HOME": os.environ.get("HOME", "/root"),
+        "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+        "DDPQ_URL": server.url,
+        "DDPQ_JOB_ID": str(job_id),
+        "DDPQ_JOB_TOKEN": claim["token"],
+        "DDPQ_ATTEMPT": "1",
+        "DDPQ_CHECKPOINT_DIR": str(tmp_path / "ckpt"),
+        "DDPQ_DEVICE": "cpu",
+        "CUDA_VISIBLE_DEVICES": "",
+    }
+    plan = {
+        "claim": {k: v for k, v in claim.items() if k != "token"},
+        "program": [str(workspace / "forked.py")],
+        "env": plan_env,
+        "comment": "ddpq bridge bridge -",
+        "launcher": "warm",
+    }
+    node = subprocess.run(
+        [sys.executable, "-m", "worker.slurmnode"],
+        env={**plan_env, "DDPQ_SLURM_PLAN": json.dumps(plan)},
+        cwd=workspace,
+        capture_output=True,
+        timeout=180,
+    )
+    out = node.stdout.decode(errors="replace") + node.stderr.decode(errors="replace")
+    assert node.returncode == 0, out
+    logs = c.get(f"/jobs/{job_id}/logs").text
+    for rank in (0, 1):
+        assert f"[rank{rank}]: rank {rank} forked True" in logs, logs

@@ -152,6 +152,13 @@ class _Zygote:
             self._error = f"it exited with {self.proc.wait()} before it was ready"
         self._ready.set()
         self.proc.wait()  # this thread lives as long as the process: its death signal
+        self._remove()
+
+    def _remove(self) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+        with contextlib.suppress(OSError):
+            os.rmdir(self._dir)
 
     def ready(self) -> str:
         if not self._ready.wait(START_TIMEOUT_S) or self._error:
@@ -164,9 +171,7 @@ class _Zygote:
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
-        with contextlib.suppress(OSError):
-            os.unlink(self.path)
-            os.rmdir(self._dir)
+        self._remove()
 
 
 def python_version_ok() -> bool:

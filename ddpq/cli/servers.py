@@ -190,17 +190,23 @@ def worker(
         "code_cache_bytes": int(code_cache_gb * 1000**3), "max_envs": max(1, max_envs),
         "pip_policy": pip_policy,
     }  # fmt: skip
+    if launcher not in ("torchrun", "warm"):
+        _fail(f"--launcher takes torchrun or warm, not {launcher!r}", EXIT_USAGE)
     if executor == "slurm":
         if not partition:
             _fail("--executor slurm needs --partition", EXIT_USAGE)
         _run_bridge(
-            common, partition, account, tuple(sbatch_arg or ()), max(1, max_pending), poll_s
+            common,
+            partition,
+            account,
+            tuple(sbatch_arg or ()),
+            max(1, max_pending),
+            poll_s,
+            launcher,
         )
         return
     if executor != "local":
         _fail(f"--executor takes local or slurm, not {executor!r}", EXIT_USAGE)
-    if launcher not in ("torchrun", "warm"):
-        _fail(f"--launcher takes torchrun or warm, not {launcher!r}", EXIT_USAGE)
     try:
         walls = Walls.configure(job_uids)  # WallsError: cannot wall as asked (exit 2)
     except ValueError as exc:
@@ -231,6 +237,7 @@ def _run_bridge(
     sbatch_args: tuple[str, ...],
     max_pending: int,
     poll_s: float,
+    launcher: str = "torchrun",
 ) -> None:
     """Run a Slurm bridge, or exit with why the partition or the API refuse it."""
     from worker.bridge import Bridge
@@ -242,6 +249,7 @@ def _run_bridge(
         sbatch_args=sbatch_args,
         max_pending=max_pending,
         poll_s=max(0.2, poll_s),
+        launcher=launcher,
     )
     try:
         bridge.shape()

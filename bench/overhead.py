@@ -1,12 +1,15 @@
-"""What running through ddpq costs over running torchrun by hand.
+"""What running through ddpq costs over running torchrun by hand, with each launcher.
 
-The same plain DDP program (examples/ddp_plain.py, world size 2, gloo on CPU,
-about 20 s of training) is run directly with ``torchrun --standalone`` and
-through ddpq (from POST /jobs until the job's finished_at), alternating,
-PAIRS pairs after one warm-up of each. Prints each pair and the median ratio
-ddpq / torchrun (goal: <= 1.05).
+Three programs, world size 2, gloo on CPU: a trivial one (bench/trivial_ddp.py: a process
+group, one barrier), and the plain DDP program (examples/ddp_plain.py) for 300 and for
+2,000 steps. Each is run directly with ``torchrun --standalone`` and through ddpq (from
+POST /jobs until the job's finished_at) with a cold torchrun (``launcher: torchrun``) and
+with the warm launcher (``launcher: warm``, issue 34), in turn, ROUNDS rounds after one
+warm-up of each. Prints each round and, per program, the medians and the ratios of the
+medians to torchrun's (goals: 300 steps warm <= 0.7x, 2,000 steps warm <= 0.95x, the
+trivial job warm <= 0.8 s; the cold launcher <= 1.05x as before).
 
-    .venv/bin/python bench/overhead.py [--pairs 3] [--steps N]
+    .venv/bin/python bench/overhead.py [--rounds 5] [--programs trivial,300,2000]
 """
 
 from __future__ import annotations
@@ -22,10 +25,18 @@ import httpx
 from _harness import child_env, database, phases, run_job, serve
 
 REPO = Path(__file__).resolve().parent.parent
-PROGRAM = "examples/ddp_plain.py"
+PLAIN = "examples/ddp_plain.py"
+TRIVIAL = "bench/trivial_ddp.py"
+WAYS = ("torchrun", "ddpq", "ddpq-warm")
 
 
-def run_direct(steps: int) -> float:
+def program(name: str) -> list[str]:
+    if name == "trivial":
+        return [TRIVIAL]
+    return [PLAIN, "--steps", str(int(name))]
+
+
+def run_direct(argv: list[str]) -> float:
     t0 = time.perf_counter()
     subprocess.run(
         [
@@ -35,9 +46,7 @@ def run_direct(steps: int) -> float:
             "--standalone",
             "--nproc-per-node",
             "2",
-            PROGRAM,
-            "--steps",
-            str(steps),
+            *argv,
         ],
         cwd=REPO,
         check=True,
@@ -47,21 +56,26 @@ def run_direct(steps: int) -> float:
     return time.perf_counter() - t0
 
 
-def run_ddpq(client: httpx.Client, steps: int) -> tuple[float, str]:
-    spec = {"entrypoint": PROGRAM, "world_size": 2, "args": ["--steps", str(steps)]}
+def run_ddpq(client: httpx.Client, argv: list[str], launcher: str) -> tuple[float, str]:
+    spec = {"entrypoint": argv[0], "world_size": 2, "args": argv[1:], "launcher": launcher}
     elapsed, final = run_job(client, spec)
     if final["status"] != "succeeded":
         raise SystemExit(f"job {final['id']} {final['status']}: {final['reason']}")
     return elapsed, phases(final)
 
 
+def run_way(client: httpx.Client, way: str, argv: list[str]) -> tuple[float, str]:
+    if way == "torchrun":
+        return run_direct(argv), ""
+    return run_ddpq(client, argv, "warm" if way == "ddpq-warm" else "torchrun")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--pairs", type=int, default=3)
-    ap.add_argument(
-        "--steps", type=int, default=4500, help="training steps (about 20 s on 2 cores)"
-    )
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--programs", default="trivial,300,2000")
     args = ap.parse_args()
+    names = args.programs.split(",")
 
     with database("sqlite") as url, serve(url) as api:
         env = child_env(DDPQ_WORKER_TOKEN=api.worker_token)
@@ -77,22 +91,27 @@ def main() -> None:
         )
         client = api.client()
         try:
-            direct = run_direct(args.steps)
-            through, phases = run_ddpq(client, args.steps)
-            print(f"warm-up: torchrun {direct:.2f}s, ddpq {through:.2f}s ({phases})")
-            ratios = []
-            for i in range(args.pairs):
-                direct = run_direct(args.steps)
-                through, phases = run_ddpq(client, args.steps)
-                ratios.append(through / direct)
+            for name in names:
+                argv = program(name)
+                times: dict[str, list[float]] = {w: [] for w in WAYS}
+                for i in range(args.rounds + 1):
+                    # The order turns each round: no way always follows another.
+                    order = WAYS[i % 3 :] + WAYS[: i % 3]
+                    said = []
+                    for way in order:
+                        took, ph = run_way(client, way, argv)
+                        if i:
+                            times[way].append(took)
+                        said.append(f"{way} {took:.2f}s" + (f" ({ph})" if ph else ""))
+                    print(f"{name} {'warm-up' if not i else f'round {i}'}: " + ", ".join(said))
+                med = {w: statistics.median(t) for w, t in times.items()}
+                base = med["torchrun"]
                 print(
-                    f"pair {i + 1}: torchrun {direct:.2f}s, ddpq {through:.2f}s ({phases}), "
-                    f"ratio {through / direct:.3f}"
+                    f"{name}: median torchrun {base:.2f}s, ddpq {med['ddpq']:.2f}s "
+                    f"({med['ddpq'] / base:.3f}x), ddpq-warm {med['ddpq-warm']:.2f}s "
+                    f"({med['ddpq-warm'] / base:.3f}x) over {args.rounds} rounds",
+                    flush=True,
                 )
-            print(
-                f"median ratio ddpq/torchrun: {statistics.median(ratios):.3f} "
-                f"over {args.pairs} pairs"
-            )
         finally:
             client.close()
             worker.terminate()

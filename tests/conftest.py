@@ -151,6 +151,9 @@ def _child_env(extra: dict[str, str]) -> dict[str, str]:
     # directories tests make (pytest's, 0700) are closed to those. Jobs run as the worker's
     # user unless a test asks for walls (tests/test_walls.py).
     env["DDPQ_JOB_UIDS"] = "off"
+    # The whole suite under the warm launcher (issue 34): DDPQ_TEST_LAUNCHER=warm.
+    if os.environ.get("DDPQ_TEST_LAUNCHER"):
+        env["DDPQ_LAUNCHER"] = os.environ["DDPQ_TEST_LAUNCHER"]
     env.update(extra)
     env["PYTHONUNBUFFERED"] = "1"
     return env
@@ -307,6 +310,17 @@ def up_argv(port: int, *args: str) -> list[str]:
     return [
         sys.executable, "-m", "ddpq.cli", "up", "--port", str(port), "--gpus", "none", *args,
     ]  # fmt: skip
+
+
+@pytest.fixture(params=["torchrun", "warm"])
+def launcher(request: pytest.FixtureRequest) -> str:
+    """A test that runs both ways: its workers start jobs with a cold torchrun, or forked
+    from a warm process (issue 34): pass ``env=launcher_env(launcher)`` to start_worker."""
+    return str(request.param)
+
+
+def launcher_env(launcher: str) -> dict[str, str]:
+    return {"DDPQ_LAUNCHER": launcher}
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Server, terminal, wait_for
+from tests.conftest import Server, launcher_env, terminal, wait_for
 from worker.procs import find_by_launch_id
 
 pytestmark = pytest.mark.torchrun
@@ -91,9 +91,9 @@ while True:
 
 
 def test_cancel_running_job_leaves_no_process_behind(
-    server: Server, start_worker, tmp_path: Path
+    server: Server, start_worker, tmp_path: Path, launcher: str
 ) -> None:
-    worker = start_worker(server, "--kill-grace-s", "2")
+    worker = start_worker(server, "--kill-grace-s", "2", env=launcher_env(launcher))
     (worker.workspace / "stubborn.py").write_text(CANCEL_PROBE)
     out = tmp_path / "pids"
     out.mkdir()

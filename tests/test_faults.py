@@ -22,6 +22,7 @@ from tests.conftest import (
     Server,
     _child_env,
     free_port,
+    launcher_env,
     start_server,
     stop_process,
     stop_server,
@@ -287,12 +288,12 @@ def _one_series(server: Server, jid: int, total: int) -> list[dict[str, Any]]:
 @pytest.mark.torchrun
 @SQLITE_ONLY
 def test_kill_9_worker_mid_job_resumes_elsewhere_from_last_checkpoint(
-    db_url: str, tmp_path: Path, start_worker: Any
+    db_url: str, tmp_path: Path, start_worker: Any, launcher: str
 ) -> None:
     server = start_server(db_url, tmp_path / "api", DDPQ_LEASE_S="3")
     try:
         record = tmp_path / "starts.jsonl"
-        a = start_worker(server, name="a")
+        a = start_worker(server, name="a", env=launcher_env(launcher))
         (a.workspace / "trainer.py").write_text(TRAINER)
         jid = _submit(server, record, "--epochs", "6", "--steps", "10")
         wait_for(lambda: _checkpointed(server, jid, 20), 90, "the second epoch's checkpoint")
@@ -312,7 +313,7 @@ def test_kill_9_worker_mid_job_resumes_elsewhere_from_last_checkpoint(
             ).stdout
             raise AssertionError(f"left behind:\n{ps}") from None
 
-        b = start_worker(server, name="b")
+        b = start_worker(server, name="b", env=launcher_env(launcher))
         (b.workspace / "trainer.py").write_text(TRAINER)
         final = terminal(server.client(), jid, timeout=120)
         assert final["status"] == "succeeded", (
@@ -336,10 +337,10 @@ def test_kill_9_worker_mid_job_resumes_elsewhere_from_last_checkpoint(
 @pytest.mark.torchrun
 @SQLITE_ONLY
 def test_kill_9_one_rank_restarts_the_group_inside_the_attempt(
-    server: Server, start_worker: Any, tmp_path: Path
+    server: Server, start_worker: Any, tmp_path: Path, launcher: str
 ) -> None:
     record = tmp_path / "starts.jsonl"
-    w = start_worker(server)
+    w = start_worker(server, env=launcher_env(launcher))
     (w.workspace / "trainer.py").write_text(TRAINER)
     jid = _submit(server, record, "--epochs", "5", "--steps", "10", max_restarts=1)
     wait_for(lambda: _checkpointed(server, jid, 10), 90, "the first epoch's checkpoint")

@@ -19,7 +19,15 @@ import httpx
 import pytest
 import yaml
 
-from tests.conftest import REPO, Server, start_server, stop_server, terminal, wait_for
+from tests.conftest import (
+    REPO,
+    Server,
+    launcher_env,
+    start_server,
+    stop_server,
+    terminal,
+    wait_for,
+)
 from tests.helpers import records, register, send_log
 from worker.procs import find_by_launch_id
 
@@ -486,7 +494,7 @@ dist.destroy_process_group()
 @pytest.mark.torchrun
 @pytest.mark.postgres
 def test_two_workers_on_two_api_processes_run_a_2x2_job_and_retry_it_as_one(
-    pg_url: str, tmp_path: Path, start_worker: Any
+    pg_url: str, tmp_path: Path, start_worker: Any, launcher: str
 ) -> None:
     # A lease long enough that a loaded machine's slow heartbeat never loses a node; the
     # teardown does not wait for it when the survivor's ranks fail on the lost peer.
@@ -498,8 +506,8 @@ def test_two_workers_on_two_api_processes_run_a_2x2_job_and_retry_it_as_one(
     try:
         local = ("--advertise-addr", "127.0.0.1", "--rdzv-ports", "29400-29999")
         workers = {
-            "a": start_worker(api1, *local, name="a", cpu_slots=2),
-            "b": start_worker(api2, *local, name="b", cpu_slots=2),
+            "a": start_worker(api1, *local, name="a", cpu_slots=2, env=launcher_env(launcher)),
+            "b": start_worker(api2, *local, name="b", cpu_slots=2, env=launcher_env(launcher)),
         }
         for w in workers.values():
             (w.workspace / "train.py").write_text(PROGRAM)
@@ -557,7 +565,11 @@ def test_two_workers_on_two_api_processes_run_a_2x2_job_and_retry_it_as_one(
 
         # The killed worker comes back; the job is claimed again as one, as attempt 2.
         back = start_worker(
-            api1 if victim.name == "a" else api2, *local, name=victim.name, cpu_slots=2
+            api1 if victim.name == "a" else api2,
+            *local,
+            name=victim.name,
+            cpu_slots=2,
+            env=launcher_env(launcher),
         )
         assert back.workspace == victim.workspace
         final = terminal(api1.client(), jid, timeout=150)

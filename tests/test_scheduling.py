@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import Server, start_server, stop_server, terminal, wait_for
+from tests.conftest import Server, launcher_env, start_server, stop_server, terminal, wait_for
 from tests.helpers import register
 
 GPU = {"entrypoint": "probe.py", "device": "cuda"}
@@ -277,8 +277,10 @@ def test_gpu_jobs_on_a_four_gpu_worker(server: Server, start_worker, tmp_path: P
 
 
 @pytest.mark.torchrun
-def test_timeout_kills_the_attempt_and_fails_the_job(server: Server, start_worker) -> None:
-    worker = start_worker(server, "--kill-grace-s", "2")
+def test_timeout_kills_the_attempt_and_fails_the_job(
+    server: Server, start_worker, launcher: str
+) -> None:
+    worker = start_worker(server, "--kill-grace-s", "2", env=launcher_env(launcher))
     (worker.workspace / "forever.py").write_text("import time\nwhile True:\n    time.sleep(0.1)\n")
     job = _submit(server, entrypoint="forever.py", world_size=2, timeout_s=3)
     final = terminal(server.client(), job["id"], timeout=90)

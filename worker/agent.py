@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any, Unpack
 
 from ddpq.messages import ClaimedJob, HeldAttempt
-from worker import procs
+from worker import procs, warm
 from worker import walls as walls_
 from worker.gpuuse import GpuUseLog
 from worker.loop import Loop, Room, Settings
@@ -39,6 +39,7 @@ class Agent:
         rdzv_ports: tuple[int, int] | None = None,
         keep_workdirs_s: float = 0.0,
         walls: Walls | None = None,
+        launcher: str = warm.DEFAULT_LAUNCHER,
         **settings: Unpack[Settings],
     ) -> None:
         self.walls = walls or Walls(None)
@@ -67,6 +68,7 @@ class Agent:
         self._slots_changed = threading.Event()
         self.gpu_use = GpuUseLog()
         (self.data_dir / "torchrun-logs").mkdir(exist_ok=True)
+        pool = warm.WarmPool()
         self.context = RunContext(
             api=self.loop.api,
             name=self.name,
@@ -80,7 +82,11 @@ class Agent:
             workdirs=self.workdirs,
             venvs=self.loop.venvs,
             walls=self.walls,
+            warm_pool=pool,
+            launcher=launcher,
         )
+        if launcher == "warm":  # the default environment's, ready before the first job
+            pool.prestart(sys.executable, warm.default_zygote_env())
 
     # ---- slots ------------------------------------------------------------------
 

@@ -29,7 +29,7 @@ from typing import Any, Unpack
 from ddpq.errors import JobError, SlurmError, Stopped
 from ddpq.messages import ClaimedJob, HeldAttempt
 from ddpq.wire import Backoff
-from worker import slurm
+from worker import slurm, warm
 from worker.logship import LogShipper
 from worker.loop import Loop, Room, Settings
 from worker.outcome import Outcome, stopped
@@ -93,6 +93,7 @@ class Bridge:
         sbatch_args: tuple[str, ...] = (),
         max_pending: int = 2,
         poll_s: float = 2.0,
+        launcher: str = warm.DEFAULT_LAUNCHER,
         **settings: Unpack[Settings],
     ) -> None:
         self.loop = Loop(self, default_name=f"slurm-{partition}@{socket.gethostname()}", **settings)
@@ -102,6 +103,7 @@ class Bridge:
         self.max_pending = max_pending
         self.poll_s = poll_s
         self.scripts = self.loop.data_dir / "slurm"
+        self.launcher = launcher  # for jobs whose spec names none (worker.warm)
         self.submission = slurm.Submission(
             partition=partition,
             account=account,
@@ -290,6 +292,9 @@ class Bridge:
                 "program": launch.program,
                 "env": env,  # the ranks' environment, the job token with it
                 "comment": slurm.comment(self.name, self.api.identity),
+                # Each node starts its own warm process (worker.slurmnode): no process of
+                # ddpq's outlives a Slurm job on a node.
+                "launcher": warm.choose(claim.spec, self.launcher)[0],
             }
         )
         self.scripts.mkdir(parents=True, exist_ok=True)  # Slurm's own output files

@@ -217,8 +217,13 @@ def _flush_all() -> bool:
     import contextlib
     import gc
     import io
+    import warnings
 
-    streams = [o for o in gc.get_objects() if isinstance(o, io.IOBase)]
+    # isinstance on every object: some warn when asked (torch.distributed.reduce_op, once
+    # torch.distributed.run is imported, says it is deprecated).
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        streams = [o for o in gc.get_objects() if isinstance(o, io.IOBase)]
     streams.sort(key=lambda o: not isinstance(o, io.TextIOBase))
     for stream in streams:
         if stream is sys.stdout or stream is sys.stderr:

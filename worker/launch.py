@@ -1,4 +1,4 @@
-"""Attempt supervisor: ``python -m worker.launch PARENT_PID GRACE_S UID:GID|- -- ARGV...``.
+"""Attempt supervisor: ``python -m worker.launch PARENT_PID GRACE_S UID:GID|- --|WARM ARGV...``.
 
 Runs ARGV (torchrun) as its child, under UID:GID when given (a walled attempt: see
 worker.walls; this process stays the worker's, so it can always stop the child), and
@@ -22,6 +22,10 @@ It is not dumpable: its environment is the job's (the job token) or, under `ddpq
 the worker's (the worker token), and another process of its user must not read it.
 Walled, it sets no_new_privs before it starts the child: nothing the job runs, a
 set-uid file it made among them, gains a privilege by exec.
+
+With ``--warm=SOCKET`` instead of ``--`` (issue 34), the child is not exec'd: a warm
+process (worker.zygote) forks it, and this process holds it as it holds a Popen
+(worker.zygote.WarmChild), the rest as above.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import subprocess
 import sys
 import time
 
-from worker import procs
+from worker import procs, zygote
 
 PR_SET_PDEATHSIG = 1
 PR_SET_NO_NEW_PRIVS = 38
@@ -46,13 +50,14 @@ def main() -> None:
     uid = gid = None
     if sys.argv[3] != "-":
         uid, gid = (int(x) for x in sys.argv[3].split(":"))
+    warm_socket = sys.argv[4].removeprefix("--warm=") if sys.argv[4] != "--" else None
     argv = sys.argv[5:]
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
     if uid is not None and libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
         sys.exit(f"prctl(PR_SET_NO_NEW_PRIVS): {os.strerror(ctypes.get_errno())}")
     stop_at: list[float] = []
-    started: list[subprocess.Popen[bytes]] = []
+    started: list[subprocess.Popen[bytes] | zygote.WarmChild] = []
 
     def on_signal(signum: int, _frame: object) -> None:
         # Forwarded once: torchrun answers a second SIGTERM by abandoning its cleanup.
@@ -69,7 +74,11 @@ def main() -> None:
     walled: dict[str, object] = (
         {} if uid is None else {"user": uid, "group": gid, "extra_groups": []}
     )
-    child = subprocess.Popen(argv, **walled)  # type: ignore[call-overload]
+    child: subprocess.Popen[bytes] | zygote.WarmChild
+    if warm_socket is not None:  # the warm process's fork drops to uid:gid itself
+        child = zygote.WarmChild(warm_socket, argv, uid, gid)
+    else:
+        child = subprocess.Popen(argv, **walled)  # type: ignore[call-overload]
     started.append(child)
     if stop_at:  # stopped while starting
         child.send_signal(signal.SIGTERM)

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 LAUNCH_ID_VAR = "DDPQ_LAUNCH_ID"
+_CHECKOUT = str(Path(__file__).resolve().parent.parent)
 PR_SET_DUMPABLE = 4
 
 
@@ -51,16 +52,24 @@ def launch_prefix(worker_name: str, data_dir: Path) -> str:
 
 
 def launcher_argv(
-    argv: list[str], grace_s: float = 10.0, uid: int | None = None, gid: int | None = None
+    argv: list[str],
+    grace_s: float = 10.0,
+    uid: int | None = None,
+    gid: int | None = None,
+    warm: str | None = None,
 ) -> list[str]:
     """Wrap ``argv`` so that it dies with the calling thread (see worker.launch), run
-    under ``uid``:``gid`` when given (the launcher itself stays the worker's)."""
+    under ``uid``:``gid`` when given (the launcher itself stays the worker's); forked by
+    the warm process at the socket ``warm`` when given (worker.warm)."""
     who = "-" if uid is None else f"{uid}:{gid if gid is not None else uid}"
     # -I: started in the job's directory, it must not import the job's files (a
     # worker/launch.py of its code) nor heed PYTHON* variables: walled, it runs as root.
+    # The worker's own checkout, named: -I leaves PYTHONPATH out, and an installed copy of
+    # ddpq elsewhere must not stand in for the code this worker runs.
+    run = f"import sys; sys.path.insert(0, {_CHECKOUT!r}); from worker.launch import main; main()"
     return [
-        sys.executable, "-I", "-m", "worker.launch", str(os.getpid()), str(grace_s), who, "--",
-        *argv,
+        sys.executable, "-I", "-c", run, str(os.getpid()), str(grace_s), who,
+        "--" if warm is None else f"--warm={warm}", *argv,
     ]  # fmt: skip
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from ddpq.errors import ApiRefused, ApiUnavailable, JobError, Stopped
 from ddpq.messages import ClaimedJob, GangReply
-from worker import outputs, prepare, procs, torchrun
+from worker import outputs, prepare, procs, torchrun, warm
 from worker.api import WorkerAPI
 from worker.code import Workdirs
 from worker.logship import LogShipper, Tailed
@@ -59,6 +59,10 @@ class RunContext:
     venvs: Venvs
     # Whether each attempt runs under a uid of its own (worker.walls).
     walls: Walls = field(default_factory=lambda: Walls(None))
+    # The warm launcher (worker.warm, issue 34): its processes, and the launcher a job
+    # whose spec names none uses.
+    warm_pool: warm.WarmPool | None = None
+    launcher: str = warm.DEFAULT_LAUNCHER
 
     @property
     def logs_root(self) -> Path:
@@ -281,16 +285,26 @@ class JobRunner:
             rdzv = torchrun.rendezvous(self.gang, self.ctx.advertise_addr)
             ranks_dir = held.own(log_dir / "ranks")
             argv = torchrun.argv(launch.python, self.claim, rdzv, launch.program, ranks_dir)
-            return self._supervise(argv, log_dir / "output.log", launch, shipper, held)
+            forked_by = warm.socket_for_attempt(
+                self.ctx.warm_pool, self.ctx.launcher, self.claim.spec, self.claim.nproc_per_node,
+                launch.python, launch.env, lambda line: shipper.write(line.encode()),
+            )  # fmt: skip
+            return self._supervise(argv, log_dir / "output.log", launch, shipper, held, forked_by)
 
     # ---- supervision -------------------------------------------------------------------
 
     def _supervise(
-        self, argv: list[str], output: Path, launch: prepare.Launch, shipper: LogShipper, held: Held
+        self,
+        argv: list[str],
+        output: Path,
+        launch: prepare.Launch,
+        shipper: LogShipper,
+        held: Held,
+        warm_socket: str | None = None,
     ) -> Outcome:
         uid = held.user.uid if held.user else None
         run = Tailed(
-            procs.launcher_argv(argv, self.ctx.kill_grace_s, uid, uid),
+            procs.launcher_argv(argv, self.ctx.kill_grace_s, uid, uid, warm_socket),
             output,
             shipper.write,
             env=launch.env,

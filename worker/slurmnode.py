@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpq.messages import ClaimedJob, GangReply
-from worker import procs, slurm, torchrun
+from worker import procs, slurm, torchrun, warm
 from worker.api import WorkerAPI
 from worker.logship import LogShipper, Tailed
 
@@ -111,6 +111,11 @@ def _run(
     slurm_job: str,
     shipper: LogShipper,
 ) -> int:
+    pool = None
+    if plan.get("launcher") == "warm":  # its import overlaps the rendezvous's set-up
+        pool = warm.WarmPool()
+        zygote_env = warm.zygote_env(env, claim.spec, claim.nproc_per_node)
+        pool.prestart(sys.executable, zygote_env)
     gang = rendezvous(claim, node, slurm_job, os.environ.get("SLURM_JOB_NODELIST", ""))
     rdzv = torchrun.rendezvous(gang, socket.gethostname())
     Path(claim.checkpoint_dir).mkdir(parents=True, exist_ok=True)
@@ -121,6 +126,13 @@ def _run(
 
     with tempfile.TemporaryDirectory(prefix="ddpq-node-") as tmp:
         argv = torchrun.argv(sys.executable, claim, rdzv, plan["program"], Path(tmp))
+        if pool is not None:  # forked by the warm process, under worker.launch's care
+            try:
+                sock = pool.socket_for(sys.executable, zygote_env)
+            except OSError as exc:
+                write(f"[ddpq] launcher: torchrun, not warm: {exc}\n".encode())
+            else:
+                argv = procs.launcher_argv(argv, KILL_GRACE_S, warm=sock)
         run = Tailed(argv, Path(tmp) / "output.log", write, env=env, name=f"out-node{node}")
         stopping = threading.Event()
         _forward_stop(run.proc, stopping)

@@ -133,6 +133,14 @@ def worker(
             "files of their code: url, option or path-outside (repeat for several)"
         ),
     ] = None,
+    launcher: Annotated[
+        str,
+        typer.Option(
+            envvar="DDPQ_LAUNCHER",
+            help="how jobs whose spec names no launcher start: torchrun (a cold torchrun per "
+            "attempt) or warm (forked from a process with torch imported: seconds faster)",
+        ),
+    ] = "torchrun",
     log_level: str = "info",
 ) -> None:
     """Run a worker on this host, or a bridge to a Slurm partition.
@@ -182,11 +190,19 @@ def worker(
         "code_cache_bytes": int(code_cache_gb * 1000**3), "max_envs": max(1, max_envs),
         "pip_policy": pip_policy,
     }  # fmt: skip
+    if launcher not in ("torchrun", "warm"):
+        _fail(f"--launcher takes torchrun or warm, not {launcher!r}", EXIT_USAGE)
     if executor == "slurm":
         if not partition:
             _fail("--executor slurm needs --partition", EXIT_USAGE)
         _run_bridge(
-            common, partition, account, tuple(sbatch_arg or ()), max(1, max_pending), poll_s
+            common,
+            partition,
+            account,
+            tuple(sbatch_arg or ()),
+            max(1, max_pending),
+            poll_s,
+            launcher,
         )
         return
     if executor != "local":
@@ -204,6 +220,7 @@ def worker(
         rdzv_ports=ports,
         keep_workdirs_s=keep_workdirs_s,
         walls=walls,
+        launcher=launcher,
     )
     try:
         agent.run()
@@ -220,6 +237,7 @@ def _run_bridge(
     sbatch_args: tuple[str, ...],
     max_pending: int,
     poll_s: float,
+    launcher: str = "torchrun",
 ) -> None:
     """Run a Slurm bridge, or exit with why the partition or the API refuse it."""
     from worker.bridge import Bridge
@@ -231,6 +249,7 @@ def _run_bridge(
         sbatch_args=sbatch_args,
         max_pending=max_pending,
         poll_s=max(0.2, poll_s),
+        launcher=launcher,
     )
     try:
         bridge.shape()

@@ -98,6 +98,10 @@ class JobSpec(Strict):
     # server's DDPQ_KEEP_LAST); older ones are deleted as new ones register, except those
     # saved with keep=True and the one a resume would use (service.checkpoints).
     keep_last: Annotated[int | None, Field(strict=True, ge=0, le=MAX_KEEP_LAST)] = None
+    # How the worker starts the ranks: a cold torchrun, or forked from a warm process with
+    # torch imported (issue 34; what differs is in docs/training.md). None: the worker's
+    # default (its DDPQ_LAUNCHER).
+    launcher: Literal["torchrun", "warm"] | None = None
 
     @field_validator("recipe")
     @classmethod
@@ -165,6 +169,7 @@ class JobSpecPublic(BaseModel):
     code: str | None = None
     pip: list[str] = []
     keep_last: int | None = None
+    launcher: str | None = None
 
 
 FileBytes = Annotated[int, Field(strict=True, ge=0, le=INT64_MAX)]

@@ -1,0 +1,202 @@
+"""The warm launcher (issue 34): a rank forked from a warm process sees what a rank of a
+cold torchrun sees, but for the differences docs/training.md lists; cancel, a failing
+rank, and a killed rank behave as under torchrun."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import Server, terminal, wait_for
+from worker.procs import find_by_launch_id
+from worker.warm import choose, zygote_env
+
+pytestmark = pytest.mark.torchrun
+
+PROBE = Path(__file__).with_name("launcher_probe.py")
+
+# What a rank may see differ between the launchers (docs/training.md, the warm launcher):
+# values that differ from one run to the next anyway, under either launcher.
+PER_RUN_ENV = {
+    "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "DDPQ_JOB_ID",
+    "DDPQ_JOB_TOKEN", "DDPQ_LAUNCH_ID", "DDPQ_CHECKPOINT_DIR", "TMPDIR",
+    "TORCHELASTIC_RESTART_COUNT",
+}  # fmt: skip
+PER_RUN = {"random", "torch_seed", "argv", "fds"}
+# ...and what the warm launcher changes: modules already imported (a superset), the
+# string hash seed, shared by one attempt's ranks.
+WARM_ONLY_MODULE_PREFIXES = ("torch", "worker", "ddpq", "numpy", "multiprocessing")
+
+
+def _probe(server: Server, worker: Any, launcher: str, out: Path, *args: str) -> dict[str, Any]:
+    out.mkdir()
+    c = server.client()
+    job = c.post(
+        "/jobs",
+        json={
+            "entrypoint": "probe.py",
+            "world_size": 2,
+            "args": [str(out), *args],
+            "launcher": launcher,
+        },
+    ).json()
+    final = terminal(c, job["id"])
+    final["log"] = c.get(f"/jobs/{job['id']}/logs").text
+    final["ranks"] = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return final
+
+
+def test_a_rank_sees_what_it_sees_under_torchrun(
+    server: Server, start_worker, tmp_path: Path
+) -> None:
+    worker = start_worker(server)
+    shutil.copy(PROBE, worker.workspace / "probe.py")
+    cold = _probe(server, worker, "torchrun", tmp_path / "cold")
+    warm = _probe(server, worker, "warm", tmp_path / "warm")
+    assert cold["status"] == warm["status"] == "succeeded", (cold["log"], warm["log"])
+    assert "launcher: torchrun, not warm" not in warm["log"]
+    for rank, (c, w) in enumerate(zip(cold["ranks"], warm["ranks"], strict=True)):
+        # The warm rank did come from the warm process: torch was there before the program.
+        assert set(c["modules"]) <= set(w["modules"]), rank
+        extra = set(w["modules"]) - set(c["modules"])
+        assert extra, "the warm launcher was not used"
+        strange = sorted(m for m in extra if not m.startswith(WARM_ONLY_MODULE_PREFIXES))
+        assert len(strange) < 200, strange  # stdlib modules torch's import brings
+        assert c["argv"][0] == w["argv"][0] and c["argv"][2:] == w["argv"][2:]
+        assert set(c["env"]) == set(w["env"]), set(c["env"]) ^ set(w["env"])
+        for key in set(c["env"]) - PER_RUN_ENV:
+            assert c["env"][key] == w["env"][key], key
+        for key in set(c) - PER_RUN - {"env", "modules", "path", "main_file"}:
+            assert c[key] == w[key], (rank, key, c[key], w[key])
+        assert [p.replace(str(tmp_path / "cold"), "") for p in c["path"]] == [
+            p.replace(str(tmp_path / "warm"), "") for p in w["path"]
+        ]
+        assert c["fds"] == w["fds"], rank
+    assert cold["ranks"][0]["random"] != cold["ranks"][1]["random"]
+    for key in ("random", "torch_seed"):
+        assert warm["ranks"][0][key] != warm["ranks"][1][key], key
+
+
+def test_a_failing_rank_ends_the_job_as_under_torchrun(
+    server: Server, start_worker, tmp_path: Path
+) -> None:
+    worker = start_worker(server)
+    shutil.copy(PROBE, worker.workspace / "probe.py")
+    cold = _probe(server, worker, "torchrun", tmp_path / "cold", "3")
+    warm = _probe(server, worker, "warm", tmp_path / "warm", "3")
+    for final in (cold, warm):
+        assert final["status"] == "failed", final["log"]
+        assert final["exit_code"] == 3, final
+        assert "[ddpq] first to fail: rank 1 (local rank 1) exited with code 3" in final["log"]
+
+
+STUBBORN = r"""
+import os, signal, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+with open(os.path.join(sys.argv[1], f"rank{os.environ['RANK']}.pid"), "w") as f:
+    f.write(str(os.getpid()))
+while True:
+    time.sleep(0.2)
+"""
+
+
+def test_cancel_leaves_no_forked_process_behind(
+    server: Server, start_worker, tmp_path: Path
+) -> None:
+    worker = start_worker(server, "--kill-grace-s", "2", "--launcher", "warm")
+    (worker.workspace / "stubborn.py").write_text(STUBBORN)
+    out = tmp_path / "pids"
+    out.mkdir()
+    c = server.client()
+    job = c.post(
+        "/jobs", json={"entrypoint": "stubborn.py", "world_size": 2, "args": [str(out)]}
+    ).json()
+    wait_for(lambda: len(list(out.glob("rank*.pid"))) == 2, 60, "both ranks to start")
+    launch_id = worker.launch_id(job["id"])
+    # Found by their launch id, as a cold torchrun's: the agent, its template, two ranks.
+    assert len(find_by_launch_id(launch_id)) >= 4
+    assert c.post(f"/jobs/{job['id']}/cancel").status_code == 202
+    final = terminal(c, job["id"], timeout=60)
+    assert final["status"] == "cancelled" and final["exit_code"] == 137, final
+    assert find_by_launch_id(launch_id) == []
+
+
+def test_which_launcher() -> None:
+    assert choose({}, "torchrun") == ("torchrun", None)
+    assert choose({}, "warm") == ("warm", None)
+    assert choose({"launcher": "torchrun"}, "warm") == ("torchrun", None)
+    launcher, why = choose({"launcher": "warm", "env": {"OMP_NUM_THREADS": "4"}}, "torchrun")
+    assert launcher == "torchrun" and why and "OMP_NUM_THREADS" in why
+    # A warm process never holds what is the job's or ddpq's own.
+    env = {"PATH": "/bin", "DDPQ_JOB_TOKEN": "ddpqj_x", "MY": "1", "TMPDIR": "/tmp/j"}
+    z = zygote_env(env, {"env": {"MY": "1"}}, 2)
+    assert "DDPQ_JOB_TOKEN" not in z and "MY" not in z and "TMPDIR" not in z
+    assert z["OMP_NUM_THREADS"] == "1" and z["PATH"] == "/bin"
+
+
+FORKED = r"""
+import os, sys
+import torch.distributed as dist
+# torchrun's own module, which only a rank forked from the warm process has at its start.
+print(f"rank {os.environ['RANK']} forked {'torch.distributed.run' in sys.modules}", flush=True)
+dist.init_process_group("gloo")
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_a_slurm_node_forks_its_ranks_from_a_warm_process_of_its_own(
+    server: Server, tmp_path: Path
+) -> None:
+    """The bridge's plan says ``launcher: warm``: the node launcher (what srun starts, run
+    here by hand on one node) starts a warm process of its own and forks torchrun from it."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.test_bridge_protocol import _claim, _register_bridge
+
+    _register_bridge(server, nodes=1, cpus_per_node=2)
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    (workspace / "forked.py").write_text(FORKED)
+    c = server.client()
+    spec = {"entrypoint": "forked.py", "world_size": 2, "launcher": "warm"}
+    job_id = c.post("/jobs", json=spec).json()["id"]
+    claim = _claim(server)
+    assert claim is not None
+    plan_env = {
+        "PATH": os.environ["PATH"],
+        "HOME": os.environ.get("HOME", "/root"),
+        "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+        "DDPQ_URL": server.url,
+        "DDPQ_JOB_ID": str(job_id),
+        "DDPQ_JOB_TOKEN": claim["token"],
+        "DDPQ_ATTEMPT": "1",
+        "DDPQ_CHECKPOINT_DIR": str(tmp_path / "ckpt"),
+        "DDPQ_DEVICE": "cpu",
+        "CUDA_VISIBLE_DEVICES": "",
+    }
+    plan = {
+        "claim": {k: v for k, v in claim.items() if k != "token"},
+        "program": [str(workspace / "forked.py")],
+        "env": plan_env,
+        "comment": "ddpq bridge bridge -",
+        "launcher": "warm",
+    }
+    node = subprocess.run(
+        [sys.executable, "-m", "worker.slurmnode"],
+        env={**plan_env, "DDPQ_SLURM_PLAN": json.dumps(plan)},
+        cwd=workspace,
+        capture_output=True,
+        timeout=180,
+    )
+    out = node.stdout.decode(errors="replace") + node.stderr.decode(errors="replace")
+    assert node.returncode == 0, out
+    logs = c.get(f"/jobs/{job_id}/logs").text
+    for rank in (0, 1):
+        assert f"[rank{rank}]: rank {rank} forked True" in logs, logs

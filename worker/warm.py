@@ -1,0 +1,203 @@
+"""The warm launcher, the worker's side (issue 34): which launcher an attempt uses, the
+warm processes (worker.zygote) this worker keeps, one per (interpreter, environment), and
+how an attempt's supervisor (worker.launch) asks one for its torchrun.
+
+A job's spec says ``launcher: torchrun`` or ``warm``; without one, the worker's
+``DDPQ_LAUNCHER`` decides (``torchrun`` until the warm launcher is proven on both kinds of
+worker). A job whose own ``env`` sets a variable the interpreter or torch reads as it starts
+(PYTHON*, OMP_*, ...) runs under a cold torchrun anyway: a warm process read those long
+before the job existed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from worker import torchrun, zygote
+
+log = logging.getLogger("ddpq.worker")
+
+LAUNCHERS = ("torchrun", "warm")
+DEFAULT_LAUNCHER = "torchrun"
+START_TIMEOUT_S = 120.0  # a zygote's own import of torch, on a loaded host
+# Variables of a job's own env that a warm process would have read before the job: the
+# interpreter's, the C libraries' thread pools and allocators, torch's, the locale.
+READ_AT_START = (
+    "PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "TORCH_", "PYTORCH_", "LD_",
+    "MALLOC_", "LC_", "LANG",
+)  # fmt: skip
+# What the ranks' environment has that differs from one attempt to the next (never in a
+# warm process's: ddpq's own, the job's scratch and identity, its GPUs).
+PER_ATTEMPT = frozenset(
+    {"TMPDIR", "HOME", "USER", "LOGNAME", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"}
+)
+
+
+def choose(spec: Mapping[str, Any], default: str) -> tuple[str, str | None]:
+    """The launcher an attempt uses, and when it is not the one asked for, why."""
+    asked = str(spec.get("launcher") or default)
+    if asked != "warm":
+        return "torchrun", None
+    read = sorted(k for k in spec.get("env", {}) if k.startswith(READ_AT_START))
+    if read:
+        return "torchrun", f"its env sets {', '.join(read)[:200]}, read as the interpreter starts"
+    return "warm", None
+
+
+def zygote_env(env: Mapping[str, str], spec: Mapping[str, Any], nproc: int) -> dict[str, str]:
+    """A warm process's environment for ranks whose environment is ``env``: what of it the
+    worker gives every job (the allow-list, the interpreter activated), never ddpq's own
+    (the job's token), the job's own or the attempt's; OMP_NUM_THREADS as torchrun sets it
+    for the ranks (before torch is imported: torch sizes its pool then)."""
+    own = set(spec.get("env", {}))
+    base = {
+        k: v
+        for k, v in env.items()
+        if (k in torchrun.INHERITED_ENV or k.startswith(torchrun.INHERITED_PREFIXES))
+        and k not in own
+        and k not in PER_ATTEMPT
+    }
+    if "OMP_NUM_THREADS" not in base and nproc > 1:
+        base["OMP_NUM_THREADS"] = "1"
+    base["PYTHONUNBUFFERED"] = "1"
+    base[zygote.LAUNCH_ID_VAR] = zygote.PLACEHOLDER
+    return base
+
+
+def default_zygote_env(nproc: int = 2) -> dict[str, str]:
+    """The warm process's environment for a job of the worker's own interpreter with no
+    env of its own (what a worker with the warm launcher on starts ahead)."""
+    inherited = {
+        k: v
+        for k, v in os.environ.items()
+        if k in torchrun.INHERITED_ENV or k.startswith(torchrun.INHERITED_PREFIXES)
+    }
+    return zygote_env(inherited, {}, nproc)
+
+
+class WarmPool:
+    """This worker's warm processes, started on first use (or ahead, by ``prestart``), each
+    by a thread of its own that lives as long as it does (its death signal follows that
+    thread), so the warm processes die with the worker."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._zygotes: dict[tuple[str, tuple[tuple[str, str], ...]], _Zygote] = {}
+
+    def socket_for(self, python: str, env: dict[str, str]) -> str:
+        """The socket of the warm process for ``python`` with ``env`` (worker.zygote),
+        started if it is not running; waits for its imports."""
+        key = (python, tuple(sorted(env.items())))
+        with self._lock:
+            z = self._zygotes.get(key)
+            if z is None or z.dead():
+                z = _Zygote(python, env)
+                self._zygotes[key] = z
+        return z.ready()
+
+    def prestart(self, python: str, env: dict[str, str]) -> None:
+        threading.Thread(
+            target=lambda: self._quietly(python, env), name="warm-prestart", daemon=True
+        ).start()
+
+    def _quietly(self, python: str, env: dict[str, str]) -> None:
+        try:
+            self.socket_for(python, env)
+        except OSError as exc:
+            log.warning("warm launcher: could not start (%s)", exc)
+
+    def stop(self) -> None:
+        with self._lock:
+            for z in self._zygotes.values():
+                z.stop()
+            self._zygotes.clear()
+
+
+class _Zygote:
+    def __init__(self, python: str, env: dict[str, str]) -> None:
+        # A short path (a socket's has at most 107 bytes), in a directory of its own.
+        self._dir = tempfile.mkdtemp(prefix="ddpq-warm-")
+        os.chmod(self._dir, 0o700)
+        self.path = os.path.join(self._dir, "s")
+        self._python = python
+        self._env = env
+        self._ready = threading.Event()
+        self._error: str | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._thread = threading.Thread(target=self._run, name="warm-zygote", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        argv = [self._python, "-u", "-P", "-m", "worker.zygote", self.path, str(os.getpid())]
+        try:
+            # cwd /: a warm process holds no job's directory; its forks move to theirs.
+            self.proc = subprocess.Popen(
+                argv, env=self._env, cwd="/", stdin=subprocess.DEVNULL, stdout=subprocess.PIPE
+            )
+        except OSError as exc:
+            self._error = str(exc)
+            self._ready.set()
+            return
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if line != zygote.READY:
+            self._error = f"it exited with {self.proc.wait()} before it was ready"
+        self._ready.set()
+        self.proc.wait()  # this thread lives as long as the process: its death signal
+        self._remove()
+
+    def _remove(self) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+        with contextlib.suppress(OSError):
+            os.rmdir(self._dir)
+
+    def ready(self) -> str:
+        if not self._ready.wait(START_TIMEOUT_S) or self._error:
+            raise OSError(f"the warm launcher did not start: {self._error or 'timed out'}")
+        return self.path
+
+    def dead(self) -> bool:
+        return self._ready.is_set() and (self.proc is None or self.proc.poll() is not None)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+        self._remove()
+
+
+def python_version_ok() -> bool:
+    """pidfds (Linux 5.3, Python 3.9) and socket fd passing the supervisor needs."""
+    return sys.platform.startswith("linux") and hasattr(os, "pidfd_open")
+
+
+def socket_for_attempt(
+    pool: WarmPool | None,
+    default: str,
+    spec: Mapping[str, Any],
+    nproc: int,
+    python: str,
+    env: Mapping[str, str],
+    say: Callable[[str], None],
+) -> str | None:
+    """The warm process's socket an attempt's torchrun is forked from, or None for a cold
+    torchrun (the launcher chosen, or the warm one unavailable: the job's log says why)."""
+    launcher, why = choose(spec, default)
+    if launcher != "warm" or pool is None:
+        if why:
+            say(f"[ddpq] launcher: torchrun, not warm: {why}\n")
+        return None
+    try:
+        return pool.socket_for(python, zygote_env(env, spec, nproc))
+    except OSError as exc:
+        log.warning("warm launcher unavailable: %s", exc)
+        say(f"[ddpq] launcher: torchrun, not warm: {exc}\n")
+        return None

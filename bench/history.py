@@ -331,6 +331,9 @@ QUERIES: dict[str, dict[str, str | int]] = {
     "ls --user --status failed": {"limit": 50, "user": "u007", "status": "failed"},
     "ls --status running": {"limit": 50, "status": "running,queued"},
     "ls --mine (few jobs)": {"limit": 50, "mine": "true"},
+    "ls --user (no jobs)": {"limit": 50, "user": "nobody"},
+    # Not a goal: a text search of names walks the jobs until it has a page.
+    "ls --name (one match)": {"limit": 50, "name": "long-run"},
 }
 KINDS = [*QUERIES, "job", "metrics", "claim"]
 

@@ -85,6 +85,9 @@ def main() -> None:
                 *["--workspace", str(REPO), "--name", "bench", "--gpus", "none"],
                 *["--data-dir", str(api.data_dir / "worker"), "--cpu-slots", "2"],
                 *["--log-level", "warning"],
+                # As root, a worker would wall each job under a uid of its own, which cannot
+                # run this checkout's interpreter; walls cost ~1 % (bench/code.py --walls).
+                *["--job-uids", "off"],
             ],
             env=env,
             cwd=api.data_dir,

@@ -80,7 +80,9 @@ def sweep(db: Database, budget_s: float = 1.0) -> Swept:
 
 
 def _drop_logs(db: Database, cutoff: datetime, deadline: float, out: Swept) -> bool:
-    while time.monotonic() < deadline:
+    # Each loop below does at least one transaction's work before it looks at the clock,
+    # so a round always moves on, however short its budget.
+    while True:
         with db.write() as s:
             rows = s.execute(
                 select(Job.id, Job.log_size)
@@ -100,13 +102,14 @@ def _drop_logs(db: Database, cutoff: datetime, deadline: float, out: Swept) -> b
             s.execute(delete(LogChunk).where(LogChunk.job_id.in_(ids)))
             s.execute(update(Job).where(Job.id.in_(ids)).values(log_dropped_at=utcnow()))
             out.logs += len(ids)
-    return False
+        if time.monotonic() >= deadline:
+            return False
 
 
 def _thin_metrics(
     db: Database, cutoff: datetime, max_points: int, deadline: float, out: Swept
 ) -> bool:
-    while time.monotonic() < deadline:
+    while True:
         with db.read() as s:
             job_ids = list(
                 s.scalars(
@@ -132,27 +135,20 @@ def _thin_metrics(
                 s.execute(update(Job).where(Job.id.in_(few)).values(metrics_swept_at=utcnow()))
             out.jobs += len(few)
         for job_id in many:
-            if time.monotonic() >= deadline:
-                return False
-            removed = _thin_job(db, job_id, max_points, deadline)
-            if removed is None:
+            if not _thin_job(db, job_id, max_points, deadline, out):
                 return False  # the budget ran out inside the job: the next round goes on
             with db.write() as s:
-                s.execute(
-                    update(Job)
-                    .where(Job.id == job_id)
-                    .values(
-                        metrics_swept_at=utcnow(), metrics_thinned=Job.metrics_thinned + removed
-                    )
-                )
-            out.points += removed
+                s.execute(update(Job).where(Job.id == job_id).values(metrics_swept_at=utcnow()))
             out.jobs += 1
-    return False
+            if time.monotonic() >= deadline:
+                return False
+        if time.monotonic() >= deadline:
+            return False
 
 
-def _thin_job(db: Database, job_id: int, max_points: int, deadline: float) -> int | None:
-    """Downsample each of the job's series; the points removed (None: not finished)."""
-    removed = 0
+def _thin_job(db: Database, job_id: int, max_points: int, deadline: float, out: Swept) -> bool:
+    """Downsample each of the job's series; False if the budget ran out first. The job
+    counts the points removed in the transaction that removes them."""
     with db.read() as s:
         names = series_names(s, job_id)
     for name in names:
@@ -164,8 +160,6 @@ def _thin_job(db: Database, job_id: int, max_points: int, deadline: float) -> in
         # Key ranges of at most BATCH_ROWS points, each deleted in its own transaction.
         after = -1
         while True:
-            if time.monotonic() >= deadline:
-                return None
             with db.write() as s:
                 end = s.scalar(
                     select(MetricPoint.step)
@@ -181,8 +175,17 @@ def _thin_job(db: Database, job_id: int, max_points: int, deadline: float) -> in
                         *series, MetricPoint.step > after, upto, MetricPoint.step.not_in(keep)
                     )
                 )
-                removed += max(0, cast(CursorResult[Any], gone).rowcount or 0)
+                removed = max(0, cast(CursorResult[Any], gone).rowcount or 0)
+                if removed:
+                    s.execute(
+                        update(Job)
+                        .where(Job.id == job_id)
+                        .values(metrics_thinned=Job.metrics_thinned + removed)
+                    )
+                out.points += removed
             if end is None:
                 break
             after = end
-    return removed
+            if time.monotonic() >= deadline:
+                return False
+    return True

@@ -238,8 +238,10 @@ def api(tmp_path: Path) -> Iterator[Server]:
     stop_server(s)
 
 
-def scenario_on(api: Server, base: Path, walled: bool, started: str) -> tuple[dict[str, Any], str]:
-    worker, worker_log = start_host_worker(api, base, walled)
+def scenario_on(
+    api: Server, base: Path, walled: bool, started: str, *extra: str
+) -> tuple[dict[str, Any], str]:
+    worker, worker_log = start_host_worker(api, base, walled, *extra)
     signal = base / "signal"
     signal.mkdir()
     signal.chmod(0o1777)  # every job uid writes its markers here
@@ -258,8 +260,13 @@ def scenario_on(api: Server, base: Path, walled: bool, started: str) -> tuple[di
 
 
 @pytest.mark.torchrun
-def test_walled_jobs_cannot_read_change_or_pose_as_each_other(api: Server, host_dir: Path) -> None:
-    seen, log = scenario_on(api, host_dir, True, "jobs run walled")
+@pytest.mark.parametrize("launcher", ["torchrun", "warm"])
+def test_walled_jobs_cannot_read_change_or_pose_as_each_other(
+    api: Server, host_dir: Path, launcher: str
+) -> None:
+    # Warm: the ranks are forks of a warm process the worker started as its own user,
+    # each dropped to its job's uid before any job code ran (worker.zygote).
+    seen, log = scenario_on(api, host_dir, True, "jobs run walled", "--launcher", launcher)
     assert_walls_held(seen, range(71000, 71100))
     assert "killed" not in log and "survived" not in log, log
 

@@ -6,7 +6,8 @@ zstd where that pays. A content stays named by the sha256 of its *uncompressed* 
 so a resubmit's "which do you lack" is unchanged and the API can check every content
 after decompressing it.
 
-The format (``application/x-ddpq-pack``), a sequence of frames, each::
+The format (sent as ``application/octet-stream``, which generated clients know), a
+sequence of frames, each::
 
     <digest> <encoding> <size> <length>\\n<length bytes of payload>
 
@@ -32,7 +33,7 @@ try:  # the light install may lack it: a client then sends contents uncompressed
 except ImportError:  # pragma: no cover - exercised where zstandard is absent
     zstandard = None  # type: ignore[assignment]
 
-MEDIA_TYPE = "application/x-ddpq-pack"
+MEDIA_TYPE = "application/octet-stream"
 IDENTITY, ZSTD = "identity", "zstd"
 ENCODINGS = (IDENTITY, ZSTD)
 HEADER_MAX = 160  # 64 + "identity" + two 20-digit numbers + spaces and newline, rounded up

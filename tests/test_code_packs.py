@@ -20,7 +20,7 @@ from sqlalchemy import create_engine, select
 from ddpq import pack
 from ddpq.client import Client
 from service.models import CodeBlob
-from tests.conftest import Server
+from tests.conftest import Server, start_server, stop_server
 from tests.test_code import rows
 from worker.api import WorkerAPI
 from worker.code import BlobCache, Workdirs
@@ -153,35 +153,31 @@ BAD = {
 
 
 def test_every_lying_frame_is_refused_by_its_field_and_nothing_is_stored(
-    server: Server, db_url: str
+    db_url: str, tmp_path: Path
 ) -> None:
-    good = body((sha(NOISE), "identity", len(NOISE), NOISE))  # frames[0], before the lie
-    for name, (make, field) in BAD.items():
-        data = make()
-        if not field.startswith("frames[1]"):
-            raise AssertionError(name)
-        r = post(server, good + data)
-        assert r.status_code == 422, (name, r.status_code, r.text)
-        loc = r.json()["detail"][0]["loc"]
-        assert loc == ["body", field], (name, loc, r.text)
-    assert rows(db_url, CodeBlob) == 0  # the good frame went with the bad one's pack
-    assert post(server, b"").status_code == 422
-
-
-def test_a_pack_over_the_body_limit_is_413(tmp_path: Path, db_url: str) -> None:
-    from tests.conftest import start_server, stop_server
-
-    s = start_server(db_url, tmp_path / "api", DDPQ_CODE_MAX_FILE_BYTES="1000")
+    # Files of at most 100 kB: the pack's body limit is then its floor (8 MiB and the
+    # headers), small enough to go over here.
+    server = start_server(db_url, tmp_path / "api", DDPQ_CODE_MAX_FILE_BYTES="100000")
     try:
-        lim = s.client().get("/code/packs").json()
-        big = random.Random(2).randbytes(lim["max_body_bytes"] + 1)
-        r = post(s, body((sha(big), "identity", len(big), big)))
-        assert r.status_code == 413, r.text
-        small = random.Random(3).randbytes(1001)  # over the largest file
-        r = post(s, body((sha(small), "identity", len(small), small)))
+        good = body((sha(NOISE), "identity", len(NOISE), NOISE))  # frames[0], before the lie
+        for name, (make, field) in BAD.items():
+            r = post(server, good + make())
+            assert r.status_code == 422, (name, r.status_code, r.text)
+            loc = r.json()["detail"][0]["loc"]
+            assert loc == ["body", field], (name, loc, r.text)
+        assert rows(db_url, CodeBlob) == 0  # the good frame went with the bad one's pack
+        assert post(server, b"").status_code == 422
+        over = random.Random(3).randbytes(100_001)  # over the largest file
+        r = post(server, body((sha(over), "identity", len(over), over)))
         assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "frames[0].size"]
+        # The body limit holds for what is sent, compressed or not.
+        lim = server.client().get("/code/packs").json()
+        assert lim["max_content_bytes"] == pack.CONTENT_BYTES
+        big = bytes(lim["max_body_bytes"] + 1)
+        assert post(server, big).status_code == 413
+        assert rows(db_url, CodeBlob) == 0
     finally:
-        stop_server(s)
+        stop_server(server)
 
 
 def _tree(root: Path) -> dict[str, bytes]:

@@ -62,6 +62,8 @@ OPERATIONS = {
     ("get", "/workers/outputs/limits"): ("workers", "get_outputs_limits"),
     ("post", "/workers/jobs/{job_id}/outputs"): ("workers", "record_outputs"),
     ("get", "/code/limits"): ("code", "get_code_limits"),
+    ("get", "/code/packs"): ("code", "get_pack_limits"),
+    ("post", "/code/packs"): ("code", "upload_pack"),
     ("post", "/code/missing"): ("code", "find_missing_blobs"),
     ("put", "/code/blobs/{digest}"): ("code", "put_blob"),
     ("get", "/code/blobs/{digest}"): ("code", "get_blob"),

@@ -5,6 +5,7 @@ rank, and a killed rank behave as under torchrun."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -136,6 +137,19 @@ def test_which_launcher() -> None:
     z = zygote_env(env, {"env": {"MY": "1"}}, 2)
     assert "DDPQ_JOB_TOKEN" not in z and "MY" not in z and "TMPDIR" not in z
     assert z["OMP_NUM_THREADS"] == "1" and z["PATH"] == "/bin"
+
+
+def test_the_warm_process_started_ahead_is_the_one_a_plain_job_uses() -> None:
+    """A worker with --launcher warm starts one before its first job: the one that job's
+    environment keys (else the first job would start a second)."""
+    from tests.test_bridge_protocol import _claim_of
+    from worker import torchrun
+    from worker.warm import default_zygote_env
+
+    claim = _claim_of(nproc_per_node=2, device="cpu", spec={"env": {"MY": "1"}})
+    at = torchrun.Placement("http://api", "/ckpt/job-12", "DDPQ_LAUNCH_ID", "w@x/12/3")
+    env = torchrun.environment(os.environ, claim, at)
+    assert zygote_env(env, claim.spec, 2) == default_zygote_env(2)
 
 
 FORKED = r"""

@@ -233,7 +233,11 @@ class Agent:
 
     def run(self) -> None:
         """Serve until SIGTERM or SIGINT, then hand running jobs back to the queue."""
-        self.loop.run(first=self._clear_the_way)
+        try:
+            self.loop.run(first=self._clear_the_way)
+        finally:  # its warm processes and their sockets (they die with it anyway)
+            if self.context.warm_pool is not None:
+                self.context.warm_pool.stop()
 
     def _clear_the_way(self) -> None:
         # A worker that died (kill -9, a crash) and comes back under its name may have

@@ -36,9 +36,14 @@ READ_AT_START = (
 )  # fmt: skip
 # What the ranks' environment has that differs from one attempt to the next (never in a
 # warm process's: ddpq's own, the job's scratch and identity, its GPUs).
+# worker.torchrun.environment sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE for the agent (read
+# when it starts its rendezvous, not at import): the same warm process with it or without.
 PER_ATTEMPT = frozenset(
-    {"TMPDIR", "HOME", "USER", "LOGNAME", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"}
-)
+    {
+        "TMPDIR", "HOME", "USER", "LOGNAME", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER",
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+    }
+)  # fmt: skip
 
 
 def choose(spec: Mapping[str, Any], default: str) -> tuple[str, str | None]:

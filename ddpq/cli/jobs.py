@@ -71,6 +71,13 @@ KeepLast = Annotated[
         " default: the server's, DDPQ_KEEP_LAST); see `ddpq checkpoints`",
     ),
 ]
+Launcher = Annotated[
+    str | None,
+    typer.Option(
+        help="torchrun (a cold torchrun) or warm (forked from a process with torch imported: "
+        "seconds faster to start; docs/jobs.md) (default: the worker's)",
+    ),
+]
 EnvOpt = Annotated[
     list[str] | None,
     typer.Option(metavar="KEY=VALUE", help="an environment variable for the ranks (repeatable)"),
@@ -101,7 +108,7 @@ Args = Annotated[list[str] | None, typer.Argument(help="arguments for the progra
 # The flags submit and resubmit share that override the spec field of their name.
 SPEC_FLAGS = (
     "name", "world_size", "nnodes", "device", "priority", "max_attempts", "max_restarts",
-    "retry_on_error", "timeout_s", "keep_last",
+    "retry_on_error", "timeout_s", "keep_last", "launcher",
 )  # fmt: skip
 
 
@@ -157,6 +164,7 @@ def submit(
     retry_on_error: RetryOnError = None,
     timeout_s: TimeoutS = None,
     keep_last: KeepLast = None,
+    launcher: Launcher = None,
     env: EnvOpt = None,
     pip: PipOpt = None,
     idempotency_key: Annotated[
@@ -390,6 +398,7 @@ def resubmit(
     retry_on_error: RetryOnError = None,
     timeout_s: TimeoutS = None,
     keep_last: KeepLast = None,
+    launcher: Launcher = None,
     env: EnvOpt = None,
     pip: PipOpt = None,
     resume: Annotated[

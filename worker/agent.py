@@ -11,6 +11,7 @@ import socket
 import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Unpack
 
 from ddpq.messages import ClaimedJob, HeldAttempt
@@ -39,6 +40,7 @@ class Agent:
         rdzv_ports: tuple[int, int] | None = None,
         keep_workdirs_s: float = 0.0,
         walls: Walls | None = None,
+        trace_file: Path | None = None,
         **settings: Unpack[Settings],
     ) -> None:
         self.walls = walls or Walls(None)
@@ -80,6 +82,7 @@ class Agent:
             workdirs=self.workdirs,
             venvs=self.loop.venvs,
             walls=self.walls,
+            trace_file=trace_file,
         )
 
     # ---- slots ------------------------------------------------------------------

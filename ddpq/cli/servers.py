@@ -133,6 +133,14 @@ def worker(
             "files of their code: url, option or path-outside (repeat for several)"
         ),
     ] = None,
+    trace: Annotated[
+        Path | None,
+        typer.Option(
+            help="append one JSON line per attempt to this file: when it reached each phase "
+            "(claimed, prepared, spawned, first line, exited, reported; bench/overhead.py "
+            "--trace reads it)"
+        ),
+    ] = None,
     log_level: str = "info",
 ) -> None:
     """Run a worker on this host, or a bridge to a Slurm partition.
@@ -204,6 +212,7 @@ def worker(
         rdzv_ports=ports,
         keep_workdirs_s=keep_workdirs_s,
         walls=walls,
+        trace_file=trace.resolve() if trace else None,
     )
     try:
         agent.run()

@@ -59,7 +59,9 @@ def run_direct(steps: int) -> float:
 
 def run_ddpq(client: httpx.Client, steps: int) -> tuple[float, str, dict]:
     spec = {"entrypoint": PROGRAM, "world_size": 2, "args": ["--steps", str(steps)]}
-    elapsed, final = run_job(client, spec)
+    # Polled every 2 s: the figure is the job's own finished_at, and on 2 cores each poll's
+    # CPU in the API is taken from the ranks being measured.
+    elapsed, final = run_job(client, spec, poll_s=2.0)
     if final["status"] != "succeeded":
         raise SystemExit(f"job {final['id']} {final['status']}: {final['reason']}")
     return elapsed, phases(final), final

@@ -149,7 +149,9 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def run_job(client: httpx.Client, spec: dict[str, object]) -> tuple[float, dict]:
+def run_job(
+    client: httpx.Client, spec: dict[str, object], poll_s: float = 0.5
+) -> tuple[float, dict]:
     """Submit ``spec`` and wait for its end: the wall time from the POST to the job's own
     finished_at (stamped once its processes are gone, so observing it needs no fast
     polling, which would itself load the API on 2 cores), and the job as it ended."""
@@ -162,7 +164,7 @@ def run_job(client: httpx.Client, spec: dict[str, object]) -> tuple[float, dict]
         "failed",
         "cancelled",
     ):
-        time.sleep(0.5)
+        time.sleep(poll_s)
     final: dict = client.get(f"/jobs/{job_id}").json()
     return datetime.fromisoformat(final["finished_at"]).timestamp() - t0, final
 

@@ -1,30 +1,42 @@
-"""What running through ddpq costs over running torchrun by hand, with each launcher.
+"""What running through ddpq costs over running torchrun by hand, with each launcher, and
+where it goes.
 
-Three programs, world size 2, gloo on CPU: a trivial one (bench/trivial_ddp.py: a process
-group, one barrier), and the plain DDP program (examples/ddp_plain.py) for 300 and for
-2,000 steps. Each is run directly with ``torchrun --standalone`` and through ddpq (from
-POST /jobs until the job's finished_at) with a cold torchrun (``launcher: torchrun``) and
-with the warm launcher (``launcher: warm``, issue 34), in turn, ROUNDS rounds after one
-warm-up of each. Prints each round and, per program, the medians and the ratios of the
-medians to torchrun's (goals: 300 steps warm <= 0.7x, 2,000 steps warm <= 0.95x, the
-trivial job warm <= 0.8 s; the cold launcher <= 1.05x as before).
+Programs, world size 2, gloo on CPU: a trivial one (bench/trivial_ddp.py: a process group,
+one barrier), and the plain DDP program (examples/ddp_plain.py) for N steps. Each is run
+directly with ``torchrun --standalone`` and through ddpq (from POST /jobs until the job's
+finished_at) with a cold torchrun (``launcher: torchrun``) and with the warm launcher
+(``launcher: warm``, issue 34), in turn, ROUNDS rounds after one warm-up of each, for each
+--backend. Prints each round and, per program, the medians and the ratios of the medians to
+torchrun's (goals: the cold launcher <= 1.02x at 300 steps; warm <= 0.7x at 300 steps,
+<= 0.95x at 2,000, the trivial job <= 0.8 s).
+
+--trace runs the worker with ``--trace`` (worker/trace.py) and prints, per backend and
+program, the median over the cold-launcher jobs of each phase of an attempt: the API's side
+(submit to claimed, from the job's own stamps), the worker's phases from the claim's reply to
+the finish report, and the report to the job's finished_at.
 
     .venv/bin/python bench/overhead.py [--rounds 5] [--programs trivial,300,2000]
+        [--backend sqlite|postgres|both] [--trace]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 
 import httpx
-from _harness import child_env, database, phases, run_job, serve
+from _harness import Api, backends, child_env, database, phases, run_job, serve
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from worker import trace as trace_  # noqa: E402  (the repository's, beside this file)
+
 PLAIN = "examples/ddp_plain.py"
 TRIVIAL = "bench/trivial_ddp.py"
 WAYS = ("torchrun", "ddpq", "ddpq-warm")
@@ -44,8 +56,7 @@ def run_direct(argv: list[str]) -> float:
             "-m",
             "torch.distributed.run",
             "--standalone",
-            "--nproc-per-node",
-            "2",
+            "--nproc-per-node=2",
             *argv,
         ],
         cwd=REPO,
@@ -56,69 +67,151 @@ def run_direct(argv: list[str]) -> float:
     return time.perf_counter() - t0
 
 
-def run_ddpq(client: httpx.Client, argv: list[str], launcher: str) -> tuple[float, str]:
+def run_ddpq(client: httpx.Client, argv: list[str], launcher: str) -> tuple[float, str, dict]:
     spec = {"entrypoint": argv[0], "world_size": 2, "args": argv[1:], "launcher": launcher}
-    elapsed, final = run_job(client, spec)
+    # Polled every 2 s: the figure is the job's own finished_at, and on 2 cores each poll's
+    # CPU in the API is taken from the ranks being measured.
+    elapsed, final = run_job(client, spec, poll_s=2.0)
     if final["status"] != "succeeded":
         raise SystemExit(f"job {final['id']} {final['status']}: {final['reason']}")
-    return elapsed, phases(final)
+    return elapsed, phases(final), final
 
 
-def run_way(client: httpx.Client, way: str, argv: list[str]) -> tuple[float, str]:
-    if way == "torchrun":
-        return run_direct(argv), ""
-    return run_ddpq(client, argv, "warm" if way == "ddpq-warm" else "torchrun")
+def cpu_seconds(pid: int) -> float:
+    """The CPU time (user + system) process ``pid`` itself has spent (not its children)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def breakdown(job: dict, posted: float, at: dict[str, float]) -> dict[str, float]:
+    """One job's phases in seconds, in order: the API's (from its stamps), the worker's
+    (worker.trace), and the finish report to finished_at."""
+    stamp = {k: datetime.fromisoformat(job[k]).timestamp() for k in ("created_at", "started_at")}
+    finished = datetime.fromisoformat(job["finished_at"]).timestamp()
+    row = {
+        "POST -> created_at": stamp["created_at"] - posted,
+        "created_at -> claimed (API started_at)": stamp["started_at"] - stamp["created_at"],
+        "API started_at -> worker has the claim": at["claimed"] - stamp["started_at"],
+    }
+    row.update({f"worker: -> {phase}": s for phase, s in trace_.steps(at).items()})
+    # The API stamps finished_at before it answers the finish: before "reported".
+    row["worker: kept/shipped -> API finished_at"] = finished - at.get("shipped", at["claimed"])
+    row["ddpq's own (all but spawned -> exited)"] = (
+        finished - posted - (at["exited"] - at["spawned"])
+    )
+    return row
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--programs", default="trivial,300,2000")
+    ap.add_argument("--backend", choices=["sqlite", "postgres", "both"], default="sqlite")
+    ap.add_argument(
+        "--job-uids",
+        default="off",
+        help="the worker's --job-uids (as root, a worker would wall each job under a uid of "
+        "its own, which cannot run this checkout's interpreter; walls cost ~1 %%: "
+        "bench/code.py --walls)",
+    )
+    ap.add_argument(
+        "--trace", action="store_true", help="print where each job's time went, by phase"
+    )
     args = ap.parse_args()
-    names = args.programs.split(",")
+    for backend in backends(args.backend):
+        measure(backend, args)
 
-    with database("sqlite") as url, serve(url) as api:
+
+def measure(backend: str, args: argparse.Namespace) -> None:
+    with database(backend) as url, serve(url) as api:
+        trace_file = api.data_dir / "trace.jsonl"
         env = child_env(DDPQ_WORKER_TOKEN=api.worker_token)
         worker = subprocess.Popen(
             [
                 *[sys.executable, "-m", "ddpq.cli", "worker", "--url", api.url],
                 *["--workspace", str(REPO), "--name", "bench", "--gpus", "none"],
                 *["--data-dir", str(api.data_dir / "worker"), "--cpu-slots", "2"],
-                *["--log-level", "warning"],
-                # As root, a worker would wall each job under a uid of its own, which cannot
-                # run this checkout's interpreter; walls cost ~1 % (bench/code.py --walls).
-                *["--job-uids", "off"],
+                *["--log-level", "warning", "--job-uids", args.job_uids],
+                *(["--trace", str(trace_file)] if args.trace else []),
             ],
             env=env,
             cwd=api.data_dir,
         )
         client = api.client()
         try:
-            for name in names:
-                argv = program(name)
-                times: dict[str, list[float]] = {w: [] for w in WAYS}
-                for i in range(args.rounds + 1):
-                    # The order turns each round: no way always follows another.
-                    order = WAYS[i % 3 :] + WAYS[: i % 3]
-                    said = []
-                    for way in order:
-                        took, ph = run_way(client, way, argv)
-                        if i:
-                            times[way].append(took)
-                        said.append(f"{way} {took:.2f}s" + (f" ({ph})" if ph else ""))
-                    print(f"{name} {'warm-up' if not i else f'round {i}'}: " + ", ".join(said))
-                med = {w: statistics.median(t) for w, t in times.items()}
-                base = med["torchrun"]
-                print(
-                    f"{name}: median torchrun {base:.2f}s, ddpq {med['ddpq']:.2f}s "
-                    f"({med['ddpq'] / base:.3f}x), ddpq-warm {med['ddpq-warm']:.2f}s "
-                    f"({med['ddpq-warm'] / base:.3f}x) over {args.rounds} rounds",
-                    flush=True,
-                )
+            for name in args.programs.split(","):
+                measure_program(client, api, worker.pid, backend, name, args, trace_file)
         finally:
             client.close()
             worker.terminate()
             worker.wait(timeout=60)
+
+
+def measure_program(
+    client: httpx.Client,
+    api: Api,
+    worker_pid: int,
+    backend: str,
+    name: str,
+    args: argparse.Namespace,
+    trace_file: Path,
+) -> None:
+    argv = program(name)
+    times: dict[str, list[float]] = {w: [] for w in WAYS}
+    rows = []
+    for i in range(args.rounds + 1):
+        # The order turns each round: no way always follows another.
+        order = WAYS[i % 3 :] + WAYS[: i % 3]
+        said = []
+        for way in order:
+            if way == "torchrun":
+                took, words = run_direct(argv), ""
+            else:
+                cpu = api.cpu_seconds(), cpu_seconds(worker_pid)
+                posted = time.time()
+                took, words, job = run_ddpq(
+                    client, argv, "warm" if way == "ddpq-warm" else "torchrun"
+                )
+                cpu = (
+                    api.cpu_seconds() - cpu[0],
+                    cpu_seconds(worker_pid) - cpu[1],
+                )
+                if args.trace and i and way == "ddpq":
+                    row = breakdown(job, posted, trace_wait(trace_file, job["id"]))
+                    # What the API and the worker spent meanwhile: on 2 cores, taken from
+                    # the ranks (the API's includes the bench's own polls of the job).
+                    row["CPU: the API process, during the job"] = cpu[0]
+                    row["CPU: the worker process, during the job"] = cpu[1]
+                    rows.append(row)
+            if i:
+                times[way].append(took)
+            said.append(f"{way} {took:.2f}s" + (f" ({words})" if words else ""))
+        label = "warm-up" if not i else f"round {i}"
+        print(f"{backend} {name} {label}: " + ", ".join(said), flush=True)
+    med = {w: statistics.median(t) for w, t in times.items()}
+    base = med["torchrun"]
+    print(
+        f"{backend} {name}: median torchrun {base:.2f}s, ddpq {med['ddpq']:.2f}s "
+        f"({med['ddpq'] / base:.3f}x), ddpq-warm {med['ddpq-warm']:.2f}s "
+        f"({med['ddpq-warm'] / base:.3f}x) over {args.rounds} rounds",
+        flush=True,
+    )
+    if rows:
+        print(f"{backend} {name}: median of {len(rows)} cold-launcher jobs, seconds")
+        for key in rows[0]:
+            print(f"  {key:45s} {statistics.median(r[key] for r in rows):7.3f}")
+
+
+def trace_wait(path: Path, job_id: int) -> dict[str, float]:
+    """The job's attempt as the worker traced it (its line is written just after the
+    finish report, so it may trail the job's end by a moment)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        for item in trace_.read(path):
+            if item["job_id"] == job_id:
+                return dict(item["at"])
+        time.sleep(0.05)
+    raise SystemExit(f"job {job_id}: no trace line in {path}")
 
 
 if __name__ == "__main__":

@@ -4,20 +4,23 @@ from __future__ import annotations
 
 import json
 import os
+from datetime import datetime
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import Server, launcher_env, terminal, wait_for
+from worker import trace
 from worker.procs import find_by_launch_id
 
 pytestmark = pytest.mark.torchrun
 
 
 def test_toy_regression_runs_to_success_and_reports_one_series(
-    server: Server, start_worker
+    server: Server, start_worker, tmp_path: Path
 ) -> None:
-    worker = start_worker(server)
+    traced = tmp_path / "trace.jsonl"
+    worker = start_worker(server, "--trace", str(traced))
     c = server.client()
     r = c.post(
         "/jobs",
@@ -75,6 +78,14 @@ def test_toy_regression_runs_to_success_and_reports_one_series(
     tail = c.get(f"/jobs/{job['id']}/logs", params={"offset": len(log.encode()) - 20})
     assert tail.content == log.encode()[-20:]
     assert int(tail.headers["X-Next-Offset"]) == len(log.encode())
+
+    # --trace: the attempt's phases, every one reached, in order, within the job's own
+    # stamps (the worker's clock is the API's here: one host).
+    at = wait_for(lambda: [t["at"] for t in trace.read(traced)], 30, "the trace line")[0]
+    assert list(at) == list(trace.PHASES)
+    assert list(at.values()) == sorted(at.values())
+    stamp = {k: datetime.fromisoformat(final[k]).timestamp() for k in ("started_at", "finished_at")}
+    assert stamp["started_at"] - 1 <= at["claimed"] and at["shipped"] <= stamp["finished_at"] + 1
 
 
 CANCEL_PROBE = r"""
@@ -180,13 +191,19 @@ def test_failed_program_says_why(server: Server, start_worker) -> None:
     assert "ValueError: the data directory is empty" in final["reason"]
 
 
-def test_missing_entrypoint_fails_with_reason(server: Server, start_worker) -> None:
-    start_worker(server)
+def test_missing_entrypoint_fails_with_reason(server: Server, start_worker, tmp_path: Path) -> None:
+    traced = tmp_path / "trace.jsonl"
+    start_worker(server, "--trace", str(traced))
     c = server.client()
     job = c.post("/jobs", json={"entrypoint": "nope/train.py", "world_size": 1}).json()
     final = terminal(c, job["id"], timeout=30)
     assert final["status"] == "failed"
     assert "nope/train.py" in final["reason"] and "workspace" in final["reason"]
+    # Traced as far as it went: it never got its program, so no process ran.
+    [item] = wait_for(lambda: trace.read(traced), 30, "the trace line")
+    assert (item["job_id"], item["attempt"]) == (job["id"], 1)
+    assert list(item["at"]) == ["claimed", "started", "held", "released", "kept", "shipped",
+                                "reported"]  # fmt: skip
 
 
 AFTER_INIT = r"""

@@ -11,6 +11,7 @@ import socket
 import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Unpack
 
 from ddpq.messages import ClaimedJob, HeldAttempt
@@ -40,6 +41,7 @@ class Agent:
         keep_workdirs_s: float = 0.0,
         walls: Walls | None = None,
         launcher: str = warm.DEFAULT_LAUNCHER,
+        trace_file: Path | None = None,
         **settings: Unpack[Settings],
     ) -> None:
         self.walls = walls or Walls(None)
@@ -84,6 +86,7 @@ class Agent:
             walls=self.walls,
             warm_pool=pool,
             launcher=launcher,
+            trace_file=trace_file,
         )
         if launcher == "warm":  # the default environment's, ready before the first job
             pool.prestart(sys.executable, warm.default_zygote_env())

@@ -58,16 +58,25 @@ def main() -> None:
         sys.exit(f"prctl(PR_SET_NO_NEW_PRIVS): {os.strerror(ctypes.get_errno())}")
     stop_at: list[float] = []
     started: list[subprocess.Popen[bytes] | zygote.WarmChild] = []
+    killed: list[bool] = []
 
     def on_signal(signum: int, _frame: object) -> None:
         # Forwarded once: torchrun answers a second SIGTERM by abandoning its cleanup.
         if not stop_at:
             stop_at.append(time.monotonic())
+            signal.setitimer(signal.ITIMER_REAL, max(grace_s, 0.001))  # then on_alarm
             if started:
                 started[0].send_signal(signal.SIGTERM)
 
+    def on_alarm(_signum: int, _frame: object) -> None:
+        # The grace period is over: torchrun is killed (its ranks go below).
+        if started:
+            killed.append(True)
+            started[0].kill()
+
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGALRM, on_alarm)
     if os.getppid() != parent:  # the worker died before prctl took effect
         sys.exit(128 + signal.SIGTERM)
     # extra_groups=[]: none of the worker's supplementary groups goes with the job.
@@ -80,17 +89,15 @@ def main() -> None:
     else:
         child = subprocess.Popen(argv, **walled)  # type: ignore[call-overload]
     started.append(child)
-    if stop_at:  # stopped while starting
+    if stop_at:  # stopped while starting: the alarm may have gone off before the child was
         child.send_signal(signal.SIGTERM)
-    killed = False
-    while True:
-        try:
-            code = child.wait(timeout=0.2)
-            break
-        except subprocess.TimeoutExpired:
-            if stop_at and time.monotonic() - stop_at[0] > grace_s:
-                child.kill()
-                killed = True
+        left = grace_s - (time.monotonic() - stop_at[0])
+        signal.setitimer(signal.ITIMER_REAL, max(left, 0.001))
+    # A blocking wait, not a poll: the attempt's end is seen the moment torchrun exits (a
+    # poll's interval would be added to every job). Signals interrupt it, run their
+    # handlers above, and it goes on waiting (PEP 475).
+    code = child.wait()
+    signal.setitimer(signal.ITIMER_REAL, 0)
     # Ranks run in sessions of their own: whatever torchrun left behind goes now.
     launch_id = os.environ.get(procs.LAUNCH_ID_VAR)
     if uid is not None:

@@ -8,7 +8,6 @@ import collections
 import logging
 import subprocess
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
@@ -96,19 +95,19 @@ class LogShipper(threading.Thread):
 
 
 def pump(
-    proc: subprocess.Popen[bytes],
+    exited: threading.Event,
     output: Path,
     write: Callable[[bytes], None],
     tail: collections.deque[str],
     skip: Callable[[bytes], bool] | None = None,
 ) -> None:
-    """Pass torchrun's output file on line by line as it is written, to the end (after
-    ``proc`` exits), keeping the last lines in ``tail``; lines ``skip`` says are noise
-    are dropped."""
+    """Pass torchrun's output file on line by line as it is written, to the end (once
+    ``exited`` is set), keeping the last lines in ``tail``; lines ``skip`` says are noise
+    are dropped. The exit wakes the wait between reads: the end is read at once."""
     pending = b""
     with open(output, "rb") as f:
         while True:
-            exited = proc.poll() is not None
+            done = exited.is_set()  # before the read: then the read sees all there is
             chunk = f.read(1 << 16)
             if chunk:
                 *lines, pending = (pending + chunk).split(b"\n")
@@ -117,10 +116,10 @@ def pump(
                         continue
                     write(line + b"\n")
                     tail.append(line.decode(errors="replace").rstrip())
-            elif exited:  # read to the end after the exit: nothing more comes
+            elif done:  # read to the end after the exit: nothing more comes
                 break
             else:
-                time.sleep(OUTPUT_POLL_S)
+                exited.wait(OUTPUT_POLL_S)
     if pending:
         write(pending + b"\n")
         tail.append(pending.decode(errors="replace").rstrip())
@@ -143,6 +142,7 @@ class Tailed:
         cwd: Path | None = None,
         skip: Callable[[bytes], bool] | None = None,
         name: str = "output",
+        on_exit: Callable[[], None] | None = None,
     ) -> None:
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         with open(output, "xb") as sink:
@@ -155,10 +155,21 @@ class Tailed:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
+        # Set the moment the process exits (a thread blocked in waitpid, not a poll): its
+        # supervisor (``on_exit``) and the reader learn of the end without a poll's delay.
+        self.exited = threading.Event()
+        self._on_exit = on_exit
+        threading.Thread(target=self._wait, name=f"{name}-exit", daemon=True).start()
         self._reader = threading.Thread(
-            target=pump, args=(self.proc, output, write, self.tail, skip), name=name, daemon=True
+            target=pump, args=(self.exited, output, write, self.tail, skip), name=name, daemon=True
         )
         self._reader.start()
+
+    def _wait(self) -> None:
+        self.proc.wait()
+        self.exited.set()
+        if self._on_exit is not None:
+            self._on_exit()
 
     def exit_code(self) -> int:
         """Wait for the process: its exit code, 128 + N when signal N killed it (as a shell

@@ -29,12 +29,12 @@ from worker.code import Workdirs
 from worker.logship import LogShipper, Tailed
 from worker.loop import finish
 from worker.outcome import Outcome, stop_words, stopped
+from worker.trace import Trace
 from worker.venvs import Venvs
 from worker.walls import Held, Walls
 
 log = logging.getLogger("ddpq.worker")
 
-POLL_S = 0.1
 GANG_POLL_S = 2.0  # one long-poll on a forming gang; a stop request waits at most this
 
 __all__ = ["JobError", "JobRunner", "RunContext"]
@@ -63,6 +63,8 @@ class RunContext:
     # whose spec names none uses.
     warm_pool: warm.WarmPool | None = None
     launcher: str = warm.DEFAULT_LAUNCHER
+    # Where each attempt's phases are recorded (worker.trace; ddpq worker --trace).
+    trace_file: Path | None = None
 
     @property
     def logs_root(self) -> Path:
@@ -80,6 +82,8 @@ class JobRunner:
     gang: GangReply | None = None
     stop_reason: str | None = None
     stop_requested: threading.Event = field(default_factory=threading.Event)
+    # Set by a stop request and by torchrun's exit: what the supervision waits on.
+    wake: threading.Event = field(default_factory=threading.Event)
     thread: threading.Thread | None = None
     # Set once the worker has signalled the attempt to stop: from then on torchrun's own
     # output (its SignalException traceback, 30 lines of it) is not the user's business;
@@ -87,6 +91,8 @@ class JobRunner:
     stopping_since: float | None = None
     # Why, in words, when the service asked (a preemption names the job it makes room for).
     stop_words: str | None = None
+    # When it reached each phase, from the claim on (worker.trace).
+    trace: Trace = field(default_factory=Trace)
 
     @property
     def job_id(self) -> int:
@@ -113,10 +119,12 @@ class JobRunner:
             self.stop_reason = why
             self.stop_words = words
         self.stop_requested.set()
+        self.wake.set()
 
     # ---- the attempt ------------------------------------------------------------------
 
     def _main(self) -> None:
+        self.trace.mark("started")
         if self.claim.nnodes > 1:
             self.gang = self._await_gang()
             if self.gang is None:  # released (gang timeout, cancel) or stopped while forming
@@ -148,8 +156,15 @@ class JobRunner:
         if result.outcome == "error":
             shipper.write(f"[ddpq] {result.reason}\n".encode())
         self._keep_outputs(shipper)
+        self.trace.mark("kept")
         shipper.close(timeout_s=60.0)
+        self.trace.mark("shipped")
         self._report(result)
+        self.trace.mark("reported")
+        try:
+            self.trace.record(self.ctx.trace_file, self.job_id, self.attempt)
+        except OSError as exc:  # a trace is never worth an attempt's end
+            log.warning("trace: %s", exc)
         self.release(self)
 
     def _keep_outputs(self, shipper: LogShipper) -> None:
@@ -256,10 +271,13 @@ class JobRunner:
             with self.ctx.walls.attempt(self.job_id) as held:
                 log_dir.mkdir(parents=True)
                 log_dir.chmod(0o711)  # not the umask's (`ddpq up` runs with 077)
-                return self._run_held(held, shipper, log_dir, held.own(scratch))
+                owned = held.own(scratch)
+                self.trace.mark("held")
+                return self._run_held(held, shipper, log_dir, owned)
         finally:
             shutil.rmtree(log_dir, ignore_errors=True)
             shutil.rmtree(scratch, ignore_errors=True)
+            self.trace.mark("released")
 
     def _run_held(self, held: Held, shipper: LogShipper, log_dir: Path, scratch: Path) -> Outcome:
         checkpoints = Path(self.claim.checkpoint_dir)
@@ -280,6 +298,7 @@ class JobRunner:
             user=held.user,
             own=held.own,
         ) as launch:
+            self.trace.mark("prepared")
             if self.stop_requested.is_set():
                 return self._never_started()
             rdzv = torchrun.rendezvous(self.gang, self.ctx.advertise_addr)
@@ -306,24 +325,32 @@ class JobRunner:
         run = Tailed(
             procs.launcher_argv(argv, self.ctx.kill_grace_s, uid, uid, warm_socket),
             output,
-            shipper.write,
+            self._first_line_marked(shipper.write),
             env=launch.env,
             cwd=launch.cwd,
             skip=self._noise,
             name=f"out-{self.job_id}",
+            on_exit=self.wake.set,
         )
+        self.trace.mark("spawned")
         timeout_s = self.claim.spec.get("timeout_s")
         deadline = None if not timeout_s else time.monotonic() + timeout_s
-        while run.proc.poll() is None:
+        # Woken by the exit or a stop request, at once: a poll here would add its
+        # interval's half, on average, to every job's end (worker.trace saw 50 ms).
+        while not run.exited.is_set():
             if deadline is not None and time.monotonic() > deadline:
                 self.request_stop("timeout")
-            if self.stop_requested.wait(POLL_S):
+            if self.stop_requested.is_set():
                 self._terminate(run.proc)
                 break
+            self.wake.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            self.wake.clear()
         code = run.exit_code()
+        self.trace.mark("exited")
         if uid is None:  # walled, the attempt's uid is swept as it ends (worker.walls)
             procs.kill_all(self.launch_id)
         tail = run.drain()
+        self.trace.mark("drained")
         if self.stopping_since is not None:
             took = time.monotonic() - self.stopping_since
             how = "SIGKILL" if code == 128 + signal.SIGKILL else "SIGTERM"
@@ -332,6 +359,20 @@ class JobRunner:
                 f"[ddpq] {words}: stopped the ranks with {how} in {took:.1f} s\n".encode()
             )
         return torchrun.outcome(code, tail, self.stop_reason, timeout_s, self.stop_words)
+
+    def _first_line_marked(self, write: Callable[[bytes], None]) -> Callable[[bytes], None]:
+        """``write``, marking the first line of a rank's output as it passes (worker.trace)."""
+
+        seen = False
+
+        def first(line: bytes) -> None:
+            nonlocal seen
+            if not seen and line.startswith(b"[rank"):
+                seen = True
+                self.trace.mark("first_line")
+            write(line)
+
+        return first
 
     def _noise(self, line: bytes) -> bool:
         """Once the worker stops the attempt, torchrun's own output is not the user's."""

@@ -141,6 +141,14 @@ def worker(
             "attempt) or warm (forked from a process with torch imported: seconds faster)",
         ),
     ] = "torchrun",
+    trace: Annotated[
+        Path | None,
+        typer.Option(
+            help="append one JSON line per attempt to this file: when it reached each phase "
+            "(claimed, prepared, spawned, first line, exited, reported; bench/overhead.py "
+            "--trace reads it)"
+        ),
+    ] = None,
     log_level: str = "info",
 ) -> None:
     """Run a worker on this host, or a bridge to a Slurm partition.
@@ -221,6 +229,7 @@ def worker(
         keep_workdirs_s=keep_workdirs_s,
         walls=walls,
         launcher=launcher,
+        trace_file=trace.resolve() if trace else None,
     )
     try:
         agent.run()

@@ -5,7 +5,7 @@ zstd frame of it, as a client sent it in a pack (POST /code/packs). ``size`` and
 digest stay those of the uncompressed content.
 
 Revision ID: 0021
-Revises: 0017
+Revises: 0018
 Create Date: 2026-11-26
 """
 
@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0021"
-down_revision: str | None = "0017"
+down_revision: str | None = "0018"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

@@ -31,7 +31,7 @@ Per N (after a warm-up that first fills the fleet), over the measured window:
   - GPU idle while jobs wait: GPU-seconds free on hosts where some queued job would
     fit, over all GPU-seconds (the scheduler's efficiency; 0 is perfect);
   - database rows and bytes (pg_total_relation_size of each table) per 1,000 jobs
-    finished in the window.
+    submitted in the window.
 
     PYTHONPATH=. .venv/bin/python bench/fleet.py [--hosts 10,100,500,1000] [--quick]
         [--backend postgres|sqlite] [--api-procs N] [--profile DIR] [--out docs/img/fleet.png]
@@ -164,6 +164,7 @@ class Stats:
     loop_lag: list[float] = field(default_factory=list)
     errors: dict[str, int] = field(default_factory=dict)
     finished: int = 0
+    submitted: int = 0
     idle_fit_gpu_s: float = 0.0  # free GPU-seconds on hosts where a queued job would fit
     busy_gpu_s: float = 0.0
     total_gpu_s: float = 0.0
@@ -332,6 +333,8 @@ async def submitter(sim: Sim, users: list[Http], rate: float, job_s: float, burs
                 st.error(f"submit {status}")
                 return
             job_id = orjson.loads(data)["id"]
+            if st.measuring:
+                st.submitted += 1
             if job_id in sim.claimed_early:
                 sim.claimed_early.discard(job_id)
             else:
@@ -660,7 +663,9 @@ async def simulate(api: Api, plan: Plan, db_url: str, profile: Path | None) -> d
     def ms(series: list[float], q: float) -> float | None:
         return round(percentile(series, q) * 1000, 2) if series else None
 
-    per_k = 1000 / max(finished, 1)
+    # Per job submitted in the window: its rows are written from its submission on (and
+    # while the fleet fills, more are submitted than finish).
+    per_k = 1000 / max(stats.submitted, 1)
     growth = {
         t: {
             "rows": round((after_tables[t][0] - before_tables.get(t, (0, 0))[0]) * per_k, 1),
@@ -677,6 +682,7 @@ async def simulate(api: Api, plan: Plan, db_url: str, profile: Path | None) -> d
         "job_s_mean": round(plan.job_s, 1),
         "window_s": round(elapsed, 1),
         "jobs_finished": finished,
+        "jobs_submitted": stats.submitted,
         "jobs_queued_at_end": queued,
         "api_cpu_s_per_s": round(api_cpu / elapsed, 3),
         "api_cpu_ms_per_host_s": round(api_cpu / elapsed / plan.hosts * 1000, 3),

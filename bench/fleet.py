@@ -47,6 +47,7 @@ import math
 import os
 import random
 import secrets
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -430,7 +431,10 @@ def serve_has_workers() -> bool:
 def database(backend: str) -> Iterator[str]:
     if backend == "sqlite":
         tmp = Path(tempfile.mkdtemp(prefix="ddpq-fleet-"))
-        yield f"sqlite:///{tmp / 'ddpq.db'}"
+        try:
+            yield f"sqlite:///{tmp / 'ddpq.db'}"
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
         return
     import psycopg
 
@@ -479,6 +483,7 @@ def serve(db_url: str, api_procs: int) -> Iterator[Api]:
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+        shutil.rmtree(data_dir, ignore_errors=True)
 
 
 def _cpu_of(pid: int) -> float:

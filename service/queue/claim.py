@@ -91,15 +91,28 @@ def _starving_probe(worker_has_gpus: bool) -> Any:
     )
 
 
-@functools.cache
-def _take(dialect: str, worker_has_gpus: bool, guarded: bool) -> Any:
-    """Mark the best queued job that fits running, in one statement, and return it."""
-    pick = select(j.id).where(
+def _fitting(worker_has_gpus: bool) -> Any:
+    """The queued single-node jobs that fit the room bound as free_cpu and free_gpus."""
+    return select(j.id).where(
         QUEUED_SINGLE,
         ready(),
         fits_bound(worker_has_gpus, "free_cpu", "free_gpus"),
         quota_free(worker_has_gpus),
     )
+
+
+@functools.cache
+def _any_fits(worker_has_gpus: bool) -> Any:
+    """Whether any queued job fits, locked or not: SKIP LOCKED passes over the rows other
+    transactions hold (a claim being made, a job being moved), so a claim that found
+    nothing on Postgres found nothing for all (NothingFits) only if this finds none."""
+    return _fitting(worker_has_gpus).limit(1)
+
+
+@functools.cache
+def _take(dialect: str, worker_has_gpus: bool, guarded: bool) -> Any:
+    """Mark the best queued job that fits running, in one statement, and return it."""
+    pick = _fitting(worker_has_gpus)
     if guarded:  # a job starves (or a gang is picked): nothing behind it may start
         pick = pick.where(
             at_or_ahead(bindparam("head_priority"), bindparam("head_share"), bindparam("head_id"))
@@ -427,6 +440,8 @@ def _claim(
         row = conn.execute(_take(db.dialect, has_gpus, head is not None), params).first()
         if row is not None:
             return _start(conn, row, cap, token_hash, now)
+        if probe.general and db.dialect == "postgresql":
+            probe.general = conn.execute(_any_fits(has_gpus), params).first() is None
         if gang is None:
             return None
         assert advertise_addr is not None and rdzv_port is not None

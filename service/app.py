@@ -365,6 +365,10 @@ def create_app(
         settings.policy(),
     )
     app.state.wakeup = Wakeup()
+    # Idle long-polls that would find nothing wait for the next wake-up without asking
+    # the database; for at most half a re-check, so a change that wakes nobody (a retry's
+    # backoff running out) is still seen within 1.5 re-checks.
+    app.state.nothing_fits = queue.NothingFits(settings.claim_recheck_s / 2)
     app.state.telemetry = Telemetry(app.state.db)
     app.state.stopping = threading.Event()
     app.add_exception_handler(DomainError, _domain_error)  # type: ignore[arg-type]

@@ -37,6 +37,9 @@ STALL_S = 2.0
 UNAVAILABLE = (OperationalError, InterfaceError, PoolTimeout)
 
 
+_NOT_DURABLE = text("SET LOCAL synchronous_commit = off")
+
+
 class UnsupportedDatabase(ServiceError):
     """A database ddpq cannot run on; the message says how to make one it can."""
 
@@ -229,10 +232,19 @@ class Database:
             yield session
 
     @contextmanager
-    def write(self) -> Iterator[Session]:
-        """A transaction that holds the write lock from its first statement on SQLite."""
+    def write(self, durable: bool = True) -> Iterator[Session]:
+        """A transaction that holds the write lock from its first statement on SQLite.
+
+        ``durable=False``: on Postgres, its commit returns without waiting for the WAL to
+        reach the disk (``synchronous_commit = off`` for this transaction only), for what
+        a crash may lose the last fraction of a second of without harm (a lease renewal:
+        the next one comes seconds later). Still atomic and in order with every other
+        commit; the wait it saves was 8-11 ms a commit (p99 26-46 ms) on a busy disk.
+        SQLite in WAL mode with synchronous=NORMAL does not wait for the disk anyway."""
         with self._watched(), self._write_lock, self._write() as session, session.begin():
             session.info["policy"] = self.policy
+            if not durable and self.dialect == "postgresql":
+                session.execute(_NOT_DURABLE)
             yield session
 
     def read_one(self, stmt: Select[Any], params: dict[str, Any]) -> tuple[Any, ...] | None:

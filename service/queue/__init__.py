@@ -16,7 +16,7 @@ Other modules import this package and call what it re-exports below.
 """
 
 from service.queue.books import overview as workers_overview
-from service.queue.claim import Claim, claim_next_job
+from service.queue.claim import Claim, NothingFits, Probe, claim_next_job
 from service.queue.gangs import expire_gangs, gang_status, leave_gang, node_of, nodes_of
 from service.queue.leases import (
     Elsewhere,
@@ -51,6 +51,8 @@ __all__ = [
     "Claim",
     "Elsewhere",
     "NameTaken",
+    "NothingFits",
+    "Probe",
     "as_utc",
     "at_or_ahead",
     "claim_next_job",

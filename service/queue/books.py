@@ -135,8 +135,18 @@ _HELD = select(_ALL.c.worker, _ALL.c.gpus)
 def capacities(s: Session, lease_s: float) -> list[Capacity]:
     """Every worker's slots and what of them is free; live if it heartbeat within the lease."""
     conn = s.connection()
+    cutoff = utcnow() - timedelta(seconds=lease_s)
+    # Live decided in SQL: turning every worker's last heartbeat into a datetime cost a
+    # tenth of the API's time with 500 hosts (this runs for every queued job's reason).
     rows = conn.execute(
-        select(w.name, w.cpu_slots, w.gpus, w.last_heartbeat, w.checkpoint_root, w.cluster)
+        select(
+            w.name,
+            w.cpu_slots,
+            w.gpus,
+            (w.last_heartbeat >= cutoff).label("live"),
+            w.checkpoint_root,
+            w.cluster,
+        )
     ).all()
     if not rows:
         return []
@@ -146,13 +156,13 @@ def capacities(s: Session, lease_s: float) -> list[Capacity]:
         for name, gpus in conn.execute(_HELD):
             if name is not None and gpus:
                 held.setdefault(name, set()).update(gpus)
-    cutoff = utcnow() - timedelta(seconds=lease_s)
     out = []
+    nothing: set[int] = set()
     for r in rows:
         free_cpu, free_gpus = _free(
-            r.cpu_slots, r.gpus, used_cpu.get(r.name, 0), held.get(r.name, set())
+            r.cpu_slots, r.gpus, used_cpu.get(r.name, 0), held.get(r.name, nothing)
         )
-        live = r.last_heartbeat >= cutoff
+        live = bool(r.live)
         out.append(
             Capacity(
                 r.name,

@@ -13,7 +13,9 @@ reused (a statement's cache key is memoised on the object).
 
 from __future__ import annotations
 
+import asyncio
 import functools
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -89,15 +91,28 @@ def _starving_probe(worker_has_gpus: bool) -> Any:
     )
 
 
-@functools.cache
-def _take(dialect: str, worker_has_gpus: bool, guarded: bool) -> Any:
-    """Mark the best queued job that fits running, in one statement, and return it."""
-    pick = select(j.id).where(
+def _fitting(worker_has_gpus: bool) -> Any:
+    """The queued single-node jobs that fit the room bound as free_cpu and free_gpus."""
+    return select(j.id).where(
         QUEUED_SINGLE,
         ready(),
         fits_bound(worker_has_gpus, "free_cpu", "free_gpus"),
         quota_free(worker_has_gpus),
     )
+
+
+@functools.cache
+def _any_fits(worker_has_gpus: bool) -> Any:
+    """Whether any queued job fits, locked or not: SKIP LOCKED passes over the rows other
+    transactions hold (a claim being made, a job being moved), so a claim that found
+    nothing on Postgres found nothing for all (NothingFits) only if this finds none."""
+    return _fitting(worker_has_gpus).limit(1)
+
+
+@functools.cache
+def _take(dialect: str, worker_has_gpus: bool, guarded: bool) -> Any:
+    """Mark the best queued job that fits running, in one statement, and return it."""
+    pick = _fitting(worker_has_gpus)
     if guarded:  # a job starves (or a gang is picked): nothing behind it may start
         pick = pick.where(
             at_or_ahead(bindparam("head_priority"), bindparam("head_share"), bindparam("head_id"))
@@ -166,6 +181,104 @@ def _take_whole(dialect: str, nodes_have_gpus: bool) -> Any:
             j.id, j.attempt, j.spec, j.device, j.nproc_per_node, j.queued_at, j.nnodes, j.owner
         )
     )
+
+
+@dataclass
+class Probe:
+    """What a claim looked at, filled in as it runs: whether the worker has GPUs, the room
+    it offered by the books (free CPU slots and GPUs: the worker's word and the books',
+    whichever is less), and whether a claim that found nothing found nothing for every
+    worker of its kind with no more room (``general``: no starving job, gang or
+    preemption narrowed the pick to this worker)."""
+
+    has_gpus: bool | None = None
+    cpu: int = 0
+    gpus: int = 0
+    general: bool = False
+
+
+@dataclass
+class _Empty:
+    generation: int
+    since: float  # when the first claim that found it began (monotonic)
+    rooms: dict[bool, list[tuple[int, int]]] = field(default_factory=dict)
+
+
+class NothingFits:
+    """An API process's memory of claims that found nothing, so that its idle long-polls
+    do not all ask the database the same question: with 1,000 hosts each long-polling,
+    every wake-up (a submit, a finish) and every re-check ran 1,000 claim transactions
+    that found nothing, and the API spent its time on them (bench/fleet.py).
+
+    A claim that found nothing for room (cpu, gpus) at wake-up generation G (``general``)
+    means nothing would fit a worker of the same kind offering no more: the pick's
+    predicates are monotone in the room, and the rest (the queue, quotas, a job's retry
+    backoff running out, another API process's submit) changes only with a new
+    generation, or with time, which ``valid_s`` bounds. Such a worker waits for the
+    next wake-up instead. A worker this process has not seen claim (which might not be
+    registered: 404) always asks the database. While a claim for some room runs, the
+    claims of no more room at the same generation wait for its answer instead of asking
+    alongside it (a wake-up wakes every long-poll at once)."""
+
+    def __init__(self, valid_s: float) -> None:
+        self.valid_s = valid_s
+        self._kind: dict[str, bool] = {}  # worker -> has GPUs, from its last claim
+        self._empty = _Empty(-1, 0.0)
+        self._asking: list[tuple[int, bool, int, int, asyncio.Event]] = []
+
+    def _fresh(self, generation: int, now: float) -> bool:
+        e = self._empty
+        return e.generation == generation and now - e.since <= self.valid_s
+
+    def covers(self, worker: str, generation: int, cpu: int, gpus: int, now: float) -> bool:
+        """Whether a claim of ``worker`` offering this room would find nothing now."""
+        kind = self._kind.get(worker)
+        if kind is None or not self._fresh(generation, now):
+            return False
+        return any(cpu <= c and gpus <= g for c, g in self._empty.rooms.get(kind, ()))
+
+    def asked(self, worker: str, generation: int, cpu: int, gpus: int) -> asyncio.Event | None:
+        """A claim of at least this room running for this generation, to wait for."""
+        kind = self._kind.get(worker)
+        if kind is None:
+            return None
+        for g, k, c, n, done in self._asking:
+            if g == generation and k == kind and cpu <= c and gpus <= n:
+                return done
+        return None
+
+    def asking(self, worker: str, generation: int, cpu: int, gpus: int) -> asyncio.Event:
+        """Mark a claim of this room running; set the event it returns once answered."""
+        done = asyncio.Event()
+        kind = self._kind.get(worker)
+        if kind is not None:
+            self._asking.append((generation, kind, cpu, gpus, done))
+        return done
+
+    def answered(self, done: asyncio.Event) -> None:
+        self._asking = [a for a in self._asking if a[4] is not done]
+        done.set()
+
+    def found_nothing(self, worker: str, generation: int, probe: Probe, began: float) -> None:
+        """Record a claim begun at ``began`` (monotonic) at ``generation`` that found nothing."""
+        if probe.has_gpus is None:
+            return
+        self._kind[worker] = probe.has_gpus
+        if not probe.general:
+            return
+        if not self._fresh(generation, began):
+            self._empty = _Empty(generation, began)
+        e = self._empty
+        e.since = min(e.since, began)
+        e.rooms.setdefault(probe.has_gpus, []).append((probe.cpu, probe.gpus))
+
+    def found(self, worker: str, probe: Probe) -> None:
+        if probe.has_gpus is not None:
+            self._kind[worker] = probe.has_gpus
+
+    def forget(self, worker: str) -> None:
+        """A worker registered (again): what it has may have changed."""
+        self._kind.pop(worker, None)
 
 
 class _GangFirst(ServiceError):
@@ -240,8 +353,10 @@ def claim_next_job(
     token_hash: str,
     advertise_addr: str | None = None,
     rdzv_port: int | None = None,
+    probe: Probe | None = None,
 ) -> Claim | None:
-    """Claim the next job that fits on ``worker`` now, or return None.
+    """Claim the next job that fits on ``worker`` now, or return None (``probe``, when
+    given, says what was looked at: NothingFits).
 
     Order: priority desc, then submission. A later job that fits may start while
     an earlier one waits for more slots (backfill), unless an earlier job this
@@ -258,7 +373,15 @@ def claim_next_job(
     now = utcnow()
     try:
         return _claim(
-            db, worker, free_cpu_slots, free_gpus, token_hash, advertise_addr, rdzv_port, now
+            db,
+            worker,
+            free_cpu_slots,
+            free_gpus,
+            token_hash,
+            advertise_addr,
+            rdzv_port,
+            now,
+            probe or Probe(),
         )
     except _GangFirst:
         return None
@@ -273,6 +396,7 @@ def _claim(
     advertise_addr: str | None,
     rdzv_port: int | None,
     now: datetime,
+    probe: Probe,
 ) -> Claim | None:
     with db.write_conn() as conn:
         mine = books.of_worker(conn, worker)
@@ -311,9 +435,13 @@ def _claim(
                 head = gang  # a single-node job may start here only if it is ahead of it
         if head is not None:
             params.update(head_id=head.id, head_priority=head.priority, head_share=head.share)
+        probe.has_gpus, probe.cpu, probe.gpus = has_gpus, cap.free_cpu, len(cap.free_gpus)
+        probe.general = head is None and not mine.gangs_queued
         row = conn.execute(_take(db.dialect, has_gpus, head is not None), params).first()
         if row is not None:
             return _start(conn, row, cap, token_hash, now)
+        if probe.general and db.dialect == "postgresql":
+            probe.general = conn.execute(_any_fits(has_gpus), params).first() is None
         if gang is None:
             return None
         assert advertise_addr is not None and rdzv_port is not None

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated
@@ -22,6 +24,7 @@ from ddpq.messages import (
 )
 from service import checkpoints, jobs, logs, outputs, queue
 from service.auth import WorkerAuth, mint_job_token
+from service.db import Database
 from service.deps import (
     DB,
     LOG_CHUNK_BODY,
@@ -53,6 +56,9 @@ router = APIRouter(prefix="/workers", dependencies=[WorkerAuth], tags=["workers"
 # claims proceed side by side and each spends most of its time waiting on the server.
 CLAIM_THREADS = {"sqlite": 1, "postgresql": 4}
 _claim_pools: dict[str, ThreadPoolExecutor] = {}
+# How long a claim waits for another of as much room that runs for the same wake-up
+# (NothingFits) before looking again; a claim takes milliseconds.
+ASKED_WAIT_S = 10.0
 NOT_REGISTERED = {404: "no worker of this name is registered"}
 NAME_TAKEN = {409: "another worker process holds this name (another identity heartbeats)"}
 
@@ -69,9 +75,10 @@ def _claim_pool(dialect: str) -> ThreadPoolExecutor:
 
 @router.post("/register", response_model=WorkerRegistered, responses=responses(NAME_TAKEN))
 def register_worker(
-    body: WorkerRegister, db: DB, settings: SettingsDep, wakeup: WakeupDep
+    body: WorkerRegister, request: Request, db: DB, settings: SettingsDep, wakeup: WakeupDep
 ) -> WorkerRegistered:
     """Announce a worker and what it has (again after a restart)."""
+    request.app.state.nothing_fits.forget(body.name)
     cluster = body.cluster.model_dump() if body.cluster is not None else None
     queue.register_worker(
         db,
@@ -118,36 +125,76 @@ async def claim_job(
 ) -> ClaimedJob | Response:
     """Long-poll for the next job that fits the worker's free slots."""
     deadline = time.monotonic() + min(body.wait_s, settings.max_claim_wait_s)
+    memo: queue.NothingFits = request.app.state.nothing_fits
+    stopping = request.app.state.stopping
+    room = (body.free_cpu_slots, len(body.free_gpus))
     while True:
         seen = wakeup.generation
-        if await gone(request)():
-            # The worker hung up (it died, or restarted and polls anew): a job claimed
-            # now would be held by nobody until its lease ran out.
+        if stopping.is_set():  # uvicorn waits for open answers before it exits
             return Response(status_code=204)
-        token, token_hash = mint_job_token()
-        started = time.perf_counter()
-        claimed = await asyncio.get_running_loop().run_in_executor(
-            _claim_pool(db.dialect),
-            queue.claim_next_job,
-            db,
-            body.name,
-            body.free_cpu_slots,
-            body.free_gpus,
-            token_hash,
-            body.advertise_addr,
-            body.rdzv_port,
-        )
-        request.app.state.telemetry.observe_claim(time.perf_counter() - started, claimed)
+        asked = memo.asked(body.name, seen, *room)
+        if asked is not None:
+            # A claim of as much room runs for this wake-up: its answer first, then look
+            # again (even past wait_s: every request gets its claim, or the memo's no).
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asked.wait(), ASKED_WAIT_S)
+            continue
+        claimed = None
+        if not memo.covers(body.name, seen, *room, time.monotonic()):
+            if await gone(request)():
+                # The worker hung up (it died, or restarted and polls anew): a job claimed
+                # now would be held by nobody until its lease ran out. (Asked only before
+                # a claim: asking costs more than a claim the memo answers.)
+                return Response(status_code=204)
+            claimed = await _claim(body, request, db, memo, seen, room)
         if claimed is not None:
             if claimed.nnodes > 1:
                 wakeup.notify()  # gang waiters in this process: a slot was taken
             # Serialised here, once: a returned model would be validated a second time.
-            body_json = claimed.wire(token).model_dump_json()
-            return Response(body_json, media_type="application/json")
+            return Response(claimed.model_dump_json(), media_type="application/json")
         left = deadline - time.monotonic()
-        if left <= 0 or await gone(request)():
+        if left <= 0 or stopping.is_set():
             return Response(status_code=204)
         await wakeup.wait(seen, min(left, settings.claim_recheck_s))
+
+
+async def _claim(
+    body: ClaimRequest,
+    request: Request,
+    db: Database,
+    memo: queue.NothingFits,
+    seen: int,
+    room: tuple[int, int],
+) -> ClaimedJob | None:
+    """One claim in the database, on the claim threads; what it found goes to ``memo``."""
+    token, token_hash = mint_job_token()
+    probe = queue.Probe()
+    began = time.monotonic()
+    started = time.perf_counter()
+    done = memo.asking(body.name, seen, *room)
+    try:
+        claimed = await asyncio.get_running_loop().run_in_executor(
+            _claim_pool(db.dialect),
+            functools.partial(
+                queue.claim_next_job,
+                db,
+                body.name,
+                body.free_cpu_slots,
+                body.free_gpus,
+                token_hash,
+                body.advertise_addr,
+                body.rdzv_port,
+                probe=probe,
+            ),
+        )
+    finally:
+        memo.answered(done)
+    request.app.state.telemetry.observe_claim(time.perf_counter() - started, claimed)
+    if claimed is None:
+        memo.found_nothing(body.name, seen, probe, began)
+        return None
+    memo.found(body.name, probe)
+    return claimed.wire(token)
 
 
 @router.post("/gang", response_model=GangReply)

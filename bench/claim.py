@@ -154,30 +154,36 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2000)
     ap.add_argument("--users", type=int, default=50)
     ap.add_argument("--workers", type=int, default=1, help="API processes (serve --workers)")
+    ap.add_argument("--parts", default="latency,rate,shares", help="what to run")
     args = ap.parse_args()
     for backend in backends(args.backend):
         env = {"DDPQ_API_WORKERS": str(args.workers)}
-        with database(backend) as url, serve(url, **env) as api:
-            p50, p99 = latency(api, args.latency_jobs)
-            print(
-                f"{backend}: submit-to-running with an idle worker: "
-                f"p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms"
-            )
+        parts = set(args.parts.split(","))
+        if "latency" in parts:
+            with database(backend) as url, serve(url, **env) as api:
+                p50, p99 = latency(api, args.latency_jobs)
+                print(
+                    f"{backend}: submit-to-running with an idle worker: "
+                    f"p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms"
+                )
+        rate = None
         # No heartbeats here: a long lease keeps claimed jobs from being requeued mid-run.
-        with database(backend) as url, serve(url, DDPQ_LEASE_S="3600", **env) as api:
-            meter = CpuMeter(api, url)
-            rate, n, doubles = throughput(api, args.jobs, meter=meter)
-            print(
-                f"{backend}: {CLAIMERS} claimers: {rate:.0f} claims/s over {n} jobs, "
-                f"{doubles} double claims; {meter.per(n)}"
-            )
-        with database(backend) as url, serve(url, DDPQ_LEASE_S="3600", **env) as api:
-            shared, n, doubles = throughput(api, args.jobs, users=args.users)
-            print(
-                f"{backend}: {CLAIMERS} claimers, the jobs of {args.users} users (fair share, "
-                f"quotas): {shared:.0f} claims/s over {n} jobs, {doubles} double claims; "
-                f"{shared / rate:.2f} of the rate without"
-            )
+        if "rate" in parts:
+            with database(backend) as url, serve(url, DDPQ_LEASE_S="3600", **env) as api:
+                meter = CpuMeter(api, url)
+                rate, n, doubles = throughput(api, args.jobs, meter=meter)
+                print(
+                    f"{backend}: {CLAIMERS} claimers: {rate:.0f} claims/s over {n} jobs, "
+                    f"{doubles} double claims; {meter.per(n)}"
+                )
+        if "shares" in parts:
+            with database(backend) as url, serve(url, DDPQ_LEASE_S="3600", **env) as api:
+                shared, n, doubles = throughput(api, args.jobs, users=args.users)
+                print(
+                    f"{backend}: {CLAIMERS} claimers, the jobs of {args.users} users (fair "
+                    f"share, quotas): {shared:.0f} claims/s over {n} jobs, {doubles} double "
+                    "claims" + (f"; {shared / rate:.2f} of the rate without" if rate else "")
+                )
 
 
 if __name__ == "__main__":

@@ -131,6 +131,7 @@ class Supervisor:
         self.app_args = app_args
         self.children: set[int] = set()
         self.stopping = False
+        self.signal = 0  # the signal that asked it to stop
 
     def _child(self) -> NoReturn:
         code = 0
@@ -149,6 +150,7 @@ class Supervisor:
 
     def _stop(self, sig: int, _frame: FrameType | None) -> None:
         self.stopping = True
+        self.signal = self.signal or sig
         for pid in list(self.children):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
@@ -177,9 +179,16 @@ class Supervisor:
                 )
                 failed = True
                 self._stop(signal.SIGTERM, None)
+                self.signal = 0
         self.sock.close()
         if failed:
             raise SystemExit(1)
+        if self.signal:
+            # Die of the signal, as one uvicorn process does (exit 143 on SIGTERM), and
+            # without tearing down every module imported (3 s on this machine).
+            logging.shutdown()
+            signal.signal(self.signal, signal.SIG_DFL)
+            signal.raise_signal(self.signal)
 
 
 def _exit_text(status: int) -> str:

@@ -16,6 +16,7 @@ import json
 import os
 import signal
 import threading
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,15 @@ import psycopg
 import pytest
 
 from service.app import SWEEP_APPLICATION, SWEEP_LOCK
-from tests.conftest import PG_ADMIN, Server, run_ddpq, start_server, stop_server, wait_for
+from tests.conftest import (
+    PG_ADMIN,
+    Server,
+    _pg_url,
+    run_ddpq,
+    start_server,
+    stop_server,
+    wait_for,
+)
 
 JOB = {"entrypoint": "noop.py", "device": "cpu"}
 
@@ -102,21 +111,38 @@ def pin_each(server: Server, n: int = 2) -> list[Pinned]:
     return list(pinned.values())
 
 
-@pytest.fixture
-def two(pg_url: str, tmp_path: Path) -> Iterator[Server]:
+def _start_two(url: str, data_dir: Path) -> Server:
     # A long recheck: only a NOTIFY from the other process can wake a claim in time.
-    s = start_server(
-        pg_url,
-        tmp_path / "api",
-        DDPQ_API_WORKERS="2",
-        DDPQ_CLAIM_RECHECK_S="3600",
-        DDPQ_LEASE_S="3",
+    return start_server(
+        url, data_dir, DDPQ_API_WORKERS="2", DDPQ_CLAIM_RECHECK_S="3600", DDPQ_LEASE_S="3"
     )
-    yield s
+
+
+def _close_pinned() -> None:
     for conn in _OPEN:
         conn.close()
     _OPEN.clear()
+
+
+@pytest.fixture(scope="module")
+def two(pg_template: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """One `serve --workers 2` for the tests that leave it running (a start is most of
+    a test's time)."""
+    name = f"ddpq_t_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{pg_template}"')
+    s = _start_two(_pg_url(name), tmp_path_factory.mktemp("api"))
+    yield s
+    _close_pinned()
     stop_server(s)
+    with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def pinned(two: Server) -> Iterator[list[Pinned]]:
+    yield pin_each(two)
+    _close_pinned()
 
 
 def _register(p: Pinned, name: str) -> None:
@@ -124,8 +150,10 @@ def _register(p: Pinned, name: str) -> None:
     assert p.call("POST", "/workers/register", p.server.worker_token, body)[0] == 200
 
 
-def test_a_claim_waiting_on_one_process_is_woken_by_a_submit_on_the_other(two: Server) -> None:
-    a, b = pin_each(two)
+def test_a_claim_waiting_on_one_process_is_woken_by_a_submit_on_the_other(
+    two: Server, pinned: list[Pinned]
+) -> None:
+    a, b = pinned
     _register(a, "w1")
     got: list[tuple[int, Any]] = []
     claim = {"name": "w1", "free_cpu_slots": 4, "free_gpus": [], "wait_s": 60}
@@ -143,10 +171,14 @@ def test_a_claim_waiting_on_one_process_is_woken_by_a_submit_on_the_other(two: S
     waiting.join(timeout=20)
     assert got and got[0][0] == 200, got
     assert got[0][1]["job_id"] == job["id"]
+    done = {"worker": "w1", "attempt": got[0][1]["attempt"], "exit_code": 0}
+    assert b.call("POST", f"/workers/jobs/{job['id']}/finish", two.worker_token, done)[0] == 200
 
 
-def test_an_event_stream_on_one_process_sees_changes_made_through_the_other(two: Server) -> None:
-    a, b = pin_each(two)
+def test_an_event_stream_on_one_process_sees_changes_made_through_the_other(
+    two: Server, pinned: list[Pinned]
+) -> None:
+    a, b = pinned
     status, job = a.call("POST", "/jobs", two.api_token, JOB)
     assert status == 201
     a.conn.request(
@@ -154,8 +186,8 @@ def test_an_event_stream_on_one_process_sees_changes_made_through_the_other(two:
     )
     stream = a.conn.getresponse()
     assert stream.status == 200
-    _register(b, "w1")
-    claim = {"name": "w1", "free_cpu_slots": 4, "free_gpus": [], "wait_s": 5}
+    _register(b, "w2")
+    claim = {"name": "w2", "free_cpu_slots": 4, "free_gpus": [], "wait_s": 5}
     status, claimed = b.call("POST", "/workers/claim", two.worker_token, claim)
     assert status == 200 and claimed["job_id"] == job["id"]
     statuses = []
@@ -167,8 +199,10 @@ def test_an_event_stream_on_one_process_sees_changes_made_through_the_other(two:
     assert statuses[0] == "queued"
 
 
-def test_a_token_revoked_through_one_process_is_refused_by_the_other(two: Server) -> None:
-    a, b = pin_each(two)
+def test_a_token_revoked_through_one_process_is_refused_by_the_other(
+    two: Server, pinned: list[Pinned]
+) -> None:
+    a, b = pinned
     status, user = a.call("POST", "/users", two.api_token, {"name": "alice"})
     assert status == 201
     assert b.call("GET", "/whoami", user["token"])[0] == 200
@@ -177,9 +211,10 @@ def test_a_token_revoked_through_one_process_is_refused_by_the_other(two: Server
     assert status == 401 and "revoked" in refused["detail"], refused
 
 
-def test_one_process_sweeps_and_one_that_dies_stops_the_rest(two: Server, pg_url: str) -> None:
+def test_one_process_sweeps_and_one_that_dies_stops_the_rest(pg_url: str, tmp_path: Path) -> None:
     """Both processes run the sweeper loop; only the holder of the advisory lock sweeps.
     A process killed under the supervisor takes the others down with an exit of 1."""
+    two = _start_two(pg_url, tmp_path / "api")
     name = pg_url.rsplit("/", 1)[1]
     with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
 
@@ -194,14 +229,16 @@ def test_one_process_sweeps_and_one_that_dies_stops_the_rest(two: Server, pg_url
         pids = wait_for(lambda: len(s := sweepers()) == 2 and s, 30, "both sweep connections")
         holders = conn.execute(
             "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted "
-            "AND classid = 0 AND objid = %s",
-            (SWEEP_LOCK,),
+            "AND classid = 0 AND objid = %s "
+            "AND database = (SELECT oid FROM pg_database WHERE datname = %s)",
+            (SWEEP_LOCK, name),
         ).fetchall()
         # ... and one of them holds it.
         assert len(holders) == 1 and holders[0][0] in pids, (holders, pids)
     os.kill(_children(two.proc.pid)[0], signal.SIGKILL)
     assert two.proc.wait(timeout=30) == 1
     assert "stopping the others" in two.log()
+    stop_server(two)
 
 
 def test_sqlite_refuses_several_api_processes(tmp_path: Path) -> None:

@@ -219,9 +219,11 @@ def begin_shutdown(app: FastAPI) -> None:
     app.state.wakeup.notify()
 
 
-# The advisory lock whose holder sweeps (SweepTurn): "ddpq" in ASCII. Advisory locks are
-# per database, so two ddpq databases on one server do not share it.
-SWEEP_LOCK = 0x64647071
+# The advisory lock whose holder sweeps (SweepTurn): "ddsw" in ASCII. Not "ddpq", the
+# migrations' (migrations/env.py): a sweeper holds its lock for its whole life, and a
+# second `ddpq serve` would wait on it forever to migrate. Advisory locks are per
+# database, so two ddpq databases on one server do not share it.
+SWEEP_LOCK = 0x64647377
 SWEEP_APPLICATION = "ddpq-sweep"  # the holder's connection, as pg_stat_activity names it
 
 

@@ -56,9 +56,9 @@ class Api:
     pid: int = 0  # the `ddpq serve` process, for what it spends (cpu_seconds)
 
     def cpu_seconds(self) -> float:
-        """The CPU time (user + system) the API process has spent so far."""
-        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        """The CPU time (user + system) the API has spent so far: the `ddpq serve`
+        process and, with --workers N, its API processes (its children)."""
+        return sum(_cpu_seconds(pid) for pid in [self.pid, *children(self.pid)])
 
     def client_with(self, token: str) -> httpx.Client:
         return httpx.Client(
@@ -70,6 +70,68 @@ class Api:
         return httpx.Client(
             base_url=self.url, headers={"Authorization": f"Bearer {token}"}, timeout=60
         )
+
+
+def _cpu_seconds(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (the API processes of `serve --workers N`)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+class CpuMeter:
+    """CPU seconds spent by the API processes and, on Postgres, by the database server's
+    backends serving this API's database, between ``start()`` and ``stop()``: what a
+    request costs each side, which load from other processes on the machine leaves
+    alone (unlike wall-clock rates). A backend that exits meanwhile takes its time with
+    it; the API's pools keep theirs open."""
+
+    def __init__(self, api: Api, db_url: str) -> None:
+        self.api = api
+        self.db_name = db_url.rsplit("/", 1)[1] if db_url.startswith("postgresql") else None
+        self.api_s = self.db_s = 0.0
+
+    def _backends(self) -> dict[int, float]:
+        if self.db_name is None:
+            return {}
+        import psycopg
+
+        with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
+            pids = conn.execute(
+                "SELECT pid FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()",
+                (self.db_name,),
+            ).fetchall()
+        return {pid: _cpu_seconds(pid) for (pid,) in pids}
+
+    def start(self) -> None:
+        self._api0 = self.api.cpu_seconds()
+        self._db0 = self._backends()
+
+    def stop(self) -> None:
+        self.api_s = self.api.cpu_seconds() - self._api0
+        now = self._backends()
+        self.db_s = sum(t - self._db0.get(pid, 0.0) for pid, t in now.items())
+
+    def per(self, n: int) -> str:
+        """Milliseconds of CPU per request (of n), API and database."""
+        text = f"API {self.api_s / n * 1000:.2f} ms"
+        if self.db_name is not None:
+            text += f" + Postgres {self.db_s / n * 1000:.2f} ms"
+        return text + " of CPU each"
 
 
 def postgres_available() -> bool:

@@ -20,6 +20,7 @@
    ``DDPQ_TENSORBOARD_DIR`` set.
 
     .venv/bin/python bench/api.py [--backend sqlite|postgres] [--jobs 10000] [--points 1000000]
+        [--workers N]
 
 Goals on a 2-core machine (SQLite): >= 50,000 items/s; GET p95 <= 10 ms and
 >= 1,000 requests/s; report() overhead <= 1%.
@@ -41,7 +42,16 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from _harness import Api, child_env, database, percentile, postgres_available, register, serve
+from _harness import (
+    Api,
+    CpuMeter,
+    child_env,
+    database,
+    percentile,
+    postgres_available,
+    register,
+    serve,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -200,7 +210,7 @@ class Conn:
         self.conn.close()
 
 
-def ingest(api: Api, batches: int) -> float:
+def ingest(api: Api, batches: int, meter: CpuMeter) -> float:
     claim = claim_job(api, "ingest")
     conn = Conn(api, claim["token"])
     path = f"/jobs/{claim['job_id']}/metrics"
@@ -218,11 +228,13 @@ def ingest(api: Api, batches: int) -> float:
     for body in bodies[:3]:  # warm-up
         status, text = conn.request("POST", path, body)
         assert status == 202, text
+    meter.start()
     t0 = time.perf_counter()
     for body in bodies[3:]:
         status, text = conn.request("POST", path, body)
         assert status == 202, text
     elapsed = time.perf_counter() - t0
+    meter.stop()
     conn.close()
     return (batches - 3) * BATCH / elapsed
 
@@ -243,7 +255,9 @@ def get_latency(api: Api, jobs: int, n: int) -> tuple[float, float]:
     return percentile(samples, 0.5), percentile(samples, 0.95)
 
 
-def get_throughput(api: Api, jobs: int, clients: int, seconds: float) -> float:
+def get_throughput(
+    api: Api, jobs: int, clients: int, seconds: float, meter: CpuMeter
+) -> tuple[float, int]:
     counts = [0] * clients
     stop = threading.Event()
     barrier = threading.Barrier(clients + 1)
@@ -261,13 +275,16 @@ def get_throughput(api: Api, jobs: int, clients: int, seconds: float) -> float:
     threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
     for t in threads:
         t.start()
+    meter.start()
     barrier.wait()
     t0 = time.perf_counter()
     time.sleep(seconds)
     stop.set()
     for t in threads:
         t.join()
-    return sum(counts) / (time.perf_counter() - t0)
+    elapsed = time.perf_counter() - t0
+    meter.stop()
+    return sum(counts) / elapsed, sum(counts)
 
 
 def scrape_time(api: Api, n: int = 20) -> float:
@@ -375,6 +392,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2000, help="training steps of each kind")
     ap.add_argument("--block", type=int, default=10, help="steps in a row of one kind")
     ap.add_argument("--parts", default="ingest,get,report", help="what to run")
+    ap.add_argument("--workers", type=int, default=1, help="API processes (serve --workers)")
     args = ap.parse_args()
     if args.backend == "postgres" and not postgres_available():
         raise SystemExit("postgres: unreachable")
@@ -386,13 +404,15 @@ def main() -> None:
             f"in {time.perf_counter() - t0:.1f}s"
         )
         # No heartbeats here: a long lease keeps the claimed jobs' tokens valid.
-        with serve(url, DDPQ_LEASE_S="3600") as api:
+        with serve(url, DDPQ_LEASE_S="3600", DDPQ_API_WORKERS=str(args.workers)) as api:
             parts = set(args.parts.split(","))
             if "ingest" in parts:
-                rate = ingest(api, args.batches)
+                meter = CpuMeter(api, url)
+                rate = ingest(api, args.batches, meter)
                 print(
                     f"{args.backend}: ingest: {rate:,.0f} items/s ({rate * POINTS_PER_STEP:,.0f} "
-                    f"points/s) in batches of {BATCH}, one sender"
+                    f"points/s) in batches of {BATCH}, one sender; "
+                    f"a batch: {meter.per(args.batches - 3)}"
                 )
             if "get" in parts:
                 p50, p95 = get_latency(api, args.jobs, args.requests)
@@ -400,8 +420,12 @@ def main() -> None:
                     f"{args.backend}: GET /jobs/{{id}}: p50 {p50 * 1000:.2f} ms, "
                     f"p95 {p95 * 1000:.2f} ms (one client, {args.requests} requests)"
                 )
-                rps = get_throughput(api, args.jobs, clients=8, seconds=5)
-                print(f"{args.backend}: GET /jobs/{{id}}: {rps:,.0f} requests/s (8 clients)")
+                meter = CpuMeter(api, url)
+                rps, n = get_throughput(api, args.jobs, clients=8, seconds=5, meter=meter)
+                print(
+                    f"{args.backend}: GET /jobs/{{id}}: {rps:,.0f} requests/s (8 clients); "
+                    f"{meter.per(n)}"
+                )
                 print(f"{args.backend}: GET /metrics: {scrape_time(api) * 1000:.1f} ms a scrape")
             if "report" in parts:
                 for tensorboard in (False, True):

@@ -12,7 +12,7 @@
    owner's quota flags up to date): the ratio to (2) is what fair share and quotas cost
    the claim (goal: at least 0.90).
 
-    .venv/bin/python bench/claim.py [--backend sqlite|postgres|both] [--jobs 2000]
+    .venv/bin/python bench/claim.py [--backend sqlite|postgres|both] [--jobs 2000] [--workers N]
 
 Goals on a 2-core machine: p50 <= 20 ms, >= 300 claims/s, 0 double claims.
 """
@@ -23,7 +23,7 @@ import argparse
 import threading
 import time
 
-from _harness import Api, backends, database, percentile, register, serve
+from _harness import Api, CpuMeter, backends, database, percentile, register, serve
 
 CLAIMERS = 8
 
@@ -67,7 +67,9 @@ def latency(api: Api, n: int) -> tuple[float, float]:
     return percentile(samples, 0.5), percentile(samples, 0.99)
 
 
-def throughput(api: Api, jobs: int, users: int = 0) -> tuple[float, int, int]:
+def throughput(
+    api: Api, jobs: int, users: int = 0, meter: CpuMeter | None = None
+) -> tuple[float, int, int]:
     for i in range(CLAIMERS):
         register(api, f"w{i}", cpu_slots=100_000)
     job = {"entrypoint": "noop.py", "device": "cpu"}
@@ -112,11 +114,15 @@ def throughput(api: Api, jobs: int, users: int = 0) -> tuple[float, int, int]:
     threads = [threading.Thread(target=claimer, args=(i,)) for i in range(CLAIMERS)]
     for t in threads:
         t.start()
+    if meter is not None:
+        meter.start()
     barrier.wait()
     t0 = time.perf_counter()
     for t in threads:
         t.join()
     elapsed = time.perf_counter() - t0
+    if meter is not None:
+        meter.stop()
     everything = [j for per in claimed for j in per]
     return len(everything) / elapsed, len(everything), len(everything) - len(set(everything))
 
@@ -147,28 +153,37 @@ def main() -> None:
     ap.add_argument("--latency-jobs", type=int, default=200)
     ap.add_argument("--jobs", type=int, default=2000)
     ap.add_argument("--users", type=int, default=50)
+    ap.add_argument("--workers", type=int, default=1, help="API processes (serve --workers)")
+    ap.add_argument("--parts", default="latency,rate,shares", help="what to run")
     args = ap.parse_args()
     for backend in backends(args.backend):
-        with database(backend) as url, serve(url) as api:
-            p50, p99 = latency(api, args.latency_jobs)
-            print(
-                f"{backend}: submit-to-running with an idle worker: "
-                f"p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms"
-            )
+        env = {"DDPQ_API_WORKERS": str(args.workers)}
+        parts = set(args.parts.split(","))
+        if "latency" in parts:
+            with database(backend) as url, serve(url, **env) as api:
+                p50, p99 = latency(api, args.latency_jobs)
+                print(
+                    f"{backend}: submit-to-running with an idle worker: "
+                    f"p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms"
+                )
+        rate = None
         # No heartbeats here: a long lease keeps claimed jobs from being requeued mid-run.
-        with database(backend) as url, serve(url, DDPQ_LEASE_S="3600") as api:
-            rate, n, doubles = throughput(api, args.jobs)
-            print(
-                f"{backend}: {CLAIMERS} claimers: {rate:.0f} claims/s over {n} jobs, "
-                f"{doubles} double claims"
-            )
-        with database(backend) as url, serve(url, DDPQ_LEASE_S="3600") as api:
-            shared, n, doubles = throughput(api, args.jobs, users=args.users)
-            print(
-                f"{backend}: {CLAIMERS} claimers, the jobs of {args.users} users (fair share, "
-                f"quotas): {shared:.0f} claims/s over {n} jobs, {doubles} double claims; "
-                f"{shared / rate:.2f} of the rate without"
-            )
+        if "rate" in parts:
+            with database(backend) as url, serve(url, DDPQ_LEASE_S="3600", **env) as api:
+                meter = CpuMeter(api, url)
+                rate, n, doubles = throughput(api, args.jobs, meter=meter)
+                print(
+                    f"{backend}: {CLAIMERS} claimers: {rate:.0f} claims/s over {n} jobs, "
+                    f"{doubles} double claims; {meter.per(n)}"
+                )
+        if "shares" in parts:
+            with database(backend) as url, serve(url, DDPQ_LEASE_S="3600", **env) as api:
+                shared, n, doubles = throughput(api, args.jobs, users=args.users)
+                print(
+                    f"{backend}: {CLAIMERS} claimers, the jobs of {args.users} users (fair "
+                    f"share, quotas): {shared:.0f} claims/s over {n} jobs, {doubles} double "
+                    "claims" + (f"; {shared / rate:.2f} of the rate without" if rate else "")
+                )
 
 
 if __name__ == "__main__":

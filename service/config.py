@@ -103,6 +103,14 @@ class Settings(BaseSettings):
         description="Where `ddpq serve` listens; the CLI also reads it for a local API "
         "(`http://127.0.0.1:PORT`) when `DDPQ_URL` is unset.",
     )
+    api_workers: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="API processes `ddpq serve` runs on its one port (`--workers`); more "
+        "than 1 needs Postgres. One process uses about one core: give it the cores the "
+        "database leaves (docs/deployment.md).",
+    )
     lease_s: float = Field(
         default=30.0,
         gt=0,

@@ -19,7 +19,7 @@ from typing import Any
 
 from sqlalchemy import Select, create_engine, event, text
 from sqlalchemy.engine import Connection, Engine, make_url
-from sqlalchemy.exc import InterfaceError, OperationalError
+from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -151,7 +151,36 @@ def make_engine(url: str) -> Engine:
             conn.exec_driver_sql(f"BEGIN {mode}")
 
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+    engine = create_engine(url, pool_size=10, max_overflow=20)
+    _ping_when_idle(engine)
+    return engine
+
+
+# A pooled Postgres connection idle for longer than this is pinged before it is handed
+# out (a server restart or a firewall may have dropped it meanwhile). SQLAlchemy's
+# pool_pre_ping pings at every checkout: two round trips of seven on GET /jobs/{id} (the
+# token check and the read each check one out) and a quarter of its CPU in the API
+# process (bench/api.py). A connection in steady use that the server drops fails its
+# next statement instead: a 503 the client retries, and SQLAlchemy then replaces every
+# pooled connection opened before it.
+IDLE_PING_S = 2.0
+
+
+def _ping_when_idle(engine: Engine) -> None:
+    @event.listens_for(engine, "checkin")
+    def _idle_from(_dbapi_conn: Any, record: Any) -> None:
+        record.info["idle_since"] = time.monotonic()
+
+    @event.listens_for(engine, "checkout")
+    def _ping_if_idle(dbapi_conn: Any, record: Any, _proxy: Any) -> None:
+        since = record.info.get("idle_since")
+        if since is None or time.monotonic() - since <= IDLE_PING_S:
+            return
+        try:
+            engine.dialect.do_ping(dbapi_conn)
+        except Exception as exc:
+            # The pool discards this connection and checks out another (or a new one).
+            raise DisconnectionError(str(exc)) from exc
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import signal
+import socket
 import time
 from types import FrameType
+from typing import Any, NoReturn
 
 import uvicorn
 from fastapi import FastAPI
@@ -36,8 +41,11 @@ def wait_for_database(database: dbmod.Database, timeout_s: float = DB_WAIT_S) ->
             time.sleep(1.0)
 
 
-def build(host: str, settings: Settings | None = None) -> tuple[Settings, FastAPI]:
-    """Resolve tokens, migrate, and create the app (shared by serve and up)."""
+def prepare(
+    host: str, settings: Settings | None = None
+) -> tuple[Settings, str, str, dbmod.Database]:
+    """Resolve tokens, wait for the database and migrate it: once, before any API
+    process serves (shared by serve and up)."""
     settings = settings or Settings()
     api_token, worker_token = resolve_tokens(settings, host)
     database = dbmod.Database(
@@ -54,6 +62,12 @@ def build(host: str, settings: Settings | None = None) -> tuple[Settings, FastAP
             "DDPQ_API_TOKEN (or %s) is no live user's token: it was rotated or revoked",
             settings.data_dir / "api-token",
         )
+    return settings, api_token, worker_token, database
+
+
+def build(host: str, settings: Settings | None = None) -> tuple[Settings, FastAPI]:
+    """Resolve tokens, migrate, and create the app (one process: ``ddpq up``, tests)."""
+    settings, api_token, worker_token, database = prepare(host, settings)
     return settings, create_app(settings, api_token, worker_token, database)
 
 
@@ -76,9 +90,108 @@ class ApiServer(uvicorn.Server):
         self.should_exit = True
 
 
-def serve(host: str, port: int, log_level: str = "info") -> None:
+def serve(host: str, port: int, log_level: str = "info", workers: int | None = None) -> None:
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    _, app = build(host)
-    ApiServer(app, host, port, log_level).run()
+    settings = Settings()
+    workers = workers or settings.api_workers
+    if workers > 1 and not settings.resolved_database_url.startswith("postgresql"):
+        raise SystemExit(
+            f"ddpq: --workers {workers} needs Postgres (DDPQ_DATABASE_URL): several processes "
+            "on one SQLite file would take turns at its write lock, and a claim waiting in "
+            "one would not hear of a job submitted through another. Run one process on SQLite."
+        )
+    if workers == 1:
+        _, app = build(host, settings)
+        ApiServer(app, host, port, log_level).run()
+        return
+    settings, api_token, worker_token, database = prepare(host, settings)
+    database.dispose()  # no connection of the parent's may be shared by its children
+    # uvicorn binds it as for its own workers (reuse address, IPv6, a taken port refused).
+    sock = uvicorn.Config(app="", host=host, port=port, log_level=log_level).bind_socket()
+    Supervisor(sock, workers, log_level, (settings, api_token, worker_token)).run()
+
+
+class Supervisor:
+    """``ddpq serve --workers N``: N forked API processes accepting on one listening
+    socket (as uvicorn's and gunicorn's workers do: the kernel hands each connection to
+    one of them). Everything they share lives in Postgres: claim wake-ups travel by
+    LISTEN/NOTIFY, event streams and token checks read the database, and one process at a
+    time sweeps leases (an advisory lock, app.SweepTurn). A process that dies unasked
+    stops the others and the supervisor exits 1: the service manager restarts the whole,
+    rather than this process hiding a crash loop."""
+
+    def __init__(
+        self, sock: socket.socket, workers: int, log_level: str, app_args: tuple[Any, ...]
+    ) -> None:
+        self.sock = sock
+        self.workers = workers
+        self.log_level = log_level
+        self.app_args = app_args
+        self.children: set[int] = set()
+        self.stopping = False
+        self.signal = 0  # the signal that asked it to stop
+
+    def _child(self) -> NoReturn:
+        code = 0
+        try:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, signal.SIG_DFL)  # uvicorn installs its own in run()
+            app = create_app(*self.app_args)
+            host, port = self.sock.getsockname()[:2]
+            ApiServer(app, host, port, self.log_level).run(sockets=[self.sock])
+        except BaseException:
+            log.exception("API process %d failed", os.getpid())
+            code = 1
+        finally:
+            logging.shutdown()
+            os._exit(code)  # never back into the supervisor's code
+
+    def _stop(self, sig: int, _frame: FrameType | None) -> None:
+        self.stopping = True
+        self.signal = self.signal or sig
+        for pid in list(self.children):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+
+    def run(self) -> None:
+        signal.signal(signal.SIGTERM, self._stop)
+        signal.signal(signal.SIGINT, self._stop)
+        for _ in range(self.workers):
+            pid = os.fork()
+            if pid == 0:
+                self._child()
+            self.children.add(pid)
+        log.info("serving on %s with %d API processes", self.sock.getsockname(), self.workers)
+        failed = False
+        while self.children:
+            try:
+                pid, status = os.wait()
+            except ChildProcessError:
+                break
+            except InterruptedError:
+                continue
+            self.children.discard(pid)
+            if not self.stopping:
+                log.error(
+                    "API process %d exited (%s): stopping the others", pid, _exit_text(status)
+                )
+                failed = True
+                self._stop(signal.SIGTERM, None)
+                self.signal = 0
+        self.sock.close()
+        if failed:
+            raise SystemExit(1)
+        if self.signal:
+            # Die of the signal, as one uvicorn process does (exit 143 on SIGTERM), and
+            # without tearing down every module imported (3 s on this machine).
+            logging.shutdown()
+            signal.signal(self.signal, signal.SIG_DFL)
+            signal.raise_signal(self.signal)
+
+
+def _exit_text(status: int) -> str:
+    if os.WIFSIGNALED(status):
+        return f"signal {os.WTERMSIG(status)}"
+    return f"exit code {os.waitstatus_to_exitcode(status)}"

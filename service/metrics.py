@@ -298,17 +298,34 @@ def _points_upsert_sql(dialect: Dialect) -> tuple[str, tuple[str, ...]]:
     return cached
 
 
-# Postgres: one statement over arrays (executemany would be a round trip per row).
+# Postgres: one statement over arrays (executemany would be a round trip per row). The
+# arrays go as array literals the server parses (_pg_array): psycopg's list adapter
+# dumps element by element in Python, 4.6 ms of a batch of 1000 items against 1.7 ms.
 _PG_POINTS_UPSERT = """
 INSERT INTO metric_points (job_id, name, step, value, epoch, attempt, time, seq)
 SELECT %(job_id)s, n, s, v, e, %(attempt)s, %(time)s, %(seq)s
-FROM unnest(%(names)s::varchar[], %(steps)s::bigint[], %(values)s::float8[], %(epochs)s::float8[])
+FROM unnest(%(names)s::text::varchar[], %(steps)s::text::bigint[],
+            %(values)s::text::float8[], %(epochs)s::text::float8[])
     AS t(n, s, v, e)
 ON CONFLICT (job_id, name, step) DO UPDATE SET
     value = excluded.value, epoch = excluded.epoch, attempt = excluded.attempt,
     time = excluded.time, seq = excluded.seq
 WHERE metric_points.attempt <= excluded.attempt
 """
+
+
+def _pg_names(names: list[str]) -> str:
+    """A Postgres array literal of strings: each quoted, with its quote and backslash
+    escaped (names are printable and hold no NUL: MetricName)."""
+    return (
+        "{" + ",".join('"' + n.replace("\\", "\\\\").replace('"', '\\"') + '"' for n in names) + "}"
+    )
+
+
+def _pg_numbers(numbers: list[int] | list[float] | list[float | None]) -> str:
+    """A Postgres array literal of numbers: repr round-trips a float, and float8 reads
+    its nan, inf and -inf."""
+    return "{" + ",".join("NULL" if x is None else repr(x) for x in numbers) + "}"
 
 
 def _upsert_points(
@@ -331,10 +348,10 @@ def _upsert_points(
                 "attempt": attempt.number,
                 "time": now,
                 "seq": seq,
-                "names": names,
-                "steps": steps,
-                "values": values,
-                "epochs": epochs,
+                "names": _pg_names(names),
+                "steps": _pg_numbers(steps),
+                "values": _pg_numbers(values),
+                "epochs": _pg_numbers(epochs),
             },
         )
         return

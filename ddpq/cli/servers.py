@@ -25,6 +25,15 @@ def serve(
     host: Annotated[str, typer.Option(envvar="DDPQ_HOST")] = "127.0.0.1",
     port: Annotated[int, typer.Option(envvar="DDPQ_PORT")] = 8000,
     log_level: str = "info",
+    workers: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            max=64,
+            help="API processes on the one port (else DDPQ_API_WORKERS, 1); more than 1 "
+            "needs Postgres",
+        ),
+    ] = None,
 ) -> None:
     """Run the API (applies database migrations first)."""
     with needs("serve", "the API", "server"):
@@ -36,7 +45,7 @@ def serve(
     os.umask(0o077)  # what it writes (the SQLite database, token files) is its own alone
 
     try:
-        run_serve(host, port, log_level)
+        run_serve(host, port, log_level, workers)
     except TokenError as exc:
         _fail(str(exc), EXIT_USAGE)
 

@@ -6,7 +6,8 @@ Two Postgres databases, both made by `ddpq serve` (so through the real migration
 (one chunk per attempt, a few larger ones), checkpoints of a third of them and POINTS
 metric points (three series per job, mostly short, lengths varying, finished_at spread
 over a year), one job among them with a series of 1,000,000 points; "empty" holds that
-job and 199 others (a page of 50 costs the same to build on both). Both are written
+job and 199 others, all of the measured user and half of them failed (a page of 50,
+filtered or not, costs the same to build on both). Both are written
 directly in SQL (generate_series, INSERT ... SELECT): through the API it would take days.
 Then a `ddpq serve` on each, side by side, and the same requests to each, alternating
 (the ratio full / empty is what counts on a noisy VM):
@@ -121,6 +122,12 @@ def build(name: str, jobs: int, points: int) -> None:
             "CASE WHEN g %% 20 = 0 THEN 'cancelled' WHEN g %% 7 = 0 THEN 'failed' "
             "ELSE 'succeeded' END"
         )
+        owner = f"'u' || lpad((g %% {USERS})::text, 3, '0')"
+        if jobs <= EMPTY_JOBS:
+            # The empty database: every job the measured user's (u007) and every other
+            # one failed, so each filtered page is as full as on the full database.
+            status = "CASE WHEN g %% 2 = 0 THEN 'failed' ELSE 'succeeded' END"
+            owner = "'u007'"
         done = step("jobs")
         conn.execute(
             f"""
@@ -140,7 +147,7 @@ def build(name: str, jobs: int, points: int) -> None:
                     'values', json_build_object('loss', 0.1 + (g %% 97) / 1000.0, 'lr', 0.0003)),
                 0, 1000,
                 (SELECT sum({lines}) FROM generate_series(1, {nattempts}) n) * {len(LINE)},
-                1, 'u' || lpad((g %% {USERS})::text, 3, '0'), 0, false, false
+                1, {owner}, 0, false, false
             FROM generate_series(1, %(jobs)s) g
             """,
             {"spec": spec, "jobs": jobs},
@@ -340,8 +347,11 @@ KINDS = [*QUERIES, "job", "metrics", "claim"]
 
 def measure(full: str, empty: str, rounds: int, kinds: list[str]) -> None:
     with contextlib.ExitStack() as stack:
+        # No retention sweep while measuring: on the full database it would be going
+        # over a year of jobs meanwhile (its own cost is measured with --retention).
+        off = {"DDPQ_METRICS_DOWNSAMPLE_AFTER": "never", "DDPQ_LOG_RETENTION": "never"}
         apis = {
-            label: stack.enter_context(serve(pg_url(name)))
+            label: stack.enter_context(serve(pg_url(name), **off))
             for label, name in (("full", full), ("empty", empty))
         }
         bigs = {"full": long_job(full), "empty": long_job(empty)}

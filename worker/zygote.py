@@ -113,19 +113,25 @@ def main() -> None:
 
 
 def serve(listener: socket.socket) -> None:
-    """Fork an agent per connection; tell each its agent's pid, then its exit status."""
-    agents: dict[int, socket.socket] = {}
+    """Fork an agent per connection; tell each its agent's pid, then its exit status.
+
+    Each agent's end is waited on by a pidfd in the same select as the listener: an exit is
+    told the moment it happens (a poll's interval would be added to every attempt)."""
+    agents: dict[int, tuple[socket.socket, int]] = {}  # pid: (its connection, its pidfd)
     while True:
-        ready, _, _ = select.select([listener], [], [], 0.05 if agents else 1.0)
-        if ready:
+        pidfds = {fd: pid for pid, (_, fd) in agents.items()}
+        ready, _, _ = select.select([listener, *pidfds], [], [], 1.0)
+        if listener in ready:
             conn, _ = listener.accept()
             pid = os.fork()
             if pid == 0:
                 try:
-                    _agent(conn, [listener, *agents.values()])
+                    for _, fd in agents.values():  # nothing of another attempt goes with it
+                        os.close(fd)
+                    _agent(conn, [listener, *(c for c, _ in agents.values())])
                 finally:
                     os._exit(70)
-            agents[pid] = conn
+            agents[pid] = (conn, os.pidfd_open(pid))
             with contextlib.suppress(OSError):
                 conn.sendall(b"pid %d\n" % pid)
         while agents:
@@ -136,7 +142,8 @@ def serve(listener: socket.socket) -> None:
             if pid == 0:
                 break
             if pid in agents:
-                conn = agents.pop(pid)
+                conn, fd = agents.pop(pid)
+                os.close(fd)
                 with contextlib.suppress(OSError):
                     conn.sendall(b"exit %d\n" % os.waitstatus_to_exitcode(status))
                 conn.close()

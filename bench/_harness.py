@@ -58,7 +58,7 @@ class Api:
     def cpu_seconds(self) -> float:
         """The CPU time (user + system) the API has spent so far: the `ddpq serve`
         process and, with --workers N, its API processes (its children)."""
-        return sum(_cpu_seconds(pid) for pid in [self.pid, *children(self.pid)])
+        return sum(cpu_of(pid) for pid in [self.pid, *children(self.pid)])
 
     def client_with(self, token: str) -> httpx.Client:
         return httpx.Client(
@@ -72,7 +72,8 @@ class Api:
         )
 
 
-def _cpu_seconds(pid: int) -> float:
+def cpu_of(pid: int) -> float:
+    """The CPU time (user + system) process ``pid`` itself has spent; 0 once it is gone."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except FileNotFoundError:
@@ -115,7 +116,7 @@ class CpuMeter:
                 "SELECT pid FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()",
                 (self.db_name,),
             ).fetchall()
-        return {pid: _cpu_seconds(pid) for (pid,) in pids}
+        return {pid: cpu_of(pid) for (pid,) in pids}
 
     def start(self) -> None:
         self._api0 = self.api.cpu_seconds()

@@ -46,30 +46,24 @@ import json
 import math
 import os
 import random
-import secrets
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import PG_ADMIN, Api, child_env, free_port, percentile
+from _harness import PG_ADMIN, Api, cpu_of, database, percentile, serve
 
 GPUS = 8  # per host
 CPU_SLOTS = 32  # what a GPU host's agent offers besides its GPUs (its cores)
 SIZES = [(1, 0.40), (2, 0.25), (4, 0.20), (8, 0.15)]  # ranks (GPUs) of a job: weight
 MEAN_SIZE = sum(g * w for g, w in SIZES)
 CLAIM_WAIT_S = 5.0  # worker.loop.CLAIM_WAIT_S
-DB_PREFIX = os.environ.get("DDPQ_BENCH_DB_PREFIX", "ddpq_fleet_")
 
 
 # ---- a minimal HTTP/1.1 client ------------------------------------------------------------
@@ -417,99 +411,6 @@ async def watch(sim: Sim, tick: float = 0.25) -> None:
 # ---- the API, the database, and what they spend -------------------------------------------
 
 
-def serve_has_workers() -> bool:
-    out = subprocess.run(
-        [sys.executable, "-m", "ddpq.cli", "serve", "--help"],
-        capture_output=True,
-        text=True,
-        env=child_env(COLUMNS="200"),
-    ).stdout
-    return "--workers" in out
-
-
-@contextlib.contextmanager
-def database(backend: str) -> Iterator[str]:
-    if backend == "sqlite":
-        tmp = Path(tempfile.mkdtemp(prefix="ddpq-fleet-"))
-        try:
-            yield f"sqlite:///{tmp / 'ddpq.db'}"
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        return
-    import psycopg
-
-    name = f"{DB_PREFIX}{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    try:
-        yield f"postgresql+psycopg://{PG_ADMIN.split('://', 1)[1].rsplit('/', 1)[0]}/{name}"
-    finally:
-        with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
-@contextlib.contextmanager
-def serve(db_url: str, api_procs: int) -> Iterator[Api]:
-    data_dir = Path(tempfile.mkdtemp(prefix="ddpq-fleet-api-"))
-    port = free_port()
-    api = Api(
-        f"http://127.0.0.1:{port}", secrets.token_urlsafe(24), secrets.token_urlsafe(24), data_dir
-    )
-    argv = [sys.executable, "-m", "ddpq.cli", "serve", "--port", str(port)]
-    argv += ["--log-level", "warning"]
-    if api_procs > 1:
-        argv += ["--workers", str(api_procs)]
-    proc = subprocess.Popen(
-        argv,
-        env=child_env(
-            DDPQ_DATABASE_URL=db_url,
-            DDPQ_DATA_DIR=str(data_dir),
-            DDPQ_API_TOKEN=api.api_token,
-            DDPQ_WORKER_TOKEN=api.worker_token,
-        ),
-        cwd=data_dir,
-    )
-    api.pid = proc.pid
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{api.url}/healthz").status_code == 200:
-                    break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("ddpq serve did not start")
-            time.sleep(0.2)
-        yield api
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
-        shutil.rmtree(data_dir, ignore_errors=True)
-
-
-def _cpu_of(pid: int) -> float:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def tree_cpu(root: int) -> float:
-    """CPU seconds of ``root`` and its living descendants (``--workers``' processes)."""
-    children: dict[int, list[int]] = {}
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            with contextlib.suppress(OSError, IndexError):
-                ppid = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                children.setdefault(ppid, []).append(int(p.name))
-    total, todo = 0.0, [root]
-    while todo:
-        pid = todo.pop()
-        total += _cpu_of(pid)
-        todo += children.get(pid, [])
-    return total
-
-
 def pg_backends_cpu(db_url: str) -> dict[int, float]:
     """CPU seconds of the Postgres backends serving this database, by pid."""
     if not db_url.startswith("postgresql"):
@@ -524,7 +425,7 @@ def pg_backends_cpu(db_url: str) -> dict[int, float]:
                 "SELECT pid FROM pg_stat_activity WHERE datname = %s", (name,)
             ).fetchall()
         ]
-    return {pid: _cpu_of(pid) for pid in pids}
+    return {pid: cpu_of(pid) for pid in pids}
 
 
 def db_tables(db_url: str) -> dict[str, tuple[int, int]]:
@@ -618,7 +519,7 @@ async def simulate(api: Api, plan: Plan, db_url: str, profile: Path | None) -> d
 
     await asyncio.sleep(plan.warmup_s)
     before_tables = await asyncio.to_thread(db_tables, db_url)
-    api_cpu0, pg0 = tree_cpu(api.pid), pg_backends_cpu(db_url)
+    api_cpu0, pg0 = api.cpu_seconds(), pg_backends_cpu(db_url)
     sim_cpu0 = _self_cpu()
     t0 = time.monotonic()
     stats.measuring = True
@@ -649,7 +550,7 @@ async def simulate(api: Api, plan: Plan, db_url: str, profile: Path | None) -> d
     await asyncio.sleep(plan.measure_s)
     stats.measuring = False
     elapsed = time.monotonic() - t0
-    api_cpu = tree_cpu(api.pid) - api_cpu0
+    api_cpu = api.cpu_seconds() - api_cpu0
     pg1 = pg_backends_cpu(db_url)
     pg_cpu = sum(v - pg0.get(pid, 0.0) for pid, v in pg1.items())
     sim_cpu = _self_cpu() - sim_cpu0
@@ -718,11 +619,11 @@ async def simulate(api: Api, plan: Plan, db_url: str, profile: Path | None) -> d
 
 
 def _self_cpu() -> float:
-    return _cpu_of(os.getpid())
+    return cpu_of(os.getpid())
 
 
 def run_one(backend: str, api_procs: int, plan: Plan, profile: Path | None) -> dict[str, Any]:
-    with database(backend) as db_url, serve(db_url, api_procs) as api:
+    with database(backend) as db_url, serve(db_url, DDPQ_API_WORKERS=str(api_procs)) as api:
         try:
             import uvloop
 
@@ -871,9 +772,6 @@ def main() -> None:
     if args.quick:
         args.warmup, args.measure = 8.0, 15.0
     api_procs = args.api_procs
-    if api_procs > 1 and not serve_has_workers():
-        print(f"ddpq serve has no --workers here: one API process, not {api_procs}")
-        api_procs = 1
     results = []
     for hosts in [int(h) for h in args.hosts.split(",")]:
         plan = plan_for(hosts, args)

@@ -120,8 +120,8 @@ def serve(listener: socket.socket) -> None:
     agents: dict[int, tuple[socket.socket, int]] = {}  # pid: (its connection, its pidfd)
     while True:
         pidfds = {fd: pid for pid, (_, fd) in agents.items()}
-        ready, _, _ = select.select([listener, *pidfds], [], [], 1.0)
-        if listener in ready:
+        ready, _, _ = select.select([listener.fileno(), *pidfds], [], [], 1.0)
+        if listener.fileno() in ready:
             conn, _ = listener.accept()
             pid = os.fork()
             if pid == 0:

@@ -10,7 +10,8 @@ two 1-GPU jobs on different physical GPUs, each seeing cuda:0, and a third waiti
 its reason; each recipe on 2 GPUs learning as it does on the CPU and resuming after its
 worker is killed; `device: auto` picking CUDA; NCCL_* reaching the ranks; bf16 only where
 the GPU has it, fp16 with loss scaling elsewhere; the DDP tutorial's program and nanoGPT
-as jobs, when their checkouts are given (DDPQ_GPU_CHECK_TUTORIAL, DDPQ_GPU_CHECK_NANOGPT).
+as jobs, when their checkouts are given (DDPQ_GPU_CHECK_TUTORIAL, DDPQ_GPU_CHECK_NANOGPT);
+ranks forked by the warm launcher each making their own CUDA context (issue 34).
 """
 
 from __future__ import annotations
@@ -290,6 +291,56 @@ def _bf16_here() -> bool:
     probe = "import torch; print(torch.cuda.is_bf16_supported())"
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     return r.stdout.strip() == "True"
+
+
+# ---- the warm launcher (issue 34) on GPUs --------------------------------------------------
+
+WARM_PROBE = """
+import json, os, sys
+import torch
+import torch.distributed as dist
+# Forked from a warm process that must never have touched CUDA: a fork cannot use a CUDA
+# context its parent made.
+before = torch.cuda.is_initialized()
+# torchrun's own module, which only a rank forked from the warm process has at its start.
+forked = "torch.distributed.run" in sys.modules
+local = int(os.environ["LOCAL_RANK"])
+torch.cuda.set_device(local)
+dist.init_process_group("nccl")
+t = torch.ones(1, device="cuda") * (dist.get_rank() + 1)
+dist.all_reduce(t)
+out = {"before": before, "device": torch.cuda.current_device(), "sum": t.item(),
+       "forked": forked}
+with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}.json"), "w") as f:
+    json.dump(out, f)
+dist.destroy_process_group()
+"""
+
+
+def test_the_warm_launcher_forks_ranks_that_each_make_their_own_cuda_context(
+    server: Server, start_worker: Any, tmp_path: Path, table: Table
+) -> None:
+    needs(2)
+    worker = start_worker(server, gpus="0,1")
+    (worker.workspace / "warm_probe.py").write_text(WARM_PROBE)
+    out = tmp_path / "out"
+    out.mkdir()
+    os.chmod(out, 0o777)
+    jid = submit(
+        server,
+        entrypoint="warm_probe.py",
+        args=[str(out)],
+        device="cuda",
+        world_size=2,
+        launcher="warm",
+    )
+    succeeded(server, jid)
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["forked"] for r in ranks] == [True, True], ranks
+    assert [r["before"] for r in ranks] == [False, False], ranks  # CUDA not inherited
+    assert sorted(r["device"] for r in ranks) == [0, 1], ranks
+    assert [r["sum"] for r in ranks] == [3.0, 3.0], ranks  # NCCL all-reduce across them
+    table.add("warm launcher", "2 ranks forked, each its own CUDA context, NCCL all-reduce")
 
 
 # ---- the seeds' own programs, unmodified ---------------------------------------------------

@@ -28,6 +28,8 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+from ddpq.errors import CodeError
+
 try:  # the light install may lack it: a client then sends contents uncompressed
     import zstandard
 except ImportError:  # pragma: no cover - exercised where zstandard is absent
@@ -55,7 +57,7 @@ HEADER_BYTES = MAX_FRAMES * HEADER_MAX
 MAX_WINDOW = 8 * 1024 * 1024
 
 
-class PackError(ValueError):
+class PackError(CodeError, ValueError):
     """A pack that cannot be read: ``field`` names what is wrong (``frames[2].size``)."""
 
     def __init__(self, field: str, message: str) -> None:

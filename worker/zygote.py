@@ -348,6 +348,7 @@ def _rank(request: dict[str, Any], fds: list[int]) -> None:
             os.close(fd)
         os.environ.clear()
         os.environ.update(request["env"])
+        _exec_dispositions()
         _reseed()
         from worker import entry
 
@@ -359,6 +360,23 @@ def _rank(request: dict[str, Any], fds: list[int]) -> None:
         os._exit(1)
     entry.main()
     os._exit(0)  # entry.main leaves by os._exit
+
+
+def _exec_dispositions() -> None:
+    """The signal dispositions an exec from torchrun's agent gives a rank. The agent
+    handles TORCHELASTIC_SIGNALS_TO_HANDLE (torch's PContext.start), and exec resets a
+    handled signal to its default, so a Popen'd rank starts with them at SIG_DFL (SIGINT:
+    Python's KeyboardInterrupt) even where the worker was started with them ignored (a
+    `nohup`, a background job of a script: SIGHUP, SIGINT, SIGQUIT). This fork of the
+    template inherited the ignoring instead: undo it as the exec would have."""
+    names = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
+    for name in names.split(","):
+        sig = getattr(signal, name.strip(), None)
+        if isinstance(sig, signal.Signals):
+            with contextlib.suppress(OSError, ValueError):
+                signal.signal(
+                    sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
+                )
 
 
 def _reseed() -> None:

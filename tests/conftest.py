@@ -312,10 +312,12 @@ def up_argv(port: int, *args: str) -> list[str]:
     ]  # fmt: skip
 
 
-@pytest.fixture(params=["torchrun", "warm"])
+@pytest.fixture(params=["torchrun", pytest.param("warm", marks=pytest.mark.warm)])
 def launcher(request: pytest.FixtureRequest) -> str:
     """A test that runs both ways: its workers start jobs with a cold torchrun, or forked
-    from a warm process (issue 34): pass ``env=launcher_env(launcher)`` to start_worker."""
+    from a warm process (issue 34): pass ``env=launcher_env(launcher)`` to start_worker.
+    The warm runs are marked ``warm``: `make test-warm` runs them (`make test`'s 15
+    minutes hold the cold ones)."""
     return str(request.param)
 
 

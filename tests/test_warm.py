@@ -16,7 +16,7 @@ from tests.conftest import Server, terminal, wait_for
 from worker.procs import find_by_launch_id
 from worker.warm import choose, zygote_env
 
-pytestmark = pytest.mark.torchrun
+pytestmark = [pytest.mark.torchrun, pytest.mark.warm]
 
 PROBE = Path(__file__).with_name("launcher_probe.py")
 

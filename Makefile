@@ -104,7 +104,8 @@ docs: venv
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 # torch's abort in the interpreter's teardown, counted over many torchrun runs (issue 31:
-# minutes of CPU, both databases): bare it still happens, through worker.entry it never does.
+# minutes of CPU, both databases): through worker.entry it never happens; bare, the control
+# sees it (or skips, saying so: how often torch aborts depends on the machine and its load).
 test-teardown: venv
 	$(BIN)/pytest -n 2 --dist worksteal -m teardown
 

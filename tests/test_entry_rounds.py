@@ -4,8 +4,11 @@ called without an active exception", SIGABRT) in about 1 run of 5 under a bare t
 and never through worker.entry.
 
 Many runs of torchrun, minutes of CPU: ``make test-teardown`` runs these (marker
-``teardown``), ``make test`` leaves them out. The bare runs keep the tests honest: once a
-torch upgrade no longer aborts, they fail and say so, and the entry's shortcut may go.
+``teardown``), ``make test`` leaves them out. The bare runs are the control, in a test of
+their own: how often torch aborts depends on the machine and its load (CI's machine once
+went 40 bare runs without one), so a control that sees none skips and says so (the entry's
+tests then prove nothing on that machine, and a torch upgrade that no longer aborts would
+let the entry's shortcut go) instead of failing ddpq for torch's behaviour.
 """
 
 from __future__ import annotations
@@ -58,19 +61,21 @@ def _aborted(output: str) -> bool:
     return "exitcode: -6" in output or "terminate called without an active exception" in output
 
 
-def _bare_aborts(tmp_path: Path) -> int:
-    """The run of the program under a bare torchrun in which a rank first aborts."""
+def test_under_a_bare_torchrun_a_rank_aborts(tmp_path: Path) -> None:
+    """The control: the same program, without the entry, aborts in torch's teardown."""
     program = tmp_path / "aborts.py"
     program.write_text(ABORTS)
     for run in range(1, BARE_AT_MOST + 1):
         code, output = _torchrun(program, through_entry=False)
         if _aborted(output):
             assert code != 0
-            return run
+            print(f"bare torchrun: first abort at run {run}")
+            return
         assert code == 0, output[-3000:]
-    pytest.fail(
-        f"no rank aborted in {BARE_AT_MOST} bare torchrun runs: if torch no longer aborts in "
-        "its teardown, worker.entry's os._exit may go (issue 31)"
+    pytest.skip(
+        f"no rank aborted in {BARE_AT_MOST} bare torchrun runs on this machine, so the "
+        "entry's tests prove nothing here; if torch no longer aborts in its teardown, "
+        "worker.entry's os._exit may go (issue 31)"
     )
 
 
@@ -82,7 +87,6 @@ def test_through_the_entry_no_rank_aborts(tmp_path: Path) -> None:
     assert not aborted, aborted[0][-3000:]
     assert [code for code, _ in outputs] == [0] * ROUNDS
     assert all(out.count("done") == 2 for _, out in outputs)
-    print(f"bare torchrun: first abort at run {_bare_aborts(tmp_path)}; entry: 0 of {ROUNDS}")
 
 
 def test_through_ddpq_every_job_succeeds_at_its_first_attempt(
@@ -99,4 +103,3 @@ def test_through_ddpq_every_job_succeeds_at_its_first_attempt(
     # the entry left before torch could abort.
     assert ended == [("succeeded", 1, 0, None)] * ROUNDS
     wait_for(lambda: c.get(f"/jobs/{ids[-1]}/logs").text.count("done") == 2, 30, "the log")
-    print(f"bare torchrun: first abort at run {_bare_aborts(tmp_path)}; ddpq: 0 of {ROUNDS}")

@@ -15,7 +15,8 @@
     └── WorkerError             the worker's own
         ├── DataDirBusy         another worker holds the --data-dir (worker.datadir)
         ├── WallsError          jobs cannot be walled as asked (worker.walls)
-        ├── SlurmError          a Slurm command failed (worker.bridge)
+        ├── SlurmError          a Slurm command failed, or its answer will not do (worker.bridge,
+        │                       worker.slurm: a partition with no nodes)
         ├── JobError            this attempt cannot run: it fails with the message
         ├── RequirementsRefused a job's requirements break the policy (worker.requirements)
         └── Stopped             asked to stop while a job was being readied: no failure
@@ -179,7 +180,8 @@ class WallsError(WorkerError):
 
 
 class SlurmError(WorkerError):
-    """A Slurm command failed; its error output says why."""
+    """A Slurm command failed (its error output says why), or answered what the bridge
+    cannot use (sinfo naming no node of the partition)."""
 
 
 class JobError(WorkerError):

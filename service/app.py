@@ -1,4 +1,6 @@
-"""The FastAPI application: routers, limits, error mapping, background lease sweeps."""
+"""The FastAPI application: its routers and middleware, the one map of errors to HTTP
+statuses, the OpenAPI document, and its lifespan (what runs beside the requests is
+service.sweeper; what is done with request bodies, service.bodies)."""
 
 from __future__ import annotations
 
@@ -10,8 +12,7 @@ import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import FastAPI, HTTPException, Request
-from fastapi.concurrency import run_in_threadpool
+from fastapi import FastAPI, Request
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
@@ -20,13 +21,12 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel
 from sqlalchemy.exc import IntegrityError, InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service import code as code_store
-from service import outputs, queue, retention, telemetry
+from service import queue, sweeper, telemetry
 from service.auth import TokenGate, route_rules
+from service.bodies import BodyLimit, LingeringClose, body_limits
 from service.config import Settings
-from service.db import Database, Policy, libpq_conninfo
+from service.db import Database
 from service.errors import DomainError, Invalid, not_utf8_json
 from service.routes import code, jobs, meta, reports, ui, users, workers
 from service.schemas import Error
@@ -34,181 +34,6 @@ from service.telemetry import RequestMetrics, Telemetry
 from service.wakeup import Wakeup
 
 log = logging.getLogger("ddpq.service")
-
-
-class LingeringClose:
-    """Reads and discards the rest of a request body the app answered without reading,
-    up to ``DRAIN_BYTES`` or ``DRAIN_S``, before the answer goes out (nginx's "lingering
-    close"). A server that answers and closes while the client is still sending makes the
-    kernel reset the connection, and the client sees `Connection reset by peer` instead of
-    the answer: issue 30 saw it for 27 of 40 POSTs of 2 MiB that got a 413, and a wrong
-    token's 401 on a code upload lost the same way. It sits outside the token gate, so
-    every early answer (401, 413, 404) arrives. A client that waits for `100 Continue`
-    and was never asked for its body has sent nothing: it is answered at once."""
-
-    DRAIN_BYTES = 64 * 1024 * 1024
-    DRAIN_S = 5.0
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not _has_body(scope):
-            await self.app(scope, receive, send)
-            return
-        asked = False  # the app called receive (so a 100-continue client is sending)
-        body_read = False  # the app has the whole body, or the client is gone
-
-        async def tracked_receive() -> Message:
-            nonlocal asked, body_read
-            asked = True
-            message = await receive()
-            body_read = message["type"] != "http.request" or not message.get("more_body", False)
-            return message
-
-        async def draining_send(message: Message) -> None:
-            early = message["type"] == "http.response.start" and not body_read
-            if early and (asked or not _expects_continue(scope)):
-                await self._drain(receive)
-            await send(message)
-
-        await self.app(scope, tracked_receive, draining_send)
-
-    async def _drain(self, receive: Receive) -> None:
-        """Read and drop the rest of the request body, within the bounds."""
-        left = self.DRAIN_BYTES
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(self.DRAIN_S):
-                while left > 0:
-                    message = await receive()
-                    if message["type"] != "http.request":
-                        return
-                    left -= len(message.get("body", b""))
-                    if not message.get("more_body", False):
-                        return
-
-
-class BodyLimit:
-    """413 for request bodies over the limit, whether declared or streamed. Paths under
-    a prefix of ``larger`` take that prefix's limit instead (code uploads). The rest of
-    an oversize body is read and dropped by LingeringClose, outside, so the 413 arrives."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int, larger: dict[str, int] | None = None) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-        self.larger = larger or {}
-
-    def _limit(self, path: str) -> int:
-        for prefix, limit in self.larger.items():
-            if path.startswith(prefix):
-                return limit
-        return self.max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        limit = self._limit(scope.get("path", ""))
-        for key, value in scope.get("headers", []):
-            if key == b"content-length":
-                try:
-                    too_big = int(value) > limit
-                except ValueError:
-                    too_big = False
-                if too_big:
-                    await self._reject(send, limit)
-                    return
-        seen = 0
-        started = False
-
-        async def counted_receive() -> Message:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > limit:
-                    raise _TooLarge(limit)
-            return message
-
-        async def tracked_send(message: Message) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
-        try:
-            await self.app(scope, counted_receive, tracked_send)
-        except _TooLarge:
-            if not started:
-                await self._reject(send, limit)
-
-    async def _reject(self, send: Send, limit: int) -> None:
-        body = json.dumps({"detail": _too_large(limit)}).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 413,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
-
-
-class _TooLarge(HTTPException):
-    """An HTTPException, so FastAPI's body reader passes it on (it turns any other
-    exception while reading a body into a 400) and the app answers 413."""
-
-    def __init__(self, max_bytes: int) -> None:
-        super().__init__(413, _too_large(max_bytes))
-
-
-def _has_body(scope: Scope) -> bool:
-    """A request that declares a body: a length over 0, or chunked."""
-    for key, value in scope.get("headers", []):
-        if key == b"content-length":
-            return value.strip() not in (b"", b"0")
-        if key == b"transfer-encoding":
-            return True
-    return False
-
-
-def _expects_continue(scope: Scope) -> bool:
-    return any(
-        key == b"expect" and value.lower() == b"100-continue"
-        for key, value in scope.get("headers", [])
-    )
-
-
-def _too_large(limit: int) -> str:
-    return f"request body is larger than {limit} bytes"
-
-
-def _body_limits(settings: Settings) -> dict[str, int]:
-    """The larger bodies code uploads take: one file's content, and a manifest (or its
-    list of digests) of the most files a snapshot may hold (a job's directory: its code
-    and its outputs)."""
-    manifest = max(settings.max_body_bytes, settings.code_max_files * MANIFEST_ENTRY_BYTES)
-    directory = max(
-        manifest, (settings.code_max_files + settings.outputs_max_files) * MANIFEST_ENTRY_BYTES
-    )
-    return {
-        "/code/blobs/": settings.code_max_file_bytes,
-        "/code/packs": settings.pack_limits()[0],
-        "/code/snapshots": manifest,
-        "/code/missing": manifest,
-        # A worker sends a job's directory as it ended (service.outputs): its code and
-        # what it wrote.
-        "/workers/code/blobs/": settings.code_max_file_bytes,
-        "/workers/code/snapshots": directory,
-        "/workers/code/missing": directory,
-    }
-
-
-# Room for one manifest entry in JSON: a long path, a digest, a size and a mode.
-MANIFEST_ENTRY_BYTES = 512
 
 
 def begin_shutdown(app: FastAPI) -> None:
@@ -220,192 +45,14 @@ def begin_shutdown(app: FastAPI) -> None:
     app.state.wakeup.notify()
 
 
-# A retention round works for at most this long (its transactions each delete at most
-# service.retention.BATCH_ROWS rows); with nothing due, the next looks this much later,
-# or sooner when the retention periods are short (a quarter of the shortest, from 1 s).
-RETENTION_BUDGET_S = 1.0
-RETENTION_IDLE_S = 60.0
-
-
-def _retention_every(policy: Policy) -> float:
-    periods = [
-        p for p in (policy.metrics_downsample_after_s, policy.log_retention_s) if p is not None
-    ]
-    return min([RETENTION_IDLE_S, *(max(p / 4, 1.0) for p in periods)])
-
-
-# The advisory lock whose holder sweeps (SweepTurn): "ddsw" in ASCII. Not "ddpq", the
-# migrations' (migrations/env.py): a sweeper holds its lock for its whole life, and a
-# second `ddpq serve` would wait on it forever to migrate. Advisory locks are per
-# database, so two ddpq databases on one server do not share it.
-SWEEP_LOCK = 0x64647377
-SWEEP_APPLICATION = "ddpq-sweep"  # the holder's connection, as pg_stat_activity names it
-
-
-class SweepTurn:
-    """Whether this process sweeps leases, gangs, usage and code this round.
-
-    Every API process on a database (``ddpq serve --workers N``, or several hosts) runs
-    the sweeper loop, but on Postgres only the one holding a session advisory lock does
-    the work: the sweeps are safe side by side (each change is a guarded UPDATE), yet N
-    of them would do every scan N times for nothing. The lock lives on a connection of
-    its own, so it goes with the process: when the holder dies or loses the database,
-    the next process to try takes over within a round. SQLite has one process."""
-
-    def __init__(self, db: Database) -> None:
-        self.db = db
-        self._conn: Any = None  # a psycopg connection, autocommit
-        self._held = False
-
-    def mine(self) -> bool:
-        """Blocking (run it on a thread)."""
-        if self.db.dialect != "postgresql":
-            return True
-        import psycopg  # here: an API on SQLite never loads the Postgres driver
-
-        try:
-            if self._conn is None or self._conn.closed:
-                self._held = False
-                self._conn = psycopg.connect(
-                    libpq_conninfo(self.db.url),
-                    autocommit=True,
-                    connect_timeout=5,
-                    application_name=SWEEP_APPLICATION,
-                )
-            if self._held:
-                self._conn.execute("SELECT 1")  # the connection, and so the lock, lives
-            else:
-                row = self._conn.execute("SELECT pg_try_advisory_lock(%s)", (SWEEP_LOCK,))
-                self._held = bool(row.fetchone()[0])
-            return self._held
-        except psycopg.Error as exc:
-            log.warning("sweep lock connection lost (%s); trying again next round", exc)
-            self.close()
-            return False
-
-    def close(self) -> None:
-        if self._conn is not None:
-            with contextlib.suppress(Exception):
-                self._conn.close()
-        self._conn = None
-        self._held = False
-
-
-async def _sweep_leases(app: FastAPI) -> None:
-    settings: Settings = app.state.settings
-    db: Database = app.state.db
-    interval = max(0.5, min(settings.lease_s / 3, settings.gang_timeout_s / 3, 5.0))
-    # Code no job needs is collected every quarter of its retention period (1 s to 10 min).
-    code_every = min(max(settings.code_retention_s / 4, 1.0), 600.0)
-    code_swept = asyncio.get_running_loop().time()
-    turn = SweepTurn(db)
-    retention_at = 0.0  # the next retention round (service.retention), by the loop's clock
-    try:
-        while True:
-            await asyncio.sleep(interval)
-            if app.state.stopping.is_set():
-                return
-            if await run_in_threadpool(turn.mine):
-                now = asyncio.get_running_loop().time()
-                if now >= retention_at:
-                    retention_at = now + await _retention_round(db)
-                code_swept = await _sweep_once(app, code_swept, code_every)
-    finally:
-        await run_in_threadpool(turn.close)
-
-
-async def _retention_round(db: Database) -> float:
-    """One round of history retention (service.retention); returns how long until the next."""
-    try:
-        swept = await run_in_threadpool(retention.sweep, db, RETENTION_BUDGET_S)
-        if swept.points or swept.logs:
-            log.info(
-                "retention: %d metric point(s) of %d job(s) downsampled away, "
-                "the logs of %d job(s) deleted",
-                swept.points,
-                swept.jobs,
-                swept.logs,
-            )
-        # A backlog (an upgrade, a retention shortened) goes on each round.
-        return 0.0 if not swept.done else _retention_every(db.policy)
-    except Exception:
-        log.exception("retention sweep failed")
-        return RETENTION_IDLE_S
-
-
-async def _sweep_once(app: FastAPI, code_swept: float, code_every: float) -> float:
-    """One round of the sweeper; returns when code was last collected."""
-    settings: Settings = app.state.settings
-    db: Database = app.state.db
-    if asyncio.get_running_loop().time() - code_swept >= code_every:
-        code_swept = asyncio.get_running_loop().time()
-        try:
-            keep = outputs.kept(settings.outputs_limits())
-            gone = await run_in_threadpool(code_store.collect, db, settings.code_retention_s, keep)
-            if any(gone):
-                log.info("collected %d code snapshot(s) and %d content(s)", *gone)
-        except Exception:
-            log.exception("code collection failed")
-    try:
-        # Gangs time out by the clock alone, not by heartbeats: no lease wait here.
-        released = await run_in_threadpool(
-            queue.expire_gangs, db, settings.gang_timeout_s, settings.retry_backoff_s
-        )
-        if released:
-            log.warning("gangs timed out for jobs %s", released)
-            app.state.wakeup.notify()
-    except Exception:
-        log.exception("gang sweep failed")
-    # Heartbeats could not arrive while this process was down or the database was
-    # unreachable, whichever query noticed it: leases expire only once the database
-    # has answered for a full lease since it last recovered (service.db.Health).
-    if not db.health.up_for(settings.lease_s):
-        return code_swept
-    try:
-        changed = await run_in_threadpool(queue.expire_leases, db, settings.lease_s)
-        changed += await run_in_threadpool(queue.expire_nodes, db, settings.lease_s)
-        if changed:
-            log.warning("leases expired for jobs %s", changed)
-            app.state.wakeup.notify()
-    except Exception:  # the sweep must outlive a database outage
-        log.exception("lease sweep failed")
-    try:
-        await run_in_threadpool(queue.count_usage, db)  # fair share: running use
-        if await run_in_threadpool(queue.preempt_sweep, db):
-            app.state.wakeup.notify()
-    except Exception:
-        log.exception("usage or preemption sweep failed")
-    return code_swept
-
-
-def _listen_for_jobs(url: str, wakeup: Wakeup, stop: threading.Event) -> None:
-    """Postgres LISTEN: wake this process's claimers when any API process queues or
-    frees something (the in-process wakeup covers only requests it served itself)."""
-    import psycopg  # here: an API on SQLite never loads the Postgres driver
-
-    conninfo = libpq_conninfo(url)
-    while not stop.is_set():
-        try:
-            with psycopg.connect(
-                conninfo, autocommit=True, connect_timeout=5, application_name="ddpq-listen"
-            ) as conn:
-                conn.execute(f"LISTEN {queue.NOTIFY_CHANNEL}")
-                while not stop.is_set():
-                    for _ in conn.notifies(timeout=1.0, stop_after=1):
-                        wakeup.notify()
-        except psycopg.Error as exc:
-            log.warning("LISTEN connection lost (%s); reconnecting", exc)
-            stop.wait(1.0)
-
-
 @contextlib.asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     app.state.wakeup.bind(asyncio.get_running_loop())
-    sweeper = asyncio.create_task(_sweep_leases(app))
+    sweeping = asyncio.create_task(sweeper.run(app))
     stop_listening = threading.Event()
     if app.state.db.dialect == "postgresql":
         threading.Thread(
-            target=_listen_for_jobs,
+            target=sweeper.listen_for_jobs,
             args=(app.state.db.url, app.state.wakeup, stop_listening),
             name="pg-listen",
             daemon=True,
@@ -414,7 +61,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
     finally:
         stop_listening.set()
-        sweeper.cancel()
+        sweeping.cancel()
         app.state.db.dispose()
 
 
@@ -462,7 +109,7 @@ def create_app(
     app.include_router(users.admin_router)
     app.include_router(telemetry.router)
     app.include_router(ui.router)  # the dashboard's open static shell; its data needs the token
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, larger=_body_limits(settings))
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, larger=body_limits(settings))
     # No token, no further (not even the body limit or the router's 422).
     app.add_middleware(TokenGate, fastapi_app=app)
     # Outside the gate: every early answer, the gate's 401 included, reaches a client
@@ -599,7 +246,7 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
                 op["security"] = [{f"{rule.kind}Token": []}] if rule.kind != "closed" else []
                 shared["401"] = "no token, or not a token ddpq issued"
                 shared["403"] = "a token of another kind, job or attempt"
-            if "requestBody" in op:  # app.BodyLimit; GET /code/limits has those of code uploads
+            if "requestBody" in op:  # bodies.BodyLimit; GET /code/limits has those of code uploads
                 shared["413"] = "the body is larger than the limit (1 MiB by default)"
             if rule.uses_database:
                 shared["503"] = "the database is unavailable; retry shortly"

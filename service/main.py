@@ -118,7 +118,7 @@ class Supervisor:
     socket (as uvicorn's and gunicorn's workers do: the kernel hands each connection to
     one of them). Everything they share lives in Postgres: claim wake-ups travel by
     LISTEN/NOTIFY, event streams and token checks read the database, and one process at a
-    time sweeps leases (an advisory lock, app.SweepTurn). A process that dies unasked
+    time sweeps leases (an advisory lock, sweeper.SweepTurn). A process that dies unasked
     stops the others and the supervisor exits 1: the service manager restarts the whole,
     rather than this process hiding a crash loop."""
 

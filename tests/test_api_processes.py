@@ -24,7 +24,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from service.app import SWEEP_APPLICATION, SWEEP_LOCK
+from service.sweeper import SWEEP_APPLICATION, SWEEP_LOCK
 from tests.conftest import (
     PG_ADMIN,
     Server,

@@ -5,7 +5,8 @@
   ``recipes/``; ``ddpq/`` imports ``service/`` and ``worker/`` only inside the commands
   that run them; ``ddpq.train``, ``ddpq.wire`` and ``ddpq.errors`` (which every rank
   imports) import no project module but ``ddpq.errors``, ``ddpq.rules``,
-  ``ddpq.tensorboard`` and ``ddpq.wire``.
+  ``ddpq.tensorboard`` and ``ddpq.wire``;
+- no Python module over ``MAX_MODULE_LINES`` lines (issue 28).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("service", "worker", "ddpq", "recipes")
+MAX_MODULE_LINES = 600
 
 
 def _module_name(path: Path) -> str:
@@ -101,3 +103,19 @@ def test_the_rooms_import_only_what_they_may() -> None:
     rank = {"ddpq.errors", "ddpq.rules", "ddpq.tensorboard", "ddpq.wire"}
     for name in ("ddpq.train", "ddpq.wire", "ddpq.errors"):
         assert anywhere[name] <= rank, anywhere[name]
+
+
+def test_no_module_is_over_the_line_limit() -> None:
+    """Every Python module of the packages stays within MAX_MODULE_LINES: past that a
+    module holds more than one concern, and is split along its seam (issue 28 split
+    ddpq/cli/jobs.py and service/app.py so). The rule is the issue's, about the Python
+    modules these import rules cover; the dashboard's script (service/static/app.js) is
+    no module of theirs, served to the browser as written, and is left to its own."""
+    over = {
+        str(path.relative_to(REPO)): lines
+        for path in _modules().values()
+        if (lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert over == {}, f"over {MAX_MODULE_LINES} lines, split each along a seam: " + ", ".join(
+        f"{path} ({lines} lines)" for path, lines in sorted(over.items())
+    )

@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 
+from ddpq.cli.base import EXIT_USAGE, exit_code
+from ddpq.errors import SlurmError
 from ddpq.messages import ClaimedJob
 from tests.conftest import Server
 from tests.helpers import register
@@ -344,5 +346,8 @@ def test_the_partition_shape_from_sinfo() -> None:
         "kind": "slurm", "partition": "gpu", "nodes": 3, "cpus_per_node": 64,
         "gpus_per_node": 8, "max_pending": 2,
     }  # fmt: skip
-    with pytest.raises(ValueError, match="no nodes"):
+    # A typed error of ddpq.errors' tree: `ddpq worker --executor slurm` exits 2 on it
+    # through the CLI's one map (cli.base.EXIT_FOR_ERROR), with no mapping of its own.
+    with pytest.raises(SlurmError, match="no nodes") as e:
         slurm.partition_shape("none", "", 2)
+    assert exit_code(e.value) == EXIT_USAGE

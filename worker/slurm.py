@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ddpq.errors import SlurmError
 from ddpq.messages import ClaimedJob
 from worker.outcome import Outcome, stopped
 
@@ -84,7 +85,7 @@ def partition_shape(partition: str, sinfo: str, max_pending: int) -> dict[str, A
         name, cpus, gres = fields
         nodes[name] = (int(cpus), gpus_of(gres))
     if not nodes:
-        raise ValueError(f"Slurm partition {partition!r} has no nodes (sinfo says nothing of it)")
+        raise SlurmError(f"Slurm partition {partition!r} has no nodes (sinfo says nothing of it)")
     return {
         "kind": "slurm",
         "partition": partition,

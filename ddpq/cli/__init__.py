@@ -18,7 +18,18 @@ from typing import Any
 
 import typer
 
-from ddpq.cli import checkpoints, code, info, jobs, live, login, logs, servers, users  # noqa: F401
+from ddpq.cli import (  # noqa: F401
+    checkpoints,
+    code,
+    info,
+    jobs,
+    live,
+    login,
+    logs,
+    servers,
+    submit,
+    users,
+)
 from ddpq.cli.base import app, end
 from ddpq.errors import DdpqError
 

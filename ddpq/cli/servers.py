@@ -271,10 +271,8 @@ def _run_bridge(
     )
     try:
         bridge.shape()
-    except SlurmError as exc:
+    except SlurmError as exc:  # sinfo failed, or names no node of the partition
         _failed(exc, f"Slurm partition {partition}: {exc}")
-    except ValueError as exc:  # what sinfo says cannot be read
-        _fail(f"Slurm partition {partition}: {exc}", EXIT_USAGE)
     try:
         bridge.run()
     except ApiRefused as exc:

@@ -81,7 +81,7 @@ PUT_BLOB = {"requestBody": {"required": True, "content": {"application/octet-str
 )
 async def put_blob(digest: DigestPath, request: Request, db: DB) -> Response:
     """Upload one file's content; the API checks its sha256 against the path's."""
-    data = await request.body()  # at most DDPQ_CODE_MAX_FILE_BYTES (app.BodyLimit)
+    data = await request.body()  # at most DDPQ_CODE_MAX_FILE_BYTES (bodies.BodyLimit)
     await run_in_threadpool(code.put_blob, db, digest, data)
     return Response(status_code=204)
 
@@ -124,7 +124,7 @@ async def upload_pack(request: Request, db: DB, settings: SettingsDep) -> PackRe
     """Upload several contents in one body, each compressed or not; each is checked
     against its digest after decompressing, and one bad frame refuses them all (422
     naming the frame's field: `frames[3].size`)."""
-    data = await request.body()  # at most pack_limits' body (app.BodyLimit)
+    data = await request.body()  # at most pack_limits' body (bodies.BodyLimit)
     _, content = settings.pack_limits()
     max_file = settings.code_max_file_bytes
     stored, known = await run_in_threadpool(code.put_pack, db, data, max_file, content)

@@ -1,0 +1,204 @@
+"""The background work of every API process, beside the requests it serves: the
+sweeper's rounds (expired leases and gangs, fair-share usage, preemption, code
+collection, history retention), which process takes them (SweepTurn), and on Postgres
+the LISTEN that wakes this process's claimers for work another process queued. The app
+(service.app) starts both in its lifespan."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.concurrency import run_in_threadpool
+
+from service import code as code_store
+from service import outputs, queue, retention
+from service.config import Settings
+from service.db import Database, Policy, libpq_conninfo
+from service.wakeup import Wakeup
+
+log = logging.getLogger("ddpq.service")
+
+
+# A retention round works for at most this long (its transactions each delete at most
+# service.retention.BATCH_ROWS rows); with nothing due, the next looks this much later,
+# or sooner when the retention periods are short (a quarter of the shortest, from 1 s).
+RETENTION_BUDGET_S = 1.0
+RETENTION_IDLE_S = 60.0
+
+
+def _retention_every(policy: Policy) -> float:
+    periods = [
+        p for p in (policy.metrics_downsample_after_s, policy.log_retention_s) if p is not None
+    ]
+    return min([RETENTION_IDLE_S, *(max(p / 4, 1.0) for p in periods)])
+
+
+# The advisory lock whose holder sweeps (SweepTurn): "ddsw" in ASCII. Not "ddpq", the
+# migrations' (migrations/env.py): a sweeper holds its lock for its whole life, and a
+# second `ddpq serve` would wait on it forever to migrate. Advisory locks are per
+# database, so two ddpq databases on one server do not share it.
+SWEEP_LOCK = 0x64647377
+SWEEP_APPLICATION = "ddpq-sweep"  # the holder's connection, as pg_stat_activity names it
+
+
+class SweepTurn:
+    """Whether this process sweeps leases, gangs, usage and code this round.
+
+    Every API process on a database (``ddpq serve --workers N``, or several hosts) runs
+    the sweeper loop, but on Postgres only the one holding a session advisory lock does
+    the work: the sweeps are safe side by side (each change is a guarded UPDATE), yet N
+    of them would do every scan N times for nothing. The lock lives on a connection of
+    its own, so it goes with the process: when the holder dies or loses the database,
+    the next process to try takes over within a round. SQLite has one process."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+        self._conn: Any = None  # a psycopg connection, autocommit
+        self._held = False
+
+    def mine(self) -> bool:
+        """Blocking (run it on a thread)."""
+        if self.db.dialect != "postgresql":
+            return True
+        import psycopg  # here: an API on SQLite never loads the Postgres driver
+
+        try:
+            if self._conn is None or self._conn.closed:
+                self._held = False
+                self._conn = psycopg.connect(
+                    libpq_conninfo(self.db.url),
+                    autocommit=True,
+                    connect_timeout=5,
+                    application_name=SWEEP_APPLICATION,
+                )
+            if self._held:
+                self._conn.execute("SELECT 1")  # the connection, and so the lock, lives
+            else:
+                row = self._conn.execute("SELECT pg_try_advisory_lock(%s)", (SWEEP_LOCK,))
+                self._held = bool(row.fetchone()[0])
+            return self._held
+        except psycopg.Error as exc:
+            log.warning("sweep lock connection lost (%s); trying again next round", exc)
+            self.close()
+            return False
+
+    def close(self) -> None:
+        if self._conn is not None:
+            with contextlib.suppress(Exception):
+                self._conn.close()
+        self._conn = None
+        self._held = False
+
+
+async def run(app: FastAPI) -> None:
+    """The sweeper loop of one API process, until it stops (app.begin_shutdown): a
+    round every few seconds, done only while this process holds the turn (SweepTurn)."""
+    settings: Settings = app.state.settings
+    db: Database = app.state.db
+    interval = max(0.5, min(settings.lease_s / 3, settings.gang_timeout_s / 3, 5.0))
+    # Code no job needs is collected every quarter of its retention period (1 s to 10 min).
+    code_every = min(max(settings.code_retention_s / 4, 1.0), 600.0)
+    code_swept = asyncio.get_running_loop().time()
+    turn = SweepTurn(db)
+    retention_at = 0.0  # the next retention round (service.retention), by the loop's clock
+    try:
+        while True:
+            await asyncio.sleep(interval)
+            if app.state.stopping.is_set():
+                return
+            if await run_in_threadpool(turn.mine):
+                now = asyncio.get_running_loop().time()
+                if now >= retention_at:
+                    retention_at = now + await _retention_round(db)
+                code_swept = await _sweep_once(app, code_swept, code_every)
+    finally:
+        await run_in_threadpool(turn.close)
+
+
+async def _retention_round(db: Database) -> float:
+    """One round of history retention (service.retention); returns how long until the next."""
+    try:
+        swept = await run_in_threadpool(retention.sweep, db, RETENTION_BUDGET_S)
+        if swept.points or swept.logs:
+            log.info(
+                "retention: %d metric point(s) of %d job(s) downsampled away, "
+                "the logs of %d job(s) deleted",
+                swept.points,
+                swept.jobs,
+                swept.logs,
+            )
+        # A backlog (an upgrade, a retention shortened) goes on each round.
+        return 0.0 if not swept.done else _retention_every(db.policy)
+    except Exception:
+        log.exception("retention sweep failed")
+        return RETENTION_IDLE_S
+
+
+async def _sweep_once(app: FastAPI, code_swept: float, code_every: float) -> float:
+    """One round of the sweeper; returns when code was last collected."""
+    settings: Settings = app.state.settings
+    db: Database = app.state.db
+    if asyncio.get_running_loop().time() - code_swept >= code_every:
+        code_swept = asyncio.get_running_loop().time()
+        try:
+            keep = outputs.kept(settings.outputs_limits())
+            gone = await run_in_threadpool(code_store.collect, db, settings.code_retention_s, keep)
+            if any(gone):
+                log.info("collected %d code snapshot(s) and %d content(s)", *gone)
+        except Exception:
+            log.exception("code collection failed")
+    try:
+        # Gangs time out by the clock alone, not by heartbeats: no lease wait here.
+        released = await run_in_threadpool(
+            queue.expire_gangs, db, settings.gang_timeout_s, settings.retry_backoff_s
+        )
+        if released:
+            log.warning("gangs timed out for jobs %s", released)
+            app.state.wakeup.notify()
+    except Exception:
+        log.exception("gang sweep failed")
+    # Heartbeats could not arrive while this process was down or the database was
+    # unreachable, whichever query noticed it: leases expire only once the database
+    # has answered for a full lease since it last recovered (service.db.Health).
+    if not db.health.up_for(settings.lease_s):
+        return code_swept
+    try:
+        changed = await run_in_threadpool(queue.expire_leases, db, settings.lease_s)
+        changed += await run_in_threadpool(queue.expire_nodes, db, settings.lease_s)
+        if changed:
+            log.warning("leases expired for jobs %s", changed)
+            app.state.wakeup.notify()
+    except Exception:  # the sweep must outlive a database outage
+        log.exception("lease sweep failed")
+    try:
+        await run_in_threadpool(queue.count_usage, db)  # fair share: running use
+        if await run_in_threadpool(queue.preempt_sweep, db):
+            app.state.wakeup.notify()
+    except Exception:
+        log.exception("usage or preemption sweep failed")
+    return code_swept
+
+
+def listen_for_jobs(url: str, wakeup: Wakeup, stop: threading.Event) -> None:
+    """Postgres LISTEN: wake this process's claimers when any API process queues or
+    frees something (the in-process wakeup covers only requests it served itself)."""
+    import psycopg  # here: an API on SQLite never loads the Postgres driver
+
+    conninfo = libpq_conninfo(url)
+    while not stop.is_set():
+        try:
+            with psycopg.connect(
+                conninfo, autocommit=True, connect_timeout=5, application_name="ddpq-listen"
+            ) as conn:
+                conn.execute(f"LISTEN {queue.NOTIFY_CHANNEL}")
+                while not stop.is_set():
+                    for _ in conn.notifies(timeout=1.0, stop_after=1):
+                        wakeup.notify()
+        except psycopg.Error as exc:
+            log.warning("LISTEN connection lost (%s); reconnecting", exc)
+            stop.wait(1.0)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
-import secrets
 from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Literal
@@ -23,6 +22,7 @@ from ddpq.snapshot import Limits
 from service.db import Policy
 from service.errors import ServiceError
 from service.schemas.outputs import OutputsLimits
+from service.tokens import USER_TOKEN_PREFIX, WORKER_TOKEN_PREFIX, new_token
 
 API_TOKEN_FILE = "api-token"  # noqa: S105 - a file name, not a secret
 WORKER_TOKEN_FILE = "worker-token"  # noqa: S105
@@ -90,12 +90,13 @@ class Settings(BaseSettings):
     api_token: SecretStr | None = Field(
         default=None,
         description="The first admin's user token. Unset on a loopback address: generated "
-        "into `DATA_DIR/api-token` (mode 0600); elsewhere required, and refused if weak.",
+        "into `DATA_DIR/api-token` (`ddpqu_...`, mode 0600); elsewhere required, and refused "
+        "if weak.",
     )
     worker_token: SecretStr | None = Field(
         default=None,
         description="The workers' token (the `/workers` routes). Generated like the API "
-        "token on loopback, into `DATA_DIR/worker-token`; must differ from it.",
+        "token on loopback, into `DATA_DIR/worker-token` (`ddpqw_...`); must differ from it.",
     )
     host: str = Field(default="127.0.0.1", description="Where `ddpq serve` listens.")
     port: int = Field(
@@ -356,11 +357,13 @@ def _weak(token: str) -> str | None:
     return None
 
 
-def _read_or_create(path: Path) -> str:
+def _read_or_create(path: Path, prefix: str) -> str:
+    """The token in ``path``, or a new one of the kind ``prefix`` names written there. A
+    file from before the prefixes is read as it is: its token stays valid."""
     if path.exists():
         return path.read_text().strip()
     path.parent.mkdir(parents=True, exist_ok=True)
-    token = secrets.token_urlsafe(32)
+    token = new_token(prefix)
     # O_EXCL + mode 0600 from the first byte: the token is never world-readable.
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -372,9 +375,10 @@ def resolve_tokens(settings: Settings, host: str) -> tuple[str, str]:
     """Return (api_token, worker_token), generating them on loopback when unset."""
     loopback = is_loopback(host)
     found: dict[str, str] = {}
-    for var, secret, filename in (
-        ("DDPQ_API_TOKEN", settings.api_token, API_TOKEN_FILE),
-        ("DDPQ_WORKER_TOKEN", settings.worker_token, WORKER_TOKEN_FILE),
+    for var, secret, filename, prefix in (
+        # The API token becomes the first admin's (service.users.bootstrap): a user token.
+        ("DDPQ_API_TOKEN", settings.api_token, API_TOKEN_FILE, USER_TOKEN_PREFIX),
+        ("DDPQ_WORKER_TOKEN", settings.worker_token, WORKER_TOKEN_FILE, WORKER_TOKEN_PREFIX),
     ):
         if secret is not None and secret.get_secret_value().strip():
             token = secret.get_secret_value().strip()
@@ -386,7 +390,7 @@ def resolve_tokens(settings: Settings, host: str) -> tuple[str, str]:
                 )
             found[var] = token
         elif loopback:
-            found[var] = _read_or_create(settings.data_dir / filename)
+            found[var] = _read_or_create(settings.data_dir / filename, prefix)
         else:
             raise TokenError(
                 f"{var} is not set. ddpq runs code on GPU hosts, so it will not listen on "

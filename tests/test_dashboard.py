@@ -417,7 +417,7 @@ def test_the_chart_draws_the_whole_run_of_several_series_and_follows_it(
     finish(server, claim)
 
 
-def test_a_member_sees_who_they_are_the_owners_and_why_a_cancel_is_refused(
+def test_a_member_sees_who_they_are_filters_by_owner_and_why_a_cancel_is_refused(
     sqlite_server: Server,
 ) -> None:
     if not os.access(CHROMIUM, os.X_OK):
@@ -430,13 +430,18 @@ def test_a_member_sees_who_they_are_the_owners_and_why_a_cancel_is_refused(
     alice = server.client(r.json()["token"])
     theirs = admin.post("/jobs", json={"recipe": "toy-regression", "name": "admins"}).json()
     mine = alice.post("/jobs", json={"recipe": "toy-regression", "name": "alices"}).json()
+    r_bob = admin.post("/users", json={"name": "bob", "role": "member"})
+    bob = server.client(r_bob.json()["token"])
+    bobs = bob.post("/jobs", json={"recipe": "toy-regression", "name": "bobs"}).json()
     problems: list[str] = []
+    asked: list[str] = []
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
             page = browser.new_page()
             page.set_default_timeout(TIMEOUT_MS)
             page.on("pageerror", lambda e: problems.append(str(e)))
+            page.on("request", lambda q: asked.append(q.url) if "/jobs?" in q.url else None)
             page.goto(server.url + "/")
             # A worker's token is a token, but not a user's: asked again.
             page.fill("#token-input", server.worker_token)
@@ -448,13 +453,22 @@ def test_a_member_sees_who_they_are_the_owners_and_why_a_cancel_is_refused(
             expect(page.locator("#whoami")).to_have_text("signed in as alice (member)")
 
             rows = page.locator("#jobs tbody tr")
-            expect(rows).to_have_count(2)
-            expect(page.locator("#jobs td.owner")).to_have_text(["alice", "admin"])
-            page.check("#mine-filter")
-            expect(rows).to_have_count(1)
-            expect(page.locator("#jobs td.owner")).to_have_text(["alice"])
-            page.uncheck("#mine-filter")
-            expect(rows).to_have_count(2)
+            owners = page.locator("#jobs td.owner")
+            expect(owners).to_have_text(["bob", "alice", "admin"])
+            # The owner filter: everyone, and each user the page has met, in order.
+            choices = page.locator("#owner-filter option")
+            expect(choices).to_have_text(["everyone", "admin", "alice", "bob"])
+            page.select_option("#owner-filter", "bob")
+            expect(owners).to_have_text(["bob"])
+            expect(rows.first).to_have_attribute("data-job-id", str(bobs["id"]))
+            page.select_option("#owner-filter", "admin")
+            expect(owners).to_have_text(["admin"])
+            # Filtered by the API, as `ddpq ls --user` is: not in the page.
+            assert any("user=bob" in u for u in asked) and any("user=admin" in u for u in asked)
+            page.select_option("#owner-filter", "alice")
+            expect(owners).to_have_text(["alice"])
+            page.select_option("#owner-filter", "")
+            expect(rows).to_have_count(3)
 
             # Another's job: the refusal is shown, the token kept.
             page.goto(f"{server.url}/#/jobs/{theirs['id']}")
@@ -471,3 +485,4 @@ def test_a_member_sees_who_they_are_the_owners_and_why_a_cancel_is_refused(
             browser.close()
     assert alice.post(f"/jobs/{mine['id']}/cancel").json()["status"] == "cancelled"
     assert admin.post(f"/jobs/{theirs['id']}/cancel").json()["status"] == "cancelled"
+    assert bob.post(f"/jobs/{bobs['id']}/cancel").json()["status"] == "cancelled"

@@ -4,7 +4,9 @@ errors that name what was tried, and the people commands (`users`, `whoami`, `au
 
 The CLI runs as subprocesses with HOME and XDG_CONFIG_HOME in a test's own directory:
 the config of whoever runs the tests is never read or touched. No job runs (no worker):
-a submitted job stays queued. SQLite only: the CLI is what is tested here.
+a submitted job stays queued. The CLI is what is tested here, so most tests share one
+SQLite server; the issue's "login, then submit from outside the checkout" runs on both
+databases (a Postgres server of its own).
 """
 
 from __future__ import annotations
@@ -54,6 +56,18 @@ def other(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """A second server: two of them saved in one config file."""
     base = tmp_path_factory.mktemp("login-other")
     s = start_server(f"sqlite:///{base / 'ddpq.db'}", base / "api")
+    yield s
+    stop_server(s)
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def each_database(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Server]:
+    """The module's SQLite server, or a server on Postgres started for the test alone."""
+    if request.param == "sqlite":
+        shared: Server = request.getfixturevalue("server")
+        yield shared
+        return
+    s = start_server(request.getfixturevalue("pg_url"), tmp_path / "api")
     yield s
     stop_server(s)
 
@@ -108,8 +122,9 @@ def _add_user(server: Server, name: str, role: str = "member") -> str:
 
 
 def test_login_then_submit_and_ls_from_a_project_outside_the_checkout_with_no_environment(
-    server: Server, home: Home, tmp_path: Path
+    each_database: Server, home: Home, tmp_path: Path
 ) -> None:
+    server = each_database
     project = tmp_path / "my-project"
     project.mkdir()
     (project / "train.py").write_text("print('hello')\n")

@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 import json
+import re
+import secrets
 import stat
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from tests.conftest import (
     _child_env,
     free_port,
     run_ddpq,
     serve_on_a_reachable_address,
+    start_server,
     stop_process,
+    stop_server,
     up_argv,
     wait_for,
 )
@@ -117,3 +123,39 @@ def test_up_runs_the_api_and_a_local_worker(tmp_path: Path) -> None:
     finally:
         stop_process(proc)
     assert proc.returncode == 0
+
+
+@pytest.mark.parametrize("files", ["none", "bare"])
+def test_generated_tokens_say_what_they_are_and_bare_ones_from_before_keep_working(
+    files: str, db_url: str, tmp_path: Path
+) -> None:
+    """A fresh loopback `ddpq serve` writes a user token (the first admin's) and a worker
+    token, each with its prefix (service/tokens.py); files written before the prefixes
+    existed are read as they are, and both of their tokens still work."""
+    var = tmp_path / "var"
+    var.mkdir()
+    bare = {"api-token": secrets.token_urlsafe(32), "worker-token": secrets.token_urlsafe(32)}
+    if files == "bare":
+        for name, token in bare.items():
+            (var / name).write_text(token + "\n")
+    # Empty variables: none set, so serve generates (or reads) the files.
+    server = start_server(db_url, var, tokens=("", ""))
+    try:
+        api, worker = ((var / n).read_text().strip() for n in ("api-token", "worker-token"))
+        if files == "bare":
+            assert (api, worker) == (bare["api-token"], bare["worker-token"])  # not rewritten
+        else:
+            assert re.fullmatch(r"ddpqu_[A-Za-z0-9_-]{43}", api), api
+            assert re.fullmatch(r"ddpqw_[A-Za-z0-9_-]{43}", worker), worker
+        server.api_token, server.worker_token = api, worker
+        assert server.client().get("/whoami").json() == {"name": "admin", "role": "admin"}
+        me = {"name": "w", "hostname": "h", "cpu_slots": 1, "gpus": [], "checkpoint_root": "/c"}
+        r = server.client("worker").post("/workers/register", json=me)
+        assert r.status_code == 200, r.text
+        # Each token is of its own kind only: the worker's is no user's.
+        assert server.client(worker).get("/whoami").status_code == 403
+        # The CLI finds the first admin's in the data directory, as before.
+        r = run_ddpq("whoami", "--json", env={"DDPQ_DATA_DIR": str(var), "DDPQ_URL": server.url})
+        assert r.returncode == 0 and json.loads(r.stdout)["name"] == "admin", r.stderr
+    finally:
+        stop_server(server)

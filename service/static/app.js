@@ -92,6 +92,20 @@ function showWho(who) {
   const w = $("whoami");
   w.textContent = who ? `signed in as ${who.name} (${who.role})` : "";
   w.hidden = !who;
+  if (who) addOwners([who.name]);
+}
+
+// The owner filter's names: the signed-in user's, the owners of the jobs listed and the
+// users GET /usage counts (a member may read it; GET /users is for admins). Names are
+// only added, in order, so the list never changes under the pointer.
+function addOwners(names) {
+  const select = $("owner-filter");
+  for (const name of names) {
+    const options = [...select.options].slice(1); // after "everyone"
+    if (!name || options.some((o) => o.value === name)) continue;
+    const after = options.find((o) => o.value > name) ?? null;
+    select.insertBefore(el("option", { value: name }, name), after);
+  }
 }
 
 // Ask the API who the token is (GET /whoami): when the page starts with a stored token,
@@ -248,13 +262,15 @@ function jobsView() {
   $("jobs-view").hidden = false;
   document.title = "ddpq · jobs";
   const filter = $("status-filter");
-  const mine = $("mine-filter");
+  const owner = $("owner-filter");
+  // The server filters, as `ddpq ls --user` asks it to.
   const refresh = async () => {
     const q = new URLSearchParams({ limit: "100" });
     if (filter.value) q.set("status", filter.value);
-    if (mine.checked) q.set("mine", "true");
+    if (owner.value) q.set("user", owner.value);
     const data = await api(`/jobs?${q}`);
     if (stopped) return;
+    addOwners(data.items.map((job) => job.owner));
     const rows = data.items.map(jobRow);
     fillTable("jobs", rows);
     $("jobs-count").textContent = data.next_cursor
@@ -265,12 +281,13 @@ function jobsView() {
   const stopPolling = poll(refresh);
   const onFilter = () => refresh().catch(() => {});
   filter.addEventListener("change", onFilter);
-  mine.addEventListener("change", onFilter);
+  owner.addEventListener("change", onFilter);
+  api("/usage").then((usage) => addOwners(usage.items.map((u) => u.user)), () => {});
   return () => {
     stopped = true;
     stopPolling();
     filter.removeEventListener("change", onFilter);
-    mine.removeEventListener("change", onFilter);
+    owner.removeEventListener("change", onFilter);
   };
 }
 

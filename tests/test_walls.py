@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import shutil
+import site
 import stat
 import subprocess
 import sys
@@ -129,19 +130,25 @@ def attacks(log: str) -> dict[str, str]:
 
 
 def run_scenario(
-    url: str, token: str, base: Path, signal: str, done: Callable[[], None], hop: bool
+    url: str, admin_token: str, base: Path, signal: str, done: Callable[[], None], hop: bool
 ) -> dict[str, Any]:
     """Victim, attacker, then a job sharing the victim's content and environment, on the
-    API at ``url``; the jobs meet in ``signal`` (a directory every uid may write, where
-    the workers are), where ``done()`` tells the victim the attacker is through. ``hop``:
-    the attacker leaves a pid-hopping process behind (only where walls must kill it)."""
-    with Client(url, token) as c:
-        return _scenario(c, base, signal, done, hop)
+    API at ``url``, whose admin (``admin_token``) makes two users: the victim's owner, who
+    also sends the later job, and the attacker, each with a member token of its own. The
+    jobs meet in ``signal`` (a directory every uid may write, where the workers are),
+    where ``done()`` tells the victim the attacker is through. ``hop``: the attacker
+    leaves a pid-hopping process behind (only where walls must kill it)."""
+    with Client(url, admin_token) as admin:
+        tokens = [admin.add_user(name)["token"] for name in ("victim", "attacker")]
+    with Client(url, tokens[0]) as victim, Client(url, tokens[1]) as attacker:
+        return _scenario(victim, attacker, base, signal, done, hop)
 
 
 def _scenario(
-    c: Client, base: Path, signal: str, done: Callable[[], None], hop: bool
+    c: Client, them: Client, base: Path, signal: str, done: Callable[[], None], hop: bool
 ) -> dict[str, Any]:
+    """``c`` is the victim's owner, ``them`` the attacker."""
+
     def ended(job_id: int) -> dict[str, Any]:
         return c.wait(job_id, timeout=300)
 
@@ -180,20 +187,22 @@ def _scenario(
         "pip/__init__.py": b"",
         "pip/__main__.py": hijack.encode(),
     }
-    attacker = submit(c, project(base / "attacker", attacker_files), "attack", json.dumps(plan))
-    attacker_job = ended(attacker)
+    attacker = submit(them, project(base / "attacker", attacker_files), "attack", json.dumps(plan))
+    attacker_job = them.wait(attacker, timeout=300)
     done()
     victim_job = ended(victim)
+    assert (victim_job["owner"], attacker_job["owner"]) == ("victim", "attacker")
     checked = submit(c, later, "check", signal)
     assert checked == victim + 2
+    attacker_log = log_of(them, attacker)
     return {
         "victim": victim_job,
         "victim_log": log_of(c, victim),
         "victim_metrics": c.metrics(victim),
         "attacker": attacker_job,
-        "attacks": {k: v for k, v in attacks(log_of(c, attacker)).items() if k != "hopper"},
-        "hopper": attacks(log_of(c, attacker)).get("hopper"),
-        "attacker_log": log_of(c, attacker),
+        "attacks": {k: v for k, v in attacks(attacker_log).items() if k != "hopper"},
+        "hopper": attacks(attacker_log).get("hopper"),
+        "attacker_log": attacker_log,
         "checked": ended(checked),
         "checked_log": log_of(c, checked),
     }
@@ -420,23 +429,46 @@ def test_taking_back_a_directory_never_hands_over_another_file(tmp_path: Path) -
     assert stat.S_IMODE(job_dir.stat().st_mode) == 0o700
 
 
+def python_behind(closed: Path) -> Path:
+    """A Python with this environment's packages whose path runs through ``closed``: a
+    venv there (its python a link to the interpreter every uid may run) whose site
+    takes in this one's."""
+    venv = closed / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True, timeout=60)
+    lib = next(venv.glob("lib/python*/site-packages"))
+    (lib / "ddpq-tests.pth").write_text(
+        "".join(f"import site; site.addsitedir({p!r})\n" for p in site.getsitepackages())
+    )
+    return venv / "bin" / "python"
+
+
 def test_a_walled_worker_refuses_to_start_where_a_job_could_not_run_or_could_change_code(
     api: Server, tmp_path: Path, host_dir: Path
 ) -> None:
     """The start check: a workspace its jobs' uids cannot reach (pytest's directories are
-    0700), then one holding a file any of them could rewrite: the worker exits at once,
-    naming the path and the fix, before it takes a job."""
+    0700), then one holding a file any of them could rewrite, then a worker whose Python
+    is behind a directory they cannot pass: the worker exits at once, naming the path
+    and the fix, before it takes a job."""
     closed = tmp_path / "closed"
     closed.mkdir()
     opened = host_dir / "shared"
     opened.mkdir()
     (opened / "train.py").write_text("print('every job runs me')\n")
     (opened / "train.py").chmod(0o666)
-    for workspace, said in ((closed, "cannot read"), (opened, "could change")):
-        argv = worker_argv(
+    fine = host_dir / "fine"
+    fine.mkdir()
+    python = python_behind(closed)  # the way to it: pytest's tmp_path, 0700
+    cases = [
+        (closed, "cannot read", Path(sys.executable), closed),
+        (opened, "could change", Path(sys.executable), opened),
+        (fine, "cannot execute", python, python),
+    ]
+    for workspace, said, interpreter, named in cases:
+        _, *args = worker_argv(
             api, "checked", workspace, host_dir / f"data-{said[:5]}",
             "--gpus", "none", "--job-uids", TEST_UIDS,
         )  # fmt: skip
+        argv = [str(interpreter), *args]
         done = subprocess.run(
             ["setpriv", f"--bounding-set={COMPOSE_CAPS}", "--inh-caps=-all", "--", *argv],
             env=_child_env({"DDPQ_WORKER_TOKEN": api.worker_token}),
@@ -445,6 +477,7 @@ def test_a_walled_worker_refuses_to_start_where_a_job_could_not_run_or_could_cha
             timeout=60,
         )
         assert done.returncode == 2, (done.stdout, done.stderr)
-        assert said in done.stderr and str(workspace) in done.stderr, done.stderr
+        assert said in done.stderr and str(named) in done.stderr, done.stderr
+        assert said != "cannot execute" or "closed to other users" in done.stderr, done.stderr
         assert "--job-uids off" in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert api.client().get("/workers").json()["items"] == [], "it never registered"

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Unpack
 
 from ddpq.messages import ClaimedJob, HeldAttempt
-from worker import procs, warm
+from worker import procs, startcheck, warm
 from worker import walls as walls_
 from worker.gpuuse import GpuUseLog
 from worker.loop import Loop, Room, Settings
@@ -210,9 +210,10 @@ class Agent:
 
     def build_walls(self) -> None:
         """Walled: the worker's directories get the modes that keep each job to its own,
-        the job's uid is checked able to run what jobs run (WallsError says what is
-        wrong and the fix), and whatever a worker killed mid-attempt left goes: its
-        processes, its files in the shared temporary directories, the directories it had."""
+        the job's uid is checked able to run what jobs run and to open its GPUs' device
+        nodes (WallsError says what is wrong and the fix), and whatever a worker killed
+        mid-attempt left goes: its processes, its files in the shared temporary
+        directories, the directories it had."""
         ctx, walls = self.context, self.walls
         own = [ctx.workdirs.root, ctx.logs_root]
         walls.open_dirs(
@@ -226,6 +227,7 @@ class Agent:
             readable=[self.workspace],
             protected=[*walls_.protected_paths(), self.workspace],
             skip=[self.data_dir, self.checkpoint_root],
+            devices=startcheck.gpu_devices(self.gpus),
         )
         if walls.reap():
             log.warning("killed the processes of an earlier worker's jobs (uids in use)")

@@ -115,3 +115,16 @@ def sample(indices: list[int] | tuple[int, ...]) -> list[GpuUse]:
         except Exception as exc:
             log.debug("NVML could not read GPU %s: %s", i, exc)
     return out
+
+
+def minor_number(index: int) -> int | None:
+    """The minor number of the GPU at ``index``: its device node is /dev/nvidia<minor>,
+    which need not be /dev/nvidia<index>; None without NVML or where it cannot say."""
+    nv = _library()
+    if nv is None:
+        return None
+    try:
+        return int(nv.nvmlDeviceGetMinorNumber(nv.nvmlDeviceGetHandleByIndex(index)))
+    except Exception as exc:  # an older or fake pynvml, a GPU that fell off the bus
+        log.debug("NVML could not give GPU %s's minor number: %s", index, exc)
+        return None

@@ -1,15 +1,18 @@
 """The start check of a walled worker: a job's uid must be able to use what jobs use
 (run the worker's Python and find torch and ddpq with it, pass through the directories
-where its own are, read the shared ones) and unable to change what every later job runs
-(the worker's code and environment: ``protected_paths``, looked at whole by
-``exposed``). ``probe`` runs the look under a job's uid, ``verdict`` says what is wrong
-and how to fix it; worker.walls picks the uid and refuses to start on the verdict."""
+where its own are, read the shared ones, open the device nodes of the worker's GPUs:
+``gpu_devices``) and unable to change what every later job runs (the worker's code and
+environment: ``protected_paths``, looked at whole by ``exposed``). ``probe`` runs the
+look under a job's uid, ``verdict`` says what is wrong and how to fix it; worker.walls
+picks the uid and refuses to start on the verdict."""
 
 from __future__ import annotations
 
 import contextlib
+import grp
 import json
 import os
+import pwd
 import stat
 import subprocess
 import sys
@@ -26,14 +29,17 @@ def probe(
     reachable: list[Path],
     readable: list[Path],
     protected: list[Path],
+    devices: Sequence[Path] = (),
 ) -> subprocess.CompletedProcess[str] | None:
     """Run ``python`` as ``uid``:``gid`` to look at what that uid can use of the
-    worker's environment (``_CHECK``); None when the uid may not execute it at all."""
+    worker's environment (``_CHECK``), ``devices`` (``gpu_devices``) among it; None when
+    the uid may not execute it at all."""
     plan = {
         "modules": ["torch", "worker.tee", "worker.entry", "ddpq.train"],
         "reachable": [str(p) for p in reachable],
         "readable": [str(p) for p in readable],
         "protected": [str(p) for p in protected],
+        "devices": [str(p) for p in devices],
     }
     try:
         return subprocess.run(
@@ -87,6 +93,8 @@ def verdict(
             "(chmod o+rX), install ddpq where every user can read it, "
             "or run jobs unwalled with --job-uids off"
         )
+    if found["closed_devices"]:
+        return _cannot_open(uid, found["closed_devices"])
     writable = found["writable"] or exposed(protected, pool, skip)
     if writable:
         return (
@@ -108,14 +116,67 @@ def _cannot_run(python: str, uid: int) -> str:
     )
 
 
+def _cannot_open(uid: int, devices: list[str]) -> str:
+    # Jobs get no supplementary group (a group would be shared by every job): a device
+    # group such as video does not help them, the mode for others does.
+    seen = []
+    for d in devices[:5]:
+        try:
+            st = os.stat(d)
+            seen.append(f"{d} ({stat.filemode(st.st_mode)} {_owner(st)})")
+        except OSError:
+            seen.append(d)
+    return (
+        f"jobs run under their own uids (from {uid}), which cannot open {', '.join(seen)}: "
+        "their GPUs would be unusable. Jobs get no supplementary group, so make the NVIDIA "
+        "device nodes readable and writable by every user (chmod 0666, the driver's "
+        "default: the nvidia module's option NVreg_DeviceFileMode=0666, or a udev rule), "
+        "or run jobs unwalled with --job-uids off"
+    )
+
+
+def _owner(st: os.stat_result) -> str:
+    try:
+        user = pwd.getpwuid(st.st_uid).pw_name
+    except KeyError:
+        user = str(st.st_uid)
+    try:
+        group = grp.getgrgid(st.st_gid).gr_name
+    except KeyError:
+        group = str(st.st_gid)
+    return f"{user}:{group}"
+
+
+# The device nodes CUDA opens for a GPU (besides the GPU's own /dev/nvidia<minor>).
+GPU_SHARED_NODES = ("nvidiactl", "nvidia-uvm")
+
+
+def gpu_devices(gpus: Sequence[int], dev_dir: Path = Path("/dev")) -> list[Path]:
+    """The device nodes a job using ``gpus`` (NVML indices) opens, of those that exist in
+    ``dev_dir``: none without GPUs, and none on a host without NVIDIA's nodes (the fake
+    GPUs of the tests), where there is nothing to check. A GPU's own node is named by its
+    minor number (worker.nvml), by its index where NVML cannot say."""
+    if not gpus:
+        return []
+    from worker import nvml
+
+    names = [*GPU_SHARED_NODES]
+    for index in sorted(set(gpus)):
+        minor = nvml.minor_number(index)
+        names.append(f"nvidia{index if minor is None else minor}")
+    return [dev_dir / n for n in names if os.path.lexists(dev_dir / n)]
+
+
 def _blocked_dir(path: Path) -> Path | None:
-    """The first directory on the way to ``path`` (links followed) that others cannot
-    enter."""
-    real = Path(os.path.realpath(path))
-    for parent in reversed(real.parents):
-        with contextlib.suppress(OSError):
-            if not os.stat(parent).st_mode & stat.S_IXOTH:
-                return parent
+    """The first directory on the way to ``path`` that others cannot enter: on the way to
+    it as named (a venv's python is a link, and its directory must be passed through
+    too), then to where its links lead."""
+    named = Path(os.path.abspath(path))
+    for way in (named, Path(os.path.realpath(path))):
+        for parent in reversed(way.parents):
+            with contextlib.suppress(OSError):
+                if not os.stat(parent).st_mode & stat.S_IXOTH:
+                    return parent
     return None
 
 
@@ -125,7 +186,7 @@ def _blocked_dir(path: Path) -> Path | None:
 _CHECK = r"""
 import importlib.util, json, os, sys
 plan = json.loads(sys.argv[1])
-out = {"missing": [], "unreadable": [], "writable": []}
+out = {"missing": [], "unreadable": [], "writable": [], "closed_devices": []}
 for name in plan["modules"]:
     try:
         spec = importlib.util.find_spec(name)
@@ -142,6 +203,16 @@ for p in plan["readable"]:
 for p in plan["protected"]:
     if os.path.exists(p) and os.access(p, os.W_OK):
         out["writable"].append(p)
+# Opened as CUDA opens them, not os.access: a container's device cgroup refuses (EPERM)
+# what the modes allow. Another error (no such device behind the node) is not this
+# check's to judge: CUDA will say it to the job.
+for p in plan["devices"]:
+    try:
+        os.close(os.open(p, os.O_RDWR | os.O_NONBLOCK | os.O_NOCTTY))
+    except PermissionError:
+        out["closed_devices"].append(p)
+    except OSError:
+        pass
 print(json.dumps(out))
 """
 

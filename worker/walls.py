@@ -17,8 +17,9 @@ refuses both (``unshare``/``clone`` with namespace flags) inside a container: th
 worker would need ``seccomp=unconfined`` or ``privileged``, which is more than it gives up
 with a uid range. Unprivileged, every job would still be the worker's own uid outside its
 namespace, so a file it shares (a checkpoint directory on NFS, /dev/shm) is not walled.
-Uids need only CAP_SETUID/SETGID (in Docker's default set) and work the same on a bare
-host and under compose; GPUs stay usable since the NVIDIA device nodes are 0666.
+Uids need only the capabilities of ``NEEDED_CAPS``, all in Docker's default set, and work
+the same on a bare host and under compose; GPUs stay usable where the NVIDIA device nodes
+are 0666 (the driver's default), which the start check makes sure of.
 
 A uid is handed to one attempt at a time on the host: a lock file per uid under
 ``LOCK_DIR`` (shared by every worker on the host; the kernel drops the lock when a worker
@@ -62,6 +63,12 @@ LOCK_DIR = Path("/run/ddpq/job-uids")
 # directories (CHOWN) and take them back (DAC_OVERRIDE to read what the job wrote,
 # FOWNER to change modes on its files), and stop its processes (KILL).
 NEEDED_CAPS = {"chown": 0, "dac_override": 1, "fowner": 3, "kill": 5, "setgid": 6, "setuid": 7}
+
+
+def caps_text(caps: Sequence[str] = tuple(NEEDED_CAPS)) -> str:
+    """``caps`` as the worker names them to people: CHOWN, DAC_OVERRIDE, ... and SETUID."""
+    names = [c.upper() for c in sorted(caps)]
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
 @dataclass(frozen=True)
@@ -131,8 +138,7 @@ class Walls:
         if missing:
             raise WallsError(
                 f"--job-uids {value}: running jobs under their own uids needs root or the "
-                f"capabilities {', '.join(c.upper() for c in sorted(NEEDED_CAPS))}; "
-                f"this process lacks {', '.join(c.upper() for c in missing)}"
+                f"capabilities {caps_text()}; this process lacks {caps_text(missing)}"
             )
         assert isinstance(parsed, tuple)
         taken = taken_ids(*parsed)
@@ -154,8 +160,8 @@ class Walls:
             how = (
                 "--job-uids off"
                 if self.chosen
-                else "run the worker as root (or with CAP_SETUID and CAP_SETGID, as the "
-                "compose worker) to give each job a uid of its own"
+                else f"run the worker as root (or with the capabilities {caps_text()}, as "
+                "the compose worker) to give each job a uid of its own"
             )
             return (
                 f"jobs run as this worker's user ({who}) and are NOT walled from each other "
@@ -323,19 +329,23 @@ class Walls:
         readable: list[Path],
         protected: list[Path],
         skip: Sequence[Path] = (),
+        devices: Sequence[Path] = (),
     ) -> None:
         """The start check (worker.startcheck): refuse (WallsError, with the fix) unless
         a job's uid can run ``python``, import torch and ddpq with it, pass through every
         directory of ``reachable`` (where its own directories are), read every one of
-        ``readable``, and change nothing of ``protected`` (the worker's code and
-        environment, whole trees; what is under ``skip``, the worker's data, is the
+        ``readable``, open every one of ``devices`` (its GPUs' nodes:
+        startcheck.gpu_devices), and change nothing of ``protected`` (the worker's code
+        and environment, whole trees; what is under ``skip``, the worker's data, is the
         worker's to set)."""
         if self.uids is None:
             return
         with self.attempt(-1) as held:
             user = held.user
             assert user is not None
-            done = startcheck.probe(python, user.uid, user.gid, reachable, readable, protected)
+            done = startcheck.probe(
+                python, user.uid, user.gid, reachable, readable, protected, devices
+            )
         problem = startcheck.verdict(python, user.uid, done, protected, self._range(), skip)
         if problem:
             raise WallsError(problem)

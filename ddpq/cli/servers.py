@@ -131,8 +131,8 @@ def worker(
         typer.Option(
             envvar="DDPQ_JOB_UIDS",
             help="run each job under a uid of its own from FIRST-LAST (walls between jobs; "
-            "needs root or CAP_SETUID/CAP_SETGID); auto: 70000-70999 when the worker may, "
-            "else its own user; off: the worker's own user",
+            "needs root or the capabilities docs/security.md names); auto: 70000-70999 when "
+            "the worker may, else its own user; off: the worker's own user",
         ),
     ] = "auto",
     pip_allow: Annotated[

@@ -212,7 +212,9 @@ def test_no_secret_is_readable_from_inside_a_job(stack: Stack) -> None:
 def test_two_users_jobs_are_walled_from_each_other(stack: Stack, tmp_path: Path) -> None:
     """The compose worker runs each job under a uid of its own: one user's job cannot read
     or change another's directory, checkpoints, token or environment, nor the code cache
-    the next job is written from (tests/test_walls.py's attacks, here under compose)."""
+    the next job is written from (tests/test_walls.py's attacks, here under compose). The
+    victim and the attacker are two users, each with a member token of its own that the
+    stack's admin (its API token) makes."""
     from tests.test_walls import assert_walls_held, run_scenario
 
     log = stack.compose("logs", "worker").stdout
@@ -224,7 +226,7 @@ def test_two_users_jobs_are_walled_from_each_other(stack: Stack, tmp_path: Path)
         stack.compose("exec", "-T", "worker", "install", "-d", "-m", mode, where)
     seen = run_scenario(
         f"http://127.0.0.1:{stack.port}",
-        stack.api_token,
+        stack.api_token,  # the first admin's: it adds the users "victim" and "attacker"
         tmp_path,
         signal,
         lambda: stack.compose("exec", "-T", "worker", "touch", f"{signal}/attacker-done"),

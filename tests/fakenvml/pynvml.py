@@ -66,3 +66,7 @@ def nvmlDeviceGetMemoryInfo(handle: int) -> SimpleNamespace:
 def nvmlDeviceGetUtilizationRates(handle: int) -> SimpleNamespace:
     g = _gpus()[handle]
     return SimpleNamespace(gpu=int(g.get("utilization", 0)), memory=0)
+
+
+def nvmlDeviceGetMinorNumber(handle: int) -> int:
+    return int(_gpus()[handle].get("minor", handle))

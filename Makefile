@@ -14,7 +14,7 @@ PIP_COMPILE_FLAGS := -q --generate-hashes --allow-unsafe --strip-extras \
 # Pinned: tests/test_openapi_client.py asserts the generated code's names and shapes.
 OPENAPI_GENERATOR := openapi-python-client==0.29.1
 
-.PHONY: venv lock browser slurm run test test-slurm test-warm test-teardown gpu-check gpu-check-compose test-learning compose-test docs lint fmt bench clean
+.PHONY: venv lock browser slurm run test test-slurm test-launchers test-teardown gpu-check gpu-check-compose test-learning compose-test docs lint fmt bench clean
 
 venv: $(VENV)/.installed
 
@@ -64,14 +64,15 @@ slurm:
 
 # Everything but the slow suites that have targets of their own (CI runs them all).
 test: venv browser
-	$(BIN)/pytest -n 3 --dist worksteal -m 'not exclusive and not learning and not slurm and not gpu and not teardown and not warm'
+	$(BIN)/pytest -n 3 --dist worksteal -m 'not exclusive and not learning and not slurm and not gpu and not teardown and not launchers'
 	$(BIN)/pytest -m exclusive
 
-# The warm launcher (issue 34): its probe against torchrun and the warm side of every test
-# that runs both ways (cancel, timeout, kill -9, restart, multi-node, walls). Its own
+# The two launchers against each other (issue 34): the warm launcher's probe against a cold
+# torchrun, and the cold side of every test that runs both ways (cancel, timeout, kill -9,
+# restart, multi-node, walls; `make test` runs their warm side, the default). Its own
 # target, which CI runs after `make test` (inside it they took 2 of its 15 minutes).
-test-warm: venv
-	$(BIN)/pytest -n 3 --dist worksteal -m 'warm and not slurm and not gpu'
+test-launchers: venv
+	$(BIN)/pytest -n 3 --dist worksteal -m 'launchers and not slurm and not gpu'
 
 # The Slurm executor against a real one-node cluster (tests/slurmcluster.py). The tests
 # share that cluster, so they run one at a time: their own target, which CI runs after

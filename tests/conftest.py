@@ -151,7 +151,8 @@ def _child_env(extra: dict[str, str]) -> dict[str, str]:
     # directories tests make (pytest's, 0700) are closed to those. Jobs run as the worker's
     # user unless a test asks for walls (tests/test_walls.py).
     env["DDPQ_JOB_UIDS"] = "off"
-    # The whole suite under the warm launcher (issue 34): DDPQ_TEST_LAUNCHER=warm.
+    # The whole suite under a cold torchrun, the launcher before issue 34's warm one became
+    # the default: DDPQ_TEST_LAUNCHER=torchrun.
     if os.environ.get("DDPQ_TEST_LAUNCHER"):
         env["DDPQ_LAUNCHER"] = os.environ["DDPQ_TEST_LAUNCHER"]
     env.update(extra)
@@ -312,12 +313,13 @@ def up_argv(port: int, *args: str) -> list[str]:
     ]  # fmt: skip
 
 
-@pytest.fixture(params=["torchrun", pytest.param("warm", marks=pytest.mark.warm)])
+@pytest.fixture(params=["warm", pytest.param("torchrun", marks=pytest.mark.launchers)])
 def launcher(request: pytest.FixtureRequest) -> str:
-    """A test that runs both ways: its workers start jobs with a cold torchrun, or forked
-    from a warm process (issue 34): pass ``env=launcher_env(launcher)`` to start_worker.
-    The warm runs are marked ``warm``: `make test-warm` runs them (`make test`'s 15
-    minutes hold the cold ones)."""
+    """A test that runs both ways: its workers start jobs forked from a warm process (issue
+    34, the default), or with a cold torchrun (a job's ``launcher: torchrun``): pass
+    ``env=launcher_env(launcher)`` to start_worker. The cold runs are marked
+    ``launchers``: `make test-launchers` runs them (`make test`'s 15 minutes hold the
+    default's)."""
     return str(request.param)
 
 

@@ -269,7 +269,9 @@ def scenario_on(
 
 
 @pytest.mark.torchrun
-@pytest.mark.parametrize("launcher", ["torchrun", pytest.param("warm", marks=pytest.mark.warm)])
+@pytest.mark.parametrize(
+    "launcher", ["warm", pytest.param("torchrun", marks=pytest.mark.launchers)]
+)
 def test_walled_jobs_cannot_read_change_or_pose_as_each_other(
     api: Server, host_dir: Path, launcher: str
 ) -> None:

@@ -7,16 +7,19 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.conftest import Server, terminal, wait_for
+from worker import warm
 from worker.procs import find_by_launch_id
 from worker.warm import choose, zygote_env
 
-pytestmark = [pytest.mark.torchrun, pytest.mark.warm]
+pytestmark = [pytest.mark.torchrun, pytest.mark.launchers]
 
 PROBE = Path(__file__).with_name("launcher_probe.py")
 
@@ -214,3 +217,39 @@ def test_a_slurm_node_forks_its_ranks_from_a_warm_process_of_its_own(
     logs = c.get(f"/jobs/{job_id}/logs").text
     for rank in (0, 1):
         assert f"[rank{rank}]: rank {rank} forked True" in logs, logs
+
+
+def test_a_worker_keeps_few_idle_warm_processes_and_never_one_an_attempt_holds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each warm process holds torch: past ``keep``, the least recently used idle one stops;
+    one with a child (an attempt's agent) is not idle."""
+    monkeypatch.setattr(warm, "IDLE_AFTER_S", 0.0)
+    pool = warm.WarmPool(keep=1)
+    try:
+        first = pool.socket_for(sys.executable, warm.default_zygote_env(1))
+        second = pool.socket_for(sys.executable, warm.default_zygote_env(2))
+        # The first stopped when the second started: its socket is gone, one process left.
+        assert len(pool) == 1 and not os.path.exists(first) and os.path.exists(second)
+        assert pool.socket_for(sys.executable, warm.default_zygote_env(2)) == second
+    finally:
+        pool.stop()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert warm._children(os.getpid()) and not warm._children(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_the_sockets_of_a_killed_worker_are_swept_by_the_next(tmp_path: Path) -> None:
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a worker killed by -9: its pid is no one's now
+    stale = tmp_path / f"{warm.DIR_PREFIX}{gone.pid}-x1"
+    live = tmp_path / f"{warm.DIR_PREFIX}{os.getpid()}-x2"
+    other = tmp_path / "ddpq-warm-unrelated"
+    for d in (stale, live, other):
+        d.mkdir()
+        (d / "s").write_text("")
+    warm.sweep_stale(str(tmp_path))
+    assert not stale.exists() and live.exists() and other.exists()

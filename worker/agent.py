@@ -70,7 +70,8 @@ class Agent:
         self._slots_changed = threading.Event()
         self.gpu_use = GpuUseLog()
         (self.data_dir / "torchrun-logs").mkdir(exist_ok=True)
-        pool = warm.WarmPool()
+        # A warm process per environment it keeps (--max-envs), and its own interpreter's.
+        pool = warm.WarmPool(keep=self.loop.venvs.max_envs + 1)
         self.context = RunContext(
             api=self.loop.api,
             name=self.name,

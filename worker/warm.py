@@ -3,10 +3,17 @@ warm processes (worker.zygote) this worker keeps, one per (interpreter, environm
 how an attempt's supervisor (worker.launch) asks one for its torchrun.
 
 A job's spec says ``launcher: torchrun`` or ``warm``; without one, the worker's
-``DDPQ_LAUNCHER`` decides (``torchrun`` until the warm launcher is proven on both kinds of
-worker). A job whose own ``env`` sets a variable the interpreter or torch reads as it starts
-(PYTHON*, OMP_*, ...) runs under a cold torchrun anyway: a warm process read those long
-before the job existed.
+``DDPQ_LAUNCHER`` decides: ``warm`` since it passed every test both kinds of worker (local
+and Slurm bridge) run, with the probe of tests/test_warm.py seeing nothing it could tell
+apart from torchrun beyond what docs/jobs.md lists. A job whose own ``env`` sets a variable
+the interpreter or torch reads as it starts (PYTHON*, OMP_*, ...) runs under a cold torchrun
+anyway: a warm process read those long before the job existed.
+
+Each warm process holds torch in memory (a few hundred MB), so a worker keeps at most
+``keep`` of them with no attempt running (its --max-envs, plus one for its own interpreter):
+past that, the least recently used idle one stops. Their sockets live in directories named
+after the worker's pid, so a worker killed without its clean-up (kill -9) leaves nothing
+the next one does not sweep.
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -26,8 +35,12 @@ from worker import torchrun, zygote
 log = logging.getLogger("ddpq.worker")
 
 LAUNCHERS = ("torchrun", "warm")
-DEFAULT_LAUNCHER = "torchrun"
+DEFAULT_LAUNCHER = "warm"
 START_TIMEOUT_S = 120.0  # a zygote's own import of torch, on a loaded host
+# A warm process handed to an attempt this recently is not idle yet: its attempt's
+# supervisor may not have connected (and so have no fork of it) when another asks.
+IDLE_AFTER_S = 60.0
+DIR_PREFIX = "ddpq-warm-"
 # Variables of a job's own env that a warm process would have read before the job: the
 # interpreter's, the C libraries' thread pools and allocators, torch's, the locale.
 READ_AT_START = (
@@ -91,22 +104,44 @@ def default_zygote_env(nproc: int = 2) -> dict[str, str]:
 class WarmPool:
     """This worker's warm processes, started on first use (or ahead, by ``prestart``), each
     by a thread of its own that lives as long as it does (its death signal follows that
-    thread), so the warm processes die with the worker."""
+    thread), so the warm processes die with the worker. At most ``keep`` stay without an
+    attempt: the least recently used idle ones stop when a new one starts."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep: int = 8) -> None:
+        self.keep = max(1, keep)
         self._lock = threading.Lock()
-        self._zygotes: dict[tuple[str, tuple[tuple[str, str], ...]], _Zygote] = {}
+        # Least recently used first.
+        self._zygotes: OrderedDict[tuple[str, tuple[tuple[str, str], ...]], _Zygote] = OrderedDict()
+        sweep_stale(tempfile.gettempdir())
 
     def socket_for(self, python: str, env: dict[str, str]) -> str:
         """The socket of the warm process for ``python`` with ``env`` (worker.zygote),
         started if it is not running; waits for its imports."""
         key = (python, tuple(sorted(env.items())))
         with self._lock:
-            z = self._zygotes.get(key)
+            z = self._zygotes.pop(key, None)
             if z is None or z.dead():
                 z = _Zygote(python, env)
-                self._zygotes[key] = z
+            z.used_at = time.monotonic()
+            self._zygotes[key] = z
+            self._trim()
         return z.ready()
+
+    def _trim(self) -> None:
+        """Stop the least recently used idle warm processes past ``keep`` (never the one
+        just asked for, the last; one with an attempt's agent is not idle)."""
+        over = len(self._zygotes) - self.keep
+        for key, z in list(self._zygotes.items())[:-1]:
+            if over <= 0:
+                return
+            if z.dead() or z.idle():
+                z.stop()
+                del self._zygotes[key]
+                over -= 1
+
+    def __len__(self) -> int:
+        with self._lock:
+            return sum(not z.dead() for z in self._zygotes.values())
 
     def prestart(self, python: str, env: dict[str, str]) -> None:
         threading.Thread(
@@ -126,10 +161,60 @@ class WarmPool:
             self._zygotes.clear()
 
 
+def sweep_stale(tmp: str) -> None:
+    """Remove the socket directories of warm processes whose worker is gone (killed
+    without its clean-up: the warm process died with it, by its death signal), this
+    user's only."""
+    try:
+        names = os.listdir(tmp)
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(DIR_PREFIX) :].split("-", 1)[0]
+        if not name.startswith(DIR_PREFIX) or not pid.isdigit() or _alive(int(pid)):
+            continue
+        path = os.path.join(tmp, name)
+        with contextlib.suppress(OSError):
+            if os.lstat(path).st_uid != os.geteuid():
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(path, "s"))
+            os.rmdir(path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _children(pid: int) -> bool:
+    """Whether any process has ``pid`` for its parent (an attempt's agent is a fork of its
+    warm process)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # The parent's pid is the second field after the command's closing parenthesis
+        # (a command may hold spaces and parentheses of its own).
+        if int(stat[stat.rindex(b")") + 2 :].split()[1]) == pid:
+            return True
+    return False
+
+
 class _Zygote:
     def __init__(self, python: str, env: dict[str, str]) -> None:
         # A short path (a socket's has at most 107 bytes), in a directory of its own.
-        self._dir = tempfile.mkdtemp(prefix="ddpq-warm-")
+        self._dir = tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{os.getpid()}-")
+        self.used_at = time.monotonic()
         os.chmod(self._dir, 0o700)
         self.path = os.path.join(self._dir, "s")
         self._python = python
@@ -157,6 +242,7 @@ class _Zygote:
             self._error = f"it exited with {self.proc.wait()} before it was ready"
         self._ready.set()
         self.proc.wait()  # this thread lives as long as the process: its death signal
+        self.proc.stdout.close()  # (a worker outlives many: no fd per stopped one)
         self._remove()
 
     def _remove(self) -> None:
@@ -172,6 +258,14 @@ class _Zygote:
 
     def dead(self) -> bool:
         return self._ready.is_set() and (self.proc is None or self.proc.poll() is not None)
+
+    def idle(self) -> bool:
+        """Ready, not handed out lately, and with no attempt's agent (no child)."""
+        if not self._ready.is_set() or self.proc is None:
+            return False
+        if time.monotonic() - self.used_at < IDLE_AFTER_S:
+            return False
+        return not _children(self.proc.pid)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

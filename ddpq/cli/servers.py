@@ -146,10 +146,10 @@ def worker(
         str,
         typer.Option(
             envvar="DDPQ_LAUNCHER",
-            help="how jobs whose spec names no launcher start: torchrun (a cold torchrun per "
-            "attempt) or warm (forked from a process with torch imported: seconds faster)",
+            help="how jobs whose spec names no launcher start: warm (forked from a process "
+            "with torch imported: seconds faster) or torchrun (a cold torchrun per attempt)",
         ),
-    ] = "torchrun",
+    ] = "warm",  # worker.warm.DEFAULT_LAUNCHER (not imported: the CLI loads without the worker)
     trace: Annotated[
         Path | None,
         typer.Option(
@@ -255,7 +255,7 @@ def _run_bridge(
     sbatch_args: tuple[str, ...],
     max_pending: int,
     poll_s: float,
-    launcher: str = "torchrun",
+    launcher: str = "warm",
 ) -> None:
     """Run a Slurm bridge, or exit with why the partition or the API refuse it."""
     from worker.bridge import Bridge

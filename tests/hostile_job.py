@@ -4,13 +4,17 @@ Not a test module: it is the entrypoint of three jobs, each a snapshot of its ow
 
 - ``victim SIGNAL``: writes an output file in its directory and a file in its
   checkpoint directory, says where it is, waits until the attacker is done, then says
-  whether both files are still what it wrote.
+  whether both files are still what it wrote; its first attempt then fails on purpose,
+  so that its retry runs in the directory the attacker could reach.
 - ``attack PLAN``: everything one job on a host may try against another job and against
   the jobs after it, each printed as ``ATTACK <what> done|denied <detail>``: rewrite a
   content in the worker's code cache, add a .pth to every shared environment, plant a
+  whole environment (its own interpreter, sealed with the worker's token where `ddpq up`
+  keeps it) under the name a later job's requirements will be looked for by, plant a
   directory under the next job's name, read the victim's job token from /proc and post
   metrics as the victim, read and write the victim's directory and checkpoint directory,
-  and write into the worker's own code and site-packages. Its code also holds a
+  rewrite the victim's program for its retry, and write into the worker's own code and
+  site-packages. Its code also holds a
   ``worker/launch.py`` and a ``pip/__main__.py`` (which would mark ``hijacked-*`` if the
   worker's launcher, root when walled, or the pip that builds its environment ran them),
   and, walled, it leaves a process behind that forks and exits over and over (never long
@@ -18,11 +22,15 @@ Not a test module: it is the entrypoint of three jobs, each a snapshot of its ow
 - ``check SIGNAL``: a later job that shares a content and an environment with the
   victim: prints the content it runs, whether a planted .pth line ran in it, and what
   was hijacked.
+- ``own SIGNAL``: the later job whose environment the attacker planted: says that its
+  own interpreter ran (the planted one prints ``PLANTED interpreter`` instead).
 """
 
 import json
 import os
+import re
 import site
+import subprocess
 import sys
 import time
 import urllib.request
@@ -60,6 +68,30 @@ def victim(signal: Path) -> None:
     extra = sorted(p.name for p in ckpt.iterdir() if p.name != "victim.bin")
     intact = out == "the victim's output\n" and weights == b"the victim's weights\n" and not extra
     say(f"VICTIM {'intact' if intact else 'tampered'} out={out!r} extra={extra}")
+    if os.environ["DDPQ_ATTEMPT"] == "1":
+        say("VICTIM fails its first attempt: its retry runs this program again")
+        sys.exit(3)
+
+
+# Run by the worker's own Python (-I: not the job's directory, which holds a worker/):
+# the name the worker will look for an environment of these requirements under, and the
+# seal it trusts on disk, made with the worker's token, as worker.venvs made them.
+FORGE = """
+import hashlib, hmac, json, os, sys, tempfile
+from pathlib import Path
+from worker import requirements, venvs
+root, token, pip = Path(sys.argv[1]), sys.argv[2].encode(), json.loads(sys.argv[3])
+with tempfile.TemporaryDirectory() as scratch:
+    key = venvs.Venvs(Path(scratch), 1).key(requirements.read(None, pip))
+env = root / key
+(env / "bin").mkdir(parents=True)
+(env / "bin" / "python").write_text("#!/bin/sh\\necho PLANTED interpreter\\n")
+os.chmod(env / "bin" / "python", 0o755)
+(env / venvs.READY).touch()
+mac = hmac.new(token, venvs.seal(env).encode(), hashlib.sha256).hexdigest()
+(env / venvs.SEAL).write_text(mac + "\\n")
+print(env)
+"""
 
 
 def _environ(pid: str) -> dict[str, str]:
@@ -92,6 +124,34 @@ def attack(plan: dict) -> None:  # type: ignore[type-arg]
         if not written:
             raise PermissionError(13, "no environment found to write")
         return ",".join(written)
+
+    def planted_env() -> str:
+        token = None
+        for where in (data_dir / "worker-token", data_dir.parent / "var" / "worker-token"):
+            if where.exists():
+                token = where.read_text().strip()  # walled: not this uid's to read
+        if token is None:
+            raise PermissionError(13, "no worker token found")
+        # The worker's Python, named by the .pth that layers this environment on it.
+        pth = next(Path(site.getsitepackages()[0]).glob("_ddpq_worker_site.pth")).read_text()
+        found = re.search(r"addsitedir\('([^']+)'\)", pth)
+        assert found is not None, pth
+        python = Path(found.group(1)).parents[2] / "bin" / "python"
+        argv = [str(python), "-I", "-c", FORGE, str(data_dir / "venvs"), token]
+        done = subprocess.run(
+            [*argv, json.dumps(plan["planted_pip"])], capture_output=True, text=True
+        )
+        if done.returncode != 0:
+            raise PermissionError(13, done.stderr.strip().splitlines()[-1])
+        return done.stdout.strip()
+
+    def retry_dir() -> str:
+        found = [p for p in (data_dir / "jobs").iterdir() if p.name.startswith(f"job-{victim_id}-")]
+        if not found:
+            raise PermissionError(13, "the victim's directory was not found")
+        program = found[0] / "main.py"
+        program.write_text("print('HIJACKED: the retry ran the attacker code', flush=True)\n")
+        return str(program)
 
     def plant() -> str:
         planted = data_dir / "jobs" / f"job-{next_id}"
@@ -168,9 +228,11 @@ def attack(plan: dict) -> None:  # type: ignore[type-arg]
         attempt("hopper", hopper)
     attempt("cache", cache)
     attempt("envs", envs)
+    attempt("planted-env", planted_env)
     attempt("plant", plant)
     attempt("token", token)
     attempt("victim-dir", victim_dir)
+    attempt("retry-dir", retry_dir)
     attempt("victim-checkpoints", victim_checkpoints)
     attempt("worker-code", worker_code)
 
@@ -195,5 +257,7 @@ if __name__ == "__main__":
         victim(Path(arg))
     elif mode == "attack":
         attack(json.loads(arg))
+    elif mode == "own":
+        say(f"OWN interpreter ran: {sys.executable}")
     else:
         check(Path(arg))

@@ -725,9 +725,12 @@ def test_job_directories_are_private_copies_and_one_content_is_fetched_once(
     assert (two / "f0.py").read_bytes() == b"shared content\n"
     assert not (two / "state.txt").exists()
 
-    # A second attempt of job 1 finds what its first left; job 1 ending removes it.
+    # A second attempt of job 1 finds what its first left (its code as sent: below);
+    # job 1 ending removes it.
+    (one / "f0.py").write_bytes(b"shared content\n")
+    dirs.attempt_ended(1)
     again, written = dirs.prepare(1, "s" * 64, lambda: manifest, store.fetch)
-    assert written.reused and (again / "state.txt").exists()
+    assert written.reused and again == one and (again / "state.txt").exists()
     assert dirs.kept() == [1, 2]
     dirs.ended([1], running=set())
     assert dirs.kept() == [2] and not one.exists()

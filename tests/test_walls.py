@@ -54,6 +54,9 @@ COMPOSE_CAPS = "-all,+chown,+dac_override,+fowner,+kill,+setuid,+setgid"
 # The content the attacker rewrites in the cache; the victim and the last job share it.
 LIB = b'VALUE = "original"\n'
 WHEEL = "wheels/ddpqtestpkg-0.1-py3-none-any.whl"
+# The requirements of the job whose environment the attacker plants: an extra packaging
+# lacks, so the worker builds an environment (one pip run, offline) it has not built yet.
+PLANTED_PIP = ["packaging[ddpq-planted]"]
 
 
 def open_the_way(path: Path) -> None:
@@ -155,7 +158,8 @@ def _scenario(
     # One wheel in both: a zip records when it was made, and the same content is the point.
     wheel = make_wheel(base / "wheel").read_bytes()
     reqs = {"requirements.txt": f"./{WHEEL}\n".encode(), WHEEL: wheel}
-    victim = submit(c, project(base / "victim", {"lib.py": LIB, **reqs}), "victim", signal)
+    victim_code = project(base / "victim", {"lib.py": LIB, **reqs})
+    victim = submit(c, victim_code, "victim", signal, max_attempts=2, retry_on_error=True)
 
     def started() -> dict[str, Any] | None:
         job = c.job(victim)
@@ -173,6 +177,7 @@ def _scenario(
         "signal": signal,
         "next_snapshot": c.push_code(later).id,
         "hop": hop,
+        "planted_pip": PLANTED_PIP,
     }
     # Its own requirement (so pip runs for it), and modules named as the worker's.
     hijack = (
@@ -194,6 +199,7 @@ def _scenario(
     assert (victim_job["owner"], attacker_job["owner"]) == ("victim", "attacker")
     checked = submit(c, later, "check", signal)
     assert checked == victim + 2
+    own = submit(c, project(base / "own", {}), "own", signal, pip=PLANTED_PIP)
     attacker_log = log_of(them, attacker)
     return {
         "victim": victim_job,
@@ -205,6 +211,8 @@ def _scenario(
         "attacker_log": attacker_log,
         "checked": ended(checked),
         "checked_log": log_of(c, checked),
+        "own": ended(own),
+        "own_log": log_of(c, own),
     }
 
 
@@ -213,7 +221,8 @@ def assert_walls_held(seen: dict[str, Any], uids: range) -> None:
     tried = seen["attacks"]
     assert seen["attacker"]["status"] == "succeeded", seen["attacker_log"]
     assert set(tried) == {
-        "cache", "envs", "plant", "token", "victim-dir", "victim-checkpoints", "worker-code",
+        "cache", "envs", "planted-env", "plant", "token", "victim-dir", "retry-dir",
+        "victim-checkpoints", "worker-code",
     }, seen["attacker_log"]  # fmt: skip
     assert "hijacked=[]" in seen["checked_log"], "the worker ran a job's module as its own"
     refused = {what: result for what, result in tried.items() if result.startswith("denied")}
@@ -225,8 +234,12 @@ def assert_walls_held(seen: dict[str, Any], uids: range) -> None:
     assert seen["hopper"] and seen["hopper"].startswith("done"), seen["attacker_log"]
     quiet = json.loads(seen["checked_log"].split("hoppers_quiet_s=")[1].split(" cwd=")[0])
     assert quiet and min(quiet) > 1.0, f"the hopper still ran: quiet for {quiet} s"
-    assert "VICTIM intact" in seen["victim_log"], seen["victim_log"]
-    assert seen["victim"]["status"] == "succeeded", seen["victim_log"]
+    victim_log = seen["victim_log"]
+    assert "VICTIM intact" in victim_log and "tampered" not in victim_log, victim_log
+    assert seen["victim"]["status"] == "succeeded", victim_log
+    # Its retry ran in the directory its first attempt left, which no other job could reach.
+    assert seen["victim"]["attempt"] == 2 and "from an earlier attempt" in victim_log, victim_log
+    assert "OWN interpreter ran" in seen["own_log"], seen["own_log"]
     assert not any(m["step"] == 999 for m in seen["victim_metrics"]), "posted as the victim"
     ran_as = [
         int(line.split("uid=")[1].split()[0])
@@ -242,7 +255,9 @@ def assert_walls_held(seen: dict[str, Any], uids: range) -> None:
 
 @pytest.fixture
 def api(tmp_path: Path) -> Iterator[Server]:
-    s = start_server(f"sqlite:///{tmp_path / 'ddpq.db'}", tmp_path / "api")
+    # The victim's retry (hostile_job.py) need not wait out a backoff.
+    db = f"sqlite:///{tmp_path / 'ddpq.db'}"
+    s = start_server(db, tmp_path / "api", DDPQ_RETRY_BACKOFF_S="0")
     yield s
     stop_server(s)
 
@@ -250,6 +265,11 @@ def api(tmp_path: Path) -> Iterator[Server]:
 def scenario_on(
     api: Server, base: Path, walled: bool, started: str, *extra: str
 ) -> tuple[dict[str, Any], str]:
+    # Where `ddpq up` keeps the worker's token, its user's alone (0600; the worker itself
+    # gets it in its environment here): an unwalled job can read it, a walled one cannot.
+    (base / "var").mkdir(mode=0o700)
+    (base / "var" / "worker-token").write_text(api.worker_token + "\n")
+    (base / "var" / "worker-token").chmod(0o600)
     worker, worker_log = start_host_worker(api, base, walled, *extra)
     signal = base / "signal"
     signal.mkdir()
@@ -288,20 +308,44 @@ def test_unwalled_jobs_cannot_change_what_later_jobs_run(api: Server, host_dir: 
     warning = [line for line in log.splitlines() if "NOT walled" in line]
     assert len(warning) == 1 and "docs/security.md" in warning[0], warning
     tried = seen["attacks"]
-    # The user's own files are the user's: these got through, as the docs say they do...
-    for what in ("cache", "envs", "plant"):
+    # What docs/security.md ("An unwalled worker") says a job can do there, it did: read
+    # the victim's token from /proc and post as it (item 4), read and write its directory
+    # and checkpoints while it runs (5), write into the worker's code (6, a checkout its
+    # user owns), and write the user's files the worker keeps (the cache, environments,
+    # the jobs' directory, the worker's token in var/)...
+    for what in (
+        "cache", "envs", "planted-env", "plant", "token", "victim-dir", "retry-dir",
+        "victim-checkpoints", "worker-code",
+    ):  # fmt: skip
         assert tried[what].startswith("done"), (what, seen["attacker_log"])
-    # ...but the next job runs what its owner sent: 1. the cached content is checked after
-    # each copy, 2. the environment's seal is broken so it is built again, 3. the planted
-    # directory is never taken for the job's.
+    assert tried["token"] == "done posted as the victim: 202", tried
+    assert any(m["step"] == 999 for m in seen["victim_metrics"]), seen["victim_metrics"]
+    assert (
+        "VICTIM tampered out=\"the attacker's output\\n\" extra=['planted.bin']"
+        in (seen["victim_log"])
+    ), seen["victim_log"]
+    # ...but no later job runs anything but what its owner sent: 1. the cached content is
+    # checked after each copy, 2. the environment's seal is broken so it is built again,
+    # a planted one is never trusted (a seal on disk is keyed with nothing a job can
+    # read), 3. the planted directory is never taken for the job's, and the victim's retry
+    # gets a fresh directory, its program having been rewritten.
+    victim_log = seen["victim_log"]
+    assert seen["victim"]["status"] == "succeeded", (seen["victim"]["reason"], victim_log[-6000:])
+    assert seen["victim"]["attempt"] == 2, victim_log
+    assert "HIJACKED" not in victim_log, victim_log
+    assert "directory no longer holds its code as sent ('main.py')" in victim_log, victim_log
+    assert "changed since it was built; building it again" in victim_log, victim_log
     checked = seen["checked_log"]
     assert seen["checked"]["status"] == "succeeded", (checked, log[-3000:])
     assert "CHECK value=original magic=42" in checked, checked
     assert "PLANTED" not in checked, checked
-    assert "changed since it was built; building it again" in checked, checked
     ran = checked.split("pth=")[1].split("]")[0]
-    assert f"pth-ran-{seen['checked']['id']}" not in ran, checked
+    for job in (seen["victim"], seen["checked"]):
+        assert f"pth-ran-{job['id']}" not in ran, checked
     assert "was altered; fetching it again" in log, log[-3000:]
+    own = seen["own_log"]
+    assert seen["own"]["status"] == "succeeded" and "OWN interpreter ran" in own, own
+    assert "PLANTED" not in own and "without a seal this worker can check" in own, own
 
 
 MAGIC = "import ddpqtestpkg\nprint('MAGIC', ddpqtestpkg.MAGIC, flush=True)\n"

@@ -17,12 +17,21 @@ directory of its own for each job, written from its snapshot's manifest.
   and the directory is created by this process: a directory a job planted under a name
   it could predict is never taken for another job's. It is written under a temporary
   name and renamed when whole, kept across the job's attempts on this worker while this
-  process lives (what the program wrote there is still there on a retry; nothing on
-  disk says which directory is whose, so a restarted worker writes a new one), and
-  removed once the service says its retention is over (service.outputs: a period after
-  the job ended, none for its owner's newest jobs). A new job never runs in an old one's
-  directory: `ddpq resubmit --resume` gets a fresh one written from the snapshot its
-  worker sent of the old one (worker.outputs).
+  process lives (nothing on disk says which directory is whose, so a restarted worker
+  writes a new one), and removed once the service says its retention is over
+  (service.outputs: a period after the job ended, none for its owner's newest jobs). A
+  new job never runs in an old one's directory: `ddpq resubmit --resume` gets a fresh
+  one written from the snapshot its worker sent of the old one (worker.outputs).
+- A retry runs in its job's directory as the last attempt left it (what the program
+  wrote there is still there) only if nothing changed it since: the worker seals it
+  (worker.seal) when the attempt ends, once its processes are gone, and on the retry
+  checks that seal and every file and link of the snapshot against the manifest (by its
+  digest, through directory descriptors, following no link). Unwalled, every job can
+  write every other's directory, between attempts as well; and the program's own code
+  may have been changed while it ran. A directory that fails either check is not
+  repaired in place (which would mean writing where a job may have put links) but
+  replaced by a fresh one written from the snapshot: what the last attempt wrote there
+  was sent to the API as it ended (worker.outputs), and checkpoints live elsewhere.
 - Nothing from the wire is trusted: every path and link of the manifest is checked
   again here (ddpq.snapshot), files are created with O_EXCL|O_NOFOLLOW, and links
   are made last, so no write ever goes through one.
@@ -50,6 +59,7 @@ from typing import Any
 from ddpq.errors import ApiRefused, ApiUnavailable, JobError, SnapshotError, Stopped
 from ddpq.snapshot import Entry, checked, file_count, human_bytes, write_out
 from worker.api import WorkerAPI, retry
+from worker.seal import seal
 
 log = logging.getLogger("ddpq.worker")
 
@@ -169,6 +179,7 @@ class Written:
     files: int
     seconds: float
     reused: bool = False
+    why_fresh: str | None = None  # an earlier attempt's directory was not reused: why
 
 
 def write_tree(
@@ -264,9 +275,9 @@ class Workdirs:
         self.keep_s = keep_s
         self._lock = threading.Lock()
         self._jobs: dict[int, threading.Lock] = {}
-        # job id -> (its directory, the snapshot written there): only what this process
-        # made. Nothing on disk is trusted to say it.
-        self._made: dict[int, tuple[Path, str]] = {}
+        # job id -> its directory, as this process made it and its last attempt left it.
+        # Nothing on disk is trusted to say it.
+        self._made: dict[int, _Made] = {}
         self._ended: dict[int, float] = {}  # job id -> when the service said it ended
 
     def prepare(
@@ -274,20 +285,41 @@ class Workdirs:
         fetch: Fetch,
     ) -> tuple[Path, Written]:  # fmt: skip
         """The job's directory holding snapshot ``snapshot_id``: the one this process
-        wrote for an earlier attempt, else a new one written now."""
+        wrote for an earlier attempt if it is as that attempt left it and holds the
+        snapshot's code, else a new one written now."""
         with self._lock:
             one = self._jobs.setdefault(job_id, threading.Lock())
             self._ended.pop(job_id, None)
         with one:
             made = self._made.get(job_id)
-            if made is not None and made[1] == snapshot_id and _is_real_dir(made[0]):
-                return made[0], Written(0, 0, 0, 0.0, reused=True)
+            why = None
+            if made is not None and made.snapshot_id == snapshot_id:
+                why = made.changed()
+                if why is None:
+                    made.sealed = None  # this attempt's now: sealed again as it ends
+                    return made.path, Written(0, 0, 0, 0.0, reused=True)
+                log.warning("job %s: its directory %s %s: written afresh", job_id, made.path, why)
             if made is not None:
-                _remove(made[0])
+                _remove(made.path)
             dest = self.root / f"job-{job_id}-{secrets.token_hex(8)}"
-            written = write_tree(manifest(), self.cache, dest, fetch)
-            self._made[job_id] = (dest, snapshot_id)
+            raw = manifest()
+            written = write_tree(raw, self.cache, dest, fetch)
+            written.why_fresh = why
+            # Checked by write_tree: kept to check the directory again on a retry.
+            self._made[job_id] = _Made(dest, snapshot_id, [Entry.of(item) for item in raw])
             return dest, written
+
+    def attempt_ended(self, job_id: int) -> None:
+        """An attempt of the job ended here and no process of it runs: its directory is
+        sealed as it left it, for the retry to check (a job that ends goes anyway)."""
+        with self._lock:
+            one = self._jobs.get(job_id)
+        if one is None:
+            return
+        with one:
+            made = self._made.get(job_id)
+            if made is not None and _is_real_dir(made.path):
+                made.sealed = seal(made.path)
 
     def fetch(
         self, api: WorkerAPI, job_id: int, snapshot_id: str, stop: threading.Event
@@ -313,7 +345,7 @@ class Workdirs:
         """The directory this process made for the job, if it is still there."""
         with self._lock:
             made = self._made.get(job_id)
-        return made[0] if made is not None and _is_real_dir(made[0]) else None
+        return made.path if made is not None and _is_real_dir(made.path) else None
 
     def kept(self) -> list[int]:
         """The jobs whose directories are here (this process's, an earlier one's, or
@@ -349,6 +381,75 @@ class Workdirs:
                 self._made.pop(job_id, None)
 
 
+@dataclass
+class _Made:
+    """A job's directory this process wrote: where, from which snapshot (its checked
+    entries), and its seal as its last attempt left it (None: not ended yet, or never
+    sealed: not to be reused)."""
+
+    path: Path
+    snapshot_id: str
+    entries: list[Entry]
+    sealed: str | None = None
+
+    def changed(self) -> str | None:
+        """Why this directory may not be reused, or None."""
+        if self.sealed is None or not _is_real_dir(self.path):
+            return "was not sealed as its last attempt ended"
+        if seal(self.path) != self.sealed:
+            return "changed after its last attempt ended"
+        wrong = _first_unlike(self.path, self.entries)
+        if wrong is not None:
+            return f"no longer holds its code as sent ({wrong[:200]!r})"
+        return None
+
+
+def _first_unlike(root: Path, entries: list[Entry]) -> str | None:
+    """The first path of the snapshot that ``root`` does not hold as the manifest says
+    (a file of another content, mode or with a second name, a link elsewhere, anything
+    else in its place, a parent that is not a directory), or None. Read through
+    directory descriptors, following no link."""
+    dirs: dict[str, int] = {}
+
+    def dir_fd(rel: str) -> int:
+        if rel not in dirs:
+            parent, _, name = rel.rpartition("/")
+            at = dir_fd(parent) if name else None
+            flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+            dirs[rel] = os.open(name if name else root, flags, dir_fd=at)
+        return dirs[rel]
+
+    try:
+        for e in entries:
+            parent, _, name = e.path.rpartition("/")
+            try:
+                at = dir_fd(parent)
+                if e.symlink is not None:
+                    if os.readlink(name, dir_fd=at) != e.symlink:
+                        return e.path
+                    continue
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=at)
+            except OSError:
+                return e.path
+            try:
+                st = os.fstat(fd)
+                executable = bool(st.st_mode & stat.S_IXUSR)
+                if (
+                    not stat.S_ISREG(st.st_mode)
+                    or st.st_nlink != 1
+                    or st.st_size != e.size
+                    or executable != e.executable
+                    or _digest_of(fd) != e.digest
+                ):
+                    return e.path
+            finally:
+                os.close(fd)
+    finally:
+        for fd in dirs.values():
+            os.close(fd)
+    return None
+
+
 def _is_real_dir(path: Path) -> bool:
     try:
         return stat.S_ISDIR(os.lstat(path).st_mode)
@@ -378,7 +479,8 @@ def describe(snapshot_id: str, workdir: Path, w: Written) -> str:
     """The job log's line about its code."""
     if w.reused:
         return f"[ddpq] code {snapshot_id[:12]}: reusing {workdir} from an earlier attempt\n"
+    fresh = f"; the earlier attempt's directory {w.why_fresh}" if w.why_fresh else ""
     return (
         f"[ddpq] code {snapshot_id[:12]}: {file_count(w.files)} in {workdir} "
-        f"({w.fetched} fetched, {human_bytes(w.fetched_bytes)}; {w.seconds:.1f} s)\n"
+        f"({w.fetched} fetched, {human_bytes(w.fetched_bytes)}; {w.seconds:.1f} s){fresh}\n"
     )

@@ -200,7 +200,7 @@ class Loop:
         )
         max_envs = settings.get("max_envs", DEFAULT_MAX_ENVS)
         policy = settings.get("pip_policy")
-        self.venvs = Venvs(self.data_dir / "venvs", max_envs, walls, policy, token)
+        self.venvs = Venvs(self.data_dir / "venvs", max_envs, walls, policy)
         self.heartbeat_s = 2.0
         self.gpu_sample_s = 5.0  # the service's, once registered
         self.stopping = threading.Event()

@@ -156,6 +156,8 @@ class JobRunner:
         if result.outcome == "error":
             shipper.write(f"[ddpq] {result.reason}\n".encode())
         self._keep_outputs(shipper)
+        # As this attempt left it: a retry here reuses it only if nothing changed it since.
+        self.ctx.workdirs.attempt_ended(self.job_id)
         self.trace.mark("kept")
         shipper.close(timeout_s=60.0)
         self.trace.mark("shipped")

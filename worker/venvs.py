@@ -11,11 +11,17 @@ digest, never by its path (two jobs naming ./dist/x.whl may hold different wheel
 An environment is shared, so no job may change what the next one runs in it. Walled
 (worker.walls), pip runs under the building attempt's uid, and the environment then
 becomes the worker's, read-only to every job. Walled or not, the worker seals it when
-built (every entry's inode, mode, owner, size and ctime, which no process can set back)
-and checks the seal each time a job is to use it: one a job changed is put aside and
-built again. A seal is kept in memory; walled, also on disk, root's, so a restarted
-worker trusts what it built before. Unwalled, an environment from before a restart has
-no seal a job could not have written, and is built again.
+built (worker.seal: every entry's inode, mode, owner, size and ctime, which no process
+can set back) and checks the seal each time a job is to use it: one a job changed is put
+aside and built again. An environment's name is its key, which any job can work out, so
+what is on disk under it is trusted only through a seal no job could have made: the
+seal is kept in memory, and on disk only keyed (HMAC) with a key no job can read.
+Walled, that key is a file of the worker's alone (KEY_FILE, 0600; jobs run under other
+uids), so a restarted worker trusts what it built before. Unwalled, no file of the
+worker's is out of a job's reach (nor is the worker's token, in var/worker-token under
+`ddpq up`), so nothing on disk is trusted: an environment from before the worker started
+is built again when first used (a rebuild per restart, which costs a pip run; trusting
+one would let a job plant the interpreter the next job with those requirements runs).
 
 The new environment sees the worker's packages through a .pth file that adds the
 worker's site-packages after its own (``python -m venv --system-site-packages`` run from
@@ -66,6 +72,7 @@ from packaging.version import InvalidVersion
 from ddpq.errors import JobError, RequirementsRefused, Stopped
 from worker import procs, requirements
 from worker.requirements import Requirement
+from worker.seal import seal as seal_tree
 from worker.torchrun import INHERITED_ENV, INHERITED_PREFIXES
 from worker.walls import JobUser, Walls
 
@@ -73,6 +80,7 @@ log = logging.getLogger("ddpq.worker")
 
 READY = ".ddpq-ready"
 SEAL = ".ddpq-seal"
+KEY_FILE = ".ddpq-seal-key"  # walled: what the seals on disk are keyed with, the worker's alone
 STALE = ".stale-"  # an environment a job changed, put aside until no job uses it
 PINNED = ("torch", "torchvision", "torchaudio")  # never replaced by a job's requirements
 PIP_TIMEOUT_S = 3600.0
@@ -95,15 +103,14 @@ class Venvs:
         max_envs: int,
         walls: Walls | None = None,
         policy: requirements.Policy | None = None,
-        seal_key: str | None = None,
     ) -> None:
         self.root = root
         self.max_envs = max_envs
         self.walls = walls or Walls(None)
         self.policy = policy or requirements.Policy()
-        # The worker's token: what a seal on disk is keyed with (None: none is trusted).
-        self.seal_key = seal_key.encode() if seal_key else None
         self.root.mkdir(parents=True, exist_ok=True)
+        # What a seal on disk is keyed with (None, unwalled: no seal on disk is trusted).
+        self.seal_key = _seal_key(self.root / KEY_FILE, self.walls.walled)
         for stale in [*self.root.glob(f"{STALE}*"), *self.root.glob(".inputs-*")]:
             shutil.rmtree(stale, ignore_errors=True)
         self._lock = threading.Lock()
@@ -246,8 +253,9 @@ class Venvs:
         (purelib / "_ddpq_worker_site.pth").write_text("\n".join(lines) + "\n")
 
     def _mac(self, sealed: str) -> str:
-        """The seal as written to disk: keyed with the worker's token, which no job has,
-        so a job that changed an environment cannot write the seal that would match."""
+        """The seal as written to disk: keyed with what no job can read (_seal_key), so a
+        job that changed or planted an environment cannot write the seal that would match
+        ("" unwalled: no seal on disk is trusted)."""
         if self.seal_key is None:
             return ""
         return hmac.new(self.seal_key, sealed.encode(), hashlib.sha256).hexdigest()
@@ -305,11 +313,11 @@ class Venvs:
             busy = {k for k, n in self._in_use.items() if n > 0}
         built = []
         for d in self.root.iterdir():
-            if d.name.startswith(".inputs-"):
-                continue
             if d.name.startswith(STALE):
                 if d.name.removeprefix(STALE).split(".")[0] not in busy:
                     shutil.rmtree(d, ignore_errors=True)
+                continue
+            if d.name.startswith("."):  # a build's inputs, the seals' key
                 continue
             with contextlib.suppress(FileNotFoundError):
                 built.append(((d / READY).stat().st_mtime, d))
@@ -324,24 +332,37 @@ class Venvs:
 
 
 def seal(env_dir: Path) -> str:
-    """What an environment is, as no process can forge it: each entry's path, type and
-    mode, owner, size, inode and ctime (any write, chmod or rename sets the ctime to now,
-    and nothing sets it back). The marks the worker itself touches are left out."""
-    h = hashlib.sha256()
-    for root, dirs, files in os.walk(env_dir):
-        dirs.sort()
-        for name in sorted(dirs + files):
-            path = os.path.join(root, name)
-            rel = os.path.relpath(path, env_dir)
-            if rel in (READY, SEAL):
-                continue
-            with contextlib.suppress(FileNotFoundError):
-                st = os.lstat(path)
-                h.update(
-                    f"{rel}\0{st.st_mode}\0{st.st_uid}\0{st.st_size}\0{st.st_ino}\0"
-                    f"{st.st_ctime_ns}\n".encode(errors="surrogateescape")
-                )
-    return h.hexdigest()
+    """What an environment is (worker.seal), but the marks the worker itself touches."""
+    return seal_tree(env_dir, skip=(READY, SEAL))
+
+
+def _seal_key(path: Path, walled: bool) -> bytes | None:
+    """The key of the seals on disk: walled, a random one in a file only the worker
+    may read (made now if there is none, or if what is there is not the worker's alone:
+    then every seal from before fails and what it sealed is built again). Unwalled,
+    none: every job could read such a file, as it could the worker's token in
+    var/worker-token. A key left by a walled run on this data directory goes before any
+    job runs here unwalled, which could read it and plant what a later walled run would
+    trust."""
+    if not walled:
+        with contextlib.suppress(OSError):
+            path.unlink()
+        return None
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with open(fd, "rb") as f:
+            st = os.fstat(fd)
+            key = f.read(64)
+        mine = stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
+        if mine and not st.st_mode & 0o077 and len(key) == 32:
+            return key
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    key = secrets.token_bytes(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with open(fd, "wb") as f:
+        f.write(key)
+    return key
 
 
 def _frozen(reqs: list[Requirement], inputs: Path) -> list[str]:

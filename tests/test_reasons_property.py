@@ -18,7 +18,7 @@ from datetime import timedelta
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sqlalchemy import delete, update
+from sqlalchemy import delete, select, update
 
 from service import jobs, queue
 from service.db import Database, Policy, upgrade
@@ -30,10 +30,12 @@ from service.models import (
     LogChunk,
     MetricPoint,
     Quota,
+    UserUsage,
     Worker,
 )
 from service.models import utcnow as now
-from service.schemas import JobSpec
+from service.queue.books import capacities
+from service.schemas import FinishRequest, JobSpec
 
 CLAIMS_FIT = "waiting for a worker to claim it"
 _tokens = itertools.count()
@@ -79,7 +81,9 @@ def preempting_db(db_url: str) -> Iterator[Database]:
 
 def _reset(db: Database) -> None:
     with db.write() as s:
-        for table in (MetricPoint, Checkpoint, LogChunk, JobNode, Attempt, Job, Worker, Quota):
+        for table in (
+            MetricPoint, Checkpoint, LogChunk, JobNode, Attempt, Job, Worker, Quota, UserUsage,
+        ):  # fmt: skip
             s.execute(delete(table))
 
 
@@ -96,16 +100,34 @@ def _claim(db: Database, name: str, state: WorkerState) -> queue.Claim | None:
     return queue.claim_next_job(db, name, 10**6, list(range(state.gpus)), token)
 
 
-def _arrange(db: Database, workers: list[WorkerState], owner: str | None = None) -> None:
-    """Register the workers and give each the jobs it runs (``owner``'s); silence the
-    dead ones."""
+def _run(db: Database, i: int, w: WorkerState, device: str, ranks: int, owner: str | None) -> None:
+    """A job worker ``i`` was given before the one under test, if it fits there."""
+    filler = _submit(db, device, ranks, owner=owner)
+    if _claim(db, f"w{i}", w) is None:
+        jobs.cancel_job(db, filler)  # it did not fit: only the job under test waits
+
+
+def _arrange(
+    db: Database,
+    workers: list[WorkerState],
+    owner: str | None = None,
+    owners: Iterator[str] | None = None,
+    full: bool = False,
+) -> None:
+    """Register the workers and give each the jobs it runs (``owner``'s, or each the next
+    of ``owners``), and with ``full`` one more of each unit that takes what is left;
+    silence the dead ones."""
     for i, w in enumerate(workers):
         queue.register_worker(db, f"w{i}", None, "host", w.cpu_slots, list(range(w.gpus)), "/c")
     for i, w in enumerate(workers):
         for device, ranks in w.running:
-            filler = _submit(db, device, ranks, owner=owner)
-            if _claim(db, f"w{i}", w) is None:
-                jobs.cancel_job(db, filler)  # it did not fit: only the job under test waits
+            _run(db, i, w, device, ranks, next(owners) if owners else owner)
+        if full:
+            with db.read() as s:
+                [cap] = [c for c in capacities(s, db.policy.lease_s) if c.name == f"w{i}"]
+            for device, n in (("cuda", len(cap.free_gpus)), ("cpu", cap.free_cpu)):
+                if n:
+                    _run(db, i, w, device, n, next(owners) if owners else owner)
     silent = now() - timedelta(seconds=db.policy.lease_s * 3)
     with db.write() as s:
         for i, w in enumerate(workers):
@@ -219,3 +241,122 @@ def test_the_reason_agrees_with_the_claim_under_preemption(
     _arrange(db, workers)
     job_id = _submit(db, device, ranks, priority=1)
     _agrees(db, workers, job_id, order, waiting="waiting")
+
+
+@pytest.fixture(params=["priority", "fair-share"])
+def sharing_db(db_url: str, request: pytest.FixtureRequest) -> Iterator[Database]:
+    """Preemption on (in either mode, no minimum run), for jobs of owners with limits."""
+    if db_url.startswith("sqlite"):
+        upgrade(db_url)
+    database = Database(db_url, Policy(preemption=request.param, preempt_min_run_s=0))
+    yield database
+    database.dispose()
+
+
+def _agree_all(db: Database, workers: list[WorkerState], ids: list[int], order: object) -> None:
+    """Several queued jobs' reasons, read now, agree with what one claim of each live
+    worker (in a random order) then does: a job whose reason says it does not fit now
+    (slots, its quota, a worker) is taken by none; when one says a claim takes it, some
+    claim takes a job (the first that could take it would, if no claim before it
+    took one: a claim taken first may put the owner at a limit)."""
+    reasons = {i: jobs.get_job(db, i).reason or "" for i in ids}
+    live = [i for i, w in enumerate(workers) if w.alive]
+    order.shuffle(live)  # type: ignore[attr-defined]
+    taken = set()
+    for i in live:
+        claim = _claim(db, f"w{i}", workers[i])
+        if claim is not None:
+            assert claim.job_id in reasons, "only the jobs looked at are queued"
+            taken.add(claim.job_id)
+    for job_id, reason in reasons.items():
+        if reason.startswith(CLAIMS_FIT):
+            assert taken, f"job {job_id}'s reason says a live worker can take it: {workers}"
+        elif not reason.startswith("waiting for its turn"):
+            assert job_id not in taken, f"job {job_id} was taken; its reason is {reason!r}"
+
+
+usages = st.sampled_from([0.0, 1.0, 100.0])
+# Busy live workers, mostly: preemption needs running jobs to take slots of.
+busy_workers = st.builds(
+    WorkerState,
+    cpu_slots=st.integers(1, 4),
+    gpus=st.integers(0, 3),
+    alive=st.sampled_from([True, True, True, False]),
+    running=st.lists(st.tuples(devices, st.integers(1, 2)), min_size=1, max_size=3).map(tuple),
+)
+# Limits that often bind: an owner at their limit is what the preemption pass must see.
+tight = st.sampled_from([None, 0, 1, 2, 3])
+
+
+@settings(
+    max_examples=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    workers=st.lists(busy_workers, min_size=1, max_size=3),
+    runners=st.lists(st.sampled_from(["alice", "bob"]), min_size=1, max_size=9),
+    full=st.booleans(),
+    device=devices,
+    ranks=st.integers(1, 3),
+    priority=st.sampled_from([0, 1, 1]),
+    alice=st.tuples(tight, tight, usages),
+    bob=st.tuples(tight, tight, usages),
+    order=st.randoms(use_true_random=False),
+)
+def test_the_reasons_agree_with_the_claims_under_preemption_and_quotas(
+    sharing_db: Database,
+    workers: list[WorkerState],
+    runners: list[str],
+    full: bool,
+    device: str,
+    ranks: int,
+    priority: int,
+    alice: tuple[int | None, int | None, float],
+    bob: tuple[int | None, int | None, float],
+    order: object,
+) -> None:
+    """Preemption (by priority, or by fair share among equals) with random limits and
+    recent usage for both the owners of the running jobs (alice, bob) and the owner of
+    the job under test (alice, priority 0 or 1). A job is preempted only for one that
+    then starts: while the room is made its reason says so (not its quota), and once
+    the victims hand back, the claim of that worker takes it. The victims' reasons say
+    who took their slots and agree with the claims; with none preempted, the job's
+    reason agrees with the claims as before."""
+    db = sharing_db
+    _reset(db)
+    with db.write() as s:  # recent usage, which fair share ranks owners by
+        for name, (_, _, usage) in (("alice", alice), ("bob", bob)):
+            s.add(UserUsage(owner=name, usage=usage, updated_at=now()))
+    _arrange(db, workers, owners=itertools.cycle(runners), full=full)
+    with db.write() as s:
+        for name, (max_running, max_gpus, _) in (("alice", alice), ("bob", bob)):
+            s.add(Quota(owner=name, max_running=max_running, max_gpus=max_gpus))
+            s.flush()
+            queue.refresh_quota_flags(s, name)
+    job_id = _submit(db, device, ranks, priority=priority, owner="alice")
+    with db.read() as s:
+        victims = s.execute(
+            select(Job.id, Job.worker, Job.attempt).where(Job.preempted_by == job_id)
+        ).all()
+        making = s.scalar(select(Job.preempting_on).where(Job.id == job_id))
+    if not victims:
+        _agrees(db, workers, job_id, order, waiting="waiting")
+        return
+    reason = jobs.get_job(db, job_id).reason or ""
+    assert making is not None and reason.startswith(f"waiting for room on worker {making}"), (
+        f"{len(victims)} job(s) asked to hand back for a job whose reason is {reason!r}"
+    )
+    for victim in victims:  # their worker hands them back, as at shutdown
+        jobs.finish_attempt(
+            db, victim.id, victim.worker, FinishRequest(attempt=victim.attempt, outcome="requeue")
+        )
+    assert (jobs.get_job(db, job_id).reason or "") == CLAIMS_FIT
+    claim = _claim(db, making, workers[int(making[1:])])
+    assert claim is not None and claim.job_id == job_id, "the room went to another"
+    ids = [v.id for v in victims]
+    for v in ids:
+        assert f"preempted by job {job_id} (alice, priority {priority})" in (
+            jobs.get_job(db, v).reason or ""
+        )
+    _agree_all(db, workers, ids, order)

@@ -266,14 +266,13 @@ def test_no_job_is_preempted_before_its_minimum_run_or_when_off(
 
 
 @pytest.mark.torchrun
-@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_a_preempted_job_hands_back_and_resumes_from_its_checkpoint_with_every_step_once(
     db_url: str, tmp_path: Path, start_worker: Any
 ) -> None:
     """A real 2-rank job on a 2-slot worker is preempted by a priority-10 job: its ranks
     get SIGTERM, it is requeued (no failure counted), the other job runs, and it resumes
-    from its last checkpoint, each step stored once. (Process-level: SQLite; the
-    protocol is tested on both databases above.)"""
+    from its last checkpoint, each step stored once. The job that preempts it is a
+    2-rank script that imports no torch: what is tested is the preempted one."""
     from tests.test_faults import TRAINER, _checkpointed, _one_series, _submit
 
     server = start_server(
@@ -283,10 +282,12 @@ def test_a_preempted_job_hands_back_and_resumes_from_its_checkpoint_with_every_s
         record = tmp_path / "starts.jsonl"
         w = start_worker(server, cpu_slots=2)
         (w.workspace / "trainer.py").write_text(TRAINER)
+        (w.workspace / "quick.py").write_text("print('in and out')\n")
         low = _submit(server, record, "--epochs", "6", "--steps", "10")
         wait_for(lambda: _checkpointed(server, low, 20), 120, "the second epoch's checkpoint")
-        high = _submit(server, record, "--epochs", "1", "--steps", "5", priority=10)
         user = server.client()
+        quick = {"entrypoint": "quick.py", "world_size": 2, "device": "cpu", "priority": 10}
+        high = user.post("/jobs", json=quick).json()["id"]
         done = terminal(user, high, timeout=180)
         assert done["status"] == "succeeded", user.get(f"/jobs/{high}/logs").text[-3000:]
         final = terminal(user, low, timeout=180)
@@ -300,5 +301,200 @@ def test_a_preempted_job_hands_back_and_resumes_from_its_checkpoint_with_every_s
         starts = [s for s in records(record) if s["attempt"] == 2 and s["start_step"] > 0]
         assert starts and starts[0]["start_step"] >= 20, records(record)
         _one_series(server, low, 60)  # every step exactly once
+    finally:
+        stop_server(server)
+
+
+# A job that holds its slots until the test releases it (its file), then ends.
+HOLD = r"""
+import os, pathlib, sys, time
+out = pathlib.Path(sys.argv[1])
+deadline = time.time() + 180
+while not (out / f"release-{os.environ['DDPQ_JOB_ID']}").exists() and time.time() < deadline:
+    time.sleep(0.05)
+"""
+
+
+def _running(client: Any, job_id: int) -> dict[str, Any]:
+    def running() -> dict[str, Any] | None:
+        job: dict[str, Any] = client.get(f"/jobs/{job_id}").json()
+        return job if job["status"] == "running" else None
+
+    found: dict[str, Any] = wait_for(running, 90, f"job {job_id} to run")
+    return found
+
+
+def _preempts(admin: Any) -> list[dict[str, Any]]:
+    return [e for e in admin.get("/audit").json()["items"] if e["action"] == "preempt"]
+
+
+@pytest.mark.torchrun
+def test_no_job_is_preempted_for_one_its_owners_gpu_limit_holds_back(
+    db_url: str, tmp_path: Path, start_worker: Any
+) -> None:
+    """Alice holds her 2-GPU limit on one worker, Bob runs a 2-GPU job on the other, and
+    Alice submits a 1-GPU job at priority 10. Freeing Bob's GPUs would not start it (her
+    limit holds it back), so Bob's job is not asked back: it runs to its end in one
+    attempt, and Alice's job says which limit holds it until her first job ends."""
+    server = start_server(
+        db_url, tmp_path / "api", DDPQ_PREEMPTION="priority", DDPQ_PREEMPT_MIN_RUN_S="0"
+    )
+    try:
+        admin = server.client()
+        alice = server.client(admin.post("/users", json={"name": "alice"}).json()["token"])
+        bob = server.client(admin.post("/users", json={"name": "bob"}).json()["token"])
+        assert admin.put("/quotas/alice", json={"max_gpus": 2}).status_code == 200
+        out = tmp_path / "out"
+        out.mkdir()
+        for name in ("A", "B"):
+            w = start_worker(server, name=name, gpus="0,1")
+            (w.workspace / "hold.py").write_text(HOLD)
+        hold = {"entrypoint": "hold.py", "args": [str(out)], "device": "cuda", "world_size": 2}
+        a1 = alice.post("/jobs", json=hold).json()["id"]
+        on = _running(admin, a1)["worker"]
+        b1 = bob.post("/jobs", json=hold).json()["id"]
+        assert _running(admin, b1)["worker"] != on
+        a2 = alice.post("/jobs", json={**hold, "world_size": 1, "priority": 10}).json()["id"]
+        # The pass at that submit ran before it answered: it asked no one back.
+        held = admin.get(f"/jobs/{a2}").json()
+        assert held["reason"] == (
+            "waiting: alice holds 2 of their 2 GPUs and this job needs 1 (their quota)"
+        ), held
+        assert _preempts(admin) == []
+        (out / f"release-{a1}").touch()
+        assert terminal(admin, a1)["status"] == "succeeded"
+        assert _running(admin, a2)["worker"] == on, "her first job's GPUs are hers again"
+        for job in (a2, b1):
+            (out / f"release-{job}").touch()
+            assert terminal(admin, job)["status"] == "succeeded"
+        attempts = admin.get(f"/jobs/{b1}/attempts").json()["items"]
+        assert [a["outcome"] for a in attempts] == ["succeeded"], attempts
+        assert _preempts(admin) == []
+    finally:
+        stop_server(server)
+
+
+def _register_bridge(server: Server) -> None:
+    """A Slurm bridge as it registers (tests/test_bridge_protocol.py), with no Slurm."""
+    r = server.client("worker").post(
+        "/workers/register",
+        json={
+            "name": "bridge",
+            "hostname": "login1",
+            "cpu_slots": 0,
+            "gpus": [],
+            "checkpoint_root": "/shared/ckpt",
+            "cluster": {
+                "partition": "cpu", "nodes": 1, "cpus_per_node": 2, "gpus_per_node": 0,
+                "max_pending": 1,
+            },
+        },
+    )  # fmt: skip
+    assert r.status_code == 200, r.text
+
+
+def test_no_job_on_a_slurm_bridge_is_preempted(db_url: str, tmp_path: Path) -> None:
+    """Bob's 2-rank job runs in Slurm through a bridge, his 1-rank job on a 1-slot
+    worker; Alice's 2-rank job at priority 10 fits only the bridge's partition. Slurm
+    preempts its own: ddpq asks the bridge for nothing, and Alice's job waits for it."""
+    server = start_server(
+        db_url, tmp_path / "api", DDPQ_PREEMPTION="priority", DDPQ_PREEMPT_MIN_RUN_S="0"
+    )
+    try:
+        _register_bridge(server)
+        register(server, "one", cpu_slots=1)
+        admin = server.client()
+        bob = server.client(admin.post("/users", json={"name": "bob"}).json()["token"])
+        alice = server.client(admin.post("/users", json={"name": "alice"}).json()["token"])
+        b0 = bob.post("/jobs", json=JOB).json()["id"]
+        assert claim_on(server, "one", cpu=1)["job_id"] == b0
+        b1 = bob.post("/jobs", json={**JOB, "world_size": 2}).json()["id"]
+        c = claim_on(server, "bridge")
+        assert c["job_id"] == b1
+        ref = {"job_id": b1, "attempt": c["attempt"], "external_id": "81", "pending": None}
+        started = server.client("worker").post(
+            "/workers/heartbeat", json={"name": "bridge", "running": [ref]}
+        )
+        assert started.status_code == 200 and started.json()["preempt"] == [], started.text
+        a1 = alice.post("/jobs", json={**JOB, "world_size": 2, "priority": 10}).json()["id"]
+        beat = server.client("worker").post(
+            "/workers/heartbeat", json={"name": "bridge", "running": [ref]}
+        )
+        assert beat.status_code == 200 and beat.json()["preempt"] == [], beat.text
+        assert admin.get(f"/jobs/{b1}").json()["status"] == "running"
+        reason = admin.get(f"/jobs/{a1}").json()["reason"]
+        assert reason.startswith("waiting for the Slurm bridge bridge"), reason
+        assert _preempts(admin) == []
+    finally:
+        stop_server(server)
+
+
+def test_no_job_is_preempted_for_one_larger_than_every_worker(db_url: str, tmp_path: Path) -> None:
+    """Two 2-slot workers run Bob's jobs; Alice's 3-rank job at priority 10 would need
+    more than either has (together they have 4: a job runs on one). Freeing slots would
+    not start it: no one is asked back, and it says it is unschedulable."""
+    server = start_server(
+        db_url, tmp_path / "api", DDPQ_PREEMPTION="priority", DDPQ_PREEMPT_MIN_RUN_S="0"
+    )
+    try:
+        admin = server.client()
+        bob = server.client(admin.post("/users", json={"name": "bob"}).json()["token"])
+        alice = server.client(admin.post("/users", json={"name": "alice"}).json()["token"])
+        ran = {}
+        for name in ("x", "y"):
+            register(server, name, cpu_slots=2)
+            bob.post("/jobs", json={**JOB, "world_size": 2})
+            ran[name] = claim_on(server, name, cpu=2)
+        big = alice.post("/jobs", json={**JOB, "world_size": 3, "priority": 10}).json()
+        assert big["reason"].startswith("unschedulable: needs 3 CPU slots"), big
+        for name, c in ran.items():
+            assert heartbeat(server, name, [c])["preempt"] == []
+        assert _preempts(admin) == []
+    finally:
+        stop_server(server)
+
+
+def test_fair_share_preemption_takes_the_slot_of_the_owner_who_used_more(
+    db_url: str, tmp_path: Path
+) -> None:
+    """`fair-share` mode, all at one priority, one 2-slot worker running a job of Bob's
+    and one of Alice's; Bob has used the hosts more lately (a job of his ended before).
+    Bob's next job outranks no one (Alice used less) and waits; Alice's next one
+    outranks Bob's running job, not her own: his is asked back, and hers starts in it."""
+    server = start_server(
+        db_url,
+        tmp_path / "api",
+        DDPQ_PREEMPTION="fair-share",
+        DDPQ_PREEMPT_MIN_RUN_S="0",
+        DDPQ_FAIRSHARE_HALF_LIFE_S="86400",  # no decay within the test
+    )
+    try:
+        register(server, "two", cpu_slots=2)
+        admin = server.client()
+        bob = server.client(admin.post("/users", json={"name": "bob"}).json()["token"])
+        alice = server.client(admin.post("/users", json={"name": "alice"}).json()["token"])
+        bob.post("/jobs", json=JOB)
+        finish_on(server, "two", claim_on(server, "two", cpu=2))  # Bob's use, counted
+        ran = []
+        for user in (bob, alice):  # one at a time: Alice's would go first
+            job = user.post("/jobs", json=JOB).json()["id"]
+            ran.append(claim_on(server, "two", cpu=2 - len(ran)))
+            assert ran[-1]["job_id"] == job
+        b1 = ran[0]["job_id"]
+
+        b2 = bob.post("/jobs", json=JOB).json()["id"]
+        assert heartbeat(server, "two", ran)["preempt"] == [], "Alice used less than Bob"
+        assert "preempt" not in admin.get(f"/jobs/{b2}").json()["reason"]
+        a2 = alice.post("/jobs", json=JOB).json()["id"]
+        asked = heartbeat(server, "two", ran)["preempt"]
+        assert [p["job_id"] for p in asked] == [b1], asked
+        assert asked[0]["reason"] == f"preempted by job {a2} (alice, priority 0)"
+        r = server.client("worker").post(
+            f"/workers/jobs/{b1}/finish",
+            json={"worker": "two", "attempt": ran[0]["attempt"], "outcome": "requeue"},
+        )
+        assert r.status_code == 200, r.text
+        assert claim_on(server, "two", cpu=1)["job_id"] == a2, "the room went to Alice's job"
+        assert [e["target"] for e in _preempts(admin)] == [f"job {b1}"]
     finally:
         stop_server(server)

@@ -62,12 +62,22 @@ class Claim(ClaimedJob):
         return self.model_copy(update={"token": token})
 
 
-_MAKING_ROOM = (
-    select(j.id, j.priority, j.share)
-    .where(j.status == JobStatus.QUEUED, j.preempting_on == bindparam("worker"))
-    .order_by(*ORDER)
-    .limit(1)
-)
+@functools.cache
+def _making_room(worker_has_gpus: bool) -> Any:
+    """The job room is being made for on this worker (preemption), while its owner's
+    limits let it start here: one they came to hold back since (another of their jobs
+    started) would hold the freed room for nothing until its mark went stale."""
+    return (
+        select(j.id, j.priority, j.share)
+        .where(
+            j.status == JobStatus.QUEUED,
+            j.preempting_on == bindparam("worker"),
+            quota_free(worker_has_gpus),
+        )
+        .order_by(*ORDER)
+        .limit(1)
+    )
+
 
 _SET_GPUS = (
     update(jobs).where(j.id == bindparam("job_id")).values(gpus=bindparam("gpus", type_=JSON))
@@ -421,7 +431,7 @@ def _claim(
         head = _head(conn, db, mine, now)
         if db.policy.preemption != "off":
             # Room is being made here for a job: nothing behind it starts here meanwhile.
-            making = conn.execute(_MAKING_ROOM, {"worker": worker}).first()
+            making = conn.execute(_making_room(has_gpus), {"worker": worker}).first()
             if making is not None and (
                 head is None
                 or order_key(making.priority, making.share, making.id)

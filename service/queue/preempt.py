@@ -9,14 +9,16 @@ now, it looks for a live worker where it would fit once some outranked jobs ther
 back: only as many as it needs (the lowest ranked first: lowest priority, then the
 most used owner, then the newest), none that has run less than ``DDPQ_PREEMPT_MIN_RUN_S``
 on this attempt, none of several nodes, none on a Slurm bridge (Slurm preempts its own),
-and only where freeing them is enough (never to start a job that would not fit anyway).
+and only where freeing them is enough and its owner's limits let it start (never to
+start a job that would not start anyway: rules.quota_lets, the claim's own rule).
 They are marked (``jobs.preempted_by``); their worker learns it from its next heartbeat
 and hands them back as it does at shutdown (SIGTERM, the grace period, requeued without
 counting a failure), and they resume from their last checkpoint. Their reason says
 ``preempted by job 57 (bob, priority 10)``. The job they make room for is marked too
 (``preempting_on``): until it starts there, no job behind it starts on that worker (the
-claim takes it as its head, as it does a starving job), so the room goes to it. One
-preemption at a time per worker; a mark that outlives a few leases is dropped.
+claim takes it as its head, as it does a starving job, while its owner's limits let it
+start), so the room goes to it. One preemption at a time per worker; a mark that
+outlives a few leases is dropped.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, false, select, update
+from sqlalchemy import and_, or_, select, update
 from sqlalchemy.orm import Session
 
 from service.db import Database
@@ -96,23 +98,32 @@ def preempt(s: Session, now: datetime) -> list[int]:
             )
         )
     )
+    # Only jobs their owner's limits let start on some live worker: one they hold back
+    # everywhere would take no slot freed for it (the claim's own rule, rules.quota_free).
+    kinds = {bool(c.gpus) for c in caps}
     waiting = s.execute(
-        select(Job.id, Job.priority, Job.share, Job.owner, Job.device, Job.nproc_per_node)
+        select(
+            Job.id, Job.priority, Job.share, Job.owner, Job.device, Job.nproc_per_node,
+            Job.quota_running, Job.quota_gpus,
+        )
         .where(
             QUEUED_SINGLE,
             ready(),
-            Job.quota_running == false(),
+            or_(*(rules.quota_free(k) for k in kinds)),
             Job.preempting_on.is_(None),
         )
         .order_by(*rules.ORDER)
         .limit(CANDIDATES),
         {"now": now},
-    ).all()
+    ).all()  # fmt: skip
     marked: list[int] = []
     for job in waiting:
-        if any(_fits_free(c, job) for c in caps):
+        # The workers a claim would start it on, as far as its owner's limits go: a job
+        # at its owner's GPU limit may still start on a CPU-only worker, and only there.
+        open_to = [c for c in caps if _may_start(c, job)]
+        if any(_fits_free(c, job) for c in open_to):
             continue  # a claim takes it without anyone's slots
-        for cap in caps:
+        for cap in open_to:
             if cap.name in busy:
                 continue
             victims = _victims(s, cap, job, now)
@@ -121,6 +132,11 @@ def preempt(s: Session, now: datetime) -> list[int]:
                 busy.add(cap.name)
                 break
     return marked
+
+
+def _may_start(cap: Capacity, job: Any) -> bool:
+    """Whether its owner's limits let ``job`` start on ``cap`` (the claim's rule)."""
+    return bool(rules.quota_lets(bool(cap.gpus), job.device, job.quota_running, job.quota_gpus))
 
 
 def _fits_free(cap: Capacity, job: Any) -> bool:

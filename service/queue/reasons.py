@@ -205,20 +205,29 @@ def _live_bridge(view: _View, job: Job) -> tuple[Capacity, Partition] | None:
     return None
 
 
+def _could_run(cap: Capacity, job: Job) -> bool:
+    """Whether ``cap`` could run ``job`` were it empty."""
+    unit = rules.unit(job.device, bool(cap.gpus))
+    return unit is not None and _total(cap, unit) >= job.nproc_per_node
+
+
 def _reason(job: Job, ahead: int, view: _View) -> str:
     """A single-node job's reason: what it waits for, by the claim's own rules."""
     first = _unschedulable_on(view.caps, job) or _backoff(job, view.now) or _no_worker(view)
     if first:
         return first
     # Held back by its owner's limits: on no worker, or (GPUs) on those it would take
-    # GPUs of; a CPU-only worker may still run an auto job (rules.quota_free).
+    # GPUs of; a CPU-only worker may still run an auto job (the claim's rule,
+    # rules.quota_lets, which the preemption pass decides by too).
     live = view.live
     quota = _quota_words(job, view)
     if quota is not None:
-        if job.quota_running:
-            return quota
-        live = [c for c in live if rules.unit(job.device, bool(c.gpus)) == "cpu"]
-        if not any(_total(c, "cpu") >= job.nproc_per_node for c in live):
+        live = [
+            c
+            for c in live
+            if rules.quota_lets(bool(c.gpus), job.device, job.quota_running, job.quota_gpus)
+        ]
+        if not any(_could_run(c, job) for c in live):
             return quota
     bridge = _live_bridge(view, job)
     if bridge is not None:

@@ -48,16 +48,6 @@ checkpoints = cast(Table, Checkpoint.__table__)
 ORDER = (j.priority.desc(), j.share, j.id)
 
 
-def quota_free(worker_has_gpus: bool) -> Any:
-    """SQL: queued jobs their owner's limits let start on such a worker
-    (service.queue.quotas sets the flags): not at their running limit, and, where the
-    job would take GPUs, not past their GPUs."""
-    free = j.quota_running == false()
-    if worker_has_gpus:
-        return and_(free, or_(j.device == "cpu", j.quota_gpus == false()))
-    return free
-
-
 def order_key(priority: int, share: float, job_id: int) -> tuple[int, float, int]:
     """A queued job's place in ORDER, in Python: smaller is sooner."""
     return (-priority, share, job_id)
@@ -80,10 +70,34 @@ class Logic:
 
     all_: Callable[..., Any]
     any_: Callable[..., Any]
+    false: Any  # what a false flag equals
 
 
-PY = Logic(lambda *terms: all(terms), lambda *terms: any(terms))
-SQL = Logic(and_, or_)
+PY = Logic(lambda *terms: all(terms), lambda *terms: any(terms), False)
+SQL = Logic(and_, or_, false())
+
+
+# ---- quotas: may a job start, as far as its owner's limits go ---------------------------
+
+
+def quota_lets(
+    worker_has_gpus: bool, device: Any, at_running: Any, over_gpus: Any, logic: Logic = PY
+) -> Any:
+    """Whether its owner's limits let a queued job start on such a worker (the flags
+    ``at_running``, ``over_gpus``: service.queue.quotas sets them): its owner is not at
+    their running limit, and, where the job would take GPUs (any job but a CPU one, on a
+    worker with GPUs: ``unit``), it does not take them past their GPUs. The claim runs it
+    (``quota_free``); the preemption pass and the reasons decide a row by it, so none of
+    them lets a job start that another holds back."""
+    free = at_running == logic.false
+    if worker_has_gpus:
+        return logic.all_(free, logic.any_(device == "cpu", over_gpus == logic.false))
+    return free
+
+
+def quota_free(worker_has_gpus: bool) -> Any:
+    """SQL: queued jobs their owner's limits let start on such a worker (``quota_lets``)."""
+    return quota_lets(worker_has_gpus, j.device, j.quota_running, j.quota_gpus, SQL)
 
 
 # ---- devices: what a job counts on a worker ------------------------------------------

@@ -74,7 +74,7 @@ from service.schemas import OutputsLimits
 BATCH_ROWS = 20_000
 # Log bytes one transaction deletes at most (at least one job's: a log is capped).
 BATCH_LOG_BYTES = 16 * 1024 * 1024
-# Jobs one transaction marks at most.
+# Jobs one transaction marks at most (or one batch of the purge deletes).
 BATCH_JOBS = 500
 
 
@@ -115,6 +115,8 @@ def sweep(db: Database, budget_s: float = 1.0, outputs: OutputsLimits | None = N
     if policy.job_retention_s is not None and outputs is not None:
         cutoff = now - timedelta(seconds=policy.job_retention_s)
         out.done &= _purge(db, cutoff, outputs, deadline, out)
+        if not out.done:
+            return out  # the rest waits: it would go over jobs the next round purges
     if policy.log_retention_s is not None:
         out.done &= _drop_logs(db, now - timedelta(seconds=policy.log_retention_s), deadline, out)
     if policy.metrics_downsample_after_s is not None:

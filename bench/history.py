@@ -23,10 +23,13 @@ Goal: each within 2x of its cost on the empty database (p50).
 With --retention, the retention sweep (service/retention.py) then runs on the full
 database until it is done, and the database's rows and bytes per 1,000 finished jobs
 are shown before and after it (VACUUM FULL first with --vacuum-full: Postgres keeps the
-space of deleted rows for reuse, it does not give it back).
+space of deleted rows for reuse, it does not give it back). --job-retention DURATION
+turns the job purge on for that sweep (DDPQ_JOB_RETENTION, e.g. 180d: the jobs that
+ended longer ago go, each user's newest kept); the figures stay per 1,000 jobs that
+finished, purged ones included.
 
     PYTHONPATH=$PWD .venv/bin/python bench/history.py [--jobs 1000000] [--points 100000000]
-        [--rounds 200] [--keep NAME] [--retention] [--vacuum-full]
+        [--rounds 200] [--keep NAME] [--retention [--job-retention 180d]] [--vacuum-full]
 
 --keep NAME builds into databases NAME_full and NAME_empty and leaves them (a later run
 with the same NAME reuses them: building the full scale takes tens of minutes and
@@ -393,9 +396,10 @@ def measure(full: str, empty: str, rounds: int, kinds: list[str]) -> None:
             )
 
 
-def retention(name: str, jobs: int, vacuum_full: bool) -> None:
+def retention(name: str, jobs: int, vacuum_full: bool, job_retention: str | None) -> None:
     """Run the retention sweep on ``name`` until it has nothing left, with the default
-    settings; rows and bytes per 1,000 jobs before and after."""
+    settings (and the job purge after ``job_retention``); rows and bytes per 1,000 jobs
+    before and after."""
     from service.config import Settings
     from service.db import Database
     from service.retention import sweep
@@ -404,20 +408,21 @@ def retention(name: str, jobs: int, vacuum_full: bool) -> None:
         with connect(name) as conn:  # type: ignore[attr-defined]
             conn.execute("VACUUM FULL")
     show_growth("without retention", growth(name), jobs)
-    settings = Settings(database_url=pg_url(name))
+    settings = Settings(database_url=pg_url(name), job_retention=job_retention)
     db = Database(settings.resolved_database_url, settings.policy())
     t0 = time.monotonic()
-    done = {"points": 0, "logs": 0}
+    done = {"points": 0, "logs": 0, "purged": 0}
     while True:
-        got = sweep(db, budget_s=5.0)
+        got = sweep(db, budget_s=5.0, outputs=settings.outputs_limits())
         done["points"] += got.points
         done["logs"] += got.logs
+        done["purged"] += got.purged
         if got.done:
             break
     db.engine.dispose()
     print(
-        f"retention: {done['points']:,} points and the logs of {done['logs']:,} jobs "
-        f"dropped in {time.monotonic() - t0:.0f} s"
+        f"retention: {done['purged']:,} jobs purged, {done['points']:,} points and the logs "
+        f"of {done['logs']:,} jobs dropped in {time.monotonic() - t0:.0f} s"
     )
     with connect(name) as conn:  # type: ignore[attr-defined]
         conn.execute("VACUUM FULL" if vacuum_full else "VACUUM")
@@ -457,6 +462,9 @@ def main() -> None:
     ap.add_argument("--build-only", action="store_true")
     ap.add_argument("--retention", action="store_true", help="then run retention, show growth")
     ap.add_argument("--vacuum-full", action="store_true")
+    ap.add_argument(
+        "--job-retention", metavar="DURATION", help="with --retention: purge jobs (e.g. 180d)"
+    )
     args = ap.parse_args()
     if args.drop:
         for suffix in ("_full", "_empty"):
@@ -468,7 +476,7 @@ def main() -> None:
         if args.retention:
             with connect(full) as conn:  # type: ignore[attr-defined]
                 jobs = conn.execute("SELECT count(*) FROM jobs").fetchone()[0]
-            retention(full, jobs, args.vacuum_full)
+            retention(full, jobs, args.vacuum_full, args.job_retention)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import ColumnElement, exists, select, update
 from sqlalchemy.orm import Session
 
 from ddpq.messages import PruneOrder
@@ -223,7 +223,7 @@ def _record(
             )
         )
     )
-    after = f"{_words(retention)} after its end" if retention else "at its end"
+    after = f"{duration_words(retention)} after its end" if retention else "at its end"
     for d in dropped:
         if d.job_id not in ended:
             continue  # never for a live job, whatever a report says
@@ -242,11 +242,26 @@ def _record(
         )
 
 
-def _words(seconds: float) -> str:
+def duration_words(seconds: float) -> str:
+    """A duration setting as an operator would write it: ``7d``, ``12h``, ``90s``."""
     for unit, size in (("w", 7 * 86400), ("d", 86400), ("h", 3600), ("m", 60)):
         if seconds >= size and seconds % size == 0:
             return f"{seconds // size:g}{unit}"
     return f"{seconds:g}s"
+
+
+def settled() -> ColumnElement[bool]:
+    """For the job purge (service.retention): no checkpoint of the job of the enclosing
+    statement is still on a worker's disk waiting to be deleted (kept or pruning, with a
+    worker to ask). Pruned and refused rows are final (a refusal is not asked again),
+    and rows with no worker (jobs that ended before migration 0015) are never deleted
+    by ddpq: none of them holds a purge back. With DDPQ_CHECKPOINT_RETENTION=never, a
+    job whose checkpoints are kept is never purged."""
+    return ~exists().where(
+        Checkpoint.job_id == Job.id,
+        Checkpoint.state.in_(LIVE),
+        Checkpoint.worker.is_not(None),
+    )
 
 
 # ---- reading ------------------------------------------------------------------------------

@@ -277,6 +277,14 @@ class Settings(BaseSettings):
         description="How long after a job ended its log is kept (a duration: `180d`; `never`); "
         "then it is deleted and reading it answers a line that says so.",
     )
+    job_retention: Duration = Field(
+        default=None,
+        description="How long after a job ended the job itself is kept (a duration: `365d`; "
+        "`never`, the default): then it is deleted with everything of it (attempts, metrics, "
+        "log, checkpoint rows, GPU samples), once its checkpoints are deleted and its "
+        "directory is no longer kept (`DDPQ_WORKDIR_RETENTION`; each user's newest ended "
+        "jobs are never purged). The audit trail keeps its rows.",
+    )
 
     def code_limits(self) -> Limits:
         return Limits(self.code_max_files, self.code_max_bytes, self.code_max_file_bytes)
@@ -323,6 +331,7 @@ class Settings(BaseSettings):
             metrics_downsample_after_s=self.metrics_downsample_after,
             metrics_downsample_points=self.metrics_downsample_points,
             log_retention_s=self.log_retention,
+            job_retention_s=self.job_retention,
         )
 
     @cached_property

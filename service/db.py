@@ -214,6 +214,9 @@ class Policy:
     metrics_downsample_after_s: float | None = 30 * 24 * 3600.0
     metrics_downsample_points: int = 2000
     log_retention_s: float | None = 180 * 24 * 3600.0
+    # The job purge (service.retention): an ended job deleted this long after its end
+    # (None: never, the default: a purge deletes history, an operator turns it on).
+    job_retention_s: float | None = None
 
 
 class Database:

@@ -181,7 +181,15 @@ def get_job(db: Database, job_id: int) -> JobPublic:
     with db.read() as s:
         row = s.connection().execute(_JOB_ROW, {"job_id": job_id}).first()
         if row is None:
-            raise NotFound(f"no job {job_id}")
+            # No tombstone is kept of a purged job (a row per job would grow as the jobs
+            # did): with the purge on, a missing job is told how it may have gone.
+            purge = db.policy.job_retention_s
+            if purge is None:
+                raise NotFound(f"no job {job_id}")
+            raise NotFound(
+                f"no job {job_id}: it may have been purged (jobs that ended more than "
+                f"DDPQ_JOB_RETENTION={checkpoints.duration_words(purge)} ago are deleted)"
+            )
         return _publics(s, [cast(Job, row)])[0]
 
 

@@ -172,6 +172,8 @@ class Job(Base):
         # Queued multi-node jobs: the claim looks for them apart from the single-node
         # ones, and must not scan the whole queue to find that there are none.
         Index("ix_jobs_status_nnodes", "status", "nnodes"),
+        # The job purge (service.retention): ended jobs, oldest first, a range of it.
+        Index("ix_jobs_finished_at", "finished_at"),
     )
 
 

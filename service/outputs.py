@@ -10,9 +10,11 @@ the old directory on whichever worker claims it.
 
 One rule, owned here, says how long a directory is kept, both the worker's copy
 (``due``, which the heartbeat answers) and the API's (``kept``, which code collection
-keeps): while its job is active, for ``DDPQ_WORKDIR_RETENTION`` after it ended, and
-with no end while it is one of its owner's newest ``DDPQ_WORKDIR_KEEP_NEWEST`` ended
-jobs (docs/outputs.md says why, after SkyPilot and Ray).
+keeps), and what the job purge waits for (``expired``): while its job is active, for
+``DDPQ_WORKDIR_RETENTION`` after it ended, and with no end while it is one of its
+owner's newest ``DDPQ_WORKDIR_KEEP_NEWEST`` ended jobs (docs/outputs.md says why, after
+SkyPilot and Ray). ``_newest`` and ``_newest_sql`` are that last clause, for Python and
+for SQL.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from collections.abc import Iterable
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, and_, exists, func, or_, select, update
+from sqlalchemy import ColumnElement, Select, and_, exists, false, or_, select, update
 from sqlalchemy.orm import Session, aliased
 
 from service import queue
@@ -190,16 +192,6 @@ def kept(limits: OutputsLimits) -> ColumnElement[bool]:
     """For code collection (service.code.collect): the snapshot is the directory of a
     job whose directory is still kept, or its code (what it wrote is told from that)."""
     cutoff = utcnow() - timedelta(seconds=limits.retention_s)
-    j = aliased(Job)
-    ranked = (
-        select(
-            j.id.label("id"),
-            func.row_number().over(partition_by=j.owner, order_by=j.id.desc()).label("rank"),
-        )
-        .where(j.status.in_(sorted(TERMINAL)))
-        .subquery()
-    )
-    newest = select(ranked.c.id).where(ranked.c.rank <= limits.keep_newest)
     return exists().where(
         or_(
             Job.outputs == CodeSnapshot.id,
@@ -208,6 +200,40 @@ def kept(limits: OutputsLimits) -> ColumnElement[bool]:
         or_(
             Job.status.not_in(sorted(TERMINAL)),
             Job.finished_at >= cutoff,
-            Job.id.in_(newest),
+            _newest_sql(limits.keep_newest),
         ),
+    )
+
+
+def expired(limits: OutputsLimits) -> ColumnElement[bool]:
+    """For the job purge (service.retention): the job of the enclosing statement has
+    ended and its directory is no longer kept, on its worker or in the API."""
+    cutoff = utcnow() - timedelta(seconds=limits.retention_s)
+    return and_(
+        Job.status.in_(sorted(TERMINAL)),
+        Job.finished_at < cutoff,
+        ~_newest_sql(limits.keep_newest),
+    )
+
+
+def _newest_sql(n: int) -> ColumnElement[bool]:
+    """``_newest`` in SQL: the job of the enclosing statement is one of its owner's
+    newest ``n`` ended jobs. A probe of (owner, id) per job, not a ranking of every
+    ended job. The owner-less jobs (from before users) are one owner, as in ``_newest``,
+    kept apart so that the probe stays an equality the index answers."""
+    if n <= 0:
+        return false()
+    other = aliased(Job)
+
+    def newest(same: ColumnElement[bool]) -> Select[int]:
+        return (
+            select(other.id)
+            .where(same, other.status.in_(sorted(TERMINAL)))
+            .order_by(other.id.desc())
+            .limit(n)
+        )
+
+    return or_(
+        and_(Job.owner.is_not(None), Job.id.in_(newest(other.owner == Job.owner))),
+        and_(Job.owner.is_(None), Job.id.in_(newest(other.owner.is_(None)))),
     )

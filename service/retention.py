@@ -1,7 +1,7 @@
 """History retention: what of an ended job's history stays as it ages.
 
 A year of finished jobs must not cost the database what they cost while they ran
-(bench/history.py measures it). Two rules, run by the API's sweeper in bounded
+(bench/history.py measures it). Three rules, run by the API's sweeper in bounded
 transactions (none deletes more than BATCH_ROWS rows, so no lock is held long):
 
 - metrics (DDPQ_METRICS_DOWNSAMPLE_AFTER after the job ended): each series longer than
@@ -15,28 +15,66 @@ transactions (none deletes more than BATCH_ROWS rows, so no lock is held long):
 - logs (DDPQ_LOG_RETENTION after the job ended): the job's log chunks are deleted and the
   job marked in the same transaction; reading its log then answers a line saying so.
 
-GPU samples need no rule here: a job keeps O(log(its age)) of them per GPU (service.gpus).
+- jobs (DDPQ_JOB_RETENTION after the job ended; never by default): the job is deleted
+  with every row that hangs off it (metric points, GPU samples, log chunks, checkpoint
+  rows, node slots, attempts), the large ones first in transactions of at most
+  BATCH_ROWS rows, then the job's row. Never a job whose checkpoints are still on a
+  worker's disk (service.checkpoints.settled) or whose directory is still kept
+  (service.outputs.expired: DDPQ_WORKDIR_RETENTION, and each user's newest ended jobs,
+  DDPQ_WORKDIR_KEEP_NEWEST, kept with no end). A round cut short leaves a due job with
+  part of its rows; the next round picks the same jobs first and goes on. The audit
+  trail keeps its rows naming the job: it says who did what, and must not lose that
+  because the subject went. The code and directory snapshots the job named are collected
+  by code collection (service.code.collect) like any other no job needs.
+
+GPU samples need no rule of their own: a job keeps O(log(its age)) of them per GPU
+(service.gpus).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, cast
 
-from sqlalchemy import ColumnElement, CursorResult, delete, select, text, true, update
+from sqlalchemy import (
+    ColumnElement,
+    CursorResult,
+    Row,
+    case,
+    delete,
+    select,
+    text,
+    true,
+    tuple_,
+    update,
+)
 from sqlalchemy.orm import InstrumentedAttribute
 
+from service.checkpoints import settled
 from service.db import Database
 from service.metrics import pick_steps, series_names
-from service.models import TERMINAL, Job, LogChunk, MetricPoint, utcnow
+from service.models import (
+    TERMINAL,
+    Attempt,
+    Checkpoint,
+    GpuSample,
+    Job,
+    JobNode,
+    LogChunk,
+    MetricPoint,
+    utcnow,
+)
+from service.outputs import expired
+from service.schemas import OutputsLimits
 
 # Rows one transaction deletes at most.
 BATCH_ROWS = 20_000
 # Log bytes one transaction deletes at most (at least one job's: a log is capped).
 BATCH_LOG_BYTES = 16 * 1024 * 1024
-# Jobs one transaction marks at most.
+# Jobs one transaction marks at most (or one batch of the purge deletes).
 BATCH_JOBS = 500
 
 
@@ -52,6 +90,7 @@ class Swept:
     jobs: int = 0  # jobs whose series were gone over
     logs: int = 0  # jobs whose log was deleted
     done: bool = True  # nothing left that is due (False: the budget ran out first)
+    purged: int = 0  # jobs deleted (the job purge)
 
 
 def _due(column: InstrumentedAttribute[datetime | None], cutoff: datetime) -> ColumnElement[bool]:
@@ -65,18 +104,38 @@ def _due(column: InstrumentedAttribute[datetime | None], cutoff: datetime) -> Co
     )
 
 
-def sweep(db: Database, budget_s: float = 1.0) -> Swept:
-    """One round of retention, for about ``budget_s`` of work."""
+def sweep(db: Database, budget_s: float = 1.0, outputs: OutputsLimits | None = None) -> Swept:
+    """One round of retention, for about ``budget_s`` of work. The job purge runs only
+    given ``outputs`` (Settings.outputs_limits): it never purges a directory still kept."""
     policy = db.policy
     deadline = time.monotonic() + budget_s
     out = Swept()
     now = utcnow()
+    # The purge first: whatever it deletes, the rules below need not go over.
+    if policy.job_retention_s is not None and outputs is not None:
+        cutoff = now - timedelta(seconds=policy.job_retention_s)
+        out.done &= _purge(db, cutoff, outputs, deadline, out)
+        if not out.done:
+            return out  # the rest waits: it would go over jobs the next round purges
     if policy.log_retention_s is not None:
         out.done &= _drop_logs(db, now - timedelta(seconds=policy.log_retention_s), deadline, out)
     if policy.metrics_downsample_after_s is not None:
         cutoff = now - timedelta(seconds=policy.metrics_downsample_after_s)
         out.done &= _thin_metrics(db, cutoff, policy.metrics_downsample_points, deadline, out)
     return out
+
+
+def _within_log_bytes(rows: Sequence[Row[int, int]]) -> list[int]:
+    """The first of the (job id, log bytes) rows whose logs together one transaction
+    deletes: at most BATCH_LOG_BYTES, and at least one job's."""
+    ids: list[int] = []
+    nbytes = 0
+    for job_id, size in rows:
+        if ids and nbytes + size > BATCH_LOG_BYTES:
+            break
+        ids.append(job_id)
+        nbytes += size
+    return ids
 
 
 def _drop_logs(db: Database, cutoff: datetime, deadline: float, out: Swept) -> bool:
@@ -92,13 +151,7 @@ def _drop_logs(db: Database, cutoff: datetime, deadline: float, out: Swept) -> b
             ).all()
             if not rows:
                 return True
-            ids: list[int] = []
-            nbytes = 0
-            for job_id, size in rows:
-                if ids and nbytes + size > BATCH_LOG_BYTES:
-                    break
-                ids.append(job_id)
-                nbytes += size
+            ids = _within_log_bytes(rows)
             s.execute(delete(LogChunk).where(LogChunk.job_id.in_(ids)))
             s.execute(update(Job).where(Job.id.in_(ids)).values(log_dropped_at=utcnow()))
             out.logs += len(ids)
@@ -189,3 +242,73 @@ def _thin_job(db: Database, job_id: int, max_points: int, deadline: float, out: 
             if time.monotonic() >= deadline:
                 return False
     return True
+
+
+# ---- the job purge ------------------------------------------------------------------------
+
+# What hangs off a job, deleted before its row in transactions of at most BATCH_ROWS
+# rows each (the foreign keys' ON DELETE CASCADE would do it in one, unbounded). Log
+# chunks go apart, by bytes (_within_log_bytes), as the log rule deletes them.
+_CHILDREN: tuple[type[Any], ...] = (MetricPoint, GpuSample, Checkpoint, JobNode, Attempt)
+
+
+def _purgeable(cutoff: datetime, outputs: OutputsLimits) -> ColumnElement[bool]:
+    return (
+        Job.finished_at.is_not(None)
+        & (Job.finished_at < cutoff)
+        & Job.status.in_(TERMINAL)
+        & expired(outputs)
+        & settled()
+    )
+
+
+def _purge(
+    db: Database, cutoff: datetime, outputs: OutputsLimits, deadline: float, out: Swept
+) -> bool:
+    # Every condition of a due job stays true once true (an ended job's row no longer
+    # changes; its checkpoints only go; a job outside its owner's newest stays outside,
+    # and the purge deletes none of the newest), so deciding in one transaction and
+    # deleting in the next ones is safe; the jobs' delete checks again all the same.
+    while True:
+        with db.read() as s:
+            rows = s.execute(
+                select(Job.id, case((Job.log_dropped_at.is_(None), Job.log_size), else_=0))
+                .where(_purgeable(cutoff, outputs))
+                .order_by(Job.finished_at, Job.id)
+                .limit(BATCH_JOBS)
+            ).all()
+        if not rows:
+            return True
+        ids = _within_log_bytes(rows)
+        with db.write() as s:
+            s.execute(delete(LogChunk).where(LogChunk.job_id.in_(ids)))
+        for model in _CHILDREN:
+            if not _delete_children(db, model, ids, deadline):
+                return False
+        with db.write() as s:
+            gone = s.execute(
+                delete(Job).where(Job.id.in_(ids), _purgeable(cutoff, outputs)),
+                execution_options={"synchronize_session": False},
+            )
+            out.purged += _count(gone)
+        if time.monotonic() >= deadline:
+            return False
+
+
+def _delete_children(db: Database, model: type[Any], ids: list[int], deadline: float) -> bool:
+    """Delete the rows of ``model`` of the jobs ``ids``, BATCH_ROWS a transaction; False
+    if the budget ran out first."""
+    key = list(model.__table__.primary_key.columns)
+    while True:
+        with db.write() as s:
+            some = select(*key).where(model.job_id.in_(ids)).limit(BATCH_ROWS)
+            which = key[0].in_(some) if len(key) == 1 else tuple_(*key).in_(some)
+            removed = _count(s.execute(delete(model).where(which)))
+        if removed < BATCH_ROWS:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+
+
+def _count(result: Any) -> int:
+    return max(0, cast(CursorResult[Any], result).rowcount or 0)

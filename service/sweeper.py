@@ -19,6 +19,7 @@ from service import code as code_store
 from service import outputs, queue, retention
 from service.config import Settings
 from service.db import Database, Policy, libpq_conninfo
+from service.schemas import OutputsLimits
 from service.wakeup import Wakeup
 
 log = logging.getLogger("ddpq.service")
@@ -32,9 +33,8 @@ RETENTION_IDLE_S = 60.0
 
 
 def _retention_every(policy: Policy) -> float:
-    periods = [
-        p for p in (policy.metrics_downsample_after_s, policy.log_retention_s) if p is not None
-    ]
+    every = (policy.metrics_downsample_after_s, policy.log_retention_s, policy.job_retention_s)
+    periods = [p for p in every if p is not None]
     return min([RETENTION_IDLE_S, *(max(p / 4, 1.0) for p in periods)])
 
 
@@ -114,23 +114,24 @@ async def run(app: FastAPI) -> None:
             if await run_in_threadpool(turn.mine):
                 now = asyncio.get_running_loop().time()
                 if now >= retention_at:
-                    retention_at = now + await _retention_round(db)
+                    retention_at = now + await _retention_round(db, settings.outputs_limits())
                 code_swept = await _sweep_once(app, code_swept, code_every)
     finally:
         await run_in_threadpool(turn.close)
 
 
-async def _retention_round(db: Database) -> float:
+async def _retention_round(db: Database, outputs: OutputsLimits) -> float:
     """One round of history retention (service.retention); returns how long until the next."""
     try:
-        swept = await run_in_threadpool(retention.sweep, db, RETENTION_BUDGET_S)
-        if swept.points or swept.logs:
+        swept = await run_in_threadpool(retention.sweep, db, RETENTION_BUDGET_S, outputs)
+        if swept.points or swept.logs or swept.purged:
             log.info(
                 "retention: %d metric point(s) of %d job(s) downsampled away, "
-                "the logs of %d job(s) deleted",
+                "the logs of %d job(s) deleted, %d job(s) purged",
                 swept.points,
                 swept.jobs,
                 swept.logs,
+                swept.purged,
             )
         # A backlog (an upgrade, a retention shortened) goes on each round.
         return 0.0 if not swept.done else _retention_every(db.policy)

@@ -23,19 +23,20 @@ of the database must show:
 - counted failures never exceed max_attempts, nor the attempts that failed or were lost;
 - a stale attempt's token is refused, and a heartbeat tells a worker to stop what is no
   longer its own;
-- a queued job's reason agrees with what the claims then do (the check, and its helper,
-  of tests/test_reasons_property.py): "waiting for a worker to claim it" exactly when one
-  of the workers' claims takes it. (A step of its own: it claims.)
+- (a step of its own, as it claims) a queued job's reason agrees with what the claims
+  then do, by tests/test_reasons_property.py's helper.
 
 Leases and gangs are expired by calling the service's own sweep (as a second API
 process would), with the rows' heartbeats set back, so no step waits for a clock.
 
 Run against the commit before the races of issue 15 were fixed (e285d27, where
 cancel_job read the job's row without a lock and wrote a stale status back), with
-DDPQ_STATES_RANDOM=1 and DDPQ_STATES_EXAMPLES=40, this test failed on Postgres: a cancel
-racing a claim left job 317 `cancelled` while its attempt 1 was still `running` and
-unended, the claim having handed the job out (the race c8d3eef fixed by reading the row
-FOR UPDATE). The commit that added this test (c0c76c4) says so too.
+DDPQ_STATES_RANDOM=1 and DDPQ_STATES_EXAMPLES=40, this test (as c0c76c4 added it) fails
+on Postgres by either race c8d3eef fixed: a cancel racing a claim leaves the job
+`cancelled` while its attempt 1 still runs, unended (the run c0c76c4's message records,
+job 317); a cancel racing a finish leaves it `cancelling` with its one attempt ended
+`succeeded` (shrunk to submit, two_claims, cancel_with_finish). Run so four times
+again, three failed, showing both.
 """
 
 from __future__ import annotations

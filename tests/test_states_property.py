@@ -319,8 +319,8 @@ def machine(server: Server, engine: Any, sweeps: Sweeps) -> type[RuleBasedStateM
         @rule(pick=PICK, first=st.integers(0, 1))
         def claim_as_the_reason_says(self, pick: int, first: int) -> None:
             """A queued job's reason, read first, agrees with what the two workers' claims
-            (``first``'s first) then do: tests/test_reasons_property.py's check, which
-            needs that job alone in the queue, so the user cancels the others first."""
+            (``first``'s first) then do; the user cancels the others first (the helper
+            needs it alone in the queue)."""
             with engine.connect() as conn:
                 queued = conn.execute(
                     text("SELECT id, nnodes, reason FROM jobs WHERE status = 'queued' ORDER BY id")
@@ -490,21 +490,14 @@ def machine(server: Server, engine: Any, sweeps: Sweeps) -> type[RuleBasedStateM
                     "SELECT job_id, attempt, worker, ended_at, held_cpu_slots FROM job_nodes"
                     " WHERE job_id IN :ids ORDER BY job_id, attempt, node_rank"
                 )
-            of: dict[int, list[Any]] = {}
-            for a in attempts:
-                of.setdefault(a.job_id, []).append(a)
-            nodes_of: dict[int, list[Any]] = {}
-            for n in slots:
-                nodes_of.setdefault(n.job_id, []).append(n)
+            # Both read in job order.
+            of = {k: list(g) for k, g in itertools.groupby(attempts, lambda a: a.job_id)}
+            nodes_of = {k: list(g) for k, g in itertools.groupby(slots, lambda n: n.job_id)}
             held: dict[str, int] = {}  # CPU slots held on each worker
             for job in jobs:
                 mine = of.get(job.id, [])
                 live = [a for a in mine if a.ended_at is None]
-                said = (
-                    dict(job._mapping),
-                    [dict(a._mapping) for a in mine],
-                    [dict(n._mapping) for n in nodes_of.get(job.id, [])],
-                )
+                said = [dict(r._mapping) for r in (job, *mine, *nodes_of.get(job.id, []))]
                 assert [a.number for a in mine] == list(range(1, len(mine) + 1)), said
                 assert len(live) <= 1, said
                 if job.status in ACTIVE:
@@ -540,10 +533,9 @@ def machine(server: Server, engine: Any, sweeps: Sweeps) -> type[RuleBasedStateM
                 assert cpu <= SLOTS, (worker, held, [dict(j._mapping) for j in jobs])
 
         def node_slots(self, job: Any, slots: list[Any], said: Any) -> list[Any]:
-            """The node slots of ``job`` that hold their workers' slots (as the claim's
-            books count them, rules.NODE_LIVE), checked against its status: while its
-            attempt is live it has all of them, one per worker, one at least not ended
-            (the last to end ends the attempt); queued, its gang is not yet complete."""
+            """``job``'s node slots that hold their workers' slots (rules.NODE_LIVE), checked
+            against its status: while its attempt is live it has all of them, one per
+            worker, one not ended at least; queued, its gang is not yet complete."""
             if job.nnodes == 1:
                 assert slots == [], said
                 return []
@@ -564,11 +556,18 @@ def machine(server: Server, engine: Any, sweeps: Sweeps) -> type[RuleBasedStateM
             return []
 
         def teardown(self) -> None:
-            """Leave nothing of this example's that a later one could claim."""
+            """Leave nothing of this example's that a later one could claim, nor a live
+            worker that a later one's reasons would count (it never claims again)."""
             for job_id in self.jobs:
                 ok(self.cancel_call(job_id)(), 202, 409)
             for name in self.workers:
                 ok(self.register(name, []), 200)  # it lost whatever it ran
+            gone = text("UPDATE workers SET last_heartbeat = :old WHERE name IN :w")
+            with engine.begin() as conn:
+                old = datetime.now(UTC) - timedelta(hours=1)
+                conn.execute(
+                    gone.bindparams(bindparam("w", expanding=True)), {"old": old, "w": self.workers}
+                )
 
     return Jobs
 

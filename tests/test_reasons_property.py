@@ -10,8 +10,9 @@ worker's claim takes it. Both the reason (service.queue.reasons) and the claim
 
 from __future__ import annotations
 
+import functools
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -141,23 +142,36 @@ def _agrees(
     db: Database, workers: list[WorkerState], job_id: int, order: object, waiting: str
 ) -> None:
     """The job's reason, read now, agrees with what the live workers' claims (in a random
-    order) then do: CLAIMS_FIT exactly when one of them takes it; any other reason starts
-    with ``waiting`` (or says it is unschedulable) and no claim takes the job."""
+    order) then do (``agrees``)."""
     reason = jobs.get_job(db, job_id).reason or ""
     live = [i for i, w in enumerate(workers) if w.alive]
     order.shuffle(live)  # type: ignore[attr-defined]
-    taken_by = None
-    for i in live:
+
+    def claim_by(i: int) -> int | None:
         claim = _claim(db, f"w{i}", workers[i])
-        if claim is not None:
-            assert claim.job_id == job_id, "only the job under test is queued"
+        return None if claim is None else claim.job_id
+
+    agrees(reason, job_id, [functools.partial(claim_by, i) for i in live], waiting)
+
+
+def agrees(reason: str, job_id: int, claims: list[Callable[[], int | None]], waiting: str) -> None:
+    """``reason``, a queued job's, read before the live workers' ``claims`` (each makes
+    one and returns the id of the job it took, or None; they stop at the first that
+    takes one), agrees with what they do: CLAIMS_FIT exactly when one of them takes the
+    job; any other reason starts with ``waiting`` (or says it is unschedulable) and no
+    claim takes the job. Only that job may be queued. (Also tests/test_states_property.)"""
+    taken_by = None
+    for i, claim in enumerate(claims):
+        took = claim()
+        if took is not None:
+            assert took == job_id, f"only the job under test is queued, and {took} was taken"
             taken_by = i
             break
 
     if reason == CLAIMS_FIT:
-        assert taken_by is not None, f"the reason says a live worker can take it: {workers}"
+        assert taken_by is not None, f"the reason says a live worker can take it: {reason!r}"
     else:
-        assert taken_by is None, f"worker w{taken_by} took a job whose reason is {reason!r}"
+        assert taken_by is None, f"claim {taken_by} took a job whose reason is {reason!r}"
         assert reason.startswith((waiting, "unschedulable")), reason
 
 

@@ -7,13 +7,28 @@ databases, by tests/test_states_property.py.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from service.errors import Conflict
 from service.models import ACTIVE, TERMINAL, JobStatus
-from service.queue.states import MOVES, Event, IllegalMove, diagram, move, sources
+from service.queue.states import (
+    ATTEMPT_MOVES,
+    MOVES,
+    Event,
+    IllegalMove,
+    NodeEvent,
+    Slot,
+    attempt_diagram,
+    attempt_move,
+    diagram,
+    move,
+    node_diagram,
+    node_move,
+    sources,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 PAIRS = [(status, event) for status in [None, *JobStatus] for event in Event]
@@ -60,31 +75,106 @@ def test_the_table_keeps_the_invariants_the_service_relies_on() -> None:
     assert all(any(m.event == e for m in MOVES) for e in Event), "every event moves something"
 
 
-def test_the_diagram_in_the_architecture_doc_is_the_table() -> None:
+def test_an_attempt_and_a_node_slot_move_only_by_their_tables() -> None:
+    # An attempt ends only as a job move ends it, once, and every such end is in its table.
+    ends = {(m.event, m.ends) for m in MOVES if m.ends is not None}
+    assert {(m.event, m.target) for m in ATTEMPT_MOVES if m.source == "running"} == ends
+    assert attempt_move(None, Event.START).target == "running"
+    for m in ATTEMPT_MOVES:
+        if m.source is not None:
+            with pytest.raises(Conflict):  # an ended attempt never moves again
+                attempt_move(m.target, m.event)
+    # A node slot is released only while forming, and ends (once) only after it ran.
+    assert node_move(Slot.FORMING, NodeEvent.RELEASE).target is None
+    for slot in (Slot.RUNNING, Slot.ENDED):
+        with pytest.raises(Conflict):
+            node_move(slot, NodeEvent.RELEASE)
+    with pytest.raises(Conflict):
+        node_move(Slot.FORMING, NodeEvent.REPORT)
+    again = node_move(Slot.ENDED, NodeEvent.REPORT)
+    assert again.source == again.target, "a retried report changes nothing"
+
+
+@pytest.mark.parametrize(
+    ("marker", "render"),
+    [("states", diagram), ("attempts", attempt_diagram), ("nodes", node_diagram)],
+)
+def test_the_diagrams_in_the_architecture_doc_are_the_tables(
+    marker: str, render: Callable[[], str]
+) -> None:
     doc = (REPO / "docs" / "architecture.md").read_text()
     found = re.search(
-        r"<!-- states:begin -->\n```mermaid\n(.*?)```\n<!-- states:end -->", doc, re.S
+        rf"<!-- {marker}:begin -->\n```mermaid\n(.*?)```\n<!-- {marker}:end -->", doc, re.S
     )
-    assert found, "docs/architecture.md lacks the states block"
-    assert found.group(1) == diagram(), (
-        "docs/architecture.md's state diagram is stale; put this between its markers:\n" + diagram()
+    assert found, f"docs/architecture.md lacks the {marker} block"
+    assert found.group(1) == render(), (
+        f"docs/architecture.md's {marker} diagram is stale; put this between its markers:\n"
+        + render()
     )
 
 
-# A status or an attempt's outcome written anywhere but the state module: an assignment
-# to .status/.outcome, a "status"/"outcome" key or keyword given a JobStatus or a literal.
+# A status, or an attempt's or a node slot's end, written anywhere but the state module:
+# an assignment to .status/.outcome/.ended_at/.exit_code on a row (a node's, an
+# attempt's, a job's); an ended_at given as a keyword or a key (an UPDATE's values); a
+# "status"/"outcome" key or keyword given a JobStatus or a literal; a node slot's or an
+# attempt's row inserted or deleted.
 WRITES = re.compile(
-    r"""(\bjob\.status\s*=[^=]|\battempt\.outcome\s*=[^=]|["']status["']\s*:\s*JobStatus"""
-    r"""|\bstatus\s*=\s*JobStatus\.|["']outcome["']\s*:\s*["']|\boutcome\s*=\s*["'])"""
+    r"""(?<!self)\.(status|outcome|ended_at|exit_code)\s*=[^=]"""
+    r"""|\bended_at\s*=[^=]|["']ended_at["']\s*:"""
+    r"""|["']status["']\s*:\s*JobStatus|\bstatus\s*=\s*JobStatus\."""
+    r"""|["']outcome["']\s*:\s*["']|\boutcome\s*=\s*["']"""
+    r"""|\b(insert|delete)\((JobNode|nodes|Attempt|attempts)\b"""
 )
 
 
-def test_only_the_state_module_writes_a_status() -> None:
-    offenders = []
-    for path in sorted((REPO / "service").rglob("*.py")):
-        if path.name == "states.py" and path.parent.name == "queue":
+def offenders(files: dict[str, str]) -> list[str]:
+    """The lines of ``files`` (path: text) that write a status outside the state module."""
+    found = []
+    for path, text in sorted(files.items()):
+        if path == "service/queue/states.py":
             continue
-        for n, line in enumerate(path.read_text().splitlines(), 1):
+        for n, line in enumerate(text.splitlines(), 1):
             if WRITES.search(line):
-                offenders.append(f"{path.relative_to(REPO)}:{n}: {line.strip()}")
-    assert not offenders, "status writes outside service/queue/states.py:\n" + "\n".join(offenders)
+                found.append(f"{path}:{n}: {line.strip()}")
+    return found
+
+
+def test_only_the_state_module_writes_a_status() -> None:
+    files = {
+        str(path.relative_to(REPO)): path.read_text() for path in (REPO / "service").rglob("*.py")
+    }
+    found = offenders(files)
+    assert not found, "status writes outside service/queue/states.py:\n" + "\n".join(found)
+
+
+def test_the_guard_sees_the_writes_it_is_for() -> None:
+    """Each way the state module's writes were once made elsewhere (a node slot's end in
+    leases.end_attempt, a gang's slots deleted in gangs) and a few more, as the guard
+    must catch them; and reads that look alike, as it must not."""
+    caught = [
+        "job.status = JobStatus.QUEUED",
+        "attempt.outcome = 'lost'",
+        "node.outcome = report.outcome",
+        "node.ended_at = now",
+        "node.exit_code = report.exit_code",
+        "attempt.ended_at = now",
+        "update(JobNode).values(ended_at=now)",
+        "s.execute(delete(JobNode).where(JobNode.id.in_(gone)))",
+        "conn.execute(insert(nodes), {...})",
+        "s.execute(insert(Attempt).values(...))",
+        '{"status": JobStatus.RUNNING}',
+        '{"outcome": "running"}',
+        '{"ended_at": now}',
+        "values(status=JobStatus.FAILED)",
+    ]
+    for line in caught:
+        assert offenders({"service/x.py": line}), line
+    for line in [
+        "if node.ended_at is None:",
+        "exit_code=j.exit_code,",
+        "self.status = status",
+        '{"status": job.status}',
+        "JobNode.ended_at.is_(None)",
+        "a.ended_at == b.ended_at",
+    ]:
+        assert not offenders({"service/x.py": line}), line

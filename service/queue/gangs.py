@@ -15,14 +15,14 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal, NamedTuple
 
-from sqlalchemy import JSON, and_, bindparam, delete, func, insert, select, update
+from sqlalchemy import JSON, and_, bindparam, func, select, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
 from ddpq.messages import GangReply
 from service.db import Database
 from service.models import Attempt, Job, JobNode, JobStatus, UTCDateTime, utcnow
-from service.queue import quotas
+from service.queue import quotas, states
 from service.queue.books import Capacity
 from service.queue.rules import (
     FORMING,
@@ -47,7 +47,7 @@ from service.queue.rules import (
     w,
     workers,
 )
-from service.queue.states import Event, may, new_attempt, start_values
+from service.queue.states import Event, may, new_attempt, new_node, start_values
 
 
 @functools.cache
@@ -163,8 +163,8 @@ def take_node(conn: Connection, gang: Any, offer: Offer) -> NodeSlot | None:
     node_rank = min(set(range(nnodes)) - {n.node_rank for n in held})
     gpus = offer.capacity.free_gpus[:nproc] if resolved == "cuda" else []
     checkpoint_dir = checkpoint_dir_of(offer.capacity.checkpoint_root, job_id)
-    conn.execute(
-        insert(nodes),
+    new_node(
+        conn,
         {
             "job_id": job_id,
             "attempt": number,
@@ -219,10 +219,8 @@ def release_nodes(db: Database, *where: Any) -> int:
             if not _still_forming(s, job_id, number):
                 continue  # the gang completed meanwhile: its slots run now
             gone = [r.id for r in rows if r.job_id == job_id and r.attempt == number]
-            s.execute(delete(JobNode).where(JobNode.id.in_(gone)))
+            states.release(s, JobNode.id.in_(gone))
             released += len(gone)
-        if released:
-            notify_claimers(s)
     return released
 
 
@@ -255,9 +253,7 @@ def expire_gangs(db: Database, timeout_s: float, backoff_s: float) -> list[int]:
         for job_id, number, nnodes, held in s.execute(late, {"cutoff": cutoff}).all():
             if not _still_forming(s, job_id, number + 1):
                 continue  # completed (or cancelled) since the look
-            s.execute(
-                delete(JobNode).where(JobNode.job_id == job_id, JobNode.attempt == number + 1)
-            )
+            states.release(s, JobNode.job_id == job_id, JobNode.attempt == number + 1)
             reason = (
                 f"waiting for {nnodes} nodes: {held} of {nnodes} held, gang timed out after "
                 f"{timeout_s:g} s; retrying" + (f" in {backoff_s:g} s" if backoff_s else "")
@@ -268,8 +264,6 @@ def expire_gangs(db: Database, timeout_s: float, backoff_s: float) -> list[int]:
                 .values(reason=reason, not_before=now + timedelta(seconds=backoff_s))
             )
             changed.append(job_id)
-        if changed:
-            notify_claimers(s)
     return changed
 
 

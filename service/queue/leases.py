@@ -178,10 +178,8 @@ def end_attempt(s: Session, job: Job, worker: str, report: FinishRequest, policy
     attempt, node = workers_attempt(s, job, report.attempt, worker)
     if attempt.outcome == "lost":
         raise Conflict(f"attempt {report.attempt} was declared lost: {job.reason}")
-    if node is not None and node.ended_at is None:
-        node.ended_at = now
-        node.exit_code = report.exit_code
-        node.outcome = report.outcome
+    if node is not None:
+        states.node_ends(s, node, now, report.outcome, report.exit_code)
     if attempt.ended_at is not None:
         return  # a retried report, or a node that stopped after its attempt ended
     if node is not None and _other_nodes_run_on(s, job, report, node):

@@ -18,8 +18,18 @@ started attempt gets its row, and with it its hashed token; an ended attempt's t
 is refused from then on by the fencing check (queue.leases.fenced), which reads the
 same columns.
 
-``diagram`` renders the table as a Mermaid state diagram; docs/architecture.md holds
-it, and a test checks that the two agree.
+An attempt and a node slot of a multi-node attempt have moves of their own, written
+here too. An attempt is born running (``new_attempt``, with its job's START) and ends
+once, by the job move that ends it, with that move's outcome (``ATTEMPT_MOVES``, drawn
+from ``MOVES``). A node slot is born forming when a claim takes it (``new_node``), runs
+once its gang's last slot is taken (its job's START: no write of its own), ends when its
+worker reports its processes gone (``node_ends``); a forming slot is released, its row
+deleted, when its gang times out or its worker leaves (``release``). A slot holds its
+worker's slots while forming, and while running until it ends or its attempt does
+(rules.NODE_LIVE, books.holdings).
+
+``diagram`` renders each table as a Mermaid state diagram; docs/architecture.md holds
+them, and a test checks that they agree.
 """
 
 from __future__ import annotations
@@ -29,14 +39,22 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import bindparam, func, insert
+from sqlalchemy import bindparam, delete, func, insert
 from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
 from service.errors import Conflict
-from service.models import TERMINAL, Attempt, AttemptOutcome, Job, JobStatus, UTCDateTime
+from service.models import (
+    TERMINAL,
+    Attempt,
+    AttemptOutcome,
+    Job,
+    JobNode,
+    JobStatus,
+    UTCDateTime,
+)
 from service.queue import quotas, shares
-from service.queue.rules import Logic, attempts, j, notify_claimers
+from service.queue.rules import Logic, attempts, j, nodes, notify_claimers
 
 Q, R, C = JobStatus.QUEUED, JobStatus.RUNNING, JobStatus.CANCELLING
 S, F, X = JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED
@@ -171,18 +189,27 @@ def end(
         raise ValueError(f"{event.value} ends no attempt: use enter()")
     if attempt.ended_at is not None:
         raise IllegalMove(job.id, job.status, event, f"attempt {attempt.number} already ended")
+    ends = attempt_move(attempt.outcome, event)
     shares.count_end(s, job.id, attempt.id, now)  # as it held: before the job moves on
     _set(job, m, now, reason, columns)
     job.exit_code = exit_code
     job.preempted_by = None  # a hand-back asked of it is done, or moot
-    attempt.ended_at = now
-    attempt.exit_code = exit_code
-    attempt.outcome = m.ends
-    attempt.reason = job.reason  # kept per attempt: the job's reason moves on
+    _end_attempt(attempt, ends, now, exit_code, job.reason)
     s.flush()
     quotas.refresh(s, job.owner)  # what its owner holds shrank
     notify_claimers(s)  # its slots are free, or it is queued again
     return m
+
+
+def _end_attempt(
+    attempt: Attempt, m: AttemptMove, now: datetime, exit_code: int | None, reason: str | None
+) -> None:
+    """The attempt's own move: it records when and how it ended, and why (kept per
+    attempt: its job's reason moves on). Its token is refused from then on."""
+    attempt.ended_at = now
+    attempt.exit_code = exit_code
+    attempt.outcome = m.target
+    attempt.reason = reason
 
 
 def _set(job: Job, m: Move, now: datetime, reason: str | None, columns: dict[str, Any]) -> None:
@@ -249,13 +276,125 @@ def new_attempt(
             "checkpoint_dir": checkpoint_dir,
             "started_at": now,
             "heartbeat_at": now,
-            "outcome": "running",
+            "outcome": attempt_move(None, Event.START).target,
             "log_bytes": 0,
         },
     )
 
 
-# ---- the table as a picture ------------------------------------------------------------
+# ---- an attempt's moves ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AttemptMove:
+    """``event`` takes an attempt from ``source`` (None: it did not exist) to ``target``."""
+
+    source: AttemptOutcome | None
+    event: Event
+    target: AttemptOutcome
+
+
+# An attempt starts running with its job's START and ends as the job move that ends it
+# says (Move.ends): its table is drawn from the job's, so the two cannot disagree.
+ATTEMPT_MOVES: tuple[AttemptMove, ...] = (
+    AttemptMove(None, Event.START, "running"),
+    *dict.fromkeys(AttemptMove("running", m.event, m.ends) for m in MOVES if m.ends),
+)
+_ATTEMPT_TABLE = {(m.source, m.event): m for m in ATTEMPT_MOVES}
+
+
+def attempt_move(outcome: str | None, event: Event) -> AttemptMove:
+    """The move ``event`` makes an attempt in ``outcome`` (None: none yet) make; a
+    Conflict if it has none (an attempt ends once)."""
+    found = _ATTEMPT_TABLE.get((outcome, event))  # type: ignore[arg-type]
+    if found is None:
+        now = f"is {outcome}" if outcome is not None else "does not exist yet"
+        raise Conflict(f"the attempt {now}: {event.value} moves no attempt out of that")
+    return found
+
+
+# ---- a node slot's moves ---------------------------------------------------------------
+
+
+class Slot(enum.StrEnum):
+    """Where a node slot of a multi-node attempt stands."""
+
+    FORMING = "forming"  # its gang is not complete: the job is queued, one attempt behind
+    RUNNING = "running"  # its gang is complete: its attempt started
+    ENDED = "ended"  # its worker reported its processes gone
+
+
+class NodeEvent(enum.StrEnum):
+    TAKE = "take"  # a worker's claim takes one slot of a gang (queue.gangs.take_node)
+    START = "start"  # the gang's last slot is taken: the attempt starts (the job's START)
+    RELEASE = "release"  # its gang timed out, or its worker left or restarted
+    REPORT = "report"  # its worker reports its processes gone (a finish)
+
+
+@dataclass(frozen=True)
+class NodeMove:
+    """``event`` takes a node slot from ``source`` to ``target`` (None: no row)."""
+
+    source: Slot | None
+    event: NodeEvent
+    target: Slot | None
+    says: str = ""
+
+
+NODE_MOVES: tuple[NodeMove, ...] = (
+    NodeMove(None, NodeEvent.TAKE, Slot.FORMING, says="holds its worker's slots"),
+    NodeMove(Slot.FORMING, NodeEvent.START, Slot.RUNNING, says="with every slot of its gang"),
+    NodeMove(Slot.FORMING, NodeEvent.RELEASE, None, says="its row goes, holding nothing"),
+    NodeMove(Slot.RUNNING, NodeEvent.REPORT, Slot.ENDED, says="its worker's slots are free"),
+    NodeMove(Slot.ENDED, NodeEvent.REPORT, Slot.ENDED, says="reported again: nothing more"),
+)
+_NODE_TABLE = {(m.source, m.event): m for m in NODE_MOVES}
+
+
+def node_move(slot: Slot | None, event: NodeEvent) -> NodeMove:
+    """The move ``event`` makes a node slot in ``slot`` make; a Conflict if it has none."""
+    found = _NODE_TABLE.get((slot, event))
+    if found is None:
+        allowed = " or ".join(str(m.source) for m in NODE_MOVES if m.event == event)
+        raise Conflict(f"the node slot is {slot}: {event.value} moves one only out of {allowed}")
+    return found
+
+
+_NEW_NODE = insert(nodes)
+
+
+def new_node(conn: Connection, values: dict[str, Any]) -> None:
+    """TAKE: write the row of a node slot a claim takes (``values``, its columns)."""
+    node_move(None, NodeEvent.TAKE)
+    conn.execute(_NEW_NODE, values)
+
+
+def release(s: Session, *where: Any) -> None:
+    """RELEASE: delete the forming node slots that match ``where`` (the caller holds
+    their job's row locked and saw the gang still forming); their workers' slots are
+    free for claimers."""
+    node_move(Slot.FORMING, NodeEvent.RELEASE)
+    s.execute(delete(JobNode).where(*where))
+    notify_claimers(s)
+
+
+def node_ends(
+    s: Session, node: JobNode, now: datetime, outcome: str, exit_code: int | None
+) -> bool:
+    """REPORT: ``node``'s worker reports its processes gone (the node's row, and its
+    job's, locked by the caller): the slot records how, and its worker's slots are free
+    for claimers. False if it had already ended (a retried report changes nothing)."""
+    m = node_move(Slot.ENDED if node.ended_at is not None else Slot.RUNNING, NodeEvent.REPORT)
+    if m.source == m.target:
+        return False
+    node.ended_at = now
+    node.exit_code = exit_code
+    node.outcome = outcome
+    notify_claimers(s)
+    return True
+
+
+# ---- the tables as pictures -------------------------------------------------------------
 
 
 def diagram() -> str:
@@ -282,3 +421,29 @@ def _fold_cancelling(lines: list[str]) -> list[str]:
     events = [line.removeprefix(prefix) for line in lines if line.startswith(prefix)]
     kept = [line for line in lines if not line.startswith(prefix)]
     return [*kept, prefix + ", ".join(events) + " (attempt ends)"] if events else kept
+
+
+def attempt_diagram() -> str:
+    """An attempt's moves as a Mermaid state diagram: one arrow per outcome, naming the
+    job events that end it so."""
+    arrows: dict[tuple[str, str], list[str]] = {}
+    for m in ATTEMPT_MOVES:
+        arrows.setdefault((m.source or "[*]", m.target), []).append(m.event.value)
+    return _render(arrows, sorted({m.target for m in ATTEMPT_MOVES} - {"running"}))
+
+
+def node_diagram() -> str:
+    """A node slot's moves as a Mermaid state diagram."""
+    arrows: dict[tuple[str, str], list[str]] = {}
+    for m in NODE_MOVES:
+        if m.source != m.target:  # an idempotent repeat: no arrow
+            arrow = (m.source or "[*]", m.target or "[*]")
+            arrows.setdefault(arrow, []).append(f"{m.event.value} ({m.says})")
+    return _render(arrows, [Slot.ENDED])
+
+
+def _render(arrows: dict[tuple[str, str], list[str]], ends: list[str]) -> str:
+    lines = ["stateDiagram-v2"]
+    lines += [f"    {a} --> {b}: {', '.join(events)}" for (a, b), events in arrows.items()]
+    lines += [f"    {end} --> [*]" for end in ends]
+    return "\n".join(lines) + "\n"

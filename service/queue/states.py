@@ -301,6 +301,9 @@ ATTEMPT_MOVES: tuple[AttemptMove, ...] = (
     *dict.fromkeys(AttemptMove("running", m.event, m.ends) for m in MOVES if m.ends),
 )
 _ATTEMPT_TABLE = {(m.source, m.event): m for m in ATTEMPT_MOVES}
+# One outcome per event: a job move that ended its attempt otherwise than another of the
+# same event would be lost from the attempt's table here, not refused.
+assert len(_ATTEMPT_TABLE) == len(ATTEMPT_MOVES), "an event ends attempts two ways"
 
 
 def attempt_move(outcome: str | None, event: Event) -> AttemptMove:

@@ -48,6 +48,10 @@ from tests.helpers import make_wheel
 from worker import procs
 from worker.walls import Walls
 
+# Minutes of real uids, pip builds and attacks: `make test-walls` runs these (CI does too),
+# `make test` leaves them out for its 15 minutes.
+pytestmark = pytest.mark.walls
+
 # Not the default range (70000-70999): a `make run` worker on this host may be using it.
 TEST_UIDS = "71000-71099"
 COMPOSE_CAPS = "-all,+chown,+dac_override,+fowner,+kill,+setuid,+setgid"

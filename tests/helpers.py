@@ -156,3 +156,20 @@ def make_wheel(
     wheel.parent.mkdir(parents=True, exist_ok=True)
     wheel.write_bytes(buf.getvalue())
     return wheel
+
+
+def send_directory(server: Server, files: dict[str, bytes]) -> tuple[str, dict[str, str]]:
+    """Send ``files`` as a worker sends a job's directory (contents, then the snapshot):
+    the snapshot's id, and each file's digest."""
+    w = server.client("worker")
+    digests = {path: hashlib.sha256(data).hexdigest() for path, data in files.items()}
+    for path, digest in digests.items():
+        r = w.put(f"/workers/code/blobs/{digest}", content=files[path])
+        assert r.status_code == 204, r.text
+    manifest = [
+        {"path": p, "digest": d, "size": len(files[p]), "executable": False}
+        for p, d in digests.items()
+    ]
+    r = w.post("/workers/code/snapshots", json={"files": manifest})
+    assert r.status_code == 201, r.text
+    return str(r.json()["id"]), digests

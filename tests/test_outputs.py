@@ -8,7 +8,6 @@ reruns and whether the files here differ."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -32,7 +31,7 @@ from tests.conftest import (
     terminal,
     wait_for,
 )
-from tests.helpers import register
+from tests.helpers import register, send_directory
 from tests.test_walls import open_the_way, start_host_worker
 from worker.outputs import Limits, capture
 
@@ -363,22 +362,6 @@ def test_a_kept_directory_is_closed_to_the_next_job_and_resume_gets_a_copy(
         stop_server(server)
 
 
-def _directory(server: Server, files: dict[str, bytes]) -> str:
-    """Send ``files`` as a worker sends a job's directory: their id."""
-    w = server.client("worker")
-    digests = {path: hashlib.sha256(data).hexdigest() for path, data in files.items()}
-    for path, digest in digests.items():
-        r = w.put(f"/workers/code/blobs/{digest}", content=files[path])
-        assert r.status_code == 204, r.text
-    manifest = [
-        {"path": p, "digest": d, "size": len(files[p]), "executable": False}
-        for p, d in digests.items()
-    ]
-    r = w.post("/workers/code/snapshots", json={"files": manifest})
-    assert r.status_code == 201, r.text
-    return str(r.json()["id"])
-
-
 def test_the_api_keeps_the_newest_directory_of_each_user_and_collects_the_rest(
     db_url: str, tmp_path: Path
 ) -> None:
@@ -391,7 +374,7 @@ def test_the_api_keeps_the_newest_directory_of_each_user_and_collects_the_rest(
     )
     try:
         user, w = server.client(), server.client("worker")
-        code = _directory(server, {"train.py": b"print(1)\n"})
+        code, _ = send_directory(server, {"train.py": b"print(1)\n"})
         register(server)
         dirs = {}
         for n in (1, 2):
@@ -402,7 +385,7 @@ def test_the_api_keeps_the_newest_directory_of_each_user_and_collects_the_rest(
             ).json()
             assert claim["job_id"] == job["id"]
             files = {"train.py": b"print(1)\n", f"out-{n}.txt": f"run {n}\n".encode()}
-            dirs[job["id"]] = _directory(server, files)
+            dirs[job["id"]], _ = send_directory(server, files)
             body = {"worker": "hand", "attempt": 1, "directory": dirs[job["id"]], "workdir": "/d"}
             assert w.post(f"/workers/jobs/{job['id']}/outputs", json=body).status_code == 204
             done = {"worker": "hand", "attempt": 1, "exit_code": 0}

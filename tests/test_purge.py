@@ -7,7 +7,6 @@ what it let go of (code, directories) collected by code collection."""
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from datetime import timedelta
 from pathlib import Path
@@ -32,7 +31,14 @@ from service.models import (
 from service.retention import Swept, sweep
 from service.schemas import OutputsLimits
 from tests.conftest import Server, start_server, stop_server, wait_for
-from tests.helpers import finish, register, report, send_log, submit_and_claim
+from tests.helpers import (
+    finish,
+    register,
+    report,
+    send_directory,
+    send_log,
+    submit_and_claim,
+)
 
 POINTS = 300  # metric points of each job: more than a batch (BATCH_ROWS is 100 here)
 KEEP_NEWEST = 2  # DDPQ_WORKDIR_KEEP_NEWEST in these tests
@@ -189,21 +195,6 @@ def test_the_purge_deletes_what_is_due_whole_and_spares_the_rest(
         stop_server(server)
 
 
-def _directory(server: Server, files: dict[str, bytes]) -> tuple[str, dict[str, str]]:
-    """Send ``files`` as a worker sends a job's directory: its id, and each file's digest."""
-    w = server.client("worker")
-    digests = {path: hashlib.sha256(data).hexdigest() for path, data in files.items()}
-    for path, digest in digests.items():
-        assert w.put(f"/workers/code/blobs/{digest}", content=files[path]).status_code == 204
-    manifest = [
-        {"path": p, "digest": d, "size": len(files[p]), "executable": False}
-        for p, d in digests.items()
-    ]
-    r = w.post("/workers/code/snapshots", json={"files": manifest})
-    assert r.status_code == 201, r.text
-    return str(r.json()["id"]), digests
-
-
 def test_the_sweeper_purges_a_purged_job_is_a_404_and_its_blobs_are_collected(
     db_url: str, tmp_path: Path
 ) -> None:
@@ -223,7 +214,7 @@ def test_the_sweeper_purges_a_purged_job_is_a_404_and_its_blobs_are_collected(
         second = start_server(db_url, tmp_path / "api2", tokens=tokens, **env)
     try:
         user, w = server.client(), server.client("worker")
-        code, _ = _directory(server, {"train.py": b"print(1)\n"})
+        code, _ = send_directory(server, {"train.py": b"print(1)\n"})
         register(server)
         jobs, dirs, digests = [], {}, {}
         for n in (1, 2):
@@ -234,7 +225,7 @@ def test_the_sweeper_purges_a_purged_job_is_a_404_and_its_blobs_are_collected(
             ).json()
             assert claim["job_id"] == job["id"]
             files = {"train.py": b"print(1)\n", f"out-{n}.txt": f"purge run {n}\n".encode()}
-            dirs[job["id"]], found = _directory(server, files)
+            dirs[job["id"]], found = send_directory(server, files)
             digests[job["id"]] = found[f"out-{n}.txt"]
             body = {"worker": "hand", "attempt": 1, "directory": dirs[job["id"]], "workdir": "/d"}
             assert w.post(f"/workers/jobs/{job['id']}/outputs", json=body).status_code == 204

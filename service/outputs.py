@@ -191,28 +191,29 @@ def _aware(t: datetime) -> datetime:
 def kept(limits: OutputsLimits) -> ColumnElement[bool]:
     """For code collection (service.code.collect): the snapshot is the directory of a
     job whose directory is still kept, or its code (what it wrote is told from that)."""
-    cutoff = utcnow() - timedelta(seconds=limits.retention_s)
     return exists().where(
         or_(
             Job.outputs == CodeSnapshot.id,
             and_(Job.code == CodeSnapshot.id, Job.outputs.is_not(None)),
         ),
-        or_(
-            Job.status.not_in(sorted(TERMINAL)),
-            Job.finished_at >= cutoff,
-            _newest_sql(limits.keep_newest),
-        ),
+        _kept_sql(limits),
     )
 
 
 def expired(limits: OutputsLimits) -> ColumnElement[bool]:
     """For the job purge (service.retention): the job of the enclosing statement has
     ended and its directory is no longer kept, on its worker or in the API."""
+    return and_(Job.status.in_(sorted(TERMINAL)), Job.finished_at.is_not(None), ~_kept_sql(limits))
+
+
+def _kept_sql(limits: OutputsLimits) -> ColumnElement[bool]:
+    """The rule, in SQL: the job of the enclosing statement's directory is still kept
+    (active, ended within the retention, or one of its owner's newest ended jobs)."""
     cutoff = utcnow() - timedelta(seconds=limits.retention_s)
-    return and_(
-        Job.status.in_(sorted(TERMINAL)),
-        Job.finished_at < cutoff,
-        ~_newest_sql(limits.keep_newest),
+    return or_(
+        Job.status.not_in(sorted(TERMINAL)),
+        Job.finished_at >= cutoff,
+        _newest_sql(limits.keep_newest),
     )
 
 

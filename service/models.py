@@ -229,6 +229,10 @@ class AuditEvent(Base):
     target: Mapped[str] = mapped_column(String(200))  # "job 7", "user alice"
     detail: Mapped[dict[str, Any] | None]
 
+    # The audit retention (service.retention): the rows older than a cutoff, oldest
+    # first, a range of it.
+    __table_args__ = (Index("ix_audit_events_at", "at"),)
+
 
 class UserUsage(Base):
     """A user's recent use of the hosts, in GPU-equivalent seconds decayed with a

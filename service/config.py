@@ -283,7 +283,13 @@ class Settings(BaseSettings):
         "`never`, the default): then it is deleted with everything of it (attempts, metrics, "
         "log, checkpoint rows, GPU samples), once its checkpoints are deleted and its "
         "directory is no longer kept (`DDPQ_WORKDIR_RETENTION`; each user's newest ended "
-        "jobs are never purged). The audit trail keeps its rows.",
+        "jobs are never purged). The audit trail keeps its rows (`DDPQ_AUDIT_RETENTION`).",
+    )
+    audit_retention: Duration = Field(
+        default=None,
+        description="How long a row of the audit trail (`GET /audit`: who submitted, "
+        "cancelled, added or revoked what) is kept (a duration: `730d`; `never`, the "
+        "default): older rows are deleted, whether or not their job was purged.",
     )
 
     def code_limits(self) -> Limits:
@@ -332,6 +338,7 @@ class Settings(BaseSettings):
             metrics_downsample_points=self.metrics_downsample_points,
             log_retention_s=self.log_retention,
             job_retention_s=self.job_retention,
+            audit_retention_s=self.audit_retention,
         )
 
     @cached_property

@@ -217,6 +217,9 @@ class Policy:
     # The job purge (service.retention): an ended job deleted this long after its end
     # (None: never, the default: a purge deletes history, an operator turns it on).
     job_retention_s: float | None = None
+    # The audit retention (service.retention): an audit row deleted this long after it
+    # was written (None: never, the default, as for the purge).
+    audit_retention_s: float | None = None
 
 
 class Database:

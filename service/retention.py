@@ -26,6 +26,10 @@ transactions (none deletes more than BATCH_ROWS rows, so no lock is held long):
   trail keeps its rows naming the job: it says who did what, and must not lose that
   because the subject went. The code and directory snapshots the job named are collected
   by code collection (service.code.collect) like any other no job needs.
+- the audit trail (DDPQ_AUDIT_RETENTION after a row was written; never by default): its
+  rows are deleted by their own age, oldest first (ix_audit_events_at), BATCH_ROWS a
+  transaction, whether or not their job is still there: an audit trail is kept for a
+  period of its own (a compliance rule's), not as long as its subjects.
 
 GPU samples need no rule of their own: a job keeps O(log(its age)) of them per GPU
 (service.gpus).
@@ -59,6 +63,7 @@ from service.metrics import pick_steps, series_names
 from service.models import (
     TERMINAL,
     Attempt,
+    AuditEvent,
     Checkpoint,
     GpuSample,
     Job,
@@ -91,6 +96,7 @@ class Swept:
     logs: int = 0  # jobs whose log was deleted
     done: bool = True  # nothing left that is due (False: the budget ran out first)
     purged: int = 0  # jobs deleted (the job purge)
+    audit: int = 0  # audit trail rows deleted
 
 
 def _due(column: InstrumentedAttribute[datetime | None], cutoff: datetime) -> ColumnElement[bool]:
@@ -111,7 +117,12 @@ def sweep(db: Database, budget_s: float = 1.0, outputs: OutputsLimits | None = N
     deadline = time.monotonic() + budget_s
     out = Swept()
     now = utcnow()
-    # The purge first: whatever it deletes, the rules below need not go over.
+    # The audit trail first: a short range of its index, which no backlog of the job
+    # rules below (a purge of a year of jobs) should hold up.
+    if policy.audit_retention_s is not None:
+        cutoff = now - timedelta(seconds=policy.audit_retention_s)
+        out.done &= _drop_audit(db, cutoff, deadline, out)
+    # The purge next: whatever it deletes, the rules below need not go over.
     if policy.job_retention_s is not None and outputs is not None:
         cutoff = now - timedelta(seconds=policy.job_retention_s)
         out.done &= _purge(db, cutoff, outputs, deadline, out)
@@ -242,6 +253,30 @@ def _thin_job(db: Database, job_id: int, max_points: int, deadline: float, out: 
             if time.monotonic() >= deadline:
                 return False
     return True
+
+
+# ---- the audit trail ----------------------------------------------------------------------
+
+
+def _drop_audit(db: Database, cutoff: datetime, deadline: float, out: Swept) -> bool:
+    while True:
+        with db.write() as s:
+            oldest = (
+                select(AuditEvent.id)
+                .where(AuditEvent.at < cutoff)
+                .order_by(AuditEvent.at)
+                .limit(BATCH_ROWS)
+            )
+            gone = s.execute(
+                delete(AuditEvent).where(AuditEvent.id.in_(oldest)),
+                execution_options={"synchronize_session": False},
+            )
+            removed = _count(gone)
+        out.audit += removed
+        if removed < BATCH_ROWS:
+            return True
+        if time.monotonic() >= deadline:
+            return False
 
 
 # ---- the job purge ------------------------------------------------------------------------

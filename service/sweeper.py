@@ -33,7 +33,12 @@ RETENTION_IDLE_S = 60.0
 
 
 def _retention_every(policy: Policy) -> float:
-    every = (policy.metrics_downsample_after_s, policy.log_retention_s, policy.job_retention_s)
+    every = (
+        policy.metrics_downsample_after_s,
+        policy.log_retention_s,
+        policy.job_retention_s,
+        policy.audit_retention_s,
+    )
     periods = [p for p in every if p is not None]
     return min([RETENTION_IDLE_S, *(max(p / 4, 1.0) for p in periods)])
 
@@ -124,14 +129,15 @@ async def _retention_round(db: Database, outputs: OutputsLimits) -> float:
     """One round of history retention (service.retention); returns how long until the next."""
     try:
         swept = await run_in_threadpool(retention.sweep, db, RETENTION_BUDGET_S, outputs)
-        if swept.points or swept.logs or swept.purged:
+        if swept.points or swept.logs or swept.purged or swept.audit:
             log.info(
                 "retention: %d metric point(s) of %d job(s) downsampled away, "
-                "the logs of %d job(s) deleted, %d job(s) purged",
+                "the logs of %d job(s) deleted, %d job(s) purged, %d audit row(s) deleted",
                 swept.points,
                 swept.jobs,
                 swept.logs,
                 swept.purged,
+                swept.audit,
             )
         # A backlog (an upgrade, a retention shortened) goes on each round.
         return 0.0 if not swept.done else _retention_every(db.policy)

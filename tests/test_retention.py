@@ -11,12 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import update
+from sqlalchemy import select, update
 
-from service import retention
+from service import retention, sweeper
 from service.config import Settings
-from service.db import Database, Policy
-from service.models import Job, utcnow
+from service.db import Database, Policy, upgrade
+from service.models import AuditEvent, Job, utcnow
 from service.retention import Swept, sweep
 from tests.conftest import Server, run_ddpq, start_server, stop_server, wait_for
 from tests.helpers import finish, register, report, send_log, submit_and_claim
@@ -213,3 +213,68 @@ def test_a_bad_retention_period_stops_the_server_naming_it(tmp_path: Path) -> No
     )
     assert r.returncode != 0
     assert "metrics_downsample_after" in r.stderr.lower() and "not a duration" in r.stderr
+
+
+# ---- the audit trail (DDPQ_AUDIT_RETENTION) -----------------------------------------------
+
+
+def _audit_rows(db: Database, ages_days: list[float]) -> None:
+    now = utcnow()
+    with db.write() as s:
+        for i, days in enumerate(ages_days):
+            s.add(
+                AuditEvent(
+                    at=now - timedelta(days=days),
+                    actor="alice",
+                    action="submit",
+                    target=f"job {i}",
+                    detail=None,
+                )
+            )
+
+
+def _audit_targets(db: Database) -> list[str]:
+    with db.read() as s:
+        return list(s.scalars(select(AuditEvent.target).order_by(AuditEvent.id)))
+
+
+def test_the_audit_retention_deletes_old_rows_in_bounded_rounds(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    upgrade(db_url)
+    # 7 rows older than 30 days (job 0..6), 3 newer (job 7..9), and its jobs long gone.
+    ages = [400, 100, 90, 60, 45, 31, 30.01, 29.9, 1, 0]
+    never = Database(db_url, Policy(audit_retention_s=None))
+    db = Database(db_url, Policy(audit_retention_s=30 * 86400))
+    try:
+        _audit_rows(db, ages)
+        assert sweep(never).audit == 0 and len(_audit_targets(db)) == len(ages)  # never: all
+
+        monkeypatch.setattr(retention, "BATCH_ROWS", 3)
+        rounds = []
+        while True:
+            # No budget: each round does one transaction's work, at most BATCH_ROWS rows.
+            swept = sweep(db, budget_s=0)
+            rounds.append(swept.audit)
+            if swept.done:
+                break
+        assert rounds == [3, 3, 1], rounds  # oldest first, never more than the bound
+        assert _audit_targets(db) == ["job 7", "job 8", "job 9"]
+        assert sweep(db).audit == 0
+    finally:
+        never.dispose()
+        db.dispose()
+
+
+def test_the_audit_retention_is_a_duration_never_by_default() -> None:
+    assert Settings().audit_retention is None and Settings().policy().audit_retention_s is None
+    s = Settings(audit_retention="730d")
+    assert s.audit_retention == 730 * 86400 and s.policy().audit_retention_s == 730 * 86400
+    assert Settings(audit_retention="never").audit_retention is None
+    with pytest.raises(ValueError, match="audit_retention") as e:
+        Settings(audit_retention="two years")
+    assert "not a duration" in str(e.value)
+    # The sweeper looks again within a quarter of the shortest period (at most a minute).
+    assert sweeper._retention_every(Settings(audit_retention="40s").policy()) == 10
+    with_defaults = Settings(metrics_downsample_after="never", log_retention="never").policy()
+    assert sweeper._retention_every(with_defaults) == sweeper.RETENTION_IDLE_S

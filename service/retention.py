@@ -217,7 +217,7 @@ def _thin_job(db: Database, job_id: int, max_points: int, deadline: float, out: 
         names = series_names(s, job_id)
     for name in names:
         with db.read() as s:
-            kept, whole = pick_steps(s, job_id, name, 0, max_points)
+            kept, whole, _ = pick_steps(s, job_id, name, 0, max_points)
         if whole:
             continue  # short enough: kept whole
         series = (MetricPoint.job_id == job_id, MetricPoint.name == name)

@@ -19,7 +19,10 @@ from typing import Any
 import httpx
 import pytest
 from playwright.sync_api import expect, sync_playwright
+from sqlalchemy import update
 
+from service.db import Database
+from service.models import Job
 from tests.conftest import Server, start_server, stop_server
 from tests.helpers import finish, register, report, submit_and_claim
 
@@ -346,7 +349,7 @@ def _loss(step: int) -> float:
 
 
 def test_the_chart_draws_the_whole_run_of_several_series_and_follows_it(
-    sqlite_server: Server,
+    sqlite_server: Server, tmp_path: Path
 ) -> None:
     if not os.access(CHROMIUM, os.X_OK):
         pytest.fail(f"no Chromium at {CHROMIUM}: run `make browser` (or set DDPQ_CHROMIUM)")
@@ -400,13 +403,36 @@ def test_the_chart_draws_the_whole_run_of_several_series_and_follows_it(
             # Downsampled by the API: fewer points than the run has, the shape kept.
             drawn = int(chart.get_attribute("data-points") or 0)
             assert 100 < drawn < 6000, drawn
+            # ... and said under the chart, for the long series only (val_loss: 12 points).
+            note = page.locator("#chart-note")
+            expect(note).to_be_visible()
+            expect(note).to_have_text(
+                re.compile(r"^loss: [1-9][\d,]* of 6,000 points shown \(downsampled\)$")
+            )
+            loss_shown = int(note.inner_text().split()[1].replace(",", ""))
+            assert loss_shown < 6000 and loss_shown + 12 == drawn, (loss_shown, drawn)
             _screenshot(page, "whole-run")
+            page.locator('#metric-list input[value="loss"]').uncheck()
+            expect(chart.locator("path.chart-line")).to_have_count(1)
+            expect(note).to_be_hidden()  # val_loss alone: every point shown
+            page.locator('#metric-list input[value="loss"]').check()
+            expect(note).to_contain_text("of 6,000 points shown")
 
-            # Live: what the running job reports next is drawn, asked for alone.
+            # Retention downsampled the job's series in storage: said too (the job says
+            # how many points it removed; here set by hand, the job still running).
+            db = Database(f"sqlite:///{tmp_path / 'ddpq.db'}")
+            with db.write() as s:
+                s.execute(update(Job).where(Job.id == job_id).values(metrics_thinned=1234))
+            db.dispose()
+            # Live: what the running job reports next is drawn, asked for alone; the
+            # count of points held follows (6,000 + 500 new).
             report(server, claim, points(6001, 6500))
             expect(chart).to_have_attribute("data-last-step", "6500")
             expect(chart).to_have_attribute("data-first-step", "1")
             expect(page.locator("#chart-info")).to_contain_text("val_loss 1.35 at step 6500")
+            expect(note).to_contain_text("of 6,500 points shown (downsampled)")
+            expect(note).to_contain_text("in storage after it ended: 1,234 points removed")
+            assert "val_loss:" not in note.inner_text()
             assert not problems, problems
         finally:
             browser.close()

@@ -183,8 +183,28 @@ def test_downsampling_keeps_minima_maxima_and_the_last_point(server: Server) -> 
         assert steps == sorted(set(steps))
         return {i["step"]: i["values"][name] for i in items if name in i["values"]}
 
+    def counts(params: dict[str, Any]) -> dict[str, Any]:
+        r = user.get(f"/jobs/{jid}/metrics", params=params)
+        assert r.status_code == 200, r.text
+        answer: dict[str, Any] = r.json()["series"]
+        return answer
+
     got = series({"max_points": 50}, "loss")
     assert 40 <= len(got) <= 50
+    # Each series says how many points it has, how many the answer shows, and so
+    # whether it was downsampled (the dashboard's note under the chart).
+    said = counts({"max_points": 50})
+    assert said["loss"] == {"points": 3000, "shown": len(got), "downsampled": True}
+    assert said["acc"]["points"] == 300 and said["acc"]["downsampled"]
+    assert said["acc"]["shown"] == len(series({"max_points": 50}, "acc"))
+    assert counts({"max_points": 1000, "name": "acc"}) == {
+        "acc": {"points": 300, "shown": 300, "downsampled": False}
+    }
+    assert counts({"name": "loss"}) == {
+        "loss": {"points": 3000, "shown": 3000, "downsampled": False}
+    }
+    assert counts({"max_points": 20, "since_step": 2500, "name": "loss"})["loss"]["points"] == 500
+    assert counts({"max_points": 20, "since_step": 5000, "name": "loss"}) == {}  # none there
     assert got[1234] == 99.0 and got[2222] == -5.0 and got[500] == "NaN"
     assert got[0] == 10.0 and got[2999] == 10.0 - 2999 / 1000  # first and final values
     assert len(series({"max_points": 50}, "acc")) <= 50
@@ -206,6 +226,8 @@ def test_downsampling_keeps_minima_maxima_and_the_last_point(server: Server) -> 
     report(server, claim, big)
     got = series({"max_points": 10, "name": "big"}, "big")
     assert len(got) <= 10 and got[2**60 + 42_000] == 100.0 and 2**60 + 99_000 in got
+    said = counts({"max_points": 10, "name": "big"})
+    assert said == {"big": {"points": 100, "shown": len(got), "downsampled": True}}
     # Up to the largest step: the last bucket's computed end would pass 2**63 - 1.
     top = 2**63 - 1
     edge = [{"step": top - 97 * i, "values": {"edge": float(i)}} for i in range(100)]
@@ -350,4 +372,10 @@ def test_attempts_auth_and_openapi(server: Server) -> None:
     assert {p["name"] for p in logs["parameters"]} >= {"offset", "follow"}
     metrics = spec["/jobs/{job_id}/metrics"]["get"]
     assert {p["name"] for p in metrics["parameters"]} >= {"name", "since_step", "max_points"}
+    # The answer says per series what it holds and shows (service.schemas.SeriesCount).
+    schemas = httpx.get(f"{server.url}/openapi.json").json()["components"]["schemas"]
+    assert "MetricsPublic" in json.dumps(metrics["responses"]["200"])
+    assert "series" in schemas["MetricsPublic"]["properties"]
+    assert "series" not in schemas["MetricsPublic"].get("required", [])  # older answers lack it
+    assert set(schemas["SeriesCount"]["properties"]) == {"points", "shown", "downsampled"}
     assert "AttemptsPublic" in json.dumps(spec["/jobs/{job_id}/attempts"])

@@ -98,5 +98,22 @@ class MetricItemPublic(BaseModel):
     values: dict[str, MetricValue | None]
 
 
+class SeriesCount(BaseModel):
+    """How much of one series an answer holds, so a chart can say it shows fewer."""
+
+    points: int = Field(
+        description="the series' points the API holds from since_step on (after any "
+        "downsampling in storage: the job's metrics_downsampled counts what that removed)"
+    )
+    shown: int = Field(description="of them, those in items")
+    downsampled: bool = Field(description="max_points left some out (shown < points)")
+
+
 class MetricsPublic(BaseModel):
     items: list[MetricItemPublic]
+    # Added after items: an answer of an older API has none, so it defaults to empty.
+    series: dict[str, SeriesCount] = Field(
+        default={},
+        description="each metric name in items: its points held and shown (GET "
+        "/jobs/{id}/metrics; the events stream's metrics events carry none)",
+    )

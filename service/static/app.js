@@ -327,6 +327,13 @@ function thinHistory(pts, maxPoints) {
 // downsamples once it passes twice max_points. A new attempt resumes from a checkpoint
 // and reports its steps again: points of earlier attempts from the step it started
 // reporting at are left out, so the lines end where the attempt is.
+//
+// It also keeps how many points each series has in the API (`held`, from the answers'
+// `series`) and which series it holds fewer of (`downsampled`), for the note under the
+// chart. An answer from `since` on counts again what the API held from there: what the
+// previous answer counted from there is taken off first, by the steps it sent (exact
+// unless that answer was itself downsampled past `since`, which keeps at least the
+// newest point: only a new attempt's leftovers can be off).
 class MetricHistory {
   constructor(maxPoints) {
     this.maxPoints = maxPoints;
@@ -336,6 +343,9 @@ class MetricHistory {
   reset(attempt) {
     this.attempt = attempt;
     this.series = new Map(); // name -> [{x: step, y: number, a: attempt}] by step
+    this.held = new Map(); // name -> the points the API holds of it
+    this.downsampled = new Set(); // names of which fewer points are kept than it holds
+    this.answered = new Map(); // name -> the steps the last answer sent
     this.loaded = false;
     this.behind = false; // earlier attempts' points lie past the current one's newest
     this.fetchedAt = -Infinity;
@@ -370,16 +380,32 @@ class MetricHistory {
     return { q, since };
   }
 
-  // Take an answer to next()'s query.
-  take(items, since) {
+  // Take an answer to next()'s query (`series`: its counts; none from an older API).
+  take(items, since, series = {}) {
     this.loaded = true;
     this.fetchedAt = Date.now();
-    if (since === null) this.series = new Map();
-    else for (const [name, pts] of this.series) this.series.set(name, pts.filter((p) => p.x < since));
+    if (since === null) {
+      this.series = new Map();
+      this.held = new Map();
+      this.downsampled = new Set();
+    } else {
+      for (const [name, pts] of this.series) this.series.set(name, pts.filter((p) => p.x < since));
+      for (const [name, held] of this.held) {
+        const again = (this.answered.get(name) || []).filter((x) => x >= since).length;
+        this.held.set(name, held - again);
+      }
+    }
+    this.answered = new Map();
+    for (const [name, c] of Object.entries(series)) {
+      this.held.set(name, (this.held.get(name) || 0) + c.points);
+      if (c.downsampled) this.downsampled.add(name);
+    }
     for (const item of items) {
       for (const [name, v] of Object.entries(item.values)) {
         if (!this.series.has(name)) this.series.set(name, []);
         this.series.get(name).push({ x: item.step, y: numberOf(v), a: item.attempt });
+        if (!this.answered.has(name)) this.answered.set(name, []);
+        this.answered.get(name).push(item.step);
       }
     }
     let first = Infinity;
@@ -392,9 +418,39 @@ class MetricHistory {
     for (const [name, pts] of this.series) {
       if (pts.some((p) => p.a < this.attempt && (newest < 0 || p.x > newest))) this.behind = true;
       const kept = first === Infinity ? pts : pts.filter((p) => p.a >= this.attempt || p.x < first);
-      this.series.set(name, kept.length > 2 * this.maxPoints ? thinHistory(kept, this.maxPoints) : kept);
+      if (kept.length > 2 * this.maxPoints) {
+        this.series.set(name, thinHistory(kept, this.maxPoints));
+        this.downsampled.add(name);
+      } else {
+        this.series.set(name, kept);
+      }
     }
   }
+}
+
+const count = (n) => n.toLocaleString("en-US");
+
+// The note under the chart: which series drawn show fewer points than they have, and
+// whether retention downsampled the job's series in storage (the chart cannot tell).
+function chartNote(history, names, job) {
+  const notes = [];
+  for (const name of names) {
+    const shown = (history.series.get(name) || []).length;
+    if (!shown || !history.downsampled.has(name)) continue;
+    const held = history.held.get(name);
+    notes.push(
+      held > shown
+        ? `${name}: ${count(shown)} of ${count(held)} points shown (downsampled)`
+        : `${name}: ${count(shown)} points shown (downsampled)`,
+    );
+  }
+  if (job && job.metrics_downsampled > 0) {
+    notes.push(
+      `this job's series were downsampled in storage after it ended: ` +
+        `${count(job.metrics_downsampled)} points removed (DDPQ_METRICS_DOWNSAMPLE_AFTER)`,
+    );
+  }
+  return notes;
 }
 
 // ---- one job ------------------------------------------------------------------------------
@@ -577,6 +633,8 @@ function jobView(id) {
   $("log").textContent = "";
   $("log-info").textContent = "";
   $("chart-info").textContent = "";
+  $("chart-note").textContent = "";
+  $("chart-note").hidden = true;
   $("metric-list").replaceChildren($("metric-list").querySelector("legend"));
   renderAttempts([]);
   renderCheckpoints([]);
@@ -635,6 +693,9 @@ function jobView(id) {
     $("chart-info").textContent = latest.length
       ? `steps ${first} to ${last}; latest: ${latest.join(", ")}`
       : "";
+    const notes = chartNote(history, names, st.job);
+    $("chart-note").textContent = notes.join("; ");
+    $("chart-note").hidden = !notes.length;
   };
 
   const updateMetricList = () => {
@@ -665,7 +726,7 @@ function jobView(id) {
     const attempt = history.attempt;
     const data = await api(`/jobs/${id}/metrics?${q}`);
     if (stopped || attempt !== history.attempt) return;
-    history.take(data.items, since);
+    history.take(data.items, since, data.series || {});
     updateMetricList();
     drawChart();
   };

@@ -35,6 +35,7 @@ from service.models import (
     Worker,
 )
 from service.models import utcnow as now
+from service.queue import books, reasons
 from service.queue.books import capacities
 from service.schemas import FinishRequest, JobSpec
 
@@ -374,3 +375,79 @@ def test_the_reasons_agree_with_the_claims_under_preemption_and_quotas(
             jobs.get_job(db, v).reason or ""
         )
     _agree_all(db, workers, ids, order)
+
+
+def _shape_key(c: books.Shape) -> tuple[object, ...]:
+    part = c.partition
+    return (c.name, part, c.cpu_slots, c.gpus, c.free_cpu, c.free_gpus, c.live)
+
+
+def test_the_summary_gives_the_reasons_of_the_per_worker_view(db: Database) -> None:
+    """On a mixed fleet (GPU workers busy, full, two alike, one idle; CPU-only workers;
+    a dead one; a Slurm bridge; a gang forming on the idle one), the summary grouped in
+    SQL (books.summary, what the reasons read) is the per-worker books (capacities)
+    counted by shape, and every queued job's reason, and a strict submit's verdict
+    (books.totals), is the same decided on either."""
+    gpu8, cpu4 = list(range(8)), 4
+    for name, cpu, gpus in (
+        ("busy", 8, gpu8), ("full", 8, gpu8), ("idle1", 8, gpu8), ("alike1", 8, gpu8),
+        ("alike2", 8, gpu8), ("cpu-small", cpu4, []),
+        ("cpu-big", 16, []), ("dead", 8, gpu8),
+    ):  # fmt: skip
+        queue.register_worker(db, name, None, "host", cpu, gpus, "/c")
+    queue.register_worker(
+        db, "bridge", None, "login", 0, [], "/c",
+        {"partition": "small", "nodes": 1, "cpus_per_node": 2, "gpus_per_node": 0,
+         "max_pending": 2},
+    )  # fmt: skip
+
+    def run(worker: str, device: str, ranks: int, gpus: list[int]) -> None:
+        job_id = _submit(db, device, ranks)
+        claim = queue.claim_next_job(db, worker, 64, gpus, f"{next(_tokens):064x}")
+        assert claim is not None and claim.job_id == job_id, (worker, device, ranks)
+
+    for device, ranks in (("cuda", 1), ("cuda", 2), ("auto", 2), ("cpu", 3)):
+        run("busy", device, ranks, gpu8)
+    run("full", "cuda", 8, gpu8)
+    run("alike1", "cuda", 6, gpu8)
+    run("alike2", "cuda", 6, gpu8)
+    run("cpu-small", "cpu", 2, [])
+    run("dead", "cuda", 3, gpu8)
+    gang = jobs.submit_job(db, JobSpec(recipe="toy-regression", world_size=8, nnodes=2), None)
+    node = queue.claim_next_job(db, "idle1", 8, gpu8, f"{next(_tokens):064x}", "10.0.0.1", 29500)
+    assert node is not None and node.job_id == gang.id  # one node slot of two: forming
+    silent = now() - timedelta(seconds=db.policy.lease_s * 3)
+    with db.write() as s:
+        s.execute(update(Worker).where(Worker.name == "dead").values(last_heartbeat=silent))
+    queued = [
+        _submit(db, device, ranks)
+        for device, ranks in (
+            ("cuda", 1), ("cuda", 2), ("cuda", 3), ("cuda", 8), ("cuda", 16), ("cpu", 1),
+            ("cpu", 8), ("cpu", 32), ("auto", 4), ("auto", 12), ("auto", 24),
+        )
+    ]  # fmt: skip
+    for spec in (
+        JobSpec(recipe="toy-regression", world_size=8, nnodes=2),
+        JobSpec(recipe="toy-regression", world_size=6, nnodes=3, device="cpu"),
+        JobSpec(recipe="toy-regression", world_size=64, nnodes=4, device="auto"),
+    ):
+        queued.append(jobs.submit_job(db, spec, None).id)
+    queued.append(gang.id)
+
+    with db.read() as s:
+        caps = capacities(s, db.policy.lease_s)
+        per_worker = books.shapes(caps)
+        grouped = books.summary(s, db.policy.lease_s)
+        counted: dict[tuple[object, ...], int] = {}
+        for c in per_worker:
+            counted[_shape_key(c)] = counted.get(_shape_key(c), 0) + 1
+        assert {_shape_key(c): c.count for c in grouped} == counted
+        assert len(grouped) == len(caps) - 1  # the two alike are one row
+
+        rows = list(s.scalars(select(Job).where(Job.id.in_(queued)).order_by(Job.id)))
+        positions = {job.id: i + 1 for i, job in enumerate(rows)}
+        summarised = queue.pending_reasons(s, rows, positions)
+        assert summarised == reasons.reasons_on(s, rows, positions, per_worker)
+        assert "waiting for 8 GPUs; the most free on one worker is 4" in summarised.values()
+        for job in rows:
+            assert reasons.unschedulable(s, job) == reasons.unschedulable_on(per_worker, job)

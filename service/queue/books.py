@@ -3,8 +3,8 @@
 One definition, ``holdings``, says what holds a worker's slots: an active job's row
 (its CPU slots, or its GPUs) and a live node slot of a multi-node job. A GPU stays
 held until the worker reports the job's processes gone. The claim reads it for one
-worker in a single statement on its hot path; the overview and the reasons read it
-for every worker.
+worker in a single statement on its hot path; the overview reads it for every worker
+(``capacities``), the reasons a summary of it grouped in SQL (``summary``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,17 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import bindparam, func, select, union_all
+from sqlalchemy import (
+    Integer,
+    bindparam,
+    case,
+    false,
+    func,
+    literal_column,
+    null,
+    select,
+    union_all,
+)
 from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
@@ -53,16 +63,19 @@ class Capacity:
     @functools.cached_property
     def partition(self) -> Partition | None:
         """The bridge's partition, read once from ``cluster``; None for a worker."""
-        shape = self.cluster
-        if shape is None:
-            return None
-        return Partition(
-            str(shape["partition"]),
-            int(shape["nodes"]),
-            int(shape["cpus_per_node"]),
-            int(shape.get("gpus_per_node", 0)),
-            int(shape.get("max_pending", 1)),
-        )
+        return _partition(self.cluster)
+
+
+def _partition(shape: dict[str, Any] | None) -> Partition | None:
+    if shape is None:
+        return None
+    return Partition(
+        str(shape["partition"]),
+        int(shape["nodes"]),
+        int(shape["cpus_per_node"]),
+        int(shape.get("gpus_per_node", 0)),
+        int(shape.get("max_pending", 1)),
+    )
 
 
 @functools.cache
@@ -176,6 +189,146 @@ def capacities(s: Session, lease_s: float) -> list[Capacity]:
             )
         )
     return out
+
+
+# ---- a summary of every worker, for the reasons -----------------------------------------
+
+
+@dataclass
+class Shape:
+    """``count`` workers alike in all the reasons read of one: its CPU slots and GPUs,
+    how many of each are free, whether it is live. A bridge is a shape of its own, by
+    name (the reasons name it), with its partition."""
+
+    count: int
+    cpu_slots: int
+    gpus: int
+    free_cpu: int
+    free_gpus: int
+    live: bool
+    name: str | None = None
+    partition: Partition | None = None
+
+
+def _order(shapes: list[Shape]) -> list[Shape]:
+    """One order for the summary and the per-worker view, as the reasons pick the first
+    of several that fit (a bridge, the unit a gang's words name): bridges by name, then
+    the workers with the most GPUs and slots."""
+    return sorted(
+        shapes,
+        key=lambda c: (c.name is None, c.name or "", -c.gpus, -c.cpu_slots, -c.free_gpus,
+                       -c.free_cpu, not c.live),
+    )  # fmt: skip
+
+
+def shapes(caps: list[Capacity]) -> list[Shape]:
+    """The per-worker view as shapes: one per worker (what ``summary`` groups)."""
+    return _order(
+        [
+            Shape(
+                1,
+                c.cpu_slots,
+                len(c.gpus),
+                c.free_cpu,
+                len(c.free_gpus),
+                c.live,
+                c.name if c.partition is not None else None,
+                c.partition,
+            )
+            for c in caps
+        ]
+    )
+
+
+def _length(dialect: str, array: Any) -> Any:
+    """The length of a JSON array column. A job's ``gpus`` may be the JSON ``null``
+    (the column keeps Python None so), whose length Postgres refuses: it counts as
+    none (SQLite's json_array_length says 0 of it)."""
+    if dialect == "postgresql":
+        return case((func.json_typeof(array) == "array", func.json_array_length(array)))
+    return func.json_array_length(array)
+
+
+@functools.cache
+def _summary_statement(dialect: str, with_books: bool) -> Any:
+    """One row per shape of plain workers (with its count) and one per bridge, all
+    decided in SQL: what crosses into Python grows with the kinds of workers, not
+    with the workers or the jobs they run. Without ``with_books``, only their
+    totals: no holdings read, free and live left 0 and false."""
+    n_gpus = func.json_array_length(w.gpus, type_=Integer)
+    if with_books:
+        # One pass over what holds slots, per worker: the CPU slots and the GPUs held.
+        # The GPUs are counted, not gathered as a set (capacities' lists): the claim
+        # hands out only GPUs the books have free, so none is held twice on a worker,
+        # and a count is all a reason reads. (Testing each held GPU against the
+        # worker's own list in SQL, for a worker that registered again with other GPUs
+        # while its old jobs still hold theirs, cost twice this pass on SQLite and ten
+        # times on Postgres: such a worker shows fewer free here until those end.)
+        held = (
+            select(
+                _ALL.c.worker,
+                func.sum(_ALL.c.cpu).label("cpu"),
+                func.sum(_length(dialect, _ALL.c.gpus)).label("gpus"),
+            )
+            .group_by(_ALL.c.worker)
+            .subquery("held")
+        )
+        used_cpu = func.coalesce(held.c.cpu, 0)
+        free_cpu: Any = case((w.cpu_slots > used_cpu, w.cpu_slots - used_cpu), else_=0)
+        held_gpus = func.coalesce(held.c.gpus, 0)
+        free_gpus: Any = case((n_gpus > held_gpus, n_gpus - held_gpus), else_=0)
+        live: Any = w.last_heartbeat >= bindparam("cutoff")
+        source: Any = workers.outerjoin(held, held.c.worker == w.name)
+    else:
+        free_cpu = free_gpus = literal_column("0", Integer)
+        live = false()
+        source = workers
+    per = (
+        select(
+            w.name,
+            w.cluster,
+            w.cpu_slots,
+            n_gpus.label("gpus"),
+            free_cpu.label("free_cpu"),
+            free_gpus.label("free_gpus"),
+            live.label("live"),
+        )
+        .select_from(source)
+        .cte("per_worker")
+    )
+    kind = (per.c.cpu_slots, per.c.gpus, per.c.free_cpu, per.c.free_gpus, per.c.live)
+    bridges = select(literal_column("1", Integer), *kind, per.c.name, per.c.cluster).where(
+        per.c.cluster.is_not(None)
+    )
+    plain = (
+        select(func.count(), *kind, null(), null()).where(per.c.cluster.is_(None)).group_by(*kind)
+    )
+    # The bridges first: the union's columns take their types (the cluster's JSON).
+    return union_all(bridges, plain)
+
+
+def _shapes_of(s: Session, with_books: bool, params: dict[str, Any]) -> list[Shape]:
+    conn = s.connection()
+    rows = conn.execute(_summary_statement(conn.dialect.name, with_books), params)
+    return _order(
+        [
+            Shape(int(n), cpu, int(gpus), int(free_cpu), int(free_gpus), bool(live),
+                  name, _partition(cluster))
+            for n, cpu, gpus, free_cpu, free_gpus, live, name, cluster in rows
+        ]
+    )  # fmt: skip
+
+
+def summary(s: Session, lease_s: float) -> list[Shape]:
+    """Every worker's books as the reasons read them: the same as ``shapes(capacities())``
+    but for the order of workers of one shape, grouped in SQL."""
+    return _shapes_of(s, True, {"cutoff": utcnow() - timedelta(seconds=lease_s)})
+
+
+def totals(s: Session) -> list[Shape]:
+    """Every worker's slots and GPUs and every bridge's partition, grouped: what could
+    ever run where (no holdings are read; free and live are 0 and false)."""
+    return _shapes_of(s, False, {})
 
 
 def overview(db: Database) -> list[dict[str, Any]]:

@@ -1,8 +1,11 @@
 """Why a queued job is not running, in words a person understands.
 
 Built from the claim's own rules (rules.unit for what a job counts on a worker,
-books.capacities for what is free), so the reason a job shows agrees with what the
-claim does: tests/test_reasons_property.py checks that on random states.
+the books for what is free), so the reason a job shows agrees with what the claim
+does: tests/test_reasons_property.py checks that on random states. The books are read
+as ``books.summary``: workers grouped by all a reason reads of them (slots, GPUs, what
+of them is free, live), so a reason costs the kinds of workers, not the workers and
+the jobs they run (it is decided for every queued job shown and on every submit).
 """
 
 from __future__ import annotations
@@ -17,16 +20,16 @@ from ddpq.rules import UNSCHEDULABLE
 from service.db import Policy
 from service.models import Job, utcnow
 from service.queue import quotas, rules
-from service.queue.books import Capacity, Partition, capacities
+from service.queue.books import Partition, Shape, summary, totals
 from service.queue.rules import FORMING, j, jn, policy_of
 
 
-def _total(cap: Capacity, unit: str) -> int:
-    return len(cap.gpus) if unit == "gpu" else cap.cpu_slots
+def _total(cap: Shape, unit: str) -> int:
+    return cap.gpus if unit == "gpu" else cap.cpu_slots
 
 
-def _free(cap: Capacity, unit: str) -> int:
-    return len(cap.free_gpus) if unit == "gpu" else cap.free_cpu
+def _free(cap: Shape, unit: str) -> int:
+    return cap.free_gpus if unit == "gpu" else cap.free_cpu
 
 
 def _words(n: int, unit: str) -> str:
@@ -54,7 +57,7 @@ def _partition_fits(part: Partition, job: Job) -> bool:
     )
 
 
-def _partition_words(cap: Capacity, part: Partition) -> str:
+def _partition_words(cap: Shape, part: Partition) -> str:
     return (
         f"Slurm partition {part.name} (bridge {cap.name}) has {part.nodes} "
         f"node{'' if part.nodes == 1 else 's'} of {part.cpus_per_node} CPUs and "
@@ -62,7 +65,7 @@ def _partition_words(cap: Capacity, part: Partition) -> str:
     )
 
 
-def _bridge_words(cap: Capacity, part: Partition, ahead: int) -> str:
+def _bridge_words(cap: Shape, part: Partition, ahead: int) -> str:
     words = (
         f"waiting for the Slurm bridge {cap.name} to hand it to Slurm (it lets at most "
         f"{part.max_pending} of its jobs wait in Slurm)"
@@ -70,7 +73,8 @@ def _bridge_words(cap: Capacity, part: Partition, ahead: int) -> str:
     return words + (f"; {ahead} job(s) ahead in the queue" if ahead else "")
 
 
-def _unschedulable_on(caps: list[Capacity], job: Job) -> str | None:
+def unschedulable_on(caps: list[Shape], job: Job) -> str | None:
+    """Why none of the workers ``caps`` could ever run ``job``, or None if one could."""
     bridges = [(c, c.partition) for c in caps if c.partition is not None]
     if any(_partition_fits(part, job) for _, part in bridges):
         return None
@@ -84,12 +88,12 @@ def _unschedulable_on(caps: list[Capacity], job: Job) -> str | None:
     return f"{found}; {limits}" if found else need
 
 
-def _unschedulable_on_workers(caps: list[Capacity], job: Job) -> str | None:
+def _unschedulable_on_workers(caps: list[Shape], job: Job) -> str | None:
     if job.nnodes > 1:
         return None  # multi-node placement is not decided per worker
     best = {"gpu": 0, "cpu": 0}
     for cap in caps:
-        unit = rules.unit(job.device, bool(cap.gpus))
+        unit = rules.unit(job.device, cap.gpus > 0)
         if unit is None:
             continue
         if _total(cap, unit) >= job.nproc_per_node:
@@ -98,7 +102,7 @@ def _unschedulable_on_workers(caps: list[Capacity], job: Job) -> str | None:
     if not caps:
         return None  # no worker yet: it waits for one
     n = job.nproc_per_node
-    units = {rules.unit(job.device, bool(c.gpus)) for c in caps} - {None}
+    units = {rules.unit(job.device, c.gpus > 0) for c in caps} - {None}
     if units == {"gpu", "cpu"}:  # an auto job, with GPU and CPU-only workers about
         return (
             f"{UNSCHEDULABLE}: needs {_words(n, 'gpu')} on one GPU worker or {_words(n, 'cpu')} "
@@ -113,8 +117,9 @@ def _unschedulable_on_workers(caps: list[Capacity], job: Job) -> str | None:
 
 
 def unschedulable(s: Session, job: Job) -> str | None:
-    """Why no registered worker could ever run ``job``, or None if one could."""
-    return _unschedulable_on(capacities(s, policy_of(s).lease_s), job)
+    """Why no registered worker could ever run ``job``, or None if one could: decided on
+    the workers' totals alone (a strict submit asks it in its write transaction)."""
+    return unschedulable_on(totals(s), job)
 
 
 @dataclass
@@ -122,8 +127,8 @@ class _View:
     """What every reason is decided on: the workers' books, the live ones, the policy,
     and what the owners of held-back jobs may and do hold (quotas)."""
 
-    caps: list[Capacity]
-    live: list[Capacity]
+    caps: list[Shape]
+    live: list[Shape]
     policy: Policy
     now: datetime
     held: dict[str, tuple[quotas.Limits, int, int]] = field(default_factory=dict)
@@ -153,8 +158,15 @@ def pending_reasons(s: Session, jobs: list[Job], positions: dict[int, int]) -> d
     """Why each queued job is not running, in words a person understands."""
     if not jobs:
         return {}
+    return reasons_on(s, jobs, positions, summary(s, policy_of(s).lease_s))
+
+
+def reasons_on(
+    s: Session, jobs: list[Job], positions: dict[int, int], caps: list[Shape]
+) -> dict[int, str]:
+    """``pending_reasons`` decided on the workers ``caps`` (``books.summary``, or the
+    per-worker ``books.shapes``: the same words)."""
     policy = policy_of(s)
-    caps = capacities(s, policy.lease_s)
     view = _View(caps, [c for c in caps if c.live], policy, utcnow())
     for owner in {job.owner for job in jobs if job.quota_running or job.quota_gpus}:
         if owner is not None:
@@ -197,7 +209,7 @@ def _no_worker(view: _View) -> str | None:
     return None
 
 
-def _live_bridge(view: _View, job: Job) -> tuple[Capacity, Partition] | None:
+def _live_bridge(view: _View, job: Job) -> tuple[Shape, Partition] | None:
     """A live bridge whose partition fits ``job``: it waits for that bridge's turn."""
     for c in view.live:
         if c.partition is not None and _partition_fits(c.partition, job):
@@ -205,15 +217,15 @@ def _live_bridge(view: _View, job: Job) -> tuple[Capacity, Partition] | None:
     return None
 
 
-def _could_run(cap: Capacity, job: Job) -> bool:
+def _could_run(cap: Shape, job: Job) -> bool:
     """Whether ``cap`` could run ``job`` were it empty."""
-    unit = rules.unit(job.device, bool(cap.gpus))
+    unit = rules.unit(job.device, cap.gpus > 0)
     return unit is not None and _total(cap, unit) >= job.nproc_per_node
 
 
 def _reason(job: Job, ahead: int, view: _View) -> str:
     """A single-node job's reason: what it waits for, by the claim's own rules."""
-    first = _unschedulable_on(view.caps, job) or _backoff(job, view.now) or _no_worker(view)
+    first = unschedulable_on(view.caps, job) or _backoff(job, view.now) or _no_worker(view)
     if first:
         return first
     # Held back by its owner's limits: on no worker, or (GPUs) on those it would take
@@ -225,7 +237,7 @@ def _reason(job: Job, ahead: int, view: _View) -> str:
         live = [
             c
             for c in live
-            if rules.quota_lets(bool(c.gpus), job.device, job.quota_running, job.quota_gpus)
+            if rules.quota_lets(c.gpus > 0, job.device, job.quota_running, job.quota_gpus)
         ]
         if not any(_could_run(c, job) for c in live):
             return quota
@@ -235,7 +247,7 @@ def _reason(job: Job, ahead: int, view: _View) -> str:
     best_free = {"gpu": 0, "cpu": 0}
     fits_now = False
     for cap in live:
-        unit = rules.unit(job.device, bool(cap.gpus))
+        unit = rules.unit(job.device, cap.gpus > 0)
         if unit is None or _total(cap, unit) < job.nproc_per_node:
             continue
         best_free[unit] = max(best_free[unit], _free(cap, unit))
@@ -267,7 +279,7 @@ def _reason(job: Job, ahead: int, view: _View) -> str:
 
 def _gang_reason(job: Job, held: int, view: _View) -> str:
     """Why a multi-node job waits: its slots so far, and how many workers could be a node."""
-    backoff = _unschedulable_on(view.caps, job) or _backoff(job, view.now)
+    backoff = unschedulable_on(view.caps, job) or _backoff(job, view.now)
     if backoff:
         return backoff
     quota = _quota_words(job, view)
@@ -281,10 +293,10 @@ def _gang_reason(job: Job, held: int, view: _View) -> str:
     fit = 0
     unit = "cpu"
     for cap in live:
-        u = rules.unit(job.device, bool(cap.gpus))
+        u = rules.unit(job.device, cap.gpus > 0)
         if u is not None and _total(cap, u) >= per_node:
-            fit += 1
-            unit = u if fit == 1 else unit
+            unit = u if fit == 0 else unit
+            fit += cap.count
     words = f"waiting for {n} nodes: {held} of {n} held"
     if fit < n:
         words += (

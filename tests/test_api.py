@@ -565,3 +565,71 @@ def test_claim_respects_free_slots_and_priority(server: Server) -> None:
     assert claim(0) is None  # nor does a worker that reports nothing free get anything
     assert c.get(f"/jobs/{big['id']}").json()["status"] == "queued"
     assert "unschedulable: needs 4 CPU slots" in c.get(f"/jobs/{big['id']}").json()["reason"]
+
+
+# Bodies the fast reading (metrics.parse_points) leaves to MetricsIn, each refused: the
+# field (loc, after "body") and the reason the answer must name.
+REFUSED_METRICS: list[tuple[bytes, tuple[Any, ...], str]] = [
+    (b'{"items":[{"step":1,"values":{"loss":1}},"x"]}', ("items", 1), "an object"),
+    (b'{"items":[{"step":"1","values":{"loss":1}}]}', ("items", 0, "step"), "valid integer"),
+    (b'{"items":[{"step":1,"values":{"loss":true}}]}', ("items", 0, "values", "loss"), "number"),
+    (b'{"items":[{"step":1,"epoch":"soon","values":{"a":1}}]}', ("items", 0, "epoch"), "number"),
+    (b'{"items":[{"step":1,"values":{"loss":1e400}}]}', ("items", 0, "values", "loss"), "finite"),
+    (b'{"items":[{"step":1,"values":{"loss":"nan"}}]}', ("items", 0, "values", "loss"), "'NaN'"),
+    (b'{"items":[{"step":1,"stepp":2,"values":{"a":1}}]}', ("items", 0, "stepp"), "Extra"),
+    (b'{"items":[{"step":1,"values":{"a\\u0007":1}}]}', ("items", 0, "values"), "printable"),
+    (
+        b'{"items":[{"step":1,"values":{"%s":1}}]}' % (b"x" * 201),
+        ("items", 0, "values"),
+        "at most 200",
+    ),
+    (b'{"items":[{"step":1,"values":{"":1}}]}', ("items", 0, "values"), "at least 1"),
+    (b'{"items":[{"step":9223372036854775808,"values":{"a":1}}]}', ("items", 0, "step"), "less"),
+    (b'{"items":[{"step":1,"values":{"a":1}}],"dropped":true}', ("dropped",), "integer"),
+    (b'{"items":[{"step":1,"values":{"a":1}}],"dropped":-1}', ("dropped",), "greater"),
+    (b'{"items":[{"step":1,"values":{"a":1}}],"more":1}', ("more",), "Extra"),
+    (
+        json.dumps({"items": [{"step": i, "values": {"loss": 1}} for i in range(1001)]}).encode(),
+        ("items",),
+        "at most 1000",
+    ),
+    # A good batch with one bad item at its end: the whole batch is refused.
+    (
+        json.dumps(
+            {"items": [*({"step": i, "values": {"loss": 1.0}} for i in range(999)), {"step": 999}]}
+        ).encode(),
+        ("items", 999),
+        "at least one metric",
+    ),
+]
+
+
+def test_metric_reports_refused_name_the_field_and_store_nothing(server: Server) -> None:
+    claim = submit_and_claim(server)
+    rank0 = server.client(claim["token"])
+    user = server.client()
+    jid = claim["job_id"]
+    good = {"items": [{"step": 1000, "epoch": 1, "values": {"loss": 0.5}}], "dropped": 2}
+    assert rank0.post(f"/jobs/{jid}/metrics", json=good).status_code == 202
+    before = user.get(f"/jobs/{jid}").json()
+    for raw, loc, reason in [
+        *REFUSED_METRICS,
+        # A bare NaN token (JSON has none; Python's json module would read it), and bytes
+        # that are not UTF-8.
+        (b'{"items":[{"step":1,"values":{"loss":NaN}}]}', ("items", 0, "values"), "finite"),
+        (b'{"items":[{"step":1,"values":{"l\xff":1}}]}', (), "UTF-8"),
+    ]:
+        r = rank0.post(
+            f"/jobs/{jid}/metrics", content=raw, headers={"Content-Type": "application/json"}
+        )
+        shown = raw[:80]
+        assert r.status_code == 422, (shown, r.text[:300])
+        detail = r.json()["detail"]
+        assert any(
+            tuple(e["loc"][1 : 1 + len(loc)]) == loc and reason in e["msg"] for e in detail
+        ), (shown, detail[:3])
+    items = user.get(f"/jobs/{jid}/metrics").json()["items"]
+    assert [(i["step"], i["values"]) for i in items] == [(1000, {"loss": 0.5})]
+    after = user.get(f"/jobs/{jid}").json()
+    for key in ("latest_metrics", "metrics_dropped", "total_steps"):
+        assert after[key] == before[key], key

@@ -210,10 +210,15 @@ class Conn:
         self.conn.close()
 
 
-def ingest(api: Api, batches: int, meter: CpuMeter) -> float:
-    claim = claim_job(api, "ingest")
-    conn = Conn(api, claim["token"])
-    path = f"/jobs/{claim['job_id']}/metrics"
+def ingest(api: Api, batches: int, meter: CpuMeter, senders: int = 1) -> float:
+    """Items/s stored through POST /jobs/{id}/metrics: ``senders`` jobs (a rank 0 each)
+    posting ``batches`` batches each, at once. One sender waits for every answer, so the
+    API's and Postgres's CPU run in series; several keep both busy (and, with
+    --workers N, several API processes: one sender's connection stays on one)."""
+    conns = []
+    for n in range(senders):
+        claim = claim_job(api, f"ingest-{n}")
+        conns.append((Conn(api, claim["token"]), f"/jobs/{claim['job_id']}/metrics"))
     bodies = []
     for b in range(batches):
         items = [
@@ -225,18 +230,31 @@ def ingest(api: Api, batches: int, meter: CpuMeter) -> float:
             for i in range(BATCH)
         ]
         bodies.append(json.dumps({"items": items}).encode())
-    for body in bodies[:3]:  # warm-up
-        status, text = conn.request("POST", path, body)
-        assert status == 202, text
+    for conn, path in conns:
+        for body in bodies[:3]:  # warm-up
+            status, text = conn.request("POST", path, body)
+            assert status == 202, text
+    start = threading.Barrier(senders + 1)
+
+    def send(conn: Conn, path: str) -> None:
+        start.wait()
+        for body in bodies[3:]:
+            status, text = conn.request("POST", path, body)
+            assert status == 202, text
+
+    threads = [threading.Thread(target=send, args=c) for c in conns]
+    for t in threads:
+        t.start()
     meter.start()
     t0 = time.perf_counter()
-    for body in bodies[3:]:
-        status, text = conn.request("POST", path, body)
-        assert status == 202, text
+    start.wait()
+    for t in threads:
+        t.join()
     elapsed = time.perf_counter() - t0
     meter.stop()
-    conn.close()
-    return (batches - 3) * BATCH / elapsed
+    for conn, _ in conns:
+        conn.close()
+    return senders * (batches - 3) * BATCH / elapsed
 
 
 def get_latency(api: Api, jobs: int, n: int) -> tuple[float, float]:
@@ -393,6 +411,7 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=10, help="steps in a row of one kind")
     ap.add_argument("--parts", default="ingest,get,report", help="what to run")
     ap.add_argument("--workers", type=int, default=1, help="API processes (serve --workers)")
+    ap.add_argument("--senders", type=int, default=1, help="jobs posting metrics at once")
     args = ap.parse_args()
     if args.backend == "postgres" and not postgres_available():
         raise SystemExit("postgres: unreachable")
@@ -408,11 +427,11 @@ def main() -> None:
             parts = set(args.parts.split(","))
             if "ingest" in parts:
                 meter = CpuMeter(api, url)
-                rate = ingest(api, args.batches, meter)
+                rate = ingest(api, args.batches, meter, args.senders)
                 print(
                     f"{args.backend}: ingest: {rate:,.0f} items/s ({rate * POINTS_PER_STEP:,.0f} "
-                    f"points/s) in batches of {BATCH}, one sender; "
-                    f"a batch: {meter.per(args.batches - 3)}"
+                    f"points/s) in batches of {BATCH}, {args.senders} sender(s); "
+                    f"a batch: {meter.per(args.senders * (args.batches - 3))}"
                 )
             if "get" in parts:
                 p50, p95 = get_latency(api, args.jobs, args.requests)

@@ -18,8 +18,12 @@
    what reporting can take from training if it all came out of the training
    thread's core (goal <= 1%). Run once plain and once with
    ``DDPQ_TENSORBOARD_DIR`` set.
+4. ``--parts heartbeat``: the CPU (API and Postgres) of one ``POST /workers/heartbeat``
+   of an idle 8-GPU host and of one running 8 attempts, what each host of a fleet sends
+   every 2 s (bench/fleet.py runs the fleet).
 
     .venv/bin/python bench/api.py [--backend sqlite|postgres] [--jobs 10000] [--points 1000000]
+        [--parts ingest,get,report,heartbeat] [--senders N]
         [--workers N]
 
 Goals on a 2-core machine (SQLite): >= 50,000 items/s; GET p95 <= 10 ms and
@@ -38,6 +42,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -257,6 +262,57 @@ def ingest(api: Api, batches: int, meter: CpuMeter, senders: int = 1) -> float:
     return senders * (batches - 3) * BATCH / elapsed
 
 
+def heartbeats(api: Api, url: str, n: int) -> dict[str, CpuMeter]:
+    """CPU per ``POST /workers/heartbeat`` of an idle 8-GPU host and of one running 8
+    attempts (what every host of a fleet sends every 2 s: bench/fleet.py), one sender."""
+    out = {}
+    with api.client("worker") as w, api.client() as c:
+        running: list[dict[str, int]] = []
+        for name in ("hb-busy", "hb-idle"):
+            identity = uuid.uuid4().hex
+            w.post(
+                "/workers/register",
+                json={
+                    "name": name,
+                    "identity": identity,
+                    "hostname": name,
+                    "cpu_slots": 8,
+                    "gpus": list(range(8)),
+                    "checkpoint_root": "/tmp/c",
+                },
+            ).raise_for_status()
+            if name == "hb-busy":
+                free = list(range(8))
+                for _ in range(8):
+                    job = {"entrypoint": "t.py", "device": "cuda", "priority": 100}
+                    c.post("/jobs", json=job).raise_for_status()
+                    body = {"name": name, "free_cpu_slots": 8, "free_gpus": free, "wait_s": 5}
+                    r = w.post("/workers/claim", json=body)
+                    r.raise_for_status()
+                    got = r.json()
+                    running.append({"job_id": got["job_id"], "attempt": got["attempt"]})
+                    free = [g for g in free if g not in got["gpus"]]
+            beat = json.dumps(
+                {
+                    "name": name,
+                    "identity": identity,
+                    "running": running if name == "hb-busy" else [],
+                }
+            ).encode()
+            conn = Conn(api, api.worker_token)
+            for _ in range(50):  # warm-up
+                conn.request("POST", "/workers/heartbeat", beat)
+            meter = CpuMeter(api, url)
+            meter.start()
+            for _ in range(n):
+                status, text = conn.request("POST", "/workers/heartbeat", beat)
+                assert status == 200, text
+            meter.stop()
+            conn.close()
+            out["a host running 8 attempts" if name == "hb-busy" else "an idle host"] = meter
+    return out
+
+
 def get_latency(api: Api, jobs: int, n: int) -> tuple[float, float]:
     conn = Conn(api, api.api_token)
     rng = random.Random(1)
@@ -409,7 +465,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=2000, help="sequential GETs for p50/p95")
     ap.add_argument("--steps", type=int, default=2000, help="training steps of each kind")
     ap.add_argument("--block", type=int, default=10, help="steps in a row of one kind")
-    ap.add_argument("--parts", default="ingest,get,report", help="what to run")
+    ap.add_argument("--parts", default="ingest,get,report", help="what to run (also: heartbeat)")
     ap.add_argument("--workers", type=int, default=1, help="API processes (serve --workers)")
     ap.add_argument("--senders", type=int, default=1, help="jobs posting metrics at once")
     args = ap.parse_args()
@@ -433,6 +489,9 @@ def main() -> None:
                     f"points/s) in batches of {BATCH}, {args.senders} sender(s); "
                     f"a batch: {meter.per(args.senders * (args.batches - 3))}"
                 )
+            if "heartbeat" in parts:
+                for what, meter in heartbeats(api, url, args.requests).items():
+                    print(f"{args.backend}: heartbeat of {what}: {meter.per(args.requests)}")
             if "get" in parts:
                 p50, p95 = get_latency(api, args.jobs, args.requests)
                 print(

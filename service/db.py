@@ -18,10 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Select, create_engine, event, text
-from sqlalchemy.engine import Connection, Engine, make_url
+from sqlalchemy.engine import Connection, Engine, Row, make_url
 from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.sql import Executable
 
 from service.errors import ServiceError
 
@@ -307,6 +308,15 @@ class Database:
             with self._autocommit.connect() as conn:
                 found = conn.execute(stmt, params).first()
                 return tuple(found) if found is not None else None
+
+    def read_all(self, stmt: Executable, params: dict[str, Any]) -> list[Row[Any]]:
+        """Every row of one prebuilt SELECT with no Session and no transaction around it
+        (on Postgres, autocommit: no BEGIN and no ROLLBACK round trip), for what every
+        heartbeat asks: through a read Session, the reply's checkpoint orders cost a
+        third of an idle heartbeat's CPU in the API."""
+        engine = self._autocommit if self.dialect == "postgresql" else self.engine
+        with self._watched(), engine.connect() as conn:
+            return list(conn.execute(stmt, params))
 
     @contextmanager
     def write_conn(self) -> Iterator[Connection]:

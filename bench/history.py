@@ -566,7 +566,8 @@ class Postgres:
     @staticmethod
     def one(name: str, sql: str, params: list[object] | None = None) -> tuple:
         with connect(name) as conn:  # type: ignore[attr-defined]
-            return tuple(conn.execute(sql, params or []).fetchone() or ())
+            cur = conn.execute(sql, params or [])
+            return tuple(cur.fetchone() or ()) if cur.description else ()  # not an UPDATE's
 
     @staticmethod
     def vacuum(name: str, full: bool) -> None:

@@ -1,14 +1,18 @@
 """A year of history: does the API stay as fast with 1,000,000 finished jobs and
 100,000,000 metric points in its database as with an empty one?
 
-Two Postgres databases, both made by `ddpq serve` (so through the real migrations):
+Two Postgres databases (or, with --backend sqlite, two SQLite files), both made by
+`ddpq serve` (so through the real migrations):
 "full" holds JOBS finished jobs of many users, their attempts (1-3 each), their logs
 (one chunk per attempt, a few larger ones), checkpoints of a third of them and POINTS
 metric points (three series per job, mostly short, lengths varying, finished_at spread
 over a year), one job among them with a series of 1,000,000 points; "empty" holds that
 job and 199 others, all of the measured user and half of them failed (a page of 50,
 filtered or not, costs the same to build on both). Both are written
-directly in SQL (generate_series, INSERT ... SELECT): through the API it would take days.
+directly in SQL (generate_series, INSERT ... SELECT; on SQLite recursive CTEs and a table
+of numbers, in large transactions with synchronous=OFF, which only the build uses):
+through the API it would take days. The rows are those the API writes on each database
+(on SQLite: JSON as text, datetimes as the naive UTC text of SQLAlchemy's SQLite dialect).
 Then a `ddpq serve` on each, side by side, and the same requests to each, alternating
 (the ratio full / empty is what counts on a noisy VM):
 
@@ -23,17 +27,21 @@ Goal: each within 2x of its cost on the empty database (p50).
 With --retention, the retention sweep (service/retention.py) then runs on the full
 database until it is done, and the database's rows and bytes per 1,000 finished jobs
 are shown before and after it (VACUUM FULL first with --vacuum-full: Postgres keeps the
-space of deleted rows for reuse, it does not give it back). --job-retention DURATION
+space of deleted rows for reuse, it does not give it back; on SQLite VACUUM, and the bytes
+are the pages of each table and its indexes, from dbstat). --job-retention DURATION
 turns the job purge on for that sweep (DDPQ_JOB_RETENTION, e.g. 180d: the jobs that
 ended longer ago go, each user's newest kept); the figures stay per 1,000 jobs that
 finished, purged ones included.
 
-    PYTHONPATH=$PWD .venv/bin/python bench/history.py [--jobs 1000000] [--points 100000000]
-        [--rounds 200] [--keep NAME] [--retention [--job-retention 180d]] [--vacuum-full]
+    PYTHONPATH=$PWD .venv/bin/python bench/history.py [--backend postgres|sqlite]
+        [--jobs 1000000] [--points 100000000] [--rounds 200] [--keep NAME]
+        [--retention [--job-retention 180d]] [--vacuum-full] [--dir DIR]
 
 --keep NAME builds into databases NAME_full and NAME_empty and leaves them (a later run
 with the same NAME reuses them: building the full scale takes tens of minutes and
-about 20 GB); without it they are dropped at the end. --drop NAME drops them.
+about 20 GB); without it they are dropped at the end. --drop NAME drops them. On SQLite
+the databases are files DIR/h-history_NAME_full.db and _empty.db (DIR: --dir, the
+system's temporary directory by default).
 """
 
 from __future__ import annotations
@@ -41,7 +49,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import os
+import sqlite3
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -279,6 +290,328 @@ def growth(name: str) -> dict[str, tuple[int, int]]:
     return out
 
 
+# ---- SQLite -------------------------------------------------------------------------------
+# The same shapes as build() above, in SQL that SQLite runs fast: it has no
+# generate_series (not built in), so a temporary table of numbers (its rowid a range)
+# stands for it, and everything is written in large transactions with synchronous=OFF,
+# on this connection only (the API then opens the file with its own settings: WAL,
+# synchronous=NORMAL, service/db.py). The values are stored as the API stores them:
+# JSON as text (json.dumps' spacing), datetimes as SQLAlchemy's SQLite dialect writes
+# them (naive UTC text, 'YYYY-MM-DD HH:MM:SS.ffffff'), booleans as 0/1, logs as BLOBs.
+# Like the API, nothing runs ANALYZE: SQLite plans without statistics, as it does in use.
+
+SQLITE_DIR = tempfile.gettempdir()
+
+
+def lite_path(name: str) -> Path:
+    return Path(SQLITE_DIR) / f"{name}.db"
+
+
+def lite_connect(name: str) -> sqlite3.Connection:
+    conn = sqlite3.connect(lite_path(name), isolation_level=None, timeout=60)
+    conn.execute("PRAGMA busy_timeout=60000")
+    return conn
+
+
+def lite_files(name: str) -> list[Path]:
+    db = lite_path(name)
+    return [db, db.with_name(db.name + "-wal"), db.with_name(db.name + "-shm")]
+
+
+def lite_ts(seconds: str) -> str:
+    """SQL for the datetime ``seconds`` (Unix time, an SQL expression) as SQLAlchemy's
+    SQLite dialect stores it: strftime's %f has milliseconds, the dialect microseconds."""
+    return f"(strftime('%Y-%m-%d %H:%M:%f', {seconds}, 'unixepoch') || '000')"
+
+
+def lite_lines(g: str, n: str) -> str:
+    """Log lines of attempt ``n`` of job ``g`` (as build()'s ``lines``)."""
+    return f"((10 + ({g} + {n}) % 60) * CASE WHEN {g} % 1000 = 0 THEN 64 ELSE 1 END)"
+
+
+def lite_build(name: str, jobs: int, points: int) -> None:
+    """build() on the SQLite file of ``name``."""
+    print(f"building {lite_path(name)}: {jobs:,} jobs, {points:,} metric points", flush=True)
+    with serve(lite_url(name)) as api, api.client() as c:
+        template = c.post("/jobs", json={"entrypoint": "train.py", "device": "cpu"})
+        template.raise_for_status()
+        tid = template.json()["id"]
+    conn = lite_connect(name)
+    try:
+        _lite_fill(conn, jobs, points, tid)
+    finally:
+        conn.close()
+    print(f"  {name}: {lite_size(name)}", flush=True)
+
+
+def _lite_fill(conn: sqlite3.Connection, jobs: int, points: int, tid: int) -> None:
+    conn.execute("PRAGMA journal_mode=WAL")  # as the API left it; said again, to be sure
+    conn.execute("PRAGMA synchronous=OFF")  # this connection only: the build's
+    conn.execute("PRAGMA cache_size=-262144")  # 256 MB
+    conn.execute("PRAGMA temp_store=MEMORY")
+    spec = conn.execute("SELECT spec FROM jobs WHERE id = ?", [tid]).fetchone()[0]
+    conn.execute("DELETE FROM jobs")
+    big = (jobs + 1) // 2
+    small = max(0, points - BIG)
+    mean = max(1, small // max(1, (jobs - 1) * len(NAMES)))
+    spread = 2 * mean - 1
+    now = time.time()
+    p = {"jobs": jobs, "t0": now - YEAR_S, "year": YEAR_S, "now": now, "big": big}
+    done = step("numbers")
+    conn.execute("CREATE TEMP TABLE n (i INTEGER PRIMARY KEY)")
+    conn.execute(
+        "INSERT INTO n WITH RECURSIVE r(i) AS (SELECT 0 UNION ALL SELECT i + 1 FROM r "
+        "WHERE i < ?) SELECT i FROM r",
+        [max(jobs, BIG, spread) + 1],
+    )
+    done()
+    nattempts = "(1 + (g % 10 = 0) + (g % 50 = 0))"
+    created = "(:t0 + g * 1.0 / :jobs * :year)"
+    run_s = "(60 + (g * 7919) % 36000)"
+    status = (
+        "CASE WHEN g % 20 = 0 THEN 'cancelled' WHEN g % 7 = 0 THEN 'failed' ELSE 'succeeded' END"
+    )
+    owner = f"('u' || printf('%03d', g % {USERS}))"
+    if jobs <= EMPTY_JOBS:
+        status = "CASE WHEN g % 2 = 0 THEN 'failed' ELSE 'succeeded' END"
+        owner = "'u007'"
+
+    # The bytes of attempts 1 .. m of a job: its log_size (m = its attempts) or where the
+    # chunk of attempt m + 1 starts.
+    def before(m: str) -> str:
+        return (
+            f"({lite_lines('g', '1')} * ({m} >= 1) + {lite_lines('g', '2')} * ({m} >= 2)"
+            f" + {lite_lines('g', '3')} * ({m} >= 3)) * {len(LINE)}"
+        )
+
+    jobs_g = "(SELECT i AS g FROM n WHERE i BETWEEN 1 AND :jobs)"
+    # Attempts 1 .. nattempts of each job, g outer (an attempt's id grows with its job's).
+    attempts_gn = f"{jobs_g} CROSS JOIN (SELECT 1 AS a UNION ALL SELECT 2 UNION ALL SELECT 3)"
+    host = "('host' || printf('%03d', g % 125))"
+    done = step("jobs")
+    conn.execute("BEGIN")
+    conn.execute(
+        f"""
+        INSERT INTO jobs (id, name, status, spec, priority, nnodes, nproc_per_node,
+            device, max_attempts, created_at, queued_at, started_at, finished_at, attempt,
+            failures, exit_code, reason, worker, gpus, held_cpu_slots, latest_metrics,
+            metrics_dropped, total_steps, log_size, metrics_seq, owner, share,
+            quota_running, quota_gpus)
+        SELECT g, 'run-' || g, {status}, :spec, 0, 1, 1, 'cpu', 3,
+            {lite_ts(created)}, {lite_ts(created)}, {lite_ts(f"{created} + 5")},
+            {lite_ts(f"{created} + {run_s}")},
+            {nattempts}, {nattempts} - 1,
+            CASE WHEN g % 20 = 0 THEN -15 WHEN g % 7 = 0 THEN 1 ELSE 0 END,
+            CASE WHEN g % 7 = 0 AND g % 20 <> 0 THEN 'exit code 1' END,
+            {host}, '[]', 0,
+            '{{"step": 1000, "epoch": 3.0, "values": {{"loss": '
+                || (0.1 + (g % 97) / 1000.0) || ', "lr": 0.0003}}}}',
+            0, 1000, {before(nattempts)}, 1, {owner}, 0.0, 0, 0
+        FROM {jobs_g}
+        """,
+        {**p, "spec": spec},
+    )
+    conn.execute("COMMIT")
+    done()
+    done = step("attempts")
+    conn.execute("BEGIN")
+    conn.execute(
+        f"""
+        INSERT INTO attempts (job_id, number, worker, token_hash, gpus, checkpoint_dir,
+            started_at, heartbeat_at, ended_at, counted_until, exit_code, log_bytes,
+            outcome, reason)
+        SELECT g, a, {host}, lower(hex(randomblob(32))), '[]', '/ckpt/' || g,
+            {lite_ts(created)}, {lite_ts(created)}, {lite_ts(f"{created} + 60")},
+            {lite_ts(f"{created} + 60")},
+            CASE WHEN a < {nattempts} THEN 1 WHEN g % 20 = 0 THEN -15
+                 WHEN g % 7 = 0 THEN 1 ELSE 0 END,
+            {lite_lines("g", "a")} * {len(LINE)},
+            CASE WHEN a < {nattempts} THEN 'failed' ELSE {status} END,
+            CASE WHEN a < {nattempts} THEN 'exit code 1' END
+        FROM {attempts_gn} WHERE a <= {nattempts}
+        """,
+        p,
+    )
+    conn.execute("COMMIT")
+    done()
+    done = step("log chunks")
+    conn.execute("BEGIN")
+    # repeat() is not SQLite's: n zero bytes in hex are n '00's, each replaced by a line.
+    conn.execute(
+        f"""
+        INSERT INTO log_chunks (job_id, attempt, start, data)
+        SELECT g, a, {before("a - 1")},
+            CAST(replace(hex(zeroblob({lite_lines("g", "a")})), '00', :line) AS BLOB)
+        FROM {attempts_gn} WHERE a <= {nattempts}
+        """,
+        {**p, "line": LINE},
+    )
+    conn.execute("COMMIT")
+    done()
+    done = step("checkpoints")
+    conn.execute("BEGIN")
+    conn.execute(
+        f"""
+        INSERT INTO checkpoints (job_id, attempt, path, step, epoch, metrics, created_at,
+            worker, keep, bytes, state)
+        SELECT g, {nattempts}, '/ckpt/' || g || '/step-1000.pt', 1000, 3.0,
+            '{{"loss": 0.1}}', {lite_ts(f"{created} + 60")}, NULL, 0, 45000000, 'kept'
+        FROM {jobs_g} WHERE g % 3 = 0
+        """,
+        p,
+    )
+    conn.execute("COMMIT")
+    done()
+    # Metric points in primary-key order (the table has no rowid: its rows are that
+    # index), jobs outer, then names, then steps: CROSS JOIN fixes SQLite's loop order.
+    k = f"(1 + (g * 7919) % {spread})"
+    insert_points = f"""
+        INSERT INTO metric_points (job_id, name, step, value, epoch, attempt, time, seq)
+        SELECT g, nm, s * 10,
+            CASE nm WHEN 'loss' THEN 2.0 * exp(-s * 1.0 / {k}) + (g % 13) / 100.0
+                    WHEN 'lr' THEN 0.0003 ELSE 1.0 - exp(-s * 1.0 / {k}) END,
+            s * 1.0 / {k} * 3, {nattempts}, {lite_ts(f"{created} + s")}, 1
+        FROM (SELECT i AS g FROM n WHERE i BETWEEN :lo AND :hi AND i <> :big)
+            CROSS JOIN (SELECT 'accuracy' AS nm UNION ALL SELECT 'loss' UNION ALL SELECT 'lr')
+            CROSS JOIN (SELECT i AS s FROM n)
+        WHERE s < {k}
+    """
+    if small and jobs > 1:
+        done = step(f"metric points: ~{mean} per series")
+        slice_ = 100_000
+        for lo in range(1, jobs + 1, slice_):
+            conn.execute("BEGIN")
+            conn.execute(insert_points, {**p, "lo": lo, "hi": min(jobs, lo + slice_ - 1)})
+            conn.execute("COMMIT")
+            print(".", end="", flush=True)
+        done()
+    done = step(f"the long series: job {big}, {BIG:,} points")
+    conn.execute("BEGIN")
+    conn.execute(
+        f"""
+        INSERT INTO metric_points (job_id, name, step, value, epoch, attempt, time, seq)
+        SELECT :big, nm, s,
+            CASE nm WHEN 'loss' THEN 2.0 * exp(-s / 200000.0)
+                        + (abs(random()) % 1000000) / 20000000.0
+                    WHEN 'lr' THEN 0.0003 ELSE 1.0 - exp(-s / 200000.0) END,
+            s / 10000.0, 1, {lite_ts(f":now - {180 * 86400} + s * 0.01")}, 1
+        FROM (SELECT 'accuracy' AS nm UNION ALL SELECT 'loss' UNION ALL SELECT 'lr')
+            CROSS JOIN (SELECT i AS s FROM n)
+        WHERE s < CASE WHEN nm = 'loss' THEN {BIG} ELSE 1000 END
+        """,
+        p,
+    )
+    conn.execute(
+        f"""UPDATE jobs SET name = 'long-run',
+            created_at = {lite_ts(f":now - {190 * 86400}")},
+            started_at = {lite_ts(f":now - {190 * 86400}")},
+            finished_at = {lite_ts(f":now - {180 * 86400}")}, total_steps = {BIG}
+            WHERE id = :big""",
+        p,
+    )
+    conn.execute("COMMIT")
+    done()
+    done = step("WAL checkpoint")
+    conn.execute("DROP TABLE n")
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    done()
+
+
+def lite_url(name: str) -> str:
+    return f"sqlite:///{lite_path(name)}"
+
+
+def lite_size(name: str) -> str:
+    total = sum(f.stat().st_size for f in lite_files(name) if f.exists())
+    return f"{total / 1e9:.2f} GB"
+
+
+def lite_growth(name: str) -> dict[str, tuple[int, int]]:
+    """Rows and bytes (the pages of the table and of its indexes, from dbstat) of the
+    tables that grow with jobs; without dbstat (SQLite built without it), the bytes are
+    0 and the file's size alone says how large it is."""
+    out = {}
+    conn = lite_connect(name)
+    try:
+        tables = dict(
+            conn.execute(
+                "SELECT name, tbl_name FROM sqlite_master WHERE tbl_name IN "
+                f"({', '.join('?' * len(TABLES))})",
+                TABLES,
+            ).fetchall()
+        )
+        try:
+            pages = conn.execute("SELECT name, sum(pgsize) FROM dbstat GROUP BY name").fetchall()
+        except sqlite3.OperationalError:  # no such table: dbstat
+            pages = []
+        for t in TABLES:
+            rows = conn.execute(f"SELECT count(*) FROM {t}").fetchone()[0]
+            nbytes = sum(b for n, b in pages if tables.get(n) == t)
+            out[t] = (rows, nbytes)
+    finally:
+        conn.close()
+    return out
+
+
+class Postgres:
+    """The databases, by name, on the Postgres server of PG_ADMIN."""
+
+    url = staticmethod(pg_url)
+    exists = staticmethod(exists)
+    drop = staticmethod(drop)
+    build = staticmethod(build)
+    size = staticmethod(size)
+    growth = staticmethod(growth)
+
+    @staticmethod
+    def one(name: str, sql: str, params: list[object] | None = None) -> tuple:
+        with connect(name) as conn:  # type: ignore[attr-defined]
+            cur = conn.execute(sql, params or [])
+            return tuple(cur.fetchone() or ()) if cur.description else ()  # not an UPDATE's
+
+    @staticmethod
+    def vacuum(name: str, full: bool) -> None:
+        with connect(name) as conn:  # type: ignore[attr-defined]
+            conn.execute("VACUUM FULL" if full else "VACUUM")
+
+
+class Sqlite:
+    """The databases, by name, as files of SQLITE_DIR."""
+
+    url = staticmethod(lite_url)
+    build = staticmethod(lite_build)
+    size = staticmethod(lite_size)
+    growth = staticmethod(lite_growth)
+
+    @staticmethod
+    def exists(name: str) -> bool:
+        return lite_path(name).exists()
+
+    @staticmethod
+    def drop(name: str) -> None:
+        for f in lite_files(name):
+            f.unlink(missing_ok=True)
+
+    @staticmethod
+    def one(name: str, sql: str, params: list[object] | None = None) -> tuple:
+        conn = lite_connect(name)
+        try:
+            return tuple(conn.execute(sql.replace("%s", "?"), params or []).fetchone() or ())
+        finally:
+            conn.close()
+
+    @staticmethod
+    def vacuum(name: str, full: bool) -> None:
+        # SQLite's VACUUM rewrites the file (Postgres' VACUUM FULL); a plain VACUUM of
+        # Postgres has no counterpart: freed pages stay in the file, out of dbstat's sums.
+        if full:
+            Sqlite.one(name, "VACUUM")
+        Sqlite.one(name, "PRAGMA wal_checkpoint(TRUNCATE)")
+
+
+Store = type[Postgres] | type[Sqlite]
+
+
 def show_growth(label: str, g: dict[str, tuple[int, int]], jobs: int) -> None:
     per = jobs / 1000
     parts = [f"{t} {r / per:,.0f} rows {b / per / 1e6:.2f} MB" for t, (r, b) in g.items() if r]
@@ -297,13 +630,10 @@ def timed(c: httpx.Client, method: str, path: str, **kw: object) -> float:
     return took
 
 
-def long_job(name: str) -> int:
-    with connect(name) as conn:  # type: ignore[attr-defined]
-        return int(
-            conn.execute(
-                "SELECT id FROM jobs WHERE name = 'long-run' ORDER BY id LIMIT 1"
-            ).fetchone()[0]
-        )
+def long_job(store: Store, name: str) -> int:
+    return int(
+        store.one(name, "SELECT id FROM jobs WHERE name = 'long-run' ORDER BY id LIMIT 1")[0]
+    )
 
 
 def ask(
@@ -349,33 +679,33 @@ QUERIES: dict[str, dict[str, str | int]] = {
 KINDS = [*QUERIES, "job", "metrics", "claim"]
 
 
-def measure(full: str, empty: str, rounds: int, kinds: list[str]) -> None:
+def measure(store: Store, full: str, empty: str, rounds: int, kinds: list[str]) -> None:
     with contextlib.ExitStack() as stack:
         # No retention sweep while measuring: on the full database it would be going
         # over a year of jobs meanwhile (its own cost is measured with --retention).
         off = {"DDPQ_METRICS_DOWNSAMPLE_AFTER": "never", "DDPQ_LOG_RETENTION": "never"}
         apis = {
-            label: stack.enter_context(serve(pg_url(name), **off))
+            label: stack.enter_context(serve(store.url(name), **off))
             for label, name in (("full", full), ("empty", empty))
         }
-        bigs = {"full": long_job(full), "empty": long_job(empty)}
+        bigs = {"full": long_job(store, full), "empty": long_job(store, empty)}
         njobs = {}
         clients = {}
         for label, api in apis.items():
+            name = full if label == "full" else empty
             # The database's first admin was made with the token of the `ddpq serve`
             # that built it: this one's token becomes theirs.
-            with connect(full if label == "full" else empty) as conn:  # type: ignore[attr-defined]
-                conn.execute(
-                    "UPDATE users SET token_hash = %s, revoked_at = NULL WHERE role = 'admin'",
-                    [hashlib.sha256(api.api_token.encode()).hexdigest()],
-                )
+            store.one(
+                name,
+                "UPDATE users SET token_hash = %s, revoked_at = NULL WHERE role = 'admin'",
+                [hashlib.sha256(api.api_token.encode()).hexdigest()],
+            )
             register(api, "bench-w", cpu_slots=1)
             clients[label] = (
                 stack.enter_context(api.client()),
                 stack.enter_context(api.client("worker")),
             )
-            with connect(full if label == "full" else empty) as conn:  # type: ignore[attr-defined]
-                njobs[label] = conn.execute("SELECT max(id) FROM jobs").fetchone()[0]
+            njobs[label] = store.one(name, "SELECT max(id) FROM jobs")[0]
         print(
             f"\n{'request':32} {'full p50/p95 ms':>18} {'empty p50/p95 ms':>18}   ratio p50 (p95)"
         )
@@ -397,7 +727,9 @@ def measure(full: str, empty: str, rounds: int, kinds: list[str]) -> None:
             )
 
 
-def retention(name: str, jobs: int, vacuum_full: bool, job_retention: str | None) -> None:
+def retention(
+    store: Store, name: str, jobs: int, vacuum_full: bool, job_retention: str | None
+) -> None:
     """Run the retention sweep on ``name`` until it has nothing left, with the default
     settings (and the job purge after ``job_retention``); rows and bytes per 1,000 jobs
     before and after."""
@@ -406,10 +738,10 @@ def retention(name: str, jobs: int, vacuum_full: bool, job_retention: str | None
     from service.retention import sweep
 
     if vacuum_full:
-        with connect(name) as conn:  # type: ignore[attr-defined]
-            conn.execute("VACUUM FULL")
-    show_growth("without retention", growth(name), jobs)
-    settings = Settings(database_url=pg_url(name), job_retention=job_retention)
+        store.vacuum(name, full=True)
+    show_growth("without retention", store.growth(name), jobs)
+    print(f"  (the database: {store.size(name)})")
+    settings = Settings(database_url=store.url(name), job_retention=job_retention)
     db = Database(settings.resolved_database_url, settings.policy())
     t0 = time.monotonic()
     done = {"points": 0, "logs": 0, "purged": 0}
@@ -425,35 +757,40 @@ def retention(name: str, jobs: int, vacuum_full: bool, job_retention: str | None
         f"retention: {done['purged']:,} jobs purged, {done['points']:,} points and the logs "
         f"of {done['logs']:,} jobs dropped in {time.monotonic() - t0:.0f} s"
     )
-    with connect(name) as conn:  # type: ignore[attr-defined]
-        conn.execute("VACUUM FULL" if vacuum_full else "VACUUM")
-    show_growth("with retention", growth(name), jobs)
+    store.vacuum(name, full=vacuum_full)
+    show_growth("with retention", store.growth(name), jobs)
+    print(f"  (the database: {store.size(name)})")
 
 
 @contextlib.contextmanager
-def databases(keep: str | None, jobs: int, points: int) -> Iterator[tuple[str, str]]:
+def databases(store: Store, keep: str | None, jobs: int, points: int) -> Iterator[tuple[str, str]]:
     base = PREFIX + (keep or f"tmp{int(time.time())}")
     full, empty = f"{base}_full", f"{base}_empty"
     try:
         for name, j, p in ((empty, EMPTY_JOBS, BIG + EMPTY_JOBS * 30), (full, jobs, points)):
-            if keep and exists(name):
-                print(f"reusing {name} ({size(name)})")
+            if keep and store.exists(name):
+                print(f"reusing {name} ({store.size(name)})")
             else:
-                drop(name)
+                store.drop(name)
                 try:
-                    build(name, j, p)
+                    store.build(name, j, p)
                 except BaseException:
-                    drop(name)  # never reused half-built
+                    store.drop(name)  # never reused half-built
                     raise
         yield full, empty
     finally:
         if not keep:
-            drop(full)
-            drop(empty)
+            store.drop(full)
+            store.drop(empty)
 
 
 def main() -> None:
+    global SQLITE_DIR
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--backend", choices=("postgres", "sqlite"), default="postgres")
+    ap.add_argument(
+        "--dir", default=SQLITE_DIR, help="where --backend sqlite keeps its files (%(default)s)"
+    )
     ap.add_argument("--jobs", type=int, default=1_000_000)
     ap.add_argument("--points", type=int, default=100_000_000)
     ap.add_argument("--rounds", type=int, default=200)
@@ -467,17 +804,18 @@ def main() -> None:
         "--job-retention", metavar="DURATION", help="with --retention: purge jobs (e.g. 180d)"
     )
     args = ap.parse_args()
+    SQLITE_DIR = os.path.abspath(args.dir)
+    store: Store = Sqlite if args.backend == "sqlite" else Postgres
     if args.drop:
         for suffix in ("_full", "_empty"):
-            drop(f"{PREFIX}{args.drop}{suffix}")
+            store.drop(f"{PREFIX}{args.drop}{suffix}")
         return
-    with databases(args.keep, args.jobs, args.points) as (full, empty):
+    with databases(store, args.keep, args.jobs, args.points) as (full, empty):
         if not args.build_only:
-            measure(full, empty, args.rounds, args.only or KINDS)
+            measure(store, full, empty, args.rounds, args.only or KINDS)
         if args.retention:
-            with connect(full) as conn:  # type: ignore[attr-defined]
-                jobs = conn.execute("SELECT count(*) FROM jobs").fetchone()[0]
-            retention(full, jobs, args.vacuum_full, args.job_retention)
+            jobs = store.one(full, "SELECT count(*) FROM jobs")[0]
+            retention(store, full, jobs, args.vacuum_full, args.job_retention)
 
 
 if __name__ == "__main__":

@@ -167,6 +167,8 @@ class Job(Base):
         # What runs on a worker and the CPU slots it holds: the claim's books, read
         # from the index alone.
         Index("ix_jobs_worker_status", "worker", "status", "held_cpu_slots"),
+        # Jobs of one state, newest first (ls --status): a range, not a sort of them all.
+        Index("ix_jobs_status_id", "status", "id"),
         # The oldest queued job (the starvation guard's cheap first look).
         Index("ix_jobs_status_queued_at", "status", "queued_at"),
         # Queued multi-node jobs: the claim looks for them apart from the single-node

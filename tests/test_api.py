@@ -567,7 +567,7 @@ def test_claim_respects_free_slots_and_priority(server: Server) -> None:
     assert "unschedulable: needs 4 CPU slots" in c.get(f"/jobs/{big['id']}").json()["reason"]
 
 
-# Bodies the fast reading (metrics.parse_points) leaves to MetricsIn, each refused: the
+# Bodies the fast reading (ingest.parse_points) leaves to MetricsIn, each refused: the
 # field (loc, after "body") and the reason the answer must name.
 REFUSED_METRICS: list[tuple[bytes, tuple[Any, ...], str]] = [
     (b'{"items":[{"step":1,"values":{"loss":1}},"x"]}', ("items", 1), "an object"),

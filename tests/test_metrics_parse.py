@@ -1,4 +1,4 @@
-"""The metric ingest's fast reading of a body (service.metrics.parse_points) against the
+"""The metric ingest's fast reading of a body (service.ingest.parse_points) against the
 models' (MetricsIn, then points_of): where it reads a body at all, it must read what the
 models read, and it must leave every body the models refuse to them."""
 
@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from service import metrics
+from service import ingest
 from service.schemas import MetricsIn
 
 ACCEPTED: list[bytes] = [
@@ -48,8 +48,8 @@ LEFT: list[bytes] = [
 ]
 
 
-def _fields(points: metrics.Points) -> dict[str, Any]:
-    return {k: getattr(points, k) for k in metrics.Points.__slots__}
+def _fields(points: ingest.Points) -> dict[str, Any]:
+    return {k: getattr(points, k) for k in ingest.Points.__slots__}
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -59,8 +59,8 @@ def _same(a: Any, b: Any) -> bool:
 
 @pytest.mark.parametrize("raw", ACCEPTED + LEFT)
 def test_the_fast_reading_reads_what_the_models_read(raw: bytes) -> None:
-    models = _fields(metrics.points_of(MetricsIn.model_validate_json(raw)))
-    fast = metrics.parse_points(raw)
+    models = _fields(ingest.points_of(MetricsIn.model_validate_json(raw)))
+    fast = ingest.parse_points(raw)
     if raw in LEFT:
         assert fast is None
         return
@@ -90,4 +90,4 @@ def test_every_body_the_models_refuse_is_left_to_them() -> None:
     for raw in bodies:
         with pytest.raises(ValidationError):
             MetricsIn.model_validate_json(raw)
-        assert metrics.parse_points(raw) is None, raw[:100]
+        assert ingest.parse_points(raw) is None, raw[:100]

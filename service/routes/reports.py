@@ -9,7 +9,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from service import jobs, logs, metrics
+from service import ingest, jobs, logs
 from service.auth import JobAttempt
 from service.db import Database
 from service.deps import DB, LOG_CHUNK_BODY, LOG_CHUNK_TOO_BIG, JobId, log_chunk
@@ -61,9 +61,9 @@ _METRICS_BODY = {
 def _ingest(db: Database, attempt: Attempt, raw: bytes) -> int:
     # Straight from JSON: a batch of 1000 items parsed by json.loads and validated as
     # Python objects (FastAPI's way) cost more than storing it (bench/api.py). The
-    # shape ddpq.train sends is read without a model per item (metrics.parse_points);
+    # shape ddpq.train sends is read without a model per item (ingest.parse_points);
     # anything else, malformed bodies included, goes through MetricsIn and its errors.
-    points = metrics.parse_points(raw)
+    points = ingest.parse_points(raw)
     if points is None:
         try:
             body = MetricsIn.model_validate_json(raw)
@@ -74,8 +74,8 @@ def _ingest(db: Database, attempt: Attempt, raw: bytes) -> int:
             except UnicodeDecodeError as bad:
                 errors = [not_utf8_json(bad)]
             raise RequestValidationError(errors) from None
-        points = metrics.points_of(body)
-    return metrics.store_points(db, attempt, points)
+        points = ingest.points_of(body)
+    return ingest.store_points(db, attempt, points)
 
 
 @router.post(

@@ -65,7 +65,7 @@ class MetricItemIn(Strict):
     epoch: MetricValueIn | None = None
     # The job's, not a series: how many steps the run takes (the progress bar's end).
     # The job keeps the latest one sent. An older ddpq.train sends it among the
-    # values instead; metrics.ingest_metrics takes it from there too.
+    # values instead; ingest.points_of takes it from there too.
     total_steps: TotalSteps | None = None
     values: dict[MetricName, MetricValueIn] = Field(default={}, max_length=MAX_METRIC_NAMES)
 

@@ -630,7 +630,8 @@ def run_one(backend: str, api_procs: int, plan: Plan, profile: Path | None) -> d
             runner = uvloop.run
         except ImportError:
             runner = asyncio.run
-        result: dict[str, Any] = runner(simulate(api, plan, db_url, profile))
+        where = profile / f"procs-{api_procs}" if profile is not None else None
+        result: dict[str, Any] = runner(simulate(api, plan, db_url, where))
     result.update(backend=backend, api_procs=api_procs)
     return result
 
@@ -639,6 +640,7 @@ def run_one(backend: str, api_procs: int, plan: Plan, profile: Path | None) -> d
 
 COLUMNS = [
     ("hosts", "hosts", "{}"),
+    ("procs", "api_procs", "{}"),
     ("jobs/s", "jobs_per_s_offered", "{:g}"),
     ("API ms/host/s", "api_cpu_ms_per_host_s", "{:.2f}"),
     ("API cpu", "api_cpu_s_per_s", "{:.2f}"),
@@ -676,17 +678,29 @@ def table(results: list[dict[str, Any]]) -> str:
 
 
 def plot(results: list[dict[str, Any]], out: Path) -> None:
+    """The sweep's figures against the fleet's size, a line per API process count."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    n = [r["hosts"] for r in results]
-    xscale = "log" if len(set(n)) > 1 else "linear"
+    procs = sorted({r["api_procs"] for r in results})
+    groups = [(p, [r for r in results if r["api_procs"] == p]) for p in procs]
+    xscale = "log" if len({r["hosts"] for r in results}) > 1 else "linear"
     fig, ax = plt.subplots(2, 3, figsize=(13, 7.5))
     first = results[0]
-    title = f"ddpq fleet ({first['backend']}, {first['api_procs']} API process(es), 2 cores)"
-    fig.suptitle(title)
+    counts = " and ".join(str(p) for p in procs)
+    fig.suptitle(f"ddpq fleet ({first['backend']}, {counts} API process(es), 2 cores)")
+    styles = ["-", "--", ":"]
+
+    def label(text: str, p: int) -> str:
+        return f"{text}, {p} proc" if len(procs) > 1 else text
+
+    def axes(a: Any, ylabel: str) -> None:
+        a.set_xscale(xscale)
+        a.set_xlabel("hosts (8 GPUs each)")
+        a.set_ylabel(ylabel)
+        a.grid(True, alpha=0.3)
 
     def series(
         a: Any,
@@ -695,15 +709,16 @@ def plot(results: list[dict[str, Any]], out: Path) -> None:
         goal: float | None = None,
         log: bool = False,
     ) -> None:
-        for key, label in keys:
-            a.plot(n, [r.get(key) or math.nan for r in results], marker="o", label=label)
+        for i, (p, rs) in enumerate(groups):
+            n = [r["hosts"] for r in rs]
+            for c, (key, text) in enumerate(keys):
+                values = [r.get(key) or math.nan for r in rs]
+                style = styles[i % len(styles)]
+                a.plot(n, values, marker="o", linestyle=style, color=f"C{c}", label=label(text, p))
         if goal is not None:
             a.axhline(goal, color="grey", linestyle="--", linewidth=1, label=f"goal {goal:g}")
-        a.set_xscale(xscale)
-        a.set_xlabel("hosts (8 GPUs each)")
-        a.set_ylabel(ylabel)
-        a.grid(True, alpha=0.3)
-        a.legend(fontsize=8)
+        axes(a, ylabel)
+        a.legend(fontsize=7)
         if log and any((r.get(k) or 0) > 0 for r in results for k, _ in keys):
             a.set_yscale("log")
 
@@ -713,40 +728,27 @@ def plot(results: list[dict[str, Any]], out: Path) -> None:
     series(ax[0][1], pair, "claim ms", 100, log=True)
     pair = [("submit_to_running_p50_ms", "p50"), ("submit_to_running_p99_ms", "p99")]
     series(ax[0][2], pair, "submit to running ms", log=True)
-    series(
-        ax[1][0],
-        [
-            ("api_cpu_s_per_s", "API"),
-            ("pg_cpu_s_per_s", "Postgres"),
-            ("sim_cpu_s_per_s", "simulator"),
-        ],
-        "CPU cores busy",
-    )
+    cpu = [("api_cpu_s_per_s", "API"), ("pg_cpu_s_per_s", "Postgres"), ("sim_cpu_s_per_s", "sim")]
+    series(ax[1][0], cpu, "CPU cores busy")
     series(ax[1][1], [("api_cpu_ms_per_host_s", "API CPU ms / host / s")], "ms / host / s")
     a = ax[1][2]
-    a.plot(
-        n,
-        [r.get("gpu_idle_while_waiting") or 0 for r in results],
-        marker="o",
-        label="GPU idle while a job fits",
-    )
-    a.plot(n, [r.get("gpu_busy") or 0 for r in results], marker="o", label="GPU busy")
     a2 = a.twinx()
-    a2.plot(
-        n,
-        [r["db_bytes_per_1000_jobs"] / 1024 for r in results],
-        marker="s",
-        color="C3",
-        label="DB KB / 1,000 jobs",
-    )
+    for i, (p, rs) in enumerate(groups):
+        n = [r["hosts"] for r in rs]
+        style = styles[i % len(styles)]
+        idle = [r.get("gpu_idle_while_waiting") or 0 for r in rs]
+        a.plot(
+            n, idle, marker="o", linestyle=style, color="C0", label=label("GPU idle, a job fits", p)
+        )
+        busy = [r.get("gpu_busy") or 0 for r in rs]
+        a.plot(n, busy, marker="o", linestyle=style, color="C1", label=label("GPU busy", p))
+        kb = [r["db_bytes_per_1000_jobs"] / 1024 for r in rs]
+        a2.plot(n, kb, marker="s", linestyle=style, color="C3", label=label("DB KB / 1k jobs", p))
     a2.set_ylabel("KB per 1,000 jobs")
-    a.set_xscale(xscale)
-    a.set_xlabel("hosts (8 GPUs each)")
-    a.set_ylabel("fraction of GPU time")
-    a.grid(True, alpha=0.3)
+    axes(a, "fraction of GPU time")
     h1, l1 = a.get_legend_handles_labels()
     h2, l2 = a2.get_legend_handles_labels()
-    a.legend(h1 + h2, l1 + l2, fontsize=8)
+    a.legend(h1 + h2, l1 + l2, fontsize=7)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=90)
@@ -756,7 +758,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hosts", default="10,100,500,1000", help="fleet sizes to sweep")
     ap.add_argument("--backend", choices=["postgres", "sqlite"], default="postgres")
-    ap.add_argument("--api-procs", type=int, default=1, help="ddpq serve --workers N")
+    ap.add_argument("--api-procs", default="1", help="ddpq serve --workers N; a list sweeps each")
     ap.add_argument("--users", type=int, default=20)
     ap.add_argument("--readers", type=int, default=50)
     ap.add_argument("--read-every", type=float, default=5.0, help="each reader's pause, s")
@@ -771,20 +773,21 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.warmup, args.measure = 8.0, 15.0
-    api_procs = args.api_procs
     results = []
-    for hosts in [int(h) for h in args.hosts.split(",")]:
-        plan = plan_for(hosts, args)
-        print(
-            f"{hosts} hosts: {plan.rate:g} jobs/s of {plan.job_s:.0f} s on average, "
-            f"{plan.users} users, {plan.readers} readers, {plan.warmup_s:g}+{plan.measure_s:g} s",
-            flush=True,
-        )
-        r = run_one(args.backend, api_procs, plan, args.profile)
-        results.append(r)
-        print(table([r]), flush=True)
-        if r["errors"]:
-            print("errors:", r["errors"], flush=True)
+    for api_procs in [int(p) for p in args.api_procs.split(",")]:
+        for hosts in [int(h) for h in args.hosts.split(",")]:
+            plan = plan_for(hosts, args)
+            print(
+                f"{hosts} hosts, {api_procs} API process(es): {plan.rate:g} jobs/s of "
+                f"{plan.job_s:.0f} s on average, {plan.users} users, {plan.readers} readers, "
+                f"{plan.warmup_s:g}+{plan.measure_s:g} s",
+                flush=True,
+            )
+            r = run_one(args.backend, api_procs, plan, args.profile)
+            results.append(r)
+            print(table([r]), flush=True)
+            if r["errors"]:
+                print("errors:", r["errors"], flush=True)
     print()
     print(table(results))
     out = args.out

@@ -122,6 +122,15 @@ def unprivileged_url(pg_template: str) -> Iterator[str]:
         conn.execute(f'DROP ROLE IF EXISTS "{role}"')
 
 
+def _head() -> str:
+    """The newest migration's revision."""
+    from alembic.script import ScriptDirectory
+
+    head = ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
+    assert head is not None
+    return head
+
+
 def _indexes(url: str) -> set[str]:
     db = Database(url)
     try:
@@ -143,7 +152,8 @@ def test_without_pg_trgm_the_migration_skips_the_index_and_says_why(
     db = Database(url)
     try:
         with db.read() as s:
-            assert s.scalar(text("SELECT version_num FROM alembic_version")) == "0026"
+            # Upgraded all the way, past the index it could not make.
+            assert s.scalar(text("SELECT version_num FROM alembic_version")) == _head()
         rare = _fill(db, "needle")
         assert [j.id for j in jobs.list_jobs(db, [], 50, None, name="NEEDLE")[0]] == [rare]
     finally:

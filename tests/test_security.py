@@ -13,6 +13,7 @@ import os
 import pickle
 import sqlite3
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,14 @@ from pydantic import ValidationError
 
 from service.config import Settings, TokenError, resolve_tokens
 from service.schemas import JobSpec
-from tests.conftest import REPO, Server, serve_on_a_reachable_address, terminal
+from tests.conftest import (
+    REPO,
+    Server,
+    serve_on_a_reachable_address,
+    start_server,
+    stop_server,
+    terminal,
+)
 from tests.helpers import finish, job_runner, submit_and_claim
 
 GOOD = {"recipe": "toy-regression", "world_size": 2}
@@ -49,7 +57,18 @@ def _state(server: Server, job_ids: list[int]) -> Any:
     }
 
 
-def test_every_route_refuses_every_wrong_token_and_changes_nothing(server: Server) -> None:
+@pytest.fixture
+def still_server(db_url: str, tmp_path: Path) -> Iterator[Server]:
+    """A server whose leases outlast the walk: the attempts it compares before and after
+    send no heartbeats, and a walk slowed past the 30 s lease (a loaded CI machine) saw
+    them lost and requeued, a change no refused request made."""
+    s = start_server(db_url, tmp_path / "api", DDPQ_LEASE_S="3600")
+    yield s
+    stop_server(s)
+
+
+def test_every_route_refuses_every_wrong_token_and_changes_nothing(still_server: Server) -> None:
+    server = still_server
     a = submit_and_claim(server)  # job A, its attempt live
     b = submit_and_claim(server)  # job B, its attempt live
     c = submit_and_claim(server)

@@ -10,7 +10,8 @@ for the duration the simulator drew for it, ships one log line and reports its e
 M users (each with a user token made through ``POST /users``) submit GPU jobs of 1, 2,
 4 or 8 ranks as a Poisson stream that keeps the fleet about ``--load`` busy; K readers
 poll as a dashboard or a CLI would (``GET /jobs?limit=50``, ``GET /jobs/{id}``, now and
-then ``GET /metrics``). Everything runs against a real ``ddpq serve`` on a fresh
+then a job's metrics), and a Prometheus scrapes ``GET /metrics`` every
+``--scrape-every`` s. Everything runs against a real ``ddpq serve`` on a fresh
 Postgres (or SQLite) database; ``--api-procs N`` gives ``ddpq serve --workers N`` when
 the tree's serve has that option.
 
@@ -362,28 +363,44 @@ async def submitter(sim: Sim, users: list[Http], rate: float, job_s: float, burs
 
 
 async def reader(sim: Sim, http: Http, period_s: float) -> None:
-    """A dashboard or CLI user: the job list, one job, now and then the metrics."""
-    st = sim.stats
+    """A dashboard or CLI user: the job list, one job, now and then a job's charts (its
+    metrics downsampled, as the dashboard asks for them)."""
     await asyncio.sleep(random.uniform(0, period_s))
     n = 0
     while not sim.stop.is_set():
         n += 1
-        if n % 5 == 0:
-            path = "/metrics"
+        if n % 5 == 0 and sim.recent:
+            path = f"/jobs/{random.choice(sim.recent)}/metrics?max_points=500"
         elif n % 2 and sim.recent:
             path = f"/jobs/{random.choice(sim.recent)}"
         else:
             path = "/jobs?limit=50"
-        t0 = time.perf_counter()
-        try:
-            status, _ = await http.request("GET", path)
-        except (OSError, asyncio.IncompleteReadError):
-            status = 0
-        st.add(st.read, time.perf_counter() - t0)
-        if status != 200:
-            st.error(f"read {status}")
+        await _read(sim, http, path)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(sim.stop.wait(), period_s)
+
+
+async def scraper(sim: Sim, http: Http, period_s: float) -> None:
+    """A Prometheus server scraping GET /metrics every ``period_s``: the queue's gauges,
+    a series per worker. (The readers scraped it every fifth poll until 2026-11-26: two
+    scrapes a second, each about 0.1 s of the API's CPU at 1,000 hosts, a quarter of
+    all it spent; no dashboard asks for it.)"""
+    while not sim.stop.is_set():
+        await _read(sim, http, "/metrics")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(sim.stop.wait(), period_s)
+
+
+async def _read(sim: Sim, http: Http, path: str) -> None:
+    st = sim.stats
+    t0 = time.perf_counter()
+    try:
+        status, _ = await http.request("GET", path)
+    except (OSError, asyncio.IncompleteReadError):
+        status = 0
+    st.add(st.read, time.perf_counter() - t0)
+    if status != 200:
+        st.error(f"read {status}")
 
 
 async def watch(sim: Sim, tick: float = 0.25) -> None:
@@ -460,6 +477,7 @@ class Plan:
     users: int
     readers: int
     read_every: float
+    scrape_every: float
     warmup_s: float
     measure_s: float
     load: float
@@ -477,6 +495,7 @@ def plan_for(hosts: int, args: argparse.Namespace) -> Plan:
         args.users,
         args.readers,
         args.read_every,
+        args.scrape_every,
         args.warmup,
         args.measure,
         args.load,
@@ -516,6 +535,8 @@ async def simulate(api: Api, plan: Plan, db_url: str, profile: Path | None) -> d
     burst = int(plan.load * GPUS * plan.hosts / MEAN_SIZE)
     tasks.append(loop.create_task(submitter(sim, users, plan.rate, plan.job_s, burst)))
     tasks += [loop.create_task(reader(sim, r, plan.read_every)) for r in readers]
+    if plan.scrape_every > 0:
+        tasks.append(loop.create_task(scraper(sim, admin, plan.scrape_every)))
 
     await asyncio.sleep(plan.warmup_s)
     before_tables = await asyncio.to_thread(db_tables, db_url)
@@ -762,6 +783,9 @@ def main() -> None:
     ap.add_argument("--users", type=int, default=20)
     ap.add_argument("--readers", type=int, default=50)
     ap.add_argument("--read-every", type=float, default=5.0, help="each reader's pause, s")
+    ap.add_argument(
+        "--scrape-every", type=float, default=15.0, help="Prometheus' scrape interval, s (0: none)"
+    )
     ap.add_argument("--load", type=float, default=0.8, help="GPU load the jobs offer")
     ap.add_argument("--rate-per-host", type=float, default=0.05, help="jobs/s per host")
     ap.add_argument("--max-rate", type=float, default=10.0, help="at most this many jobs/s")

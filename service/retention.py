@@ -259,24 +259,11 @@ def _thin_job(db: Database, job_id: int, max_points: int, deadline: float, out: 
 
 
 def _drop_audit(db: Database, cutoff: datetime, deadline: float, out: Swept) -> bool:
-    while True:
-        with db.write() as s:
-            oldest = (
-                select(AuditEvent.id)
-                .where(AuditEvent.at < cutoff)
-                .order_by(AuditEvent.at)
-                .limit(BATCH_ROWS)
-            )
-            gone = s.execute(
-                delete(AuditEvent).where(AuditEvent.id.in_(oldest)),
-                execution_options={"synchronize_session": False},
-            )
-            removed = _count(gone)
-        out.audit += removed
-        if removed < BATCH_ROWS:
-            return True
-        if time.monotonic() >= deadline:
-            return False
+    removed, done = _delete_in_batches(
+        db, AuditEvent, AuditEvent.at < cutoff, deadline, order_by=AuditEvent.at
+    )
+    out.audit += removed
+    return done
 
 
 # ---- the job purge ------------------------------------------------------------------------
@@ -333,16 +320,38 @@ def _purge(
 def _delete_children(db: Database, model: type[Any], ids: list[int], deadline: float) -> bool:
     """Delete the rows of ``model`` of the jobs ``ids``, BATCH_ROWS a transaction; False
     if the budget ran out first."""
+    return _delete_in_batches(db, model, model.job_id.in_(ids), deadline)[1]
+
+
+def _delete_in_batches(
+    db: Database,
+    model: type[Any],
+    where: ColumnElement[bool],
+    deadline: float,
+    order_by: Any = None,
+) -> tuple[int, bool]:
+    """Delete the rows of ``model`` that ``where`` holds for, BATCH_ROWS a transaction
+    (in ``order_by``'s order, if given); how many went, and False if the budget ran out
+    first."""
     key = list(model.__table__.primary_key.columns)
+    total = 0
     while True:
         with db.write() as s:
-            some = select(*key).where(model.job_id.in_(ids)).limit(BATCH_ROWS)
+            some = select(*key).where(where)
+            if order_by is not None:
+                some = some.order_by(order_by)
+            some = some.limit(BATCH_ROWS)
             which = key[0].in_(some) if len(key) == 1 else tuple_(*key).in_(some)
-            removed = _count(s.execute(delete(model).where(which)))
+            removed = _count(
+                s.execute(
+                    delete(model).where(which), execution_options={"synchronize_session": False}
+                )
+            )
+        total += removed
         if removed < BATCH_ROWS:
-            return True
+            return total, True
         if time.monotonic() >= deadline:
-            return False
+            return total, False
 
 
 def _count(result: Any) -> int:

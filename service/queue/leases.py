@@ -275,10 +275,11 @@ def held_attempts(db: Database, worker: str) -> list[tuple[int, int, str | None,
 
 # A worker's own heartbeat, built once (every host sends one every 2 s) and run on the
 # session's connection: through the ORM's bulk update it cost more than the UPDATE itself.
-_TOUCH = update(workers).where(w.name == bindparam("b_worker"))
+_TOUCH = (
+    update(workers).where(w.name == bindparam("b_worker")).values(last_heartbeat=bindparam("b_now"))
+)
+# Only while no other process has taken the name over (NameTaken below).
 _TOUCH_MINE = _TOUCH.where(or_(w.identity.is_(None), w.identity == bindparam("b_identity")))
-_TOUCH = _TOUCH.values(last_heartbeat=bindparam("b_now"))
-_TOUCH_MINE = _TOUCH_MINE.values(last_heartbeat=bindparam("b_now"))
 
 
 def _touch_worker(s: Session, worker: str, identity: str | None, now: datetime) -> None:

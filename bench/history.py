@@ -73,6 +73,19 @@ LINE = "[rank0]: step 00001000 loss 0.123456 lr 0.000300 epoch 1.00\n"  # a log 
 NAMES = ("accuracy", "loss", "lr")
 
 
+# The columns each builder fills, in the order of its SELECT (both backends' builders).
+JOB_COLUMNS = (
+    "id, name, status, spec, priority, nnodes, nproc_per_node, device, max_attempts, "
+    "created_at, queued_at, started_at, finished_at, attempt, failures, exit_code, reason, "
+    "worker, gpus, held_cpu_slots, latest_metrics, metrics_dropped, total_steps, log_size, "
+    "metrics_seq, owner, share, quota_running, quota_gpus"
+)
+ATTEMPT_COLUMNS = (
+    "job_id, number, worker, token_hash, gpus, checkpoint_dir, started_at, heartbeat_at, "
+    "ended_at, counted_until, exit_code, log_bytes, outcome, reason"
+)
+
+
 def pg_url(name: str) -> str:
     host = PG_ADMIN.split("://", 1)[1].rsplit("/", 1)[0]
     return f"postgresql+psycopg://{host}/{name}"
@@ -145,11 +158,7 @@ def build(name: str, jobs: int, points: int) -> None:
         done = step("jobs")
         conn.execute(
             f"""
-            INSERT INTO jobs (id, name, status, spec, priority, nnodes, nproc_per_node,
-                device, max_attempts, created_at, queued_at, started_at, finished_at, attempt,
-                failures, exit_code, reason, worker, gpus, held_cpu_slots, latest_metrics,
-                metrics_dropped, total_steps, log_size, metrics_seq, owner, share,
-                quota_running, quota_gpus)
+            INSERT INTO jobs ({JOB_COLUMNS})
             SELECT g, 'run-' || g, {status}, %(spec)s::json, 0, 1, 1, 'cpu', 3,
                 {created}, {created}, {created} + interval '5 seconds',
                 {created} + ({run_s}) * interval '1 second',
@@ -171,9 +180,7 @@ def build(name: str, jobs: int, points: int) -> None:
         done = step("attempts")
         conn.execute(
             f"""
-            INSERT INTO attempts (job_id, number, worker, token_hash, gpus, checkpoint_dir,
-                started_at, heartbeat_at, ended_at, counted_until, exit_code, log_bytes,
-                outcome, reason)
+            INSERT INTO attempts ({ATTEMPT_COLUMNS})
             SELECT g, n, 'host' || lpad((g %% 125)::text, 3, '0'),
                 md5(g || '/' || n) || md5(n || '/' || g), '[]'::json, '/ckpt/' || g,
                 {created}, {created}, {created} + interval '60 seconds',
@@ -392,11 +399,7 @@ def _lite_fill(conn: sqlite3.Connection, jobs: int, points: int, tid: int) -> No
     conn.execute("BEGIN")
     conn.execute(
         f"""
-        INSERT INTO jobs (id, name, status, spec, priority, nnodes, nproc_per_node,
-            device, max_attempts, created_at, queued_at, started_at, finished_at, attempt,
-            failures, exit_code, reason, worker, gpus, held_cpu_slots, latest_metrics,
-            metrics_dropped, total_steps, log_size, metrics_seq, owner, share,
-            quota_running, quota_gpus)
+        INSERT INTO jobs ({JOB_COLUMNS})
         SELECT g, 'run-' || g, {status}, :spec, 0, 1, 1, 'cpu', 3,
             {lite_ts(created)}, {lite_ts(created)}, {lite_ts(f"{created} + 5")},
             {lite_ts(f"{created} + {run_s}")},
@@ -417,9 +420,7 @@ def _lite_fill(conn: sqlite3.Connection, jobs: int, points: int, tid: int) -> No
     conn.execute("BEGIN")
     conn.execute(
         f"""
-        INSERT INTO attempts (job_id, number, worker, token_hash, gpus, checkpoint_dir,
-            started_at, heartbeat_at, ended_at, counted_until, exit_code, log_bytes,
-            outcome, reason)
+        INSERT INTO attempts ({ATTEMPT_COLUMNS})
         SELECT g, a, {host}, lower(hex(randomblob(32))), '[]', '/ckpt/' || g,
             {lite_ts(created)}, {lite_ts(created)}, {lite_ts(f"{created} + 60")},
             {lite_ts(f"{created} + 60")},

@@ -25,9 +25,10 @@ Per N (after a warm-up that first fills the fleet), over the measured window:
   - API CPU (the serve process and its children) per host per second, Postgres
     backends' CPU (their /proc), the simulator's own;
   - heartbeat round trip p50/p99;
-  - claim latency p50/p99: for a claim answered with a job, from the later of the
-    request and the job's submission to the answer (what the long-poll's own waiting
-    for a job that was not there yet is not);
+  - claim latency p50/p99: for a claim answered with a job, from the latest of the
+    request, the job's submission and the host's last finish report (which frees
+    room its open poll may take) to the answer (what the long-poll's own waiting for
+    a job that was not there yet, or for room, is not);
   - submit-to-running p99 (queue wait included) and p50;
   - GPU idle while jobs wait: GPU-seconds free on hosts where some queued job would
     fit, over all GPU-seconds (the scheduler's efficiency; 0 is perfect);
@@ -190,12 +191,22 @@ class Host:
         self.sim = sim
         self.name = f"fleet-{i:04d}"
         self.identity = uuid.uuid4().hex
-        self.free = set(range(GPUS))
         self.running: dict[int, int] = {}  # job id -> attempt
+        # As the worker keeps them: a job's GPUs are offered again once its finish is
+        # sent (its processes are gone), and the API may hand them out once that
+        # finish commits (it adds the slots a finish frees to the host's open poll).
+        self.gpus_of: dict[int, set[int]] = {}
+        self.finishing: set[int] = set()
+        self.finish_sent = 0.0  # when this host last reported a job's end (time.time)
         self.changed = asyncio.Event()
         self.jobs: set[asyncio.Task[None]] = set()
         self.http: Http = sim.http_for("worker")
         self.heartbeat_s = sim.heartbeat_s
+
+    @property
+    def free(self) -> set[int]:
+        held = (g for j, g in self.gpus_of.items() if j not in self.finishing)
+        return set(range(GPUS)).difference(*held)
 
     async def register(self) -> None:
         body = {
@@ -260,11 +271,14 @@ class Host:
             duration, submitted = float(claim["spec"]["args"][0]), float(claim["spec"]["args"][1])
             if sim.pending.pop(job_id, None) is None:
                 sim.claimed_early.add(job_id)
-            st.add(st.claim, now - max(sent, submitted))
+            # From when it could first have been answered: its request, the job's
+            # submission, or this host's finish that freed the room it took.
+            st.add(st.claim, now - max(sent, submitted, self.finish_sent))
             st.add(st.submit_to_running, now - submitted)
-            if not set(gpus) <= self.free:
+            busy = [g for j, gs in self.gpus_of.items() if j not in self.finishing for g in gs]
+            if set(gpus) & set(busy):
                 st.error("claim gave busy GPUs")
-            self.free -= set(gpus)
+            self.gpus_of[job_id] = set(gpus)
             self.running[job_id] = attempt
             self.jobs.add(
                 asyncio.get_running_loop().create_task(self.run(job_id, attempt, gpus, duration))
@@ -282,6 +296,8 @@ class Host:
         except (OSError, asyncio.IncompleteReadError):
             st.error("log")
         body = {"worker": self.name, "attempt": attempt, "exit_code": 0, "outcome": "exited"}
+        self.finishing.add(job_id)
+        self.finish_sent = time.time()
         for _ in range(5):  # the worker retries a finish until it is taken
             t0 = time.perf_counter()
             try:
@@ -294,7 +310,8 @@ class Host:
             st.error(f"finish {status}")
             await asyncio.sleep(1.0)
         self.running.pop(job_id, None)
-        self.free |= set(gpus)
+        self.gpus_of.pop(job_id, None)
+        self.finishing.discard(job_id)
         self.jobs.discard(asyncio.current_task())  # type: ignore[arg-type]
         if st.measuring:
             st.finished += 1

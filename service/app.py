@@ -48,6 +48,7 @@ def begin_shutdown(app: FastAPI) -> None:
 @contextlib.asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     app.state.wakeup.bind(asyncio.get_running_loop())
+    app.state.db.on_commit = app.state.wakeup.committed
     sweeping = asyncio.create_task(sweeper.run(app))
     stop_listening = threading.Event()
     if app.state.db.dialect == "postgresql":

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +39,25 @@ UNAVAILABLE = (OperationalError, InterfaceError, PoolTimeout)
 
 
 _NOT_DURABLE = text("SET LOCAL synchronous_commit = off")
+
+
+class _Pending(threading.local):
+    """Per thread: what each open write transaction hands on once it commits."""
+
+    def __init__(self) -> None:
+        self.stack: list[list[Any]] = []
+
+
+_pending = _Pending()
+
+
+def after_commit(what: Any) -> None:
+    """Hand ``what`` to the Database's ``on_commit`` once the write transaction this thread
+    is in commits; nothing if it rolls back (or runs outside ``Database.write``). What a
+    commit makes claimable wakes claimers then, not before (they would not see it) and
+    not after the reply is built (a claim woken at the commit runs beside it)."""
+    if _pending.stack:
+        _pending.stack[-1].append(what)
 
 
 class UnsupportedDatabase(ServiceError):
@@ -240,6 +259,9 @@ class Database:
         self._write = sessionmaker(writer, expire_on_commit=False)
         self._autocommit = self.engine.execution_options(isolation_level="AUTOCOMMIT")
         self._compiled: dict[Any, Any] = {}  # read_one's statements, compiled once
+        # Called, on the committing thread, with what a write transaction handed to
+        # after_commit (the API: its claimers' wake-ups).
+        self.on_commit: Callable[[list[Any]], None] | None = None
         # SQLite's busy handler sleeps in steps of up to 100 ms while another
         # connection writes; threads of this process queue on a lock instead and
         # are handed the database the moment it is free (5x the claims a second).
@@ -277,11 +299,29 @@ class Database:
         the next one comes seconds later). Still atomic and in order with every other
         commit; the wait it saves was 8-11 ms a commit (p99 26-46 ms) on a busy disk.
         SQLite in WAL mode with synchronous=NORMAL does not wait for the disk anyway."""
-        with self._watched(), self._write_lock, self._write() as session, session.begin():
+        with (
+            self._committed(),
+            self._watched(),
+            self._write_lock,
+            self._write() as session,
+            session.begin(),
+        ):
             session.info["policy"] = self.policy
             if not durable and self.dialect == "postgresql":
                 session.execute(_NOT_DURABLE)
             yield session
+
+    @contextmanager
+    def _committed(self) -> Iterator[None]:
+        """Hand what the transaction inside gave after_commit to on_commit, once committed."""
+        handed: list[Any] = []
+        _pending.stack.append(handed)
+        try:
+            yield
+        finally:
+            _pending.stack.pop()
+        if handed and self.on_commit is not None:
+            self.on_commit(handed)
 
     def read_one(self, stmt: Select[Any], params: dict[str, Any]) -> tuple[Any, ...] | None:
         """One row of one prebuilt SELECT, on the lightest path there is: no Session and
@@ -322,7 +362,7 @@ class Database:
     def write_conn(self) -> Iterator[Connection]:
         """A write transaction on a bare Core connection: no Session to set up and tear
         down, for the claim, which runs once per job and per idle poll of every worker."""
-        with self._watched(), self._write_lock, self._writer.begin() as conn:
+        with self._committed(), self._watched(), self._write_lock, self._writer.begin() as conn:
             yield conn
 
     def ping(self) -> None:

@@ -20,7 +20,7 @@ from service import outputs, queue, retention
 from service.config import Settings
 from service.db import Database, Policy, libpq_conninfo
 from service.schemas import OutputsLimits
-from service.wakeup import Wakeup
+from service.wakeup import Wake, Wakeup
 
 log = logging.getLogger("ddpq.service")
 
@@ -164,9 +164,8 @@ async def _sweep_once(app: FastAPI, code_swept: float, code_every: float) -> flo
         released = await run_in_threadpool(
             queue.expire_gangs, db, settings.gang_timeout_s, settings.retry_backoff_s
         )
-        if released:
+        if released:  # their slots' release woke the claimers as it committed
             log.warning("gangs timed out for jobs %s", released)
-            app.state.wakeup.notify()
     except Exception:
         log.exception("gang sweep failed")
     # Heartbeats could not arrive while this process was down or the database was
@@ -177,23 +176,21 @@ async def _sweep_once(app: FastAPI, code_swept: float, code_every: float) -> flo
     try:
         changed = await run_in_threadpool(queue.expire_leases, db, settings.lease_s)
         changed += await run_in_threadpool(queue.expire_nodes, db, settings.lease_s)
-        if changed:
+        if changed:  # states.end woke the claimers as each committed
             log.warning("leases expired for jobs %s", changed)
-            app.state.wakeup.notify()
     except Exception:  # the sweep must outlive a database outage
         log.exception("lease sweep failed")
     try:
         await run_in_threadpool(queue.count_usage, db)  # fair share: running use
-        if await run_in_threadpool(queue.preempt_sweep, db):
-            app.state.wakeup.notify()
+        await run_in_threadpool(queue.preempt_sweep, db)  # wakes the claimers if it marks
     except Exception:
         log.exception("usage or preemption sweep failed")
     return code_swept
 
 
 def listen_for_jobs(url: str, wakeup: Wakeup, stop: threading.Event) -> None:
-    """Postgres LISTEN: wake this process's claimers when any API process queues or
-    frees something (the in-process wakeup covers only requests it served itself)."""
+    """Postgres LISTEN: wake this process's claimers when another API process queues or
+    frees something (its own commits woke them already: Database.on_commit)."""
     import psycopg  # here: an API on SQLite never loads the Postgres driver
 
     conninfo = libpq_conninfo(url)
@@ -204,8 +201,10 @@ def listen_for_jobs(url: str, wakeup: Wakeup, stop: threading.Event) -> None:
             ) as conn:
                 conn.execute(f"LISTEN {queue.NOTIFY_CHANNEL}")
                 while not stop.is_set():
-                    for _ in conn.notifies(timeout=1.0, stop_after=1):
-                        wakeup.notify()
+                    for note in conn.notifies(timeout=1.0, stop_after=1):
+                        wake = Wake.heard(note.payload)
+                        if wake is not None:  # not this process's own: woken at its commit
+                            wakeup.wake(wake)
         except psycopg.Error as exc:
             log.warning("LISTEN connection lost (%s); reconnecting", exc)
             stop.wait(1.0)

@@ -1,29 +1,124 @@
-"""Wakes long-polling claimers when something may have become claimable."""
+"""Wakes long-polling claimers when something may have become claimable.
+
+A wake-up is for everyone (a job queued or queued again, a limit lifted, a gang's slot
+freed) or for one worker's own claims only: one of its attempts ended and nothing else
+changed for anyone else (no job entered the queue, its owner's quota holds nothing back
+that it did before), so only that worker has more room. Waking every long-poll for
+such a finish cost a claim per kind of room for nothing: at 100 hosts the wake-ups'
+claims were a third of the API (bench/fleet.py).
+
+A worker's long-poll carries the slots free when it was sent: the slots of an attempt
+of its own that ends meanwhile are not in it (the worker frees them once its finish is
+answered). Those are added to the poll's room (``freed_since``), so a queued job
+needing them starts now, not when the poll ends.
+
+A commit that may make something claimable says so once (``queue.notify_claimers``):
+this process's claimers are woken when it commits (``Database.on_commit``), the other
+API processes' through Postgres NOTIFY, each ignoring its own.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import os
+import secrets
+import time
+from dataclasses import dataclass
+
+# Unique to this API process (``ddpq serve --workers N`` starts several): the LISTEN
+# connection hears this process's own NOTIFYs, whose wake-up it has had already.
+_BOOT = secrets.token_hex(4)
+# How long the slots a finish freed are added to its worker's long-polls: longer than
+# any poll is held open (max_claim_wait_s is at most a minute in any sane setting; a
+# poll begun before the finish and still open past this gets them at its next poll).
+FREED_KEEP_S = 120.0
+
+
+def process_tag() -> str:
+    return f"{os.getpid()}.{_BOOT}"
+
+
+@dataclass(frozen=True)
+class Wake:
+    """What a commit may have made claimable: for everyone, or (``everyone`` False) for
+    ``worker``'s own claims only. ``cpu`` and ``gpus``: the slots of ``worker`` an
+    attempt of its held until this commit ended it."""
+
+    everyone: bool = True
+    worker: str | None = None
+    cpu: int = 0
+    gpus: tuple[int, ...] = ()
+
+    def payload(self) -> str:
+        """The NOTIFY payload: this, and which process sent it."""
+        return json.dumps(
+            {"p": process_tag(), "e": self.everyone, "w": self.worker, "c": self.cpu,
+             "g": list(self.gpus)},
+            separators=(",", ":"),
+        )  # fmt: skip
+
+    @classmethod
+    def heard(cls, payload: str) -> Wake | None:
+        """The wake-up a NOTIFY carries; None for this process's own. One it cannot read
+        (an API of an earlier version sends none) wakes everyone."""
+        try:
+            d = json.loads(payload)
+            if d["p"] == process_tag():
+                return None
+            gpus = tuple(int(g) for g in d["g"])
+            return cls(bool(d["e"]), d["w"], int(d["c"]), gpus)
+        except (ValueError, KeyError, TypeError):
+            return EVERYONE
+
+
+EVERYONE = Wake()
 
 
 class Wakeup:
-    """A broadcast signal with a generation counter, so a wake-up between a
-    claimer's empty claim and its wait is never missed."""
+    """Wake-ups for long-polls: ``generation`` counts those for everyone, ``own(worker)``
+    those for one worker, so a wake-up between a claimer's empty claim and its wait is
+    never missed. Mutated on the event loop only (``wake`` hops there from any thread)."""
 
     def __init__(self) -> None:
         self.generation = 0
-        self._event = asyncio.Event()
+        self._own: dict[str, int] = {}
+        self._waiting: dict[str | None, set[asyncio.Future[None]]] = {}
+        self._seq = 0  # counts recorded frees: a poll adds those after its start
+        self._freed: dict[str, list[tuple[int, float, int, tuple[int, ...]]]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
 
-    def _fire(self) -> None:
-        self.generation += 1
-        self._event.set()
-        self._event = asyncio.Event()
+    def own(self, worker: str) -> int:
+        return self._own.get(worker, 0)
+
+    def mark(self) -> int:
+        """Where a long-poll begins: what is freed after it is added to its room."""
+        return self._seq
+
+    def freed_since(self, worker: str, mark: int) -> tuple[int, set[int]]:
+        """CPU slots and GPUs of ``worker`` that attempts ending after ``mark`` freed."""
+        cpu, gpus = 0, set[int]()
+        for seq, _, c, g in self._freed.get(worker, ()):
+            if seq > mark:
+                cpu += c
+                gpus.update(g)
+        return cpu, gpus
+
+    def committed(self, handed: list[object]) -> None:
+        """What a write transaction woke (Database.on_commit, on its thread)."""
+        for wake in handed:
+            if isinstance(wake, Wake):
+                self.wake(wake)
 
     def notify(self) -> None:
+        """Wake everyone; callable from any thread."""
+        self.wake(EVERYONE)
+
+    def wake(self, wake: Wake) -> None:
         """Callable from any thread."""
         if self._loop is None:
             return
@@ -32,12 +127,45 @@ class Wakeup:
         except RuntimeError:
             running = None
         if running is self._loop:
-            self._fire()
+            self._apply(wake)
         else:
-            self._loop.call_soon_threadsafe(self._fire)
+            self._loop.call_soon_threadsafe(self._apply, wake)
 
-    async def wait(self, seen_generation: int, timeout: float) -> None:
+    def _apply(self, wake: Wake) -> None:
+        worker = wake.worker
+        if worker is not None and (wake.cpu or wake.gpus):
+            self._seq += 1
+            now = time.monotonic()
+            kept = [f for f in self._freed.get(worker, ()) if now - f[1] < FREED_KEEP_S]
+            self._freed[worker] = [*kept, (self._seq, now, wake.cpu, wake.gpus)]
+        if wake.everyone:
+            self.generation += 1
+            woken = [f for waiting in self._waiting.values() for f in waiting]
+        elif worker is not None:
+            self._own[worker] = self._own.get(worker, 0) + 1
+            woken = list(self._waiting.get(worker, ()))
+        else:
+            return
+        for f in woken:
+            if not f.done():
+                f.set_result(None)
+
+    async def wait(
+        self, seen_generation: int, timeout: float, worker: str | None = None, seen_own: int = 0
+    ) -> None:
+        """Until a wake-up for everyone after ``seen_generation`` or, given ``worker``, one
+        for it after ``seen_own``, or ``timeout``."""
         if self.generation != seen_generation:
             return
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._event.wait(), timeout)
+        if worker is not None and self.own(worker) != seen_own:
+            return
+        f: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waiting = self._waiting.setdefault(worker, set())
+        waiting.add(f)
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(f, timeout)
+        finally:
+            waiting.discard(f)
+            if not waiting:
+                self._waiting.pop(worker, None)

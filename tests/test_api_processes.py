@@ -199,6 +199,53 @@ def test_an_event_stream_on_one_process_sees_changes_made_through_the_other(
     assert statuses[0] == "queued"
 
 
+def _claims_asked(p: Pinned) -> float:
+    """Claims p's API process has run against the database so far."""
+    p.conn.request("GET", "/metrics", headers={"Authorization": f"Bearer {p.server.api_token}"})
+    text = p.conn.getresponse().read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("ddpq_claim_latency_seconds_count")
+    )
+
+
+def test_a_finish_on_one_process_frees_its_worker_s_poll_on_the_other(
+    two: Server, pinned: list[Pinned]
+) -> None:
+    """A worker's open long-poll (on one process) offers the slots free when it was sent;
+    its finish (on the other) frees more, and the NOTIFY that carries them lets the
+    waiting poll take the job that needs them (its recheck is an hour away)."""
+    a, b = pinned
+    children = _children(two.proc.pid)
+    beside_a = next(p for p in pin_each(two) if p.process(children) == a.process(children))
+    body = {"name": "w3", "hostname": "h", "cpu_slots": 2, "gpus": [], "checkpoint_root": "/c"}
+    assert b.call("POST", "/workers/register", two.worker_token, body)[0] == 200
+    status, first = b.call("POST", "/jobs", two.api_token, {**JOB, "world_size": 2})
+    assert status == 201
+    claim = {"name": "w3", "free_cpu_slots": 2, "free_gpus": [], "wait_s": 0}
+    status, held = b.call("POST", "/workers/claim", two.worker_token, claim)
+    assert status == 200 and held["job_id"] == first["id"]
+    status, second = b.call("POST", "/jobs", two.api_token, {**JOB, "world_size": 2})
+    assert status == 201
+    before = _claims_asked(beside_a)
+    got: list[tuple[int, Any]] = []
+    poll = {**claim, "free_cpu_slots": 0, "wait_s": 60}
+    waiting = threading.Thread(
+        target=lambda: got.append(a.call("POST", "/workers/claim", two.worker_token, poll)),
+        daemon=True,
+    )
+    waiting.start()
+    wait_for(lambda: _claims_asked(beside_a) > before, 20, "the poll's first claim")
+    done = {"worker": "w3", "attempt": held["attempt"], "exit_code": 0}
+    assert b.call("POST", f"/workers/jobs/{first['id']}/finish", two.worker_token, done)[0] == 200
+    waiting.join(timeout=20)
+    assert got and got[0][0] == 200, got
+    assert got[0][1]["job_id"] == second["id"]
+    done = {"worker": "w3", "attempt": got[0][1]["attempt"], "exit_code": 0}
+    assert b.call("POST", f"/workers/jobs/{second['id']}/finish", two.worker_token, done)[0] == 200
+
+
 def test_a_token_revoked_through_one_process_is_refused_by_the_other(
     two: Server, pinned: list[Pinned]
 ) -> None:

@@ -305,3 +305,39 @@ def test_submit_and_finish_notify_other_api_processes(pg_url: str, tmp_path: Pat
         _finish(server, claim)
         assert [n.channel for n in conn.notifies(timeout=10, stop_after=1)] == ["ddpq_jobs"]
     stop_server(server)
+
+
+def _claims_asked(server: Server) -> float:
+    """Claims the API has run against the database so far (both outcomes)."""
+    total = 0.0
+    for line in server.client().get("/metrics").text.splitlines():
+        if line.startswith("ddpq_claim_latency_seconds_count"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_an_open_poll_takes_the_slots_its_own_worker_s_finish_frees(server: Server) -> None:
+    """A worker's long-poll carries the GPUs free when it was sent; when one of its own
+    attempts ends meanwhile, the job that needs the freed GPUs starts from that poll,
+    not from the next one (its recheck finds nothing with the GPUs it was sent)."""
+    register(server, "gpu", cpu_slots=8, gpus=[0, 1, 2, 3])
+    a = _submit(server, **GPU, world_size=2)
+    held = _claim(server)
+    assert held and held["job_id"] == a["id"]
+    rest = sorted({0, 1, 2, 3} - set(held["gpus"]))
+    whole = _submit(server, **GPU, world_size=4)
+    before = _claims_asked(server)
+    got: list[httpx.Response] = []
+    poll = {"name": "gpu", "free_cpu_slots": 8, "free_gpus": rest, "wait_s": 30}
+    waiting = threading.Thread(
+        target=lambda: got.append(server.client("worker").post("/workers/claim", json=poll)),
+        daemon=True,
+    )
+    waiting.start()
+    # Parked once it has asked the database (and found the 4-GPU job does not fit).
+    wait_for(lambda: _claims_asked(server) > before, 20, "the poll's first claim")
+    _finish(server, held)
+    waiting.join(timeout=25)
+    assert got and got[0].status_code == 200, got and got[0].text
+    assert got[0].json()["job_id"] == whole["id"]
+    assert sorted(got[0].json()["gpus"]) == [0, 1, 2, 3]

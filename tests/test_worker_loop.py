@@ -313,3 +313,38 @@ def test_a_stop_hands_back_only_what_runs_in_this_process(tmp_path: Path, detach
     assert [(h.job_id, h.attempt) for h in executor.adopted] == [(4, 2)]
     assert executor.stopped == ([] if detached else [(1, 1, "shutdown", None)])
     assert loop.claimer_done.is_set()
+
+
+def test_an_ending_attempt_s_slots_go_into_the_claim_sent_while_its_end_is_reported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once an attempt's processes are gone, the next claim offers its GPUs while its
+    finish is still on the wire: the API hands them out once the finish commits (a
+    claim sent meanwhile that left them out would keep them idle until it ended). It is
+    still heartbeated until its end is answered."""
+    from worker import runner as runner_module
+    from worker.agent import Agent
+    from worker.runner import JobRunner
+
+    agent = Agent(
+        cpu_slots=4, gpus=[0, 1, 2, 3], url="http://127.0.0.1:9", token="t", name="w",
+        workspace=tmp_path / "ws", data_dir=tmp_path / "data", checkpoint_dir=None,
+    )  # fmt: skip
+    claim = ClaimedJob(
+        job_id=1, attempt=1, token="x", spec={}, device="cuda", nproc_per_node=2,
+        gpus=[0, 1], checkpoint_dir="/c", resume_from=[],
+    )  # fmt: skip
+    runner = JobRunner(agent.context, claim, agent.release, ending=agent.ending)
+    with agent._lock:
+        agent._runners[(1, 1)] = runner
+    assert agent.free() == (4, [2, 3])
+    while_reported: list[Any] = []
+    monkeypatch.setattr(
+        runner_module,
+        "finish",
+        lambda *_: while_reported.append((agent.free(), [r.job_id for r in agent.running()])),
+    )
+    runner._report(Outcome(0, "exited"))
+    assert while_reported == [((4, [0, 1, 2, 3]), [1])]
+    agent.release(runner)
+    assert agent.free() == (4, [0, 1, 2, 3]) and agent.running() == []

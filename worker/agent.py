@@ -67,6 +67,10 @@ class Agent:
         self.launch_prefix = procs.launch_prefix(self.name, self.data_dir)
         self._lock = threading.Lock()
         self._runners: dict[tuple[int, int], JobRunner] = {}
+        # Runners whose processes are gone and whose end is being reported: their slots
+        # are offered to the next claim, which the API fills once the report commits
+        # (waiting for the report's answer would leave them out of a poll sent meanwhile).
+        self._ending: set[tuple[int, int]] = set()
         self._slots_changed = threading.Event()
         self.gpu_use = GpuUseLog()
         (self.data_dir / "torchrun-logs").mkdir(exist_ok=True)
@@ -96,15 +100,23 @@ class Agent:
 
     def free(self) -> tuple[int, list[int]]:
         with self._lock:
-            claims = [r.claim for r in self._runners.values()]
+            claims = [r.claim for k, r in self._runners.items() if k not in self._ending]
         used_cpu = sum(c.nproc_per_node for c in claims if c.device == "cpu")
         used_gpus = {g for c in claims for g in c.gpus}
         return max(0, self.cpu_slots - used_cpu), [g for g in self.gpus if g not in used_gpus]
 
+    def ending(self, runner: JobRunner) -> None:
+        """Called by a runner once its processes are gone, before its end is reported."""
+        with self._lock:
+            self._ending.add((runner.job_id, runner.attempt))
+        self._slots_changed.set()
+
     def release(self, runner: JobRunner) -> None:
         """Called by a runner once its processes are gone and its end is reported."""
+        key = (runner.job_id, runner.attempt)
         with self._lock:
-            self._runners.pop((runner.job_id, runner.attempt), None)
+            self._runners.pop(key, None)
+            self._ending.discard(key)
         self._slots_changed.set()
 
     def rdzv_port(self) -> int | None:
@@ -176,7 +188,11 @@ class Agent:
         # Node 0 of a gang hosts the rendezvous on the port offered with the claim.
         hosting = claim.nnodes > 1 and claim.node_rank == 0
         runner = JobRunner(
-            self.context, claim, self.release, rdzv_port=room.rdzv_port if hosting else None
+            self.context,
+            claim,
+            self.release,
+            rdzv_port=room.rdzv_port if hosting else None,
+            ending=self.ending,
         )
         with self._lock:
             self._runners[(runner.job_id, runner.attempt)] = runner

@@ -79,6 +79,9 @@ class JobRunner:
     release: Callable[[JobRunner], None]
     # The rendezvous port this worker offered, when it holds node 0 of a gang.
     rdzv_port: int | None = None
+    # Called once its processes are gone, as its end is about to be reported: its slots
+    # may go into the next claim's room (the API hands them out once the report lands).
+    ending: Callable[[JobRunner], None] = lambda _: None
     gang: GangReply | None = None
     stop_reason: str | None = None
     stop_requested: threading.Event = field(default_factory=threading.Event)
@@ -246,6 +249,7 @@ class JobRunner:
         return stopped(self.stop_reason or "shutdown", timeout_s, None, self.stop_words)
 
     def _report(self, result: Outcome) -> None:
+        self.ending(self)
         finish(
             self.ctx.api, self.job_id, self.attempt, result, self.stop_reason, self.ctx.claimer_done
         )

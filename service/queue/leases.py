@@ -196,7 +196,10 @@ def end_attempt(s: Session, job: Job, worker: str, report: FinishRequest, policy
     requeues = states.move(job.id, job.status, ending.event).target == JobStatus.QUEUED
     if job.preempted_by is not None and requeues:  # handed back: its reason says for whom
         reason = f"{preempt.words(s, job.preempted_by)}; it resumes when room is free"
-    states.end(s, job, attempt, ending.event, now, reason, report.exit_code, **ending.columns)
+    states.end(
+        s, job, attempt, ending.event, now, reason, report.exit_code,
+        reported=report.outcome != "lost", **ending.columns,
+    )  # fmt: skip
 
 
 def _other_nodes_run_on(s: Session, job: Job, report: FinishRequest, node: JobNode) -> bool:

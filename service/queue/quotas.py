@@ -124,6 +124,7 @@ def _refresh_statement() -> Any:
         update(jobs)
         .where(j.owner == owner, j.status == "queued", changed)
         .values(quota_running=at_running, quota_gpus=over_gpus)
+        .returning(j.id)  # counted: SQLite's rowcount of an UPDATE led by WITH is -1
     )
 
 
@@ -131,13 +132,14 @@ def _refresh_statement() -> Any:
 _REFRESH = _refresh_statement()
 
 
-def refresh(s: Executor, owner: str | None) -> None:
+def refresh(s: Executor, owner: str | None) -> int:
     """Set the flags of ``owner``'s queued jobs from their limits and what they hold, in
     one statement (each claim runs it): the limits and what they hold are read in it, and
     only the rows whose flags change are written (nearly always none: a row not written
-    is a row no other claimer waits for)."""
-    if owner is not None:
-        s.execute(_REFRESH, {"quota_owner": owner})
+    is a row no other claimer waits for). How many rows changed."""
+    if owner is None:
+        return 0
+    return len(s.execute(_REFRESH, {"quota_owner": owner}).all())
 
 
 def refresh_all(s: Executor) -> None:

@@ -18,7 +18,7 @@ from sqlalchemy import Table, and_, bindparam, false, or_, select, text
 from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
-from service.db import Policy
+from service.db import Policy, after_commit
 from service.models import (
     ACTIVE,
     Attempt,
@@ -29,6 +29,7 @@ from service.models import (
     UTCDateTime,
     Worker,
 )
+from service.wakeup import EVERYONE, Wake
 
 NOTIFY_CHANNEL = "ddpq_jobs"
 RESUME_CANDIDATES = 5  # newest checkpoints offered; the worker takes the first on disk
@@ -201,12 +202,17 @@ def rowcount(result: Any) -> int:
     return int(result.rowcount)
 
 
-def notify_claimers(s: Session | Connection) -> None:
-    """Wake long-polling claimers (and gang waiters) in every API process once this
-    transaction commits."""
+_NOTIFY = text("SELECT pg_notify(:channel, :payload)")
+
+
+def notify_claimers(s: Session | Connection, wake: Wake = EVERYONE) -> None:
+    """Wake long-polling claimers (and gang waiters) once this transaction commits: this
+    process's at the commit (``db.after_commit``), every other API process's through
+    NOTIFY. ``wake``: for everyone, or only one worker's claims (service.wakeup)."""
+    after_commit(wake)
     dialect = s.dialect.name if isinstance(s, Connection) else s.get_bind().dialect.name
     if dialect == "postgresql":
-        s.execute(text("SELECT pg_notify(:channel, '')"), {"channel": NOTIFY_CHANNEL})
+        s.execute(_NOTIFY, {"channel": NOTIFY_CHANNEL, "payload": wake.payload()})
 
 
 def as_utc(value: datetime | str) -> datetime:

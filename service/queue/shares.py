@@ -31,7 +31,7 @@ import math
 from datetime import datetime, timedelta
 from typing import Any, cast
 
-from sqlalchemy import Table, and_, func, or_, select, update
+from sqlalchemy import Table, and_, bindparam, func, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -65,12 +65,29 @@ def _insert(s: Session) -> Any:
     return postgresql.insert if s.get_bind().dialect.name == "postgresql" else sqlite.insert
 
 
+_T0 = select(epoch_table.c.t0).where(epoch_table.c.id == 1)
+_T0_SHARED, _T0_ALONE = _T0.with_for_update(read=True), _T0.with_for_update()
+# A submit's read of its owner's usage, with the epoch held (shared) in the same statement.
+_USAGE_OF = (
+    select(
+        epoch_table.c.t0,
+        select(usage_table.c.usage)
+        .where(usage_table.c.owner == bindparam("owner"))
+        .scalar_subquery(),
+    )
+    .where(epoch_table.c.id == 1)
+    .with_for_update(read=True, of=epoch_table)
+)
+
+
 def _epoch(s: Session, now: datetime, lock: bool = False) -> datetime:
     """The time usages are scaled to (made now, the first time). Read under a shared
     lock where usage is added, so that a rebase (an exclusive one) never runs between."""
-    s.execute(_insert(s)(epoch_table).values(id=1, t0=now).on_conflict_do_nothing())
-    q = select(FairshareEpoch.t0).where(FairshareEpoch.id == 1)
-    t0: datetime = s.execute(q.with_for_update(read=not lock)).scalar_one()
+    q = _T0_ALONE if lock else _T0_SHARED
+    t0: datetime | None = s.execute(q).scalar()
+    if t0 is None:  # the first time (another transaction making it at once: theirs holds)
+        s.execute(_insert(s)(epoch_table).values(id=1, t0=now).on_conflict_do_nothing())
+        t0 = s.execute(q).scalar_one()
     return t0
 
 
@@ -84,9 +101,11 @@ def usage_of(s: Session, owner: str | None, now: datetime) -> float:
     shares of the jobs queued before it."""
     if owner is None:
         return 0.0
-    _epoch(s, now)
-    found = s.execute(select(UserUsage.usage).where(UserUsage.owner == owner)).scalar()
-    return float(found or 0.0)
+    row = s.execute(_USAGE_OF, {"owner": owner}).first()
+    if row is None:  # no epoch yet: nobody has used anything
+        _epoch(s, now)
+        return 0.0
+    return float(row[1] or 0.0)
 
 
 def _add(s: Session, owner: str, amount: float, now: datetime) -> float:

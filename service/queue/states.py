@@ -55,6 +55,7 @@ from service.models import (
 )
 from service.queue import quotas, shares
 from service.queue.rules import Logic, attempts, j, nodes, notify_claimers
+from service.wakeup import Wake
 
 Q, R, C = JobStatus.QUEUED, JobStatus.RUNNING, JobStatus.CANCELLING
 S, F, X = JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED
@@ -179,25 +180,39 @@ def end(
     now: datetime,
     reason: str | None,
     exit_code: int | None = None,
+    reported: bool = False,
     **columns: Any,
 ) -> Move:
     """End ``job``'s current ``attempt`` (both rows the caller locked, job first) by
     ``event``: the job moves on, the attempt records how it ended, its use is counted
-    for fair share as it held, and its slots are free for claimers."""
+    for fair share as it held, and its slots are free for claimers. ``reported``: its
+    worker reported its processes gone (a finish), so its slots are free there too."""
     m = move(job.id, job.status, event)
     if m.ends is None:
         raise ValueError(f"{event.value} ends no attempt: use enter()")
     if attempt.ended_at is not None:
         raise IllegalMove(job.id, job.status, event, f"attempt {attempt.number} already ended")
     ends = attempt_move(attempt.outcome, event)
+    held_cpu = job.held_cpu_slots  # what it held, before a requeue clears it
     shares.count_end(s, job.id, attempt.id, now)  # as it held: before the job moves on
     _set(job, m, now, reason, columns)
     job.exit_code = exit_code
     job.preempted_by = None  # a hand-back asked of it is done, or moot
     _end_attempt(attempt, ends, now, exit_code, job.reason)
     s.flush()
-    quotas.refresh(s, job.owner)  # what its owner holds shrank
-    notify_claimers(s)  # its slots are free, or it is queued again
+    lifted = quotas.refresh(s, job.owner)  # what its owner holds shrank
+    # Its slots are free: only its worker's claims could use them, unless the job is
+    # queued again, a gang's nodes are free, or its owner's limits now let a job start.
+    # (Fair share reorders its owner's queued jobs: what fits anywhere is the same.)
+    everyone = m.requeues or job.nnodes > 1 or lifted > 0
+    freed = reported and job.nnodes == 1
+    wake = Wake(
+        everyone,
+        attempt.worker,
+        held_cpu if freed else 0,
+        tuple(attempt.gpus or ()) if freed else (),
+    )
+    notify_claimers(s, wake)
     return m
 
 

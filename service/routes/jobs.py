@@ -47,7 +47,6 @@ NO_JOB = {404: "no such job"}
 async def submit_job(
     spec: JobSpec,
     db: DB,
-    wakeup: WakeupDep,
     me: CurrentUser,
     idempotency_key: Annotated[
         IdempotencyKey | None,
@@ -61,9 +60,8 @@ async def submit_job(
     ] = False,
 ) -> JobPublic:
     """Queue a job."""
-    job = await run_in_threadpool(jobs.submit_job, db, spec, idempotency_key, strict, me.name)
-    wakeup.notify()
-    return job
+    # Claimers are woken as it commits (queue.notify_claimers), not after the reply.
+    return await run_in_threadpool(jobs.submit_job, db, spec, idempotency_key, strict, me.name)
 
 
 @router.get("/jobs", response_model=JobsPublic)

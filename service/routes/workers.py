@@ -128,11 +128,23 @@ async def claim_job(
     deadline = time.monotonic() + min(body.wait_s, settings.max_claim_wait_s)
     memo: queue.NothingFits = request.app.state.nothing_fits
     stopping = request.app.state.stopping
-    room = (body.free_cpu_slots, len(body.free_gpus))
+    mark = wakeup.mark()
     while True:
-        seen = wakeup.generation
+        seen, seen_own = wakeup.generation, wakeup.own(body.name)
         if stopping.is_set():  # uvicorn waits for open answers before it exits
             return Response(status_code=204)
+        # The slots of this worker's attempts that ended since the poll was sent are free
+        # too: the worker reported their processes gone (service.wakeup).
+        cpu, gpus = wakeup.freed_since(body.name, mark)
+        if cpu or gpus:
+            body = body.model_copy(
+                update={
+                    "free_cpu_slots": body.free_cpu_slots + cpu,
+                    "free_gpus": sorted(set(body.free_gpus) | gpus),
+                }
+            )
+            mark = wakeup.mark()
+        room = (body.free_cpu_slots, len(body.free_gpus))
         asked = memo.asked(body.name, seen, *room)
         if asked is not None:
             # A claim of as much room runs for this wake-up: its answer first, then look
@@ -156,7 +168,7 @@ async def claim_job(
         left = deadline - time.monotonic()
         if left <= 0 or stopping.is_set():
             return Response(status_code=204)
-        await wakeup.wait(seen, min(left, settings.claim_recheck_s))
+        await wakeup.wait(seen, min(left, settings.claim_recheck_s), body.name, seen_own)
 
 
 async def _claim(
@@ -311,11 +323,10 @@ class FinishBody(FinishRequest):
         }
     ),
 )
-async def finish_attempt(job_id: JobId, body: FinishBody, db: DB, wakeup: WakeupDep) -> JobPublic:
+async def finish_attempt(job_id: JobId, body: FinishBody, db: DB) -> JobPublic:
     """Report how an attempt ended (after its processes are gone)."""
-    job = await run_in_threadpool(jobs.finish_attempt, db, job_id, body.worker, body)
-    wakeup.notify()  # its slots are free again
-    return job
+    # Claimers are woken as it commits: its worker's own, or everyone's (states.end).
+    return await run_in_threadpool(jobs.finish_attempt, db, job_id, body.worker, body)
 
 
 @router.get("/outputs/limits", response_model=OutputsLimits)

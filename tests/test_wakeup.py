@@ -1,0 +1,125 @@
+"""Who a commit wakes (service/wakeup.py): a finish that changes nothing for anyone else
+wakes only its own worker's long-polls, with the slots it freed; one that queues the
+job again, frees a gang's nodes or lets a quota-held job start wakes everyone. A
+process ignores its own NOTIFY (its commit woke its claimers already).
+
+Cheap: no server; the service's functions on both databases, Wakeup on an event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from service import jobs, queue
+from service.db import Database, upgrade
+from service.schemas import FinishRequest, JobSpec
+from service.users import Principal, set_quota
+from service.wakeup import EVERYONE, Wake, Wakeup
+
+_tokens = itertools.count(1)
+
+
+@pytest.fixture
+def db(db_url: str) -> Iterator[Database]:
+    if db_url.startswith("sqlite"):
+        upgrade(db_url)
+    database = Database(db_url)
+    yield database
+    database.dispose()
+
+
+def _woken(db: Database) -> list[Any]:
+    handed: list[Any] = []
+    db.on_commit = handed.extend
+    return handed
+
+
+def _run(db: Database, owner: str = "alice", **spec: Any) -> queue.Claim:
+    """A job of ``owner`` submitted and claimed on worker w (4 GPUs)."""
+    job = jobs.submit_job(db, JobSpec(entrypoint="x.py", device="cuda", **spec), None, owner=owner)
+    claim = queue.claim_next_job(db, "w", 8, [0, 1, 2, 3], f"{next(_tokens):064x}")
+    assert claim is not None and claim.job_id == job.id
+    return claim
+
+
+def _finish(db: Database, claim: queue.Claim, exit_code: int = 0) -> None:
+    jobs.finish_attempt(
+        db, claim.job_id, "w", FinishRequest(attempt=claim.attempt, exit_code=exit_code)
+    )
+
+
+def test_a_finish_wakes_its_own_worker_with_the_slots_it_freed(db: Database) -> None:
+    queue.register_worker(db, "w", None, "host", 8, [0, 1, 2, 3], "/c")
+    handed = _woken(db)
+    claim = _run(db, world_size=2)
+    assert handed and all(w.everyone for w in handed)  # the submit: anyone may take it
+    handed.clear()
+    _finish(db, claim)
+    assert handed == [Wake(False, "w", 0, tuple(claim.gpus))]
+
+
+def test_a_finish_that_queues_the_job_again_wakes_everyone(db: Database) -> None:
+    queue.register_worker(db, "w", None, "host", 8, [0, 1, 2, 3], "/c")
+    handed = _woken(db)
+    claim = _run(db, world_size=2, max_attempts=2, retry_on_error=True)
+    handed.clear()
+    _finish(db, claim, exit_code=1)
+    assert [w.everyone for w in handed] == [True]
+    assert handed[0].worker == "w" and handed[0].gpus == tuple(claim.gpus)
+
+
+def test_a_finish_that_lets_a_quota_held_job_start_wakes_everyone(db: Database) -> None:
+    queue.register_worker(db, "w", None, "host", 8, [0, 1, 2, 3], "/c")
+    set_quota(db, Principal("admin", "admin"), "alice", {"max_running": 1})
+    handed = _woken(db)
+    claim = _run(db, world_size=1)
+    jobs.submit_job(db, JobSpec(entrypoint="x.py", device="cuda"), None, owner="alice")
+    handed.clear()
+    _finish(db, claim)  # alice's second job is let go: any worker may start it
+    assert [w.everyone for w in handed] == [True]
+
+
+def test_a_rolled_back_transaction_wakes_nobody(db: Database) -> None:
+    handed = _woken(db)
+    with pytest.raises(RuntimeError), db.write() as s:
+        queue.notify_claimers(s)
+        raise RuntimeError("rolled back")
+    assert handed == []
+
+
+def test_a_targeted_wake_wakes_only_its_worker_and_carries_what_it_freed() -> None:
+    async def run() -> None:
+        wakeup = Wakeup()
+        wakeup.bind(asyncio.get_running_loop())
+        mark = wakeup.mark()
+        a = asyncio.create_task(wakeup.wait(wakeup.generation, 30, "a", wakeup.own("a")))
+        b = asyncio.create_task(wakeup.wait(wakeup.generation, 30, "b", wakeup.own("b")))
+        gang = asyncio.create_task(wakeup.wait(wakeup.generation, 30))
+        await asyncio.sleep(0)
+        wakeup.wake(Wake(False, "a", 2, (1, 3)))
+        await asyncio.wait_for(a, 5)
+        assert not b.done() and not gang.done()
+        assert wakeup.freed_since("a", mark) == (2, {1, 3})
+        assert wakeup.freed_since("a", wakeup.mark()) == (0, set())  # nothing since
+        assert wakeup.freed_since("b", mark) == (0, set())
+        wakeup.notify()
+        await asyncio.wait_for(asyncio.gather(b, gang), 5)
+        # A wake-up between a look and its wait is not missed.
+        seen, own = wakeup.generation, wakeup.own("a")
+        wakeup.wake(Wake(False, "a"))
+        await asyncio.wait_for(wakeup.wait(seen, 30, "a", own), 5)
+
+    asyncio.run(run())
+
+
+def test_a_process_ignores_its_own_notify_and_wakes_everyone_for_one_it_cannot_read() -> None:
+    mine = Wake(False, "w", 1, (0,))
+    assert Wake.heard(mine.payload()) is None
+    other = mine.payload().replace('"p":"', '"p":"x')
+    assert Wake.heard(other) == mine
+    assert Wake.heard("") == EVERYONE  # an API of an earlier version

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Select, create_engine, event, text
+from sqlalchemy import Select, String, Update, column, create_engine, event, text
 from sqlalchemy.engine import Connection, Engine, Row, make_url
 from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
@@ -38,7 +38,22 @@ STALL_S = 2.0
 UNAVAILABLE = (OperationalError, InterfaceError, PoolTimeout)
 
 
-_NOT_DURABLE = text("SET LOCAL synchronous_commit = off")
+# What makes a Postgres transaction's commit return without waiting for its WAL to reach
+# the disk, as a condition of an UPDATE (Database.not_durable): set_config(..., true) is
+# SET LOCAL, for the transaction it runs in only, and Postgres reads synchronous_commit
+# when the transaction commits (RecordTransactionCommit), after the statement. As an
+# uncorrelated sub-SELECT it is an InitPlan that the UPDATE's one-time filter evaluates
+# before it scans (an unreferenced CTE is never evaluated: measured, its commits each
+# waited for a WAL flush; a sub-SELECT in FROM works too, but SQLAlchemy warns of a
+# cartesian product). So one statement on an autocommit connection is a whole
+# non-durable transaction: 2,000 of them took 5-70 WAL flushes (pg_stat_wal.wal_sync,
+# the WAL writer's and other databases') where the plain UPDATE took 2,000, and on this
+# machine's disk 190-220 us each instead of 300-380.
+_NOT_DURABLE = (
+    text("SELECT set_config('synchronous_commit', 'off', true)")
+    .columns(column("off", String))
+    .scalar_subquery()
+)
 
 
 class _Pending(threading.local):
@@ -262,6 +277,7 @@ class Database:
         # Called, on the committing thread, with what a write transaction handed to
         # after_commit (the API: its claimers' wake-ups).
         self.on_commit: Callable[[list[Any]], None] | None = None
+        self._not_durable: dict[Update, Update] = {}  # not_durable's, built once
         # SQLite's busy handler sleeps in steps of up to 100 ms while another
         # connection writes; threads of this process queue on a lock instead and
         # are handed the database the moment it is free (5x the claims a second).
@@ -290,15 +306,8 @@ class Database:
             yield session
 
     @contextmanager
-    def write(self, durable: bool = True) -> Iterator[Session]:
-        """A transaction that holds the write lock from its first statement on SQLite.
-
-        ``durable=False``: on Postgres, its commit returns without waiting for the WAL to
-        reach the disk (``synchronous_commit = off`` for this transaction only), for what
-        a crash may lose the last fraction of a second of without harm (a lease renewal:
-        the next one comes seconds later). Still atomic and in order with every other
-        commit; the wait it saves was 8-11 ms a commit (p99 26-46 ms) on a busy disk.
-        SQLite in WAL mode with synchronous=NORMAL does not wait for the disk anyway."""
+    def write(self) -> Iterator[Session]:
+        """A transaction that holds the write lock from its first statement on SQLite."""
         with (
             self._committed(),
             self._watched(),
@@ -307,8 +316,6 @@ class Database:
             session.begin(),
         ):
             session.info["policy"] = self.policy
-            if not durable and self.dialect == "postgresql":
-                session.execute(_NOT_DURABLE)
             yield session
 
     @contextmanager
@@ -322,6 +329,40 @@ class Database:
             _pending.stack.pop()
         if handed and self.on_commit is not None:
             self.on_commit(handed)
+
+    def not_durable(self, stmt: Update) -> Update:
+        """``stmt`` made to turn, on Postgres, the commit of the transaction it runs in
+        non-durable: the commit returns without waiting for the WAL to reach the disk
+        (synchronous_commit off for that transaction only: _NOT_DURABLE, a condition
+        evaluated before any row is written), for what a crash may lose the last
+        fraction of a second of without harm (a lease renewal: the next one comes
+        seconds later). Still atomic and in order with every other commit; the wait it
+        saves was 8-11 ms a commit (p99 26-46 ms) on a busy disk. Not a ``SET LOCAL`` of
+        its own: that was a round trip more, a quarter of an idle host's heartbeat.
+        SQLite in WAL mode with synchronous=NORMAL does not wait for the disk anyway:
+        ``stmt`` unchanged. Built once per statement."""
+        if self.dialect != "postgresql":
+            return stmt
+        made = self._not_durable.get(stmt)
+        if made is None:
+            made = self._not_durable[stmt] = stmt.where(_NOT_DURABLE == "off")
+        return made
+
+    def write_one(self, stmt: Update, params: dict[str, Any], durable: bool = True) -> int:
+        """One prebuilt UPDATE as a write transaction of its own; the rows it touched.
+
+        On Postgres one round trip: on an autocommit connection the statement is its own
+        transaction (no BEGIN and no COMMIT), made non-durable by ``not_durable`` when
+        ``durable`` is False. An idle host's heartbeat is this, a thousand hosts every
+        2 s: as BEGIN, SET LOCAL, UPDATE, COMMIT it took four. On SQLite a transaction
+        of ``write_conn`` (BEGIN IMMEDIATE, under the process's write lock)."""
+        if self.dialect != "postgresql":
+            with self.write_conn() as conn:
+                return int(conn.execute(stmt, params).rowcount)
+        if not durable:
+            stmt = self.not_durable(stmt)
+        with self._watched(), self._autocommit.connect() as conn:
+            return int(conn.execute(stmt, params).rowcount)
 
     def read_one(self, stmt: Select[Any], params: dict[str, Any]) -> tuple[Any, ...] | None:
         """One row of one prebuilt SELECT, on the lightest path there is: no Session and

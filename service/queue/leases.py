@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, bindparam, or_, select, tuple_, update
+from sqlalchemy import Update, and_, bindparam, or_, select, tuple_, update
 from sqlalchemy.orm import Session
 
 from service import gpus
@@ -276,32 +276,32 @@ def held_attempts(db: Database, worker: str) -> list[tuple[int, int, str | None,
         return [(r.job_id, r.number, r.external_id, r.spec.get("timeout_s")) for r in rows]
 
 
-# A worker's own heartbeat, built once (every host sends one every 2 s) and run on the
-# session's connection: through the ORM's bulk update it cost more than the UPDATE itself.
+# A worker's own heartbeat, built once (every host sends one every 2 s) and run on a bare
+# connection: through the ORM's bulk update it cost more than the UPDATE itself.
 _TOUCH = (
     update(workers).where(w.name == bindparam("b_worker")).values(last_heartbeat=bindparam("b_now"))
 )
 # Only while no other process has taken the name over (NameTaken below).
 _TOUCH_MINE = _TOUCH.where(or_(w.identity.is_(None), w.identity == bindparam("b_identity")))
+_HOLDER = select(w.hostname).where(w.name == bindparam("b_worker"))
 
 
-def _touch_worker(s: Session, worker: str, identity: str | None, now: datetime) -> None:
-    """The worker's own heartbeat; NameTaken if another process took the name over."""
-    conn = s.connection()
+def _touch(worker: str, identity: str | None, now: datetime) -> tuple[Update, dict[str, Any]]:
+    """The worker's own heartbeat: the statement and its parameters."""
     if identity:
-        touched = conn.execute(
-            _TOUCH_MINE, {"b_worker": worker, "b_identity": identity, "b_now": now}
+        return _TOUCH_MINE, {"b_worker": worker, "b_identity": identity, "b_now": now}
+    return _TOUCH, {"b_worker": worker, "b_now": now}
+
+
+def _untouched(worker: str, holder: str | None) -> Exception:
+    """Why a heartbeat touched no row: NameTaken if another process (on host ``holder``)
+    took the name over, UnknownWorker if there is no such worker."""
+    if holder is not None:
+        return NameTaken(
+            f"worker name {worker} was taken over by another process (host {holder}) "
+            "after this one's heartbeats went silent; its jobs run there now"
         )
-    else:
-        touched = conn.execute(_TOUCH, {"b_worker": worker, "b_now": now})
-    if rowcount(touched) == 0:
-        holder = s.scalar(select(Worker.hostname).where(Worker.name == worker))
-        if holder is not None:
-            raise NameTaken(
-                f"worker name {worker} was taken over by another process (host {holder}) "
-                "after this one's heartbeats went silent; its jobs run there now"
-            )
-        raise UnknownWorker(worker)
+    return UnknownWorker(worker)
 
 
 @dataclass(frozen=True)
@@ -332,12 +332,19 @@ def record_heartbeat(
     """
     now = utcnow()
     elsewhere = elsewhere or {}
+    touch, params = _touch(worker, identity, now)
     # Not durable: a heartbeat a crash of the database loses is sent again 2 s later, and
     # a thousand hosts' heartbeats each waiting for the disk was what they waited on.
-    with db.write(durable=False) as s:
-        _touch_worker(s, worker, identity, now)
-        if not running:
-            return [], [], []
+    if not running:
+        # An idle host's: one statement, on Postgres one round trip (Database.write_one).
+        if db.write_one(touch, params, durable=False) == 0:
+            found = db.read_one(_HOLDER, {"b_worker": worker})
+            raise _untouched(worker, found[0] if found else None)
+        return [], [], []
+    with db.write() as s:
+        # The touch turns synchronous_commit off for the whole transaction (not_durable).
+        if rowcount(s.connection().execute(db.not_durable(touch), params)) == 0:
+            raise _untouched(worker, s.scalar(_HOLDER, {"b_worker": worker}))
         beat = _sort_out(s, worker, running)
         if beat.slots:
             s.execute(update(JobNode).where(JobNode.id.in_(beat.slots)).values(heartbeat_at=now))

@@ -298,6 +298,7 @@ def submit_job(
             queue.refresh_quota_flags(s, owner)  # held back from the start if it must be
             queue.preempt_pass(s, now)  # room made for it at once, if it outranks and may
             queue.notify_claimers(s)
+            return _publics(s, [job])[0]
     except IntegrityError:
         # Another request with the same key won the race; answer with its job.
         if idempotency_key is not None:
@@ -305,11 +306,6 @@ def submit_job(
             if existing is not None:
                 return existing
         raise
-    # The reply is the job as it was queued, its place and reasons read after the commit:
-    # a claim woken by the commit runs meanwhile (on Postgres its own round trips, not
-    # behind this reply's).
-    with db.read() as s:
-        return _publics(s, [job])[0]
 
 
 def _within_queued_limit(s: Session, owner: str | None) -> None:

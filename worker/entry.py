@@ -178,9 +178,14 @@ def _error_file(message: str, callstack: str, keep: bool) -> None:
             "extraInfo": {"py_callstack": callstack, "timestamp": str(int(time.time()))},
         }
     }
+    # Whole or not at all: torchrun reads every failed rank's file, and a rank it stops
+    # while it writes (rank 0 of a job whose rank 1 failed, its barrier broken) left an
+    # empty one, which torchrun's JSON parse failed on, naming that the root cause.
+    part = f"{path}.{os.getpid()}.part"
     try:
-        with open(path, "w") as f:
+        with open(part, "w") as f:
             json.dump(data, f)
+        os.replace(part, path)
     except OSError as exc:
         sys.stderr.write(f"[ddpq] could not write the error file {path}: {exc}\n")
 

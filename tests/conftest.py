@@ -31,6 +31,7 @@ import httpx
 import psycopg
 import pytest
 
+from service.db import Database, upgrade
 from tests import slurmcluster
 from worker.procs import launch_prefix
 
@@ -119,6 +120,16 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
         return f"sqlite:///{tmp_path / 'ddpq.db'}"
     url: str = request.getfixturevalue("pg_url")
     return url
+
+
+@pytest.fixture
+def db(db_url: str) -> Iterator[Database]:
+    """The service's Database on a fresh, migrated database (each backend), no server."""
+    if db_url.startswith("sqlite"):
+        upgrade(db_url)
+    database = Database(db_url)
+    yield database
+    database.dispose()
 
 
 # ---- Slurm ------------------------------------------------------------------------------

@@ -6,29 +6,19 @@ is one statement, a non-durable transaction of its own (Database.write_one)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
 from sqlalchemy import event, select, update
 
-from service.db import Database, upgrade
+from service.db import Database
 from service.errors import UnknownWorker
 from service.models import Worker, utcnow
 from service.queue import NameTaken, record_heartbeat, register_worker
 from service.queue.rules import as_utc
 
 MINE, THEIRS = "a" * 32, "b" * 32
-
-
-@pytest.fixture
-def db(db_url: str) -> Iterator[Database]:
-    if db_url.startswith("sqlite"):
-        upgrade(db_url)
-    database = Database(db_url)
-    yield database
-    database.dispose()
 
 
 def _register(db: Database, identity: str | None, host: str) -> None:

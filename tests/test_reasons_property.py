@@ -63,15 +63,6 @@ worker_states = st.builds(
 
 
 @pytest.fixture
-def db(db_url: str) -> Iterator[Database]:
-    if db_url.startswith("sqlite"):
-        upgrade(db_url)
-    database = Database(db_url)
-    yield database
-    database.dispose()
-
-
-@pytest.fixture
 def preempting_db(db_url: str) -> Iterator[Database]:
     """The same, with preemption on (by priority, no minimum run)."""
     if db_url.startswith("sqlite"):

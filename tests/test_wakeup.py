@@ -10,27 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from service import jobs, queue
-from service.db import Database, upgrade
+from service.db import Database
 from service.schemas import FinishRequest, JobSpec
 from service.users import Principal, set_quota
 from service.wakeup import EVERYONE, Wake, Wakeup
 
 _tokens = itertools.count(1)
-
-
-@pytest.fixture
-def db(db_url: str) -> Iterator[Database]:
-    if db_url.startswith("sqlite"):
-        upgrade(db_url)
-    database = Database(db_url)
-    yield database
-    database.dispose()
 
 
 def _woken(db: Database) -> list[Any]:

@@ -275,8 +275,7 @@ class Host:
             # submission, or this host's finish that freed the room it took.
             st.add(st.claim, now - max(sent, submitted, self.finish_sent))
             st.add(st.submit_to_running, now - submitted)
-            busy = [g for j, gs in self.gpus_of.items() if j not in self.finishing for g in gs]
-            if set(gpus) & set(busy):
+            if not set(gpus) <= self.free:
                 st.error("claim gave busy GPUs")
             self.gpus_of[job_id] = set(gpus)
             self.running[job_id] = attempt

@@ -69,8 +69,8 @@ _pending = _Pending()
 def after_commit(what: Any) -> None:
     """Hand ``what`` to the Database's ``on_commit`` once the write transaction this thread
     is in commits; nothing if it rolls back (or runs outside ``Database.write``). What a
-    commit makes claimable wakes claimers then, not before (they would not see it) and
-    not after the reply is built (a claim woken at the commit runs beside it)."""
+    commit makes claimable wakes claimers then: not before (they would not see it), and
+    not twice (the route and the process's own NOTIFY each did, before)."""
     if _pending.stack:
         _pending.stack[-1].append(what)
 

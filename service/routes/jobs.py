@@ -60,7 +60,7 @@ async def submit_job(
     ] = False,
 ) -> JobPublic:
     """Queue a job."""
-    # Claimers are woken as it commits (queue.notify_claimers), not after the reply.
+    # Claimers are woken as it commits (queue.notify_claimers).
     return await run_in_threadpool(jobs.submit_job, db, spec, idempotency_key, strict, me.name)
 
 

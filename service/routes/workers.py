@@ -76,7 +76,7 @@ def _claim_pool(dialect: str) -> ThreadPoolExecutor:
 
 @router.post("/register", response_model=WorkerRegistered, responses=responses(NAME_TAKEN))
 def register_worker(
-    body: WorkerRegister, request: Request, db: DB, settings: SettingsDep, wakeup: WakeupDep
+    body: WorkerRegister, request: Request, db: DB, settings: SettingsDep
 ) -> WorkerRegistered:
     """Announce a worker and what it has (again after a restart)."""
     request.app.state.nothing_fits.forget(body.name)
@@ -101,9 +101,9 @@ def register_worker(
         ]
     # Attempts the books give this worker but it does not list died with an earlier
     # process of it (whose leftovers it killed before registering): requeue them now
-    # rather than at the end of their lease.
-    elif queue.release_worker(db, body.name, keep=[(r.job_id, r.attempt) for r in body.running]):
-        wakeup.notify()
+    # rather than at the end of their lease (each end wakes the claimers it concerns).
+    else:
+        queue.release_worker(db, body.name, keep=[(r.job_id, r.attempt) for r in body.running])
     return WorkerRegistered(
         name=body.name,
         heartbeat_s=settings.heartbeat_s,
@@ -160,9 +160,7 @@ async def claim_job(
                 # a claim: asking costs more than a claim the memo answers.)
                 return Response(status_code=204)
             claimed = await _claim(body, request, db, memo, seen, room)
-        if claimed is not None:
-            if claimed.nnodes > 1:
-                wakeup.notify()  # gang waiters in this process: a slot was taken
+        if claimed is not None:  # a gang's slot taken woke its waiters as it committed
             # Serialised here, once: a returned model would be validated a second time.
             return Response(claimed.model_dump_json(), media_type="application/json")
         left = deadline - time.monotonic()
@@ -217,8 +215,8 @@ async def wait_for_gang(
     """Long-poll on a held node slot of a multi-node job until its gang is complete
     (ready: the rendezvous to start torchrun with) or the slot is released."""
     if body.leave:
+        # A slot given back wakes the claimers as it commits (queue.states.release).
         if await run_in_threadpool(queue.leave_gang, db, body.name, body.job_id, body.attempt):
-            wakeup.notify()
             return GangReply(state="released", reason="left by its worker")
         # Nothing to give back: the gang completed first (ready: the worker must hand the
         # attempt back through finish, or the other nodes wait out their lease), or the

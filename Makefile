@@ -14,7 +14,7 @@ PIP_COMPILE_FLAGS := -q --generate-hashes --allow-unsafe --strip-extras \
 # Pinned: tests/test_openapi_client.py asserts the generated code's names and shapes.
 OPENAPI_GENERATOR := openapi-python-client==0.29.1
 
-.PHONY: venv lock browser slurm run test test-slurm test-launchers test-walls test-teardown gpu-check gpu-check-compose test-learning compose-test docs lint fmt bench clean
+.PHONY: venv lock browser slurm run test test-slurm test-launchers test-walls test-teardown test-long gpu-check gpu-check-compose test-learning compose-test docs lint fmt bench clean
 
 venv: $(VENV)/.installed
 
@@ -64,7 +64,7 @@ slurm:
 
 # Everything but the slow suites that have targets of their own (CI runs them all).
 test: venv browser
-	$(BIN)/pytest -n 3 --dist worksteal -m 'not exclusive and not learning and not slurm and not gpu and not teardown and not launchers and not walls'
+	$(BIN)/pytest -n 3 --dist worksteal -m 'not exclusive and not learning and not slurm and not gpu and not teardown and not launchers and not walls and not long'
 	$(BIN)/pytest -m exclusive
 
 # The two launchers against each other (issue 34): the warm launcher's probe against a cold
@@ -79,6 +79,12 @@ test-launchers: venv
 # (inside it they took about a minute of its 15).
 test-walls: venv
 	$(BIN)/pytest -n 3 --dist worksteal -m 'walls and not launchers'
+
+# The long end-to-end suites (test_outage's outages on both databases, the schema fuzz, the
+# 2x2 job on two API processes): about 3 minutes of a 3-process run. Their own target, which
+# CI runs after `make test` (inside it they held it near its 15 minutes).
+test-long: venv
+	$(BIN)/pytest -n 3 --dist worksteal -m 'long and not launchers and not slurm and not gpu'
 
 # The Slurm executor against a real one-node cluster (tests/slurmcluster.py). The tests
 # share that cluster, so they run one at a time: their own target, which CI runs after

@@ -35,6 +35,7 @@ MAX_EXAMPLES = int(os.environ.get("DDPQ_FUZZ_EXAMPLES", "25"))
 SEED = os.environ.get("DDPQ_FUZZ_SEED", "7")  # fixed, so CI is repeatable
 
 
+@pytest.mark.long  # about 45 s: `make test-long` runs it (CI does too)
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_schemathesis_finds_no_server_error_and_no_schema_mismatch(
     db_url: str, tmp_path: Path

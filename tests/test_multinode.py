@@ -493,6 +493,7 @@ dist.destroy_process_group()
 
 @pytest.mark.torchrun
 @pytest.mark.postgres
+@pytest.mark.long  # about 35 s: `make test-long` runs it (CI does too)
 def test_two_workers_on_two_api_processes_run_a_2x2_job_and_retry_it_as_one(
     pg_url: str, tmp_path: Path, start_worker: Any, launcher: str
 ) -> None:

@@ -28,6 +28,9 @@ from tests.conftest import Server, start_server, stop_server, terminal, wait_for
 from tests.faultproxy import FaultProxy
 from tests.helpers import submit_and_claim
 
+# Minutes of outages on both databases: `make test-long` runs these (CI does too).
+pytestmark = pytest.mark.long
+
 LEASE_S = 4.0
 
 # Runs until the test creates its flag file: a job as long as the test needs.

@@ -93,14 +93,15 @@ def _with_history(pending: str | None, stored: str | None) -> str | None:
 def _publics(s: Session, jobs: list[Job]) -> list[JobPublic]:
     if not jobs:
         return []
-    checkpoints: dict[int, Any]
-    if len(jobs) == 1:  # GET /jobs/{id} and every state change: the prebuilt statement
-        c = s.connection().execute(_NEWEST_CHECKPOINT, {"job_id": jobs[0].id}).first()
+    checkpoints: dict[int, Any] = {}
+    started = [j for j in jobs if j.attempt]  # a job never started has no checkpoint
+    if len(started) == 1:  # GET /jobs/{id} and every state change: the prebuilt statement
+        c = s.connection().execute(_NEWEST_CHECKPOINT, {"job_id": started[0].id}).first()
         checkpoints = {c.job_id: c} if c else {}
-    else:
+    elif started:
         newest = (
             select(func.max(Checkpoint.id))
-            .where(Checkpoint.job_id.in_([j.id for j in jobs]))
+            .where(Checkpoint.job_id.in_([j.id for j in started]))
             .group_by(Checkpoint.job_id)
         )
         checkpoints = {
@@ -283,8 +284,9 @@ def submit_job(
     )
     try:
         with db.write() as s:
-            job.share = queue.usage_of(s, owner, now)  # fair share: its place among equals
-            _within_queued_limit(s, owner)
+            # Fair share (its place among equals) and its owner's quota, read at once.
+            job.share, limits = queue.usage_and_limits(s, owner, now)
+            _within_queued_limit(s, owner, limits)
             if spec.code is not None:
                 code.use(s, spec.code, spec.entrypoint)
             if strict:
@@ -295,7 +297,10 @@ def submit_job(
             s.flush()
             program = spec.recipe or spec.entrypoint
             users.audit(s, owner, "submit", f"job {job.id}", {"program": program})
-            queue.refresh_quota_flags(s, owner)  # held back from the start if it must be
+            if limits.holds_back:  # held back from the start if it must be
+                # (With no running limit, every queued job of the owner's is unflagged
+                # already: a limit set or lifted refreshes them all. A round trip saved.)
+                queue.refresh_quota_flags(s, owner)
             queue.preempt_pass(s, now)  # room made for it at once, if it outranks and may
             queue.notify_claimers(s)
             return _publics(s, [job])[0]
@@ -308,9 +313,9 @@ def submit_job(
         raise
 
 
-def _within_queued_limit(s: Session, owner: str | None) -> None:
-    """TooMany (429) if ``owner`` has as many jobs queued as their quota allows."""
-    limit = queue.quota_limits(s, owner).max_queued
+def _within_queued_limit(s: Session, owner: str | None, limits: queue.Limits) -> None:
+    """TooMany (429) if ``owner`` has as many jobs queued as their ``limits`` allow."""
+    limit = limits.max_queued
     if owner is None or limit is None:
         return
     waiting = queue.queued_count(s, owner)

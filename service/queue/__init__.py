@@ -34,13 +34,13 @@ from service.queue.leases import (
 from service.queue.preempt import preempt as preempt_pass
 from service.queue.preempt import sweep as preempt_sweep
 from service.queue.quotas import DEFAULT as DEFAULT_QUOTA
-from service.queue.quotas import limits as quota_limits
+from service.queue.quotas import Limits, usage_and_limits
 from service.queue.quotas import queued as queued_count
 from service.queue.quotas import refresh as refresh_quota_flags
 from service.queue.quotas import refresh_all as refresh_all_quota_flags
 from service.queue.reasons import pending_reasons, unschedulable
 from service.queue.rules import NOTIFY_CHANNEL, ORDER, as_utc, at_or_ahead, notify_claimers
-from service.queue.shares import count_running, usage_of
+from service.queue.shares import count_running
 from service.queue.shares import overview as usage_overview
 from service.queue.shares import sweep as count_usage
 
@@ -50,6 +50,7 @@ __all__ = [
     "ORDER",
     "Claim",
     "Elsewhere",
+    "Limits",
     "NameTaken",
     "NothingFits",
     "Probe",
@@ -73,7 +74,6 @@ __all__ = [
     "preempt_pass",
     "preempt_sweep",
     "queued_count",
-    "quota_limits",
     "record_heartbeat",
     "refresh_all_quota_flags",
     "refresh_quota_flags",
@@ -81,7 +81,7 @@ __all__ = [
     "release_worker",
     "requeued",
     "unschedulable",
-    "usage_of",
+    "usage_and_limits",
     "usage_overview",
     "workers_attempt",
     "workers_overview",

@@ -31,6 +31,7 @@ from sqlalchemy.orm import Session
 
 from service.db import Database
 from service.models import JobStatus, utcnow
+from service.queue.quotas import quotas_table
 from service.queue.rules import NODE_LIVE, SQL, is_active, j, jn, w, workers
 
 
@@ -101,7 +102,8 @@ def _free(cpu_slots: int, gpus: list[int], used_cpu: int, held: set[int]) -> tup
 _HERE = holdings(True)
 # The worker's row, the CPU slots held on it, the oldest queued job's wait (the
 # starvation probe runs only when that job has waited long enough), and whether any
-# multi-node job is queued (the gang pick runs only then).
+# multi-node job is queued (the gang pick runs only then), and whether any quota is set
+# (the quota flags' refresh runs only then).
 _WORKER_BOOKS = select(
     w.cpu_slots,
     w.gpus,
@@ -110,6 +112,7 @@ _WORKER_BOOKS = select(
     select(func.coalesce(func.sum(_HERE.c.cpu), 0)).scalar_subquery().label("used_cpu"),
     select(func.min(j.queued_at)).where(j.status == JobStatus.QUEUED).scalar_subquery(),
     select(j.id).where(j.status == JobStatus.QUEUED, j.nnodes > 1).exists().label("gangs"),
+    select(quotas_table.c.owner).exists().label("quotas"),
 ).where(w.name == bindparam("worker"))
 _HELD_GPUS = select(_HERE.c.gpus)
 
@@ -119,6 +122,11 @@ class WorkerBooks:
     capacity: Capacity
     oldest_queued: datetime | str | None
     gangs_queued: bool
+    # Whether any quota is set: with none, a start changes no quota flag, and the claim
+    # skips their refresh (a round trip). A quota set while the claim runs refreshes every
+    # owner's flags as it commits, not counting a start not yet committed: as when the
+    # refresh ran and did not see that quota yet.
+    quotas_set: bool
 
 
 def of_worker(conn: Connection, worker: str) -> WorkerBooks | None:
@@ -126,7 +134,7 @@ def of_worker(conn: Connection, worker: str) -> WorkerBooks | None:
     row = conn.execute(_WORKER_BOOKS, {"worker": worker}).first()
     if row is None:
         return None
-    cpu_slots, gpus, checkpoint_root, cluster, used_cpu, oldest_queued, gangs = row
+    cpu_slots, gpus, checkpoint_root, cluster, used_cpu, oldest_queued, gangs, quotas_set = row
     held: set[int] = set()
     if gpus:  # a CPU-only worker holds no GPUs: skip the query on the hot path
         for (taken,) in conn.execute(_HELD_GPUS, {"worker": worker}):
@@ -135,7 +143,7 @@ def of_worker(conn: Connection, worker: str) -> WorkerBooks | None:
     capacity = Capacity(
         worker, cpu_slots, list(gpus), free_cpu, free_gpus, True, checkpoint_root, cluster
     )
-    return WorkerBooks(capacity, oldest_queued, bool(gangs))
+    return WorkerBooks(capacity, oldest_queued, bool(gangs), bool(quotas_set))
 
 
 # ---- every worker ----------------------------------------------------------------------

@@ -301,7 +301,12 @@ _SLOT_TAKEN = select(jn.id).where(
 
 
 def _claim_whole(
-    conn: Connection, db: Database, cap: books.Capacity, token_hash: str, now: datetime
+    conn: Connection,
+    db: Database,
+    cap: books.Capacity,
+    token_hash: str,
+    now: datetime,
+    quotas_set: bool,
 ) -> Claim | None:
     """The next job a bridge hands to its partition, whole (every node in one attempt),
     or None. The bridge asks only while it has room for another pending job."""
@@ -327,7 +332,8 @@ def _claim_whole(
         raise _GangFirst()
     checkpoint_dir = checkpoint_dir_of(cap.checkpoint_root, job_id)
     new_attempt(conn, job_id, number, cap.name, token_hash, [], checkpoint_dir, now)
-    quotas.refresh(conn, owner)  # what its owner holds grew
+    if quotas_set:
+        quotas.refresh(conn, owner)  # what its owner holds grew
     return Claim(
         job_id=job_id,
         attempt=number,
@@ -414,7 +420,7 @@ def _claim(
             raise UnknownWorker(worker)
         cap = mine.capacity
         if cap.partition is not None:
-            return _claim_whole(conn, db, cap, token_hash, now)
+            return _claim_whole(conn, db, cap, token_hash, now, mine.quotas_set)
         has_gpus = bool(cap.gpus)
         # The worker's view may lag (a job it is still stopping); the books may too
         # (a finish in flight). Only slots free in both are offered.
@@ -449,7 +455,7 @@ def _claim(
         probe.general = head is None and not mine.gangs_queued
         row = conn.execute(_take(db.dialect, has_gpus, head is not None), params).first()
         if row is not None:
-            return _start(conn, row, cap, token_hash, now)
+            return _start(conn, row, cap, token_hash, now, mine.quotas_set)
         if probe.general and db.dialect == "postgresql":
             probe.general = conn.execute(_any_fits(has_gpus), params).first() is None
         if gang is None:
@@ -477,7 +483,14 @@ def _node_of(gang: Any, slot: gangs.NodeSlot | None) -> Claim | None:
     )
 
 
-def _start(conn: Connection, row: Any, cap: books.Capacity, token_hash: str, now: Any) -> Claim:
+def _start(
+    conn: Connection,
+    row: Any,
+    cap: books.Capacity,
+    token_hash: str,
+    now: Any,
+    quotas_set: bool,
+) -> Claim:
     """The attempt row of a single-node job just marked running, and its Claim."""
     job_id, number, spec, device, nproc, queued_at, owner = row
     has_gpus = bool(cap.gpus)
@@ -487,7 +500,8 @@ def _start(conn: Connection, row: Any, cap: books.Capacity, token_hash: str, now
         conn.execute(_SET_GPUS, {"job_id": job_id, "gpus": gpus})
     checkpoint_dir = checkpoint_dir_of(cap.checkpoint_root, job_id)
     new_attempt(conn, job_id, number, cap.name, token_hash, gpus, checkpoint_dir, now)
-    quotas.refresh(conn, owner)  # what its owner holds grew
+    if quotas_set:
+        quotas.refresh(conn, owner)  # what its owner holds grew
     resume = resume_from(conn, job_id, number)
     return Claim(
         job_id=job_id,

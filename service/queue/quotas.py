@@ -14,6 +14,7 @@ and a user without limits costs the claim one primary-key read.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Table, and_, bindparam, case, func, or_, select, update
@@ -21,6 +22,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
 from service.models import Quota
+from service.queue import shares
 from service.queue.rules import SQL, is_active, j, jobs
 
 DEFAULT = "*"  # the quotas row that holds everyone's default
@@ -43,18 +45,41 @@ class Limits:
         return self.max_gpus is not None or self.max_running is not None
 
 
-_LIMITS = select(q.owner, q.max_gpus, q.max_running, q.max_queued)
+def _limit(column: Any) -> Any:
+    """One of the limits of the owner bound as ``owner``: their own row wins whole (a
+    null there included), else everyone's default, else no row and no limit."""
+    return (
+        select(column)
+        .where(or_(q.owner == bindparam("owner"), q.owner == DEFAULT))
+        .order_by(q.owner == DEFAULT)
+        .limit(1)
+        .scalar_subquery()
+    )
+
+
+_LIMIT_COLUMNS = (_limit(q.max_gpus), _limit(q.max_running), _limit(q.max_queued))
+_LIMITS = select(*_LIMIT_COLUMNS)
+# A submit reads both of its owner, in one statement (a round trip less on its path).
+_USAGE_AND_LIMITS = shares.USAGE_OF.add_columns(*_LIMIT_COLUMNS)
 
 
 def limits(s: Executor, owner: str | None) -> Limits:
     """``owner``'s limits: their own row, else everyone's default, else none."""
     if owner is None:
         return Limits()
-    rows = {r.owner: r for r in s.execute(_LIMITS.where(q.owner.in_([owner, DEFAULT])))}
-    row = rows.get(owner) or rows.get(DEFAULT)
-    if row is None:
-        return Limits()
-    return Limits(row.max_gpus, row.max_running, row.max_queued)
+    return Limits(*s.execute(_LIMITS, {"owner": owner}).one())
+
+
+def usage_and_limits(s: Session, owner: str | None, now: datetime) -> tuple[float, Limits]:
+    """``owner``'s fair-share usage (shares.usage_of: the epoch held until the
+    transaction ends) and their limits."""
+    if owner is None:
+        return 0.0, Limits()
+    row = s.execute(_USAGE_AND_LIMITS, {"owner": owner}).first()
+    if row is None:  # no epoch yet: the first use of fair share (made there)
+        return shares.usage_of(s, owner, now), limits(s, owner)
+    _, usage, *limited = row
+    return float(usage or 0.0), Limits(*limited)
 
 
 _held = jobs.alias("held")

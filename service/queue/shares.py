@@ -67,8 +67,9 @@ def _insert(s: Session) -> Any:
 
 _T0 = select(epoch_table.c.t0).where(epoch_table.c.id == 1)
 _T0_SHARED, _T0_ALONE = _T0.with_for_update(read=True), _T0.with_for_update()
-# A submit's read of its owner's usage, with the epoch held (shared) in the same statement.
-_USAGE_OF = (
+# A submit's read of its owner's usage, with the epoch held (shared) in the same statement
+# (quotas.usage_and_limits adds the owner's limits to it).
+USAGE_OF = (
     select(
         epoch_table.c.t0,
         select(usage_table.c.usage)
@@ -101,7 +102,7 @@ def usage_of(s: Session, owner: str | None, now: datetime) -> float:
     shares of the jobs queued before it."""
     if owner is None:
         return 0.0
-    row = s.execute(_USAGE_OF, {"owner": owner}).first()
+    row = s.execute(USAGE_OF, {"owner": owner}).first()
     if row is None:  # no epoch yet: nobody has used anything
         _epoch(s, now)
         return 0.0

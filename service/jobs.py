@@ -364,6 +364,12 @@ def cancel_job(db: Database, job_id: int, by: Principal | None = None) -> JobPub
             if by is not None:
                 users.audit(s, by.name, "cancel", f"job {job_id}", {"status": job.status})
             states.enter(job, Event.CANCEL, now, _CANCEL_WORDS[cancel.target])
+            if cancel.source == JobStatus.QUEUED:
+                # A queued job gone may let others start: one every worker had to wait
+                # behind (a starving head, a gang's), or a gang's held node slots. Every
+                # API process's claimers look again. A running job's slots are freed by
+                # its finish, which wakes whom it concerns.
+                queue.notify_claimers(s)
         s.flush()
         return _publics(s, [job])[0]
 

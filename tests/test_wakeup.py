@@ -113,3 +113,17 @@ def test_a_process_ignores_its_own_notify_and_wakes_everyone_for_one_it_cannot_r
     other = mine.payload().replace('"p":"', '"p":"x')
     assert Wake.heard(other) == mine
     assert Wake.heard("") == EVERYONE  # an API of an earlier version
+
+
+def test_a_queued_job_s_cancel_wakes_everyone_and_a_running_one_s_no_one(db: Database) -> None:
+    """Its transaction says so (every API process hears it), not the route (its own only)."""
+    queue.register_worker(db, "w", None, "host", 8, [0, 1, 2, 3], "/c")
+    admin = Principal("admin", "admin")
+    claim = _run(db, world_size=1)
+    queued = jobs.submit_job(db, JobSpec(entrypoint="x.py", device="cuda", world_size=8), None)
+    handed = _woken(db)
+    jobs.cancel_job(db, queued.id, admin)
+    assert [w.everyone for w in handed] == [True]
+    handed.clear()
+    jobs.cancel_job(db, claim.job_id, admin)  # cancelling: its finish frees its GPUs
+    assert handed == []

@@ -11,7 +11,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from service import checkpoints, gpus, jobs, logs, metrics, outputs, streams
 from service.auth import CurrentUser, UserAuth
-from service.deps import DB, JobId, SettingsDep, WakeupDep, gone
+from service.deps import DB, JobId, SettingsDep, gone
 from service.errors import Invalid, responses
 from service.models import JobStatus
 from service.schemas import (
@@ -137,12 +137,11 @@ async def get_job(job_id: JobId, db: DB) -> Response:
         }
     ),
 )
-async def cancel_job(job_id: JobId, db: DB, wakeup: WakeupDep, me: CurrentUser) -> JobPublic:
+async def cancel_job(job_id: JobId, db: DB, me: CurrentUser) -> JobPublic:
     """Cancel a job: at once while queued; once its processes are gone while running.
     A member may cancel its own jobs, an admin any."""
-    job = await run_in_threadpool(jobs.cancel_job, db, job_id, me)
-    wakeup.notify()
-    return job
+    # A queued job's cancel wakes claimers as it commits (jobs.cancel_job).
+    return await run_in_threadpool(jobs.cancel_job, db, job_id, me)
 
 
 @router.get(

@@ -14,6 +14,10 @@
 
     .venv/bin/python bench/claim.py [--backend sqlite|postgres|both] [--jobs 2000] [--workers N]
                                     [--parts latency,rate,shares] [--rounds 3]
+    .venv/bin/python bench/claim.py --against <another checkout> [--backend ...]
+        (1 only, for this checkout and another side by side: their two `ddpq serve`
+        processes each with an idle claimer, one job to each in turn: the ratio of the
+        p50s, which this VM's drift from run to run does not swamp as it does two runs')
 
 Goals on a 2-core machine: p50 <= 20 ms, >= 300 claims/s, 0 double claims.
 """
@@ -21,52 +25,84 @@ Goals on a 2-core machine: p50 <= 20 ms, >= 300 claims/s, 0 double claims.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import threading
 import time
+from pathlib import Path
 
+import httpx
 from _harness import Api, CpuMeter, backends, database, percentile, register, serve
 
 CLAIMERS = 8
 
 
-def latency(api: Api, n: int) -> tuple[float, float]:
-    register(api, "idle", cpu_slots=1)
-    got = threading.Event()
-    claimed_at: list[float] = []
-    stop = threading.Event()
+class _Idle:
+    """An idle worker long-polling ``api``'s /workers/claim exactly as `ddpq worker` does,
+    finishing each job it gets; ``once`` submits a job and times it from sending POST
+    /jobs to this worker holding it."""
 
-    def idle_worker() -> None:
-        with api.client("worker") as w:
-            while not stop.is_set():
+    def __init__(self, api: Api) -> None:
+        register(api, "idle", cpu_slots=1)
+        self.api = api
+        self.got = threading.Event()
+        self.claimed_at: list[float] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+        self.thread.start()
+
+    def _poll(self) -> None:
+        with self.api.client("worker") as w:
+            while not self.stop.is_set():
                 r = w.post(
                     "/workers/claim",
                     json={"name": "idle", "free_cpu_slots": 1, "free_gpus": [], "wait_s": 5},
                 )
                 if r.status_code == 200:
-                    claimed_at.append(time.perf_counter())
+                    self.claimed_at.append(time.perf_counter())
                     claim = r.json()
-                    got.set()
+                    self.got.set()
                     w.post(
                         f"/workers/jobs/{claim['job_id']}/finish",
                         json={"worker": "idle", "attempt": claim["attempt"], "exit_code": 0},
                     ).raise_for_status()
 
-    t = threading.Thread(target=idle_worker, daemon=True)
-    t.start()
-    samples = []
+    def once(self, c: httpx.Client) -> float:
+        self.got.clear()
+        t0 = time.perf_counter()
+        c.post("/jobs", json={"entrypoint": "noop.py", "device": "cpu"}).raise_for_status()
+        if not self.got.wait(10):
+            raise SystemExit("the idle claimer did not get the job")
+        sample = self.claimed_at[-1] - t0
+        time.sleep(0.05)  # the claimer finishes the job and long-polls again
+        return sample
+
+
+def latency(api: Api, n: int) -> tuple[float, float]:
+    idle = _Idle(api)
     with api.client() as c:
         time.sleep(0.5)  # let the claimer enter its long-poll
-        for _ in range(n):
-            got.clear()
-            t0 = time.perf_counter()
-            c.post("/jobs", json={"entrypoint": "noop.py", "device": "cpu"}).raise_for_status()
-            if not got.wait(10):
-                raise SystemExit("the idle claimer did not get the job")
-            samples.append(claimed_at[-1] - t0)
-            time.sleep(0.05)  # the claimer finishes the job and long-polls again
-    stop.set()
+        samples = [idle.once(c) for _ in range(n)]
+    idle.stop.set()
     return percentile(samples, 0.5), percentile(samples, 0.99)
+
+
+def latency_against(apis: list[Api], n: int) -> list[list[float]]:
+    """``latency`` of several APIs side by side, one job each in turn (the order turning
+    every round), so that this VM's drift (the same tree's p50 moved 16-27 ms between
+    runs minutes apart) falls on each alike."""
+    idles = [_Idle(api) for api in apis]
+    clients = [api.client() for api in apis]
+    time.sleep(0.5)
+    samples: list[list[float]] = [[] for _ in apis]
+    for i in range(n):
+        order = range(len(apis)) if i % 2 == 0 else reversed(range(len(apis)))
+        for k in order:
+            samples[k].append(idles[k].once(clients[k]))
+    for idle, c in zip(idles, clients, strict=True):
+        idle.stop.set()
+        c.close()
+    return samples
 
 
 def throughput(
@@ -158,7 +194,16 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=1, help="API processes (serve --workers)")
     ap.add_argument("--parts", default="latency,rate,shares", help="what to run")
     ap.add_argument("--rounds", type=int, default=3, help="rate and shares runs, alternating")
+    ap.add_argument(
+        "--against",
+        metavar="CHECKOUT",
+        help="latency only: another checkout's ddpq serve beside this one's, jobs alternating",
+    )
     args = ap.parse_args()
+    if args.against:
+        for backend in backends(args.backend):
+            _latency_against(backend, args.against, args.latency_jobs)
+        return
     for backend in backends(args.backend):
         env = {"DDPQ_API_WORKERS": str(args.workers)}
         parts = set(args.parts.split(","))
@@ -193,6 +238,21 @@ def main() -> None:
                 + f"); CPU per claim (API + database), without / with: median "
                 f"{statistics.median(cpu_ratios):.2f} (goal: at least 0.90)"
             )
+
+
+def _latency_against(backend: str, other: str, n: int) -> None:
+    here = str(Path(__file__).resolve().parent.parent)
+    with contextlib.ExitStack() as stack:
+        apis = []
+        for checkout in (other, here):
+            url = stack.enter_context(database(backend))
+            apis.append(stack.enter_context(serve(url, PYTHONPATH=checkout)))
+        theirs, ours = latency_against(apis, n)
+    p50s = [statistics.median(s) * 1000 for s in (theirs, ours)]
+    print(
+        f"{backend}: submit-to-running, side by side, {n} jobs each: {other} p50 "
+        f"{p50s[0]:.2f} ms, this checkout {p50s[1]:.2f} ms: ratio {p50s[1] / p50s[0]:.3f}"
+    )
 
 
 def _rate_round(

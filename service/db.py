@@ -375,10 +375,9 @@ class Database:
         compiled = self._compiled.get(stmt)
         if compiled is None:
             compiled = self._compiled[stmt] = stmt.compile(dialect=self.engine.dialect)
+        bound = compiled.construct_params(params)  # a literal's own bind parameter too
         args: Any = (
-            [params[k] for k in compiled.positiontup or ()]
-            if self.dialect == "sqlite"
-            else {k: params[k] for k in compiled.params}
+            [bound[k] for k in compiled.positiontup or ()] if self.dialect == "sqlite" else bound
         )
         with self._watched(), self._driver() as conn:
             cur = conn.cursor()

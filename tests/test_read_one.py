@@ -9,6 +9,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from sqlalchemy import bindparam, literal, select
 from sqlalchemy.engine import make_url
 
 from service.db import UNAVAILABLE, Database, libpq_conninfo
@@ -47,3 +48,9 @@ def test_a_connection_the_server_dropped_is_unavailable_once_then_replaced(pg_ur
         assert db.read_one(_BY_TOKEN, {"token_hash": "x" * 64}) is None
     finally:
         db.dispose()
+
+
+def test_a_statement_with_literals_of_its_own_binds_them_too(db: Database) -> None:
+    stmt = select(literal(7)).where(literal("a") == bindparam("x"))
+    assert db.read_one(stmt, {"x": "a"}) == (7,)
+    assert db.read_one(stmt, {"x": "b"}) is None

@@ -80,9 +80,10 @@ test-launchers: venv
 test-walls: venv
 	$(BIN)/pytest -n 3 --dist worksteal -m 'walls and not launchers'
 
-# The long end-to-end suites (test_outage's outages on both databases, the schema fuzz, the
-# 2x2 job on two API processes): about 3 minutes of a 3-process run. Their own target, which
-# CI runs after `make test` (inside it they held it near its 15 minutes).
+# The long end-to-end suites (marked `long`: the database outages, the schema fuzz, the 2x2
+# job, kill -9 resumes, an API restart, a job's pip install, the README's path, every route
+# against every wrong token): about 5 minutes of a 3-process run. Their own target, which CI
+# runs after `make test` (with them, make test took 22 minutes on a slow day of this VM).
 test-long: venv
 	$(BIN)/pytest -n 3 --dist worksteal -m 'long and not launchers and not slurm and not gpu'
 

@@ -547,6 +547,7 @@ def _checkpoints(server: Server, jid: int) -> list[dict[str, Any]]:
 
 # What this needs of the database (which checkpoints are kept and offered for a resume)
 # is tested above on both; the kill and the resume are the worker's and torchrun's.
+@pytest.mark.long  # a kill -9 and a resume through torchrun: about 40 s (make test-long)
 @pytest.mark.torchrun
 @SQLITE_ONLY
 def test_kill_9_of_the_worker_mid_job_resumes_from_the_newest_kept_checkpoint(

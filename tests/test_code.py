@@ -814,6 +814,7 @@ def _job_id(stdout: str) -> int:
     )
 
 
+@pytest.mark.long  # a pip install into a job's environment: about 35 s each (make test-long)
 @pytest.mark.torchrun
 def test_a_users_directory_runs_with_its_requirements_and_resubmits_send_one_file(
     server: Server, start_worker: Any, tmp_path: Path

@@ -285,6 +285,7 @@ def _one_series(server: Server, jid: int, total: int) -> list[dict[str, Any]]:
     return items
 
 
+@pytest.mark.long  # a kill -9 and a resume elsewhere: about 30 s (make test-long)
 @pytest.mark.torchrun
 @SQLITE_ONLY
 def test_kill_9_worker_mid_job_resumes_elsewhere_from_last_checkpoint(
@@ -381,6 +382,7 @@ def test_sigterm_worker_requeues_the_job_without_counting_it(
     _one_series(server, jid, 50)
 
 
+@pytest.mark.long  # an API restarted under a running job: about 25 s each (make test-long)
 @pytest.mark.torchrun
 def test_restarting_the_api_mid_job_loses_nothing(
     db_url: str, tmp_path: Path, start_worker: Any

@@ -94,6 +94,7 @@ def _dirs(data: Path, job_id: int) -> list[Path]:
     return sorted((data / "jobs").glob(f"job-{job_id}-*"))
 
 
+@pytest.mark.long  # a tutorial cancelled and resumed: about 30 s each (make test-long)
 @pytest.mark.torchrun
 def test_a_cancelled_tutorial_keeps_its_outputs_and_resumes_from_its_saved_epoch(
     db_url: str, tmp_path: Path, start_worker: Any

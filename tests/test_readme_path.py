@@ -156,6 +156,7 @@ def my_model(root: Path) -> Path:
     return root
 
 
+@pytest.mark.long  # the README's whole path: about 35 s (make test-long)
 @pytest.mark.torchrun
 def test_the_readme_path_from_make_run_to_your_own_project_learning(
     newcomer: Newcomer, tmp_path: Path

@@ -67,6 +67,7 @@ def still_server(db_url: str, tmp_path: Path) -> Iterator[Server]:
     stop_server(s)
 
 
+@pytest.mark.long  # every route and wrong token: about 40 s a database (make test-long)
 def test_every_route_refuses_every_wrong_token_and_changes_nothing(still_server: Server) -> None:
     server = still_server
     a = submit_and_claim(server)  # job A, its attempt live

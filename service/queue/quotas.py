@@ -7,8 +7,10 @@ user's queued jobs back through two flags on each (``jobs.quota_running``: its o
 runs as many jobs as they may; ``jobs.quota_gpus``: on GPUs it would take its owner past
 their GPUs), set whenever what the owner holds or may hold changes (a job of theirs
 starts or ends or is submitted, a limit changes: ``refresh``). The claim reads them like
-any other column (rules.quota_free), so the reason a held job shows and the claim agree,
-and a user without limits costs the claim one primary-key read.
+any other column (rules.quota_free), so the reason a held job shows and the claim agree.
+While no quota is set at all, neither a claim nor a submit refreshes them (the worker's
+books and the submit's read of its owner say so); a submit under no running or GPU limit
+does not either.
 """
 
 from __future__ import annotations

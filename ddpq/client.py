@@ -269,8 +269,8 @@ class Client:
         return result
 
     def users(self) -> list[dict[str, Any]]:
-        """Every user, revoked ones too (admins): name, role, created_at, revoked_at,
-        token_hint."""
+        """Every user, closed accounts too (admins): name, role, state, created_at,
+        revoked_at (when it was closed), deactivated_by, token_hint."""
         items: list[dict[str, Any]] = self._json("GET", "/users")["items"]
         return items
 
@@ -281,8 +281,24 @@ class Client:
         return result
 
     def revoke_user(self, name: str) -> dict[str, Any]:
-        """Revoke a user (admins): its token is refused from now on."""
+        """Close a user's account as ``deactivate_user`` does by default (its older name);
+        the user."""
         result: dict[str, Any] = self._json("POST", f"/users/{_segment(name)}/revoke")
+        return result
+
+    def deactivate_user(
+        self, name: str, jobs: str = "cancel-queued", to: str | None = None
+    ) -> dict[str, Any]:
+        """Close a user's account (admins): its token is refused at once and its jobs
+        handled as ``jobs`` says (cancel-queued, cancel-all, keep, transfer ``to``
+        another user). The answer lists the jobs cancelled, transferred and kept."""
+        params = {"jobs": jobs, **({"to": to} if to else {})}
+        result: dict[str, Any] = self._json("DELETE", f"/users/{_segment(name)}", params=params)
+        return result
+
+    def reactivate_user(self, name: str) -> dict[str, Any]:
+        """Open a closed account again (admins), with a new token in ``token``."""
+        result: dict[str, Any] = self._json("POST", f"/users/{_segment(name)}/reactivate")
         return result
 
     def rotate_user(self, name: str) -> dict[str, Any]:
@@ -297,12 +313,33 @@ class Client:
 
     def set_quota(self, name: str, **limits: int | None) -> dict[str, Any]:
         """Set ``name``'s limits (admins; ``*``: everyone's default): max_gpus,
-        max_running, max_queued (None: no limit)."""
+        max_running, max_queued (None: no limit), max_priority (None: the default's)."""
         result: dict[str, Any] = self._json("PUT", f"/quotas/{name}", json=limits)
         return result
 
     def clear_quota(self, name: str) -> None:
         self._call("DELETE", f"/quotas/{name}")
+
+    # ---- secrets: values in, names out ------------------------------------------------------
+
+    def set_secret(self, name: str, value: str) -> dict[str, Any]:
+        """Set one of the token's user's secrets (created or replaced); its value reaches
+        only the ranks of their jobs whose spec names it (``secrets: [NAME]``). The answer
+        holds its name and times, never the value."""
+        result: dict[str, Any] = self._json(
+            "PUT", f"/secrets/{_segment(name)}", json={"value": value}
+        )
+        return result
+
+    def secrets(self, user: str | None = None) -> list[dict[str, Any]]:
+        """The names of the token's user's secrets (an admin: ``user``'s) and when each
+        was set: ``[{"name", "owner", "created_at", "updated_at"}]``; never a value."""
+        params = {"user": user} if user else {}
+        items: list[dict[str, Any]] = self._json("GET", "/secrets", params=params)["items"]
+        return items
+
+    def delete_secret(self, name: str) -> None:
+        self._call("DELETE", f"/secrets/{_segment(name)}")
 
     def usage(self) -> list[dict[str, Any]]:
         """Each user's running and queued jobs, GPU- and CPU-slot-hours over the last day

@@ -12,7 +12,13 @@ The order, for the URL and the token each (``resolve``):
    default gives); for a URL given by a flag or the environment, the token of the
    server saved with that URL. A stored token is only ever sent to its own URL;
 4. the legacy file next to a local ``ddpq serve``/``ddpq up``: ``DDPQ_DATA_DIR/api-token``
-   (``./var/api-token``), then ``DDPQ_API_TOKEN``; the URL http://127.0.0.1:8000.
+   (``./var/api-token``), only to the URL that server wrote beside it when it started
+   listening (``api-url``): like a saved login, that token goes to its own server alone.
+   A data dir without ``api-url`` (its server started before ddpq wrote one) sends it
+   nowhere: restart that server (it writes the file) or ``ddpq login``. Then
+   ``DDPQ_API_TOKEN`` (the server's own setting, as in compose's ``.env``), only with a
+   URL the environment gives (DDPQ_URL, DDPQ_PORT) or the built-in default, never to one
+   a flag or the config file names; the URL http://127.0.0.1:8000.
 
 The config file holds several named servers and a default::
 
@@ -43,6 +49,10 @@ from ddpq.errors import ConfigError
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 CONFIG_FILE = "config.toml"
+# In DDPQ_DATA_DIR, written by a loopback `ddpq serve`/`ddpq up` (service/config.py): the
+# first admin's token it generated, and the URL a local client reaches that server at.
+LEGACY_TOKEN_FILE = "api-token"  # noqa: S105 - a file name, not a secret
+LEGACY_URL_FILE = "api-url"
 # A server's name in the config file: a word, or a host:port.
 SERVER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
 # Addresses a server listens on that a client cannot connect to as such.
@@ -70,6 +80,14 @@ def shown(path: Path) -> str:
 
 def normal_url(url: str) -> str:
     return url.strip().rstrip("/")
+
+
+def local_url(host: str, port: int) -> str:
+    """The URL a client on this host reaches a server listening on ``host``:``port`` at
+    (a wildcard address by the loopback one)."""
+    reach = "127.0.0.1" if host in WILDCARDS else host
+    reach = f"[{reach}]" if ":" in reach and not reach.startswith("[") else reach
+    return f"http://{reach}:{port}"
 
 
 def check_url(url: str) -> str:
@@ -244,37 +262,54 @@ def editing(path: Path | None = None) -> Iterator[Config]:
 
 @dataclass(frozen=True)
 class Remembered:
-    name: str  # the server it is saved as
+    name: str  # the server saved for the URL: the one given, or the login kept
     default: str | None  # the config's default server after it
     kept: str | None  # the URL of a server named ``preferred`` that was left alone
     path: Path
+    token: str  # the token saved for the URL: the one given, or the login's
+    login_kept: bool  # a login for the URL with another token was left as it was
 
 
 def remember(url: str, token: str, preferred: str) -> Remembered:
     """Save ``url`` and ``token`` as the server ``preferred`` (`ddpq up`: "local"),
-    the default if there is none. A server of that name saved with another URL is left
-    alone: this one is saved under its HOST:PORT instead. Saved already with this token
-    under any name: nothing changes."""
+    the default if there is none, unless a login for ``url`` is saved already: the
+    server the CLI uses for that URL (``Config.of_url``) is never overwritten. With this
+    token nothing changes; with another (a person's `ddpq login` as themselves, or a
+    login kept from an earlier data dir) it stays, and is returned (``login_kept``) for
+    the caller to say whose it is. A server named ``preferred`` saved with another URL is
+    left alone too: this one is saved under its HOST:PORT instead."""
     url = check_url(url)
+    # Read first: a login found is left as it is, the file not even written again.
+    found = _saved_for(load(), url, token)
+    if found is not None:
+        return found
     with editing() as cfg:
-        same = [n for n, s in cfg.servers.items() if s.url == url and s.token == token]
+        found = _saved_for(cfg, url, token)  # saved meanwhile
+        if found is not None:
+            return found
+        name = preferred
         kept = None
-        if same:
-            name = same[0]
-        else:
-            name = preferred
-            old = cfg.servers.get(name)
-            if old is not None and old.url != url:
-                kept = old.url
-                name = base = name_for(url)
-                n = 1
-                while name in cfg.servers and cfg.servers[name].url != url:
-                    n += 1
-                    name = f"{base}-{n}"
-            cfg.servers[name] = Server(url, token)
+        old = cfg.servers.get(name)
+        if old is not None:  # of another URL: none is saved with this one
+            kept = old.url
+            name = base = name_for(url)
+            n = 1
+            while name in cfg.servers:
+                n += 1
+                name = f"{base}-{n}"
+        cfg.servers[name] = Server(url, token)
         if cfg.default is None or cfg.default not in cfg.servers:
             cfg.default = name
-        return Remembered(name, cfg.default, kept, cfg.path)
+        return Remembered(name, cfg.default, kept, cfg.path, token, False)
+
+
+def _saved_for(cfg: Config, url: str, token: str) -> Remembered | None:
+    """The login the CLI uses for ``url``, if one is saved."""
+    name = cfg.of_url(url)
+    if name is None:
+        return None
+    saved = cfg.servers[name].token
+    return Remembered(name, cfg.default, None, cfg.path, saved, saved != token)
 
 
 # ---- the order -----------------------------------------------------------------------
@@ -291,6 +326,8 @@ class Target:
     url_from: str
     token_from: str  # "no token" when there is none
     server: str | None = None  # the config file's server whose token (or URL) is used
+    # Without a token: one that was found but is not this URL's to have, and why.
+    withheld: str | None = None
 
     def origin(self) -> str:
         """Where the URL and the token came from, for an error message."""
@@ -360,6 +397,8 @@ def resolve(
         url, where = cfg().named(chosen or "").url, cfg().where(chosen or "")
     else:
         url, where = DEFAULT_URL, "the built-in default"
+    # The environment's own URL (or the default): DDPQ_API_TOKEN may go there.
+    env_url_used = bool(from_env) or where == "the built-in default"
 
     if token:
         return Target(url, token, where, flag_token, chosen)
@@ -370,14 +409,45 @@ def resolve(
     name = chosen or cfg().of_url(url)
     if name is not None and cfg().servers[name].token:
         return Target(url, cfg().servers[name].token, where, cfg().where(name), name)
-    legacy = data_dir() / "api-token"
-    if legacy.is_file():
-        text = legacy.read_text().strip()
-        if text:
-            return Target(url, text, where, shown(legacy.absolute()), None)
+    legacy, withheld = _legacy_token(url)
+    if legacy is not None:
+        return Target(url, legacy, where, shown((data_dir() / LEGACY_TOKEN_FILE).absolute()))
     if _env("DDPQ_API_TOKEN"):
-        return Target(url, _env("DDPQ_API_TOKEN"), where, "DDPQ_API_TOKEN", None)
-    return Target(url, None, where, "no token", None)
+        if env_url_used:
+            return Target(url, _env("DDPQ_API_TOKEN"), where, "DDPQ_API_TOKEN", None)
+        withheld = withheld or (
+            f"DDPQ_API_TOKEN goes only to the URL the environment gives (DDPQ_URL), not to"
+            f" one from {where}"
+        )
+    return Target(url, None, where, "no token", None, withheld)
+
+
+def _legacy_token(url: str) -> tuple[str | None, str | None]:
+    """The token of a local server's data dir (``api-token``) if ``url`` is the server
+    that wrote it (its ``api-url``); else None, and why it is withheld (None: no file)."""
+    path = data_dir() / LEGACY_TOKEN_FILE
+    token = _text_of(path)
+    if not token:
+        return None, None
+    written_for = _text_of(data_dir() / LEGACY_URL_FILE)
+    here = shown(path.absolute())
+    if not written_for:
+        # Its server started before ddpq recorded whose it is: it is sent nowhere.
+        return None, (
+            f"{here} has no {LEGACY_URL_FILE} beside it to say which server wrote it: "
+            "restart that ddpq serve or ddpq up (it writes one), or ddpq login"
+        )
+    if normal_url(written_for) != normal_url(url):
+        return None, f"{here} is sent only to {written_for}, the server that wrote it"
+    return token, None
+
+
+def _text_of(path: Path) -> str:
+    """A small file's text, stripped; "" when there is none."""
+    try:
+        return path.read_text().strip() if path.is_file() else ""
+    except (OSError, UnicodeDecodeError):
+        return ""
 
 
 def api_url() -> str:

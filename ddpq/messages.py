@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 
 class ClaimedJob(BaseModel):
@@ -29,6 +29,15 @@ class ClaimedJob(BaseModel):
     # A node slot of a multi-node job: wait for the gang (POST /workers/gang) first.
     nnodes: int = 1
     node_rank: int = 0
+    # The values of the secrets the spec names (spec["secrets"]), its owner's as they are
+    # at this claim (service.secrets.for_claim): for the ranks' environment alone
+    # (worker.torchrun.environment), never logged, written to a file or shown; left out of
+    # the model's repr. Empty when it names none.
+    secrets: dict[str, str] = Field(default_factory=dict, repr=False)
+    # Why they could not be given (one deleted since the submit, or stored under a key
+    # this API does not have): the worker ends the attempt as an error with these words
+    # before it starts anything, so the job fails naming the secret.
+    secrets_problem: str | None = None
 
 
 class GangReply(BaseModel):

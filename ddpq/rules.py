@@ -172,6 +172,45 @@ def env_problem(name: str, value: str) -> str | None:
     return None
 
 
+# Secrets (service/secrets.py; docs/sharing.md#secrets): a user's values that reach their
+# jobs' ranks as environment variables and no answer, log or view. A name follows the rules
+# of a spec's env (env_problem: a valid name, none ddpq, torchrun or CUDA sets). Bounded:
+# every value a job names lands in its ranks' environment, which the kernel caps (128 KiB
+# a string, about 2 MiB in all with the arguments).
+MAX_SECRET_BYTES = 16 * 1024  # a value, UTF-8
+MAX_JOB_SECRETS = 32  # names in one spec
+MAX_USER_SECRETS = 200  # secrets one user keeps
+# The names of plain `env` variables that look like they hold a secret (`ddpq submit`
+# warns: a spec's env is shown to the whole team): *_KEY, *TOKEN*, *SECRET*, *PASSWORD*.
+_SECRET_LIKE = re.compile(r".*_KEY|.*(TOKEN|SECRET|PASSWORD).*", re.IGNORECASE)
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def secret_name_problem(name: str) -> str | None:
+    """Why ``name`` cannot name a secret (the variable its value is given to the ranks
+    as), or None."""
+    return env_problem(name, "")
+
+
+def secret_value_problem(value: str) -> str | None:
+    """Why ``value`` cannot be a secret's value, or None (never quoting it)."""
+    if not value:
+        return "is empty"
+    if "\x00" in value:
+        return "contains a NUL character (an environment variable cannot hold one)"
+    if _SURROGATE.search(value):
+        return "is not valid UTF-8 text (it holds a lone surrogate)"
+    size = len(value.encode("utf-8"))
+    if size > MAX_SECRET_BYTES:
+        return f"is {size} bytes; a secret's value is at most {MAX_SECRET_BYTES}"
+    return None
+
+
+def secret_like(name: str) -> bool:
+    """Whether a plain ``env`` variable's name looks like it holds a secret."""
+    return _SECRET_LIKE.fullmatch(name) is not None
+
+
 # %2e %2f %5c %00 and the like: nothing decodes an entrypoint, so an encoded dot or
 # slash is a sign of someone probing for a decoder; refuse it rather than guess.
 _ENCODED = re.compile(r"%[0-9A-Fa-f]{2}")

@@ -228,10 +228,11 @@ def cli() -> str:
 def openapi() -> dict[str, Any]:
     """The API's OpenAPI document, from an app built as tests build it (no server)."""
     from service.app import create_app
-    from service.config import Settings
+    from service.config import Settings, resolve_secrets_keys
 
     with tempfile.TemporaryDirectory() as tmp:
-        app = create_app(Settings(data_dir=Path(tmp)), "a" * 32, "b" * 32)
+        settings = resolve_secrets_keys(Settings(data_dir=Path(tmp)), "127.0.0.1")
+        app = create_app(settings, "a" * 32, "b" * 32)
         try:
             return app.openapi()
         finally:

@@ -28,8 +28,9 @@ from service.bodies import BodyLimit, LingeringClose, body_limits
 from service.config import Settings
 from service.db import Database
 from service.errors import DomainError, Invalid, not_utf8_json
-from service.routes import code, jobs, meta, reports, ui, users, workers
+from service.routes import code, jobs, meta, reports, secrets, ui, users, workers
 from service.schemas import Error
+from service.secrets import Keyring
 from service.telemetry import RequestMetrics, Telemetry
 from service.wakeup import Wakeup
 
@@ -83,6 +84,8 @@ def create_app(
     app.state.settings = settings
     app.state.api_token = api_token
     app.state.worker_token = worker_token
+    # The keys users' secrets are sealed with (resolved with the tokens: service.main).
+    app.state.keyring = Keyring.of(settings)
     app.state.db = db or Database(
         settings.resolved_database_url,
         settings.policy(),
@@ -108,6 +111,8 @@ def create_app(
     app.include_router(code.workers_router)
     app.include_router(users.router)
     app.include_router(users.admin_router)
+    app.include_router(secrets.router)
+    app.include_router(secrets.job_router)
     app.include_router(telemetry.router)
     app.include_router(ui.router)  # the dashboard's open static shell; its data needs the token
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, larger=body_limits(settings))
@@ -219,7 +224,8 @@ SECURITY_SCHEMES = {
     "jobToken": {
         "type": "http",
         "scheme": "bearer",
-        "description": "DDPQ_JOB_TOKEN: minted per attempt, this job's report routes only",
+        "description": "DDPQ_JOB_TOKEN: minted per attempt, this job's report routes only "
+        "(and a Slurm attempt's nodes, its secrets)",
     },
 }
 

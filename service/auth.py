@@ -8,6 +8,9 @@ job:    minted per attempt at claim time and handed to the ranks; valid only for
         that job's report routes while that attempt is live.
 Only the sha256 of a user or job token is stored, so the database never holds a usable
 one; every check reads it, so a revoked token is refused at once by every API process.
+A long answer (a log follow, an event stream) checks its token again while it stays open
+(``TokenWatch``): a token revoked or rotated meanwhile ends it within
+DDPQ_STREAM_RECHECK_S, and the client's reconnection is refused by the gate.
 
 A route says which token it takes by depending on ``UserAuth`` (or ``CurrentUser``),
 ``AdminAuth``, ``WorkerAuth`` or ``JobAttempt``. ``TokenGate``, an ASGI middleware,
@@ -24,6 +27,7 @@ import hmac
 import json
 import logging
 import re
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Annotated, Any, get_args
@@ -39,7 +43,7 @@ from service import queue, users
 from service.db import Database
 from service.deps import DB
 from service.errors import ServiceError
-from service.models import Attempt, Job, JobNode
+from service.models import Attempt, Job, JobNode, User
 from service.tokens import JOB_TOKEN_PREFIX, hash_token, mint
 from service.users import Principal
 
@@ -58,10 +62,11 @@ def mint_job_token() -> tuple[str, str]:
 
 
 class Refusal(ServiceError):
-    def __init__(self, status: int, detail: str) -> None:
+    def __init__(self, status: int, detail: str, who: Principal | None = None) -> None:
         super().__init__(detail)
         self.status = status
         self.detail = detail
+        self.who = who  # a known user refused (a member on an admin route): audited
 
 
 def _bearer(headers: dict[bytes, bytes]) -> str:
@@ -80,7 +85,11 @@ def _same(a: str, b: str) -> bool:
 
 async def _principal(db: Database, token: str) -> Principal | None:
     """The live user whose token this is, or None."""
-    digest = hash_token(token)
+    return await _live(db, hash_token(token))
+
+
+async def _live(db: Database, digest: str) -> Principal | None:
+    """The live user whose token hashes to ``digest``, or None."""
     if db.dialect == "sqlite":
         # On the event loop, as GET /jobs/{id} reads: a WAL reader never waits for a
         # writer, and the hop to a thread costs more than this one indexed read.
@@ -113,7 +122,7 @@ async def check_token(token: str, wanted: str, worker_token: str, db: Database) 
     if wanted == "admin" and kind == "user":
         assert who is not None
         if not who.admin:
-            raise Refusal(403, f"this route is for admins; {who.name} is a {who.role}")
+            raise Refusal(403, f"this route is for admins; {who.name} is a {who.role}", who)
         return who
     if kind != wanted:
         raise _wrong_kind(kind, wanted)
@@ -262,6 +271,8 @@ class TokenGate:
             try:
                 await self._check(scope, kind, params)
             except Refusal as refusal:
+                if refusal.who is not None:
+                    await self._audit(scope, refusal)
                 await _refuse(send, refusal)
                 return
             except (OperationalError, InterfaceError) as exc:
@@ -276,6 +287,23 @@ class TokenGate:
             return
         await self.app(scope, receive, send)
 
+    async def _audit(self, scope: Scope, refusal: Refusal) -> None:
+        """A known user refused: who tried which route, in the audit trail (its own
+        transaction). An audit that cannot be written leaves the refusal as it was."""
+        assert refusal.who is not None
+        target = f"{scope.get('method', '')} {scope.get('path', '')}"
+        try:
+            await run_in_threadpool(
+                users.audit_refused,
+                self.fastapi_app.state.db,
+                refusal.who.name,
+                "route",
+                target,
+                refusal.detail,
+            )
+        except (OperationalError, InterfaceError) as exc:
+            log.warning("could not audit a refused request: %s", exc)
+
     async def _check(self, scope: Scope, kind: str, params: dict[str, str]) -> None:
         if kind == "closed":
             raise Refusal(401, "this route takes no token ddpq knows of")
@@ -284,7 +312,10 @@ class TokenGate:
         if kind in ("user", "admin", "worker"):
             who = await check_token(token, kind, state.worker_token, state.db)
             if who is not None:
-                scope.setdefault("state", {})["principal"] = who
+                recorded = scope.setdefault("state", {})
+                recorded["principal"] = who
+                # Its hash too: a long answer looks the token up again while open (TokenWatch).
+                recorded["token_hash"] = hash_token(token)
             return
         # kind == "job"
         found, _ = await _kind_of(token, state.worker_token, state.db)
@@ -355,6 +386,60 @@ async def current_admin(request: Request) -> Principal:
 setattr(current_admin, KIND_ATTR, "admin")
 
 
+class TokenWatch:
+    """The user token a long answer (a log follow, an event stream) was opened with,
+    checked again while it stays open: the gate checked it once, at the start, and such
+    an answer can last as long as its job (days).
+
+    ``refused()`` is asked at every poll of the stream; it reads the database at most
+    once per ``every_s`` (DDPQ_STREAM_RECHECK_S), the same lookup as the gate's, so a
+    stream costs one indexed read per interval, never one per poll. State is the
+    database's alone: a revocation through any API process ends streams on all of them.
+    """
+
+    def __init__(self, db: Database, who: Principal, token_hash: str, every_s: float) -> None:
+        self.db = db
+        self.who = who
+        self.token_hash = token_hash
+        self.every_s = every_s
+        self._due = time.monotonic() + every_s  # the gate has just checked it
+
+    async def refused(self) -> str | None:
+        """Why the answer must end now (its token revoked or rotated, its user
+        deactivated), in words; None while the token stands or is not due a check."""
+        now = time.monotonic()
+        if now < self._due:
+            return None
+        self._due = now + self.every_s
+        if await _live(self.db, self.token_hash) is not None:
+            return None
+        return await run_in_threadpool(_why_refused, self.db, self.who.name)
+
+
+def _why_refused(db: Database, name: str) -> str:
+    """Why ``name``'s token no longer stands (read once, as its stream ends)."""
+    with db.read() as s:
+        row = s.execute(select(User.revoked_at).where(User.name == name)).first()
+    if row is None:
+        return f"token revoked: user {name} no longer exists"
+    if row.revoked_at is not None:
+        return f"token revoked: user {name} was deactivated"
+    return f"token rotated: user {name} was given a new token"
+
+
+async def token_watch(request: Request) -> TokenWatch:
+    """The request's user token, to check again while its long answer stays open."""
+    who = await current_user(request)
+    digest = getattr(request.state, "token_hash", None)
+    if not isinstance(digest, str):  # no gate in front (current_user checked the header)
+        digest = hash_token(_bearer(dict(request.scope.get("headers", []))))
+    state = request.app.state
+    return TokenWatch(state.db, who, digest, state.settings.stream_recheck_s)
+
+
+setattr(token_watch, KIND_ATTR, "user")
+
+
 async def require_job_attempt(request: Request) -> Attempt:
     """The live attempt the request's job token was minted for (checked by TokenGate)."""
     attempt = getattr(request.state, "job_attempt", None)
@@ -371,3 +456,4 @@ WorkerAuth = Depends(require_worker)
 CurrentUser = Annotated[Principal, Depends(current_user)]
 CurrentAdmin = Annotated[Principal, Depends(current_admin)]
 JobAttempt = Annotated[Attempt, Depends(require_job_attempt)]
+Watched = Annotated[TokenWatch, Depends(token_watch)]

@@ -7,9 +7,13 @@ laptop; anywhere else it refuses to start rather than run an open job launcher.
 
 from __future__ import annotations
 
+import base64
+import binascii
+import contextlib
 import ipaddress
 import os
 import re
+import tempfile
 from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Literal
@@ -18,6 +22,7 @@ from pydantic import BeforeValidator, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from ddpq import pack
+from ddpq.config import local_url
 from ddpq.snapshot import Limits
 from service.db import Policy
 from service.errors import ServiceError
@@ -25,7 +30,11 @@ from service.schemas.outputs import OutputsLimits
 from service.tokens import USER_TOKEN_PREFIX, WORKER_TOKEN_PREFIX, new_token
 
 API_TOKEN_FILE = "api-token"  # noqa: S105 - a file name, not a secret
+# Beside it, the URL of the server that uses it (ddpq.config sends the token only there).
+API_URL_FILE = "api-url"
 WORKER_TOKEN_FILE = "worker-token"  # noqa: S105
+SECRETS_KEY_FILE = "secrets-key"
+SECRETS_KEY_BYTES = 32  # AES-256
 MIN_TOKEN_CHARS = 16
 # Words of placeholder values (.env.example's "replace-me-with-a-random-token"):
 # a token containing one was copied from an example, not generated.
@@ -97,6 +106,21 @@ class Settings(BaseSettings):
         default=None,
         description="The workers' token (the `/workers` routes). Generated like the API "
         "token on loopback, into `DATA_DIR/worker-token` (`ddpqw_...`); must differ from it.",
+    )
+    # Users' secrets (service.secrets; docs/sharing.md#secrets).
+    secrets_key: SecretStr | None = Field(
+        default=None,
+        description="The key users' secrets are encrypted with at rest (AES-256-GCM): base64 "
+        "of 32 random bytes. Unset on a loopback address: generated into "
+        "`DATA_DIR/secrets-key` (mode 0600); elsewhere required, as the tokens are. Every "
+        "API process of one database needs the same key; lost, the secrets cannot be read "
+        "(their owners set them again).",
+    )
+    secrets_old_keys: SecretStr | None = Field(
+        default=None,
+        description="Keys secrets were encrypted with before `DDPQ_SECRETS_KEY` (base64, "
+        "comma-separated): at start, every secret under one of them is encrypted again with "
+        "the current key; after that start they may be dropped (the key rotated).",
     )
     host: str = Field(default="127.0.0.1", description="Where `ddpq serve` listens.")
     port: int = Field(
@@ -198,6 +222,14 @@ class Settings(BaseSettings):
         gt=0,
         le=60,
         description="How often a `GET /jobs/{id}/events` stream looks for news.",
+    )
+    stream_recheck_s: float = Field(
+        default=2.0,
+        gt=0,
+        le=60,
+        description="How often an open log follow or event stream checks its user token "
+        "again (one read each): revoked, rotated or its user deactivated, the stream ends "
+        "within this long, saying why.",
     )
     code_max_files: int = Field(
         default=20_000, ge=1, description="The most files one code snapshot may hold."
@@ -416,3 +448,96 @@ def resolve_tokens(settings: Settings, host: str) -> tuple[str, str]:
     if found["DDPQ_API_TOKEN"] == found["DDPQ_WORKER_TOKEN"]:
         raise TokenError("DDPQ_API_TOKEN and DDPQ_WORKER_TOKEN must differ")
     return found["DDPQ_API_TOKEN"], found["DDPQ_WORKER_TOKEN"]
+
+
+def _key_bytes(var: str, text: str) -> bytes:
+    """A secrets key as its bytes: base64 (standard or URL-safe, padded or not: what
+    ``secrets.token_urlsafe(32)`` prints, as for the tokens) of exactly 32."""
+    text = text.strip().replace("-", "+").replace("_", "/")
+    try:
+        key = base64.b64decode(text + "=" * (-len(text) % 4), validate=True)
+    except (binascii.Error, ValueError):
+        key = b""
+    if len(key) != SECRETS_KEY_BYTES:
+        raise TokenError(
+            f"{var} is not base64 of {SECRETS_KEY_BYTES} bytes; make one with: python -c "
+            "'import secrets; print(secrets.token_urlsafe(32))'"
+        )
+    return key
+
+
+def _read_or_create_key(path: Path) -> str:
+    """The secrets key in ``path``, or a new random one written there (0600, as the
+    tokens are)."""
+    if path.exists():
+        return path.read_text().strip()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    key = base64.b64encode(os.urandom(SECRETS_KEY_BYTES)).decode()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key + "\n")
+    return key
+
+
+def resolve_secrets_keys(settings: Settings, host: str) -> Settings:
+    """``settings`` with the secrets key resolved as resolve_tokens resolves the tokens:
+    the one set (refused if it is no key, or a weak one off loopback), else on loopback
+    one generated into the data dir, else refused. Old keys (rotation) are checked too."""
+    secret = settings.secrets_key
+    if secret is not None and secret.get_secret_value().strip():
+        text = secret.get_secret_value().strip()
+        key = _key_bytes("DDPQ_SECRETS_KEY", text)
+        if len(set(key)) < MIN_DISTINCT_CHARS and not is_loopback(host):
+            raise TokenError(
+                f"DDPQ_SECRETS_KEY is made of fewer than {MIN_DISTINCT_CHARS} distinct bytes; "
+                f"on a non-loopback address ({host}) set it to random ones"
+            )
+    elif is_loopback(host):
+        path = settings.data_dir / SECRETS_KEY_FILE
+        text = _read_or_create_key(path)
+        _key_bytes(str(path), text)
+    else:
+        raise TokenError(
+            f"DDPQ_SECRETS_KEY is not set. ddpq keeps users' secrets encrypted with it, so "
+            f"it will not listen on {host} without one: set it to base64 of 32 random bytes "
+            "(python -c 'import secrets; print(secrets.token_urlsafe(32))', the same for "
+            "every API process), or listen on 127.0.0.1."
+        )
+    for old in old_keys(settings):
+        if old == _key_bytes("DDPQ_SECRETS_KEY", text):
+            raise TokenError("DDPQ_SECRETS_OLD_KEYS holds DDPQ_SECRETS_KEY itself")
+    return settings.model_copy(update={"secrets_key": SecretStr(text)})
+
+
+def old_keys(settings: Settings) -> list[bytes]:
+    """DDPQ_SECRETS_OLD_KEYS as bytes (TokenError if one is no key)."""
+    raw = settings.secrets_old_keys.get_secret_value() if settings.secrets_old_keys else ""
+    return [_key_bytes("DDPQ_SECRETS_OLD_KEYS", k) for k in raw.split(",") if k.strip()]
+
+
+def secrets_key(settings: Settings) -> bytes:
+    """The resolved secrets key (resolve_secrets_keys ran at start)."""
+    if settings.secrets_key is None:
+        raise TokenError("DDPQ_SECRETS_KEY was not resolved (service.main.prepare does it)")
+    return _key_bytes("DDPQ_SECRETS_KEY", settings.secrets_key.get_secret_value())
+
+
+def record_api_url(settings: Settings, host: str, port: int) -> Path | None:
+    """Once listening: when the API token is the one in ``DATA_DIR/api-token`` (none was
+    set), write beside it the URL a client on this host reaches this server at
+    (``api-url``, mode 0600), so ddpq.config sends that token to this server alone."""
+    configured = settings.api_token is not None and settings.api_token.get_secret_value().strip()
+    if configured or not is_loopback(host):
+        return None
+    path = settings.data_dir / API_URL_FILE
+    # Whole or not at all (several API processes may write it at once), 0600 from the start.
+    fd, tmp = tempfile.mkstemp(dir=settings.data_dir, prefix=f".{API_URL_FILE}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(local_url(host, port) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return path

@@ -15,6 +15,7 @@ from service.config import Settings
 from service.db import Database
 from service.errors import DomainError
 from service.schemas import INT64_MAX
+from service.secrets import Keyring
 from service.wakeup import Wakeup
 
 
@@ -26,6 +27,11 @@ async def _db(request: Request) -> Database:
 async def _settings(request: Request) -> Settings:
     settings: Settings = request.app.state.settings
     return settings
+
+
+async def _keyring(request: Request) -> Keyring:
+    keys: Keyring = request.app.state.keyring
+    return keys
 
 
 async def _wakeup(request: Request) -> Wakeup:
@@ -48,6 +54,8 @@ def gone(request: Request) -> Callable[[], Awaitable[bool]]:
 DB = Annotated[Database, Depends(_db)]
 SettingsDep = Annotated[Settings, Depends(_settings)]
 WakeupDep = Annotated[Wakeup, Depends(_wakeup)]
+# The keys users' secrets are sealed with (service.secrets; the settings' DDPQ_SECRETS_KEY).
+Keys = Annotated[Keyring, Depends(_keyring)]
 JobId = Annotated[int, Path(ge=1, le=INT64_MAX, description="the job's id")]
 
 

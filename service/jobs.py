@@ -137,6 +137,7 @@ def _publics(s: Session, jobs: list[Job]) -> list[JobPublic]:
                 metrics_downsampled_at=j.metrics_swept_at if j.metrics_thinned else None,
                 log_dropped_at=j.log_dropped_at,
                 owner=j.owner,
+                priority=j.priority,
                 code=snapshots.get(j.code) if j.code else None,
                 total_steps=j.total_steps,
                 external_id=external.get(j.id),
@@ -259,6 +260,24 @@ def submit_job(
     idempotency_key: str | None,
     strict: bool = False,
     owner: str | None = None,
+    admin: bool = False,
+) -> JobPublic:
+    """Queue ``spec`` as ``owner``'s (an ``admin`` has no priority cap). Forbidden (and
+    audited) for a priority above a member's cap; TooMany past their queued limit."""
+    try:
+        return _submit(db, spec, idempotency_key, strict, owner, admin)
+    except Forbidden as refused:
+        users.audit_refused(db, owner, "submit", "job", str(refused))
+        raise
+
+
+def _submit(
+    db: Database,
+    spec: JobSpec,
+    idempotency_key: str | None,
+    strict: bool,
+    owner: str | None,
+    admin: bool,
 ) -> JobPublic:
     digest = _request_hash(spec) if idempotency_key is not None else None
     if idempotency_key is not None:
@@ -286,6 +305,12 @@ def submit_job(
         with db.write() as s:
             # Fair share (its place among equals) and its owner's quota, read at once.
             job.share, limits = queue.usage_and_limits(s, owner, now)
+            if limits.max_queued is not None or limits.holds_back:
+                # Counted, and flagged, under the owner's lock: two submits at once each
+                # counted without the other's job (service.queue.quotas).
+                queue.lock_owner(s, owner)
+            if not admin:
+                _within_priority_cap(spec.priority, owner, limits)
             _within_queued_limit(s, owner, limits)
             if spec.code is not None:
                 code.use(s, spec.code, spec.entrypoint)
@@ -300,10 +325,9 @@ def submit_job(
             if limits.holds_back:  # held back from the start if it must be
                 # (With no running limit, every queued job of the owner's is unflagged
                 # already: a limit set or lifted refreshes them all. A round trip saved.)
-                queue.refresh_quota_flags(s, owner)
-            queue.preempt_pass(s, now)  # room made for it at once, if it outranks and may
+                queue.refresh_quota_flags(s, owner, locked=True)
             queue.notify_claimers(s)
-            return _publics(s, [job])[0]
+            public = _publics(s, [job])[0]
     except IntegrityError:
         # Another request with the same key won the race; answer with its job.
         if idempotency_key is not None:
@@ -311,6 +335,25 @@ def submit_job(
             if existing is not None:
                 return existing
         raise
+    if db.policy.preemption != "off":
+        # Room made for it at once, if it outranks and may: a transaction of its own,
+        # which marks other owners' running jobs, never under this owner's lock.
+        queue.preempt_sweep(db)
+    return public
+
+
+def _within_priority_cap(priority: int, owner: str | None, limits: queue.Limits) -> None:
+    """Forbidden (403) if a member asks for a priority above their cap: with preemption
+    on, a member's priority is how far they may push others' jobs out, so raising it is
+    an admin's grant (as Slurm's QOS is), never the member's own pick."""
+    cap = limits.max_priority
+    if owner is None or cap is None or priority <= cap:
+        return
+    raise Forbidden(
+        f"priority {priority} is above {owner}'s cap of {cap} (quota max_priority): a "
+        f"member may lower a job's priority freely and raise it up to the cap an admin "
+        f"sets (ddpq quota set {owner} --max-priority N)"
+    )
 
 
 def _within_queued_limit(s: Session, owner: str | None, limits: queue.Limits) -> None:
@@ -341,37 +384,59 @@ def _replay(db: Database, key: str, digest: str | None, owner: str | None) -> Jo
         return _publics(s, [job])[0]
 
 
-_CANCEL_WORDS = {
-    JobStatus.CANCELLED: "cancelled by user before it started",  # who: the audit trail
-    JobStatus.CANCELLING: "cancel requested; stopping its processes",
-}
+def canceller(by: Principal | None, owner: str | None) -> str:
+    """Who cancels a job, as its reason names them: ``bob`` (its owner), ``alice
+    (admin)`` (anyone else's), ``ddpq`` (nobody's request)."""
+    if by is None:
+        return "ddpq"
+    return by.name if by.name == owner else f"{by.name} ({by.role})"
 
 
 def cancel_job(db: Database, job_id: int, by: Principal | None = None) -> JobPublic:
     """Queued jobs are cancelled at once; running ones once their worker confirms. A
-    member cancels only its own jobs (Forbidden, naming the owner); an admin, any."""
+    member cancels only its own jobs (Forbidden, naming the owner, and audited); an
+    admin, any."""
     now = utcnow()
+    refused: Forbidden | None = None
     with db.write() as s:
         job = _get(s, job_id, lock=True)
         if by is not None and not by.admin and job.owner != by.name:
             whose = f"{job.owner}'s" if job.owner else "from before users existed"
-            raise Forbidden(
+            refused = Forbidden(
                 f"job {job_id} is {whose}: only its owner or an admin may cancel it "
                 f"({by.name} is a member)"
             )
-        cancel = states.move(job_id, job.status, Event.CANCEL)  # 409 once it has ended
-        if cancel.source != cancel.target:
-            if by is not None:
-                users.audit(s, by.name, "cancel", f"job {job_id}", {"status": job.status})
-            states.enter(job, Event.CANCEL, now, _CANCEL_WORDS[cancel.target])
-            if cancel.source == JobStatus.QUEUED:
-                # A queued job gone may let others start: one every worker had to wait
-                # behind (a starving head, a gang's), or a gang's held node slots. Every
-                # API process's claimers look again. A running job's slots are freed by
-                # its finish, which wakes whom it concerns.
-                queue.notify_claimers(s)
-        s.flush()
-        return _publics(s, [job])[0]
+        else:
+            cancel(s, job, by, now)
+            s.flush()
+            return _publics(s, [job])[0]
+    # Audited in a transaction of its own: the refusal changes nothing else.
+    users.audit_refused(db, by.name if by else None, "cancel", f"job {job_id}", str(refused))
+    raise refused
+
+
+def cancel(s: Session, job: Job, by: Principal | None, now: Any, why: str | None = None) -> bool:
+    """Cancel ``job`` (its row locked by the caller) in the caller's transaction, in
+    ``by``'s name and for ``why`` (both in its reason), audited. False if it was being
+    cancelled already; Conflict (409) if it has ended."""
+    move = states.move(job.id, job.status, Event.CANCEL)
+    if move.source == move.target:
+        return False  # asked again: nothing more to do
+    who = canceller(by, job.owner)
+    cancelled_by = f"{who}: {why}" if why else who
+    if move.target == JobStatus.CANCELLED:
+        reason = f"cancelled by {who} before it started" + (f": {why}" if why else "")
+    else:  # its worker stops the processes; the reason it ends with: queue.leases
+        reason = f"cancel requested by {cancelled_by}; stopping its processes"
+    users.audit(s, by.name if by else None, "cancel", f"job {job.id}", {"status": job.status})
+    states.enter(job, Event.CANCEL, now, reason, cancelled_by=cancelled_by)
+    if move.source == JobStatus.QUEUED:
+        # A queued job gone may let others start: one every worker had to wait behind
+        # (a starving head, a gang's), or a gang's held node slots. Every API process's
+        # claimers look again. A running job's slots are freed by its finish, which
+        # wakes whom it concerns.
+        queue.notify_claimers(s)
+    return True
 
 
 # ---- the worker's side ----------------------------------------------------------------

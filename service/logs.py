@@ -165,6 +165,12 @@ def dropped_marker(size: int, at: datetime, retention_s: float | None) -> bytes:
     ).encode()
 
 
+def stream_end_line(why: str, in_line: bool = False) -> bytes:
+    """The last line of a follow its token no longer allows (a line of its own)."""
+    start = b"\n" if in_line else b""
+    return start + f"[ddpq] stopped following: {why}\n".encode()
+
+
 def _days(seconds: float) -> str:
     return f"{seconds / 86400:g}d" if seconds >= 86400 else f"{seconds:g}s"
 
@@ -251,18 +257,26 @@ async def follow(
     job_id: int,
     first: LogSlice,
     disconnected: Callable[[], Awaitable[bool]],
+    refused: Callable[[], Awaitable[str | None]],
     poll_s: float = FOLLOW_POLL_S,
 ) -> AsyncIterator[bytes]:
     """``first`` (read by the handler, so a bad request is answered before the stream
     starts), then new output as it arrives, until the job has ended and all of it is
-    sent, or the client has gone.
+    sent, or the client has gone, or ``refused()`` says why the token it was opened with
+    no longer stands (service.auth.TokenWatch): then a last line ``[ddpq] ...`` says so.
 
     State comes from the database alone, so any API process can serve a follower.
     """
     got = first
+    in_line = False  # the last byte sent ended no line
     while True:
         if got.data:
             yield got.data
+            in_line = not got.data.endswith(b"\n")
+        why = await refused()
+        if why is not None:
+            yield stream_end_line(why, in_line)
+            return
         if got.next_offset >= got.size:
             if got.status in TERMINAL:
                 return  # the worker sends all output before it reports the end

@@ -16,9 +16,9 @@ from fastapi import FastAPI
 from sqlalchemy.exc import OperationalError
 
 from service import db as dbmod
-from service import users
+from service import secrets, users
 from service.app import begin_shutdown, create_app
-from service.config import Settings, resolve_tokens
+from service.config import Settings, record_api_url, resolve_secrets_keys, resolve_tokens
 from service.tokens import hash_token
 
 log = logging.getLogger("ddpq.service")
@@ -48,12 +48,17 @@ def prepare(
     process serves (shared by serve and up)."""
     settings = settings or Settings()
     api_token, worker_token = resolve_tokens(settings, host)
+    settings = resolve_secrets_keys(settings, host)  # its key: set, generated, or refused
     database = dbmod.Database(
         settings.resolved_database_url,
         settings.policy(),
     )
     wait_for_database(database)
     dbmod.upgrade(settings.resolved_database_url)
+    # A rotated key (DDPQ_SECRETS_OLD_KEYS): what it sealed is sealed with the new one.
+    rekeyed = secrets.rekey(database, secrets.Keyring.of(settings))
+    if rekeyed:
+        log.info("%d secret(s) sealed again with the current DDPQ_SECRETS_KEY", rekeyed)
     # The API token of a set-up from before users existed is the first admin's.
     if users.bootstrap(database, hash_token(api_token)):
         log.info("the API token is the first admin's (user %s)", users.FIRST_ADMIN)
@@ -79,6 +84,24 @@ class ApiServer(uvicorn.Server):
             uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False)
         )
         self.app = app
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started:
+            # Now a local client can reach it: say where, beside a generated token file.
+            settings: Settings | None = getattr(self.app.state, "settings", None)
+            if settings is not None:
+                try:
+                    record_api_url(settings, self.config.host, self._port())
+                except OSError as exc:  # the token file is then sent nowhere: said, not fatal
+                    log.warning("cannot write %s: %s", settings.data_dir / "api-url", exc)
+
+    def _port(self) -> int:
+        """The port listened on (the configured one, unless that was 0: the kernel's)."""
+        for server in getattr(self, "servers", []):
+            for sock in server.sockets or ():
+                return int(sock.getsockname()[1])
+        return int(self.config.port)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         begin_shutdown(self.app)

@@ -141,6 +141,9 @@ class Job(Base):
     preempted_by: Mapped[int | None] = mapped_column(BigInteger)
     preempting_on: Mapped[str | None] = mapped_column(String(200))
     preempting_since: Mapped[datetime | None]
+    # Who cancelled it, as its reason names them: "bob", "alice (admin): bob's account was
+    # closed" (service.jobs.cancel_job); its final reason once its worker confirms.
+    cancelled_by: Mapped[str | None] = mapped_column(String(300))
     # What the job's working directory held when its last attempt ended (service.outputs):
     # a code snapshot (its code and what it wrote), kept for the workdir retention; what
     # was not sent ([{path, size, why}]); the directory on its worker.
@@ -216,7 +219,11 @@ class User(Base):
     token_hint: Mapped[str] = mapped_column(String(16))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     token_created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    # When the account was closed (its token refused from then on), and by which admin.
+    # The row stays: the audit trail and the usage history name it, and the name is
+    # never given to another user silently (service.users).
     revoked_at: Mapped[datetime | None]
+    deactivated_by: Mapped[str | None] = mapped_column(String(64))
 
 
 class AuditEvent(Base):
@@ -265,6 +272,9 @@ class Quota(Base):
     max_gpus: Mapped[int | None] = mapped_column(Integer)  # GPUs at once
     max_running: Mapped[int | None] = mapped_column(Integer)  # jobs running at once
     max_queued: Mapped[int | None] = mapped_column(Integer)  # jobs waiting at once
+    # The highest priority a member may give a job; null: the default row's, else 0 (a
+    # member may lower their jobs' priority, never raise it: Slurm's QOS is the admin's).
+    max_priority: Mapped[int | None] = mapped_column(Integer)
 
 
 class Attempt(Base):
@@ -517,3 +527,20 @@ class CodeSnapshotBlob(Base):
     digest: Mapped[str] = mapped_column(
         String(64), ForeignKey("code_blobs.digest"), primary_key=True, index=True
     )
+
+
+class Secret(Base):
+    """One of a user's secrets (service.secrets): its value only as AES-256-GCM
+    ciphertext, bound to its owner and name (the associated data), with the id of the key
+    that sealed it, so the key can be rotated (DDPQ_SECRETS_OLD_KEYS)."""
+
+    __tablename__ = "secrets"
+
+    owner: Mapped[str] = mapped_column(String(64), primary_key=True)
+    # The variable the ranks get it as (ddpq.rules.secret_name_problem).
+    name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    key_id: Mapped[str] = mapped_column(String(16))
+    # The 12-byte nonce, then the ciphertext and its 16-byte tag.
+    sealed: Mapped[bytes] = mapped_column(LargeBinary)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)

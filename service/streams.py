@@ -9,6 +9,11 @@ Events, in this order on every poll of the database:
   written since the last event: new steps, and steps a later attempt reported again.
 - ``event: end``: ``{"status": ...}`` once the job is terminal and everything is sent;
   then the server closes the stream.
+- ``event: revoked``: ``{"reason": "token revoked: user alice was deactivated"}`` (or
+  ``token rotated: ...``) when the token the stream was opened with stops working while
+  it is open (checked every DDPQ_STREAM_RECHECK_S, 2 s); then the server closes the
+  stream, and a reconnection with that token is refused (401), which ends an
+  EventSource for good. A client that knows no ``revoked`` event meets that 401.
 
 Every event has an ``id:`` ``<seq>-<job>``: ``seq`` counts the metric batches already
 sent (jobs.metrics_seq), ``job`` fingerprints the Job last sent. A client that
@@ -131,13 +136,20 @@ async def events(
     sent_job: str | None,
     poll_s: float,
     disconnected: Callable[[], Awaitable[bool]],
+    refused: Callable[[], Awaitable[str | None]],
     keepalive_s: float = KEEPALIVE_S,
 ) -> AsyncIterator[bytes]:
-    """The stream, from ``first`` (polled by the handler, so a missing job is a 404)."""
+    """The stream, from ``first`` (polled by the handler, so a missing job is a 404),
+    while ``refused()`` (the watch on its token: service.auth.TokenWatch) says nothing."""
     yield f"retry: {RETRY_MS}\n\n".encode()
     got = first
     last_sent = time.monotonic()
     while True:
+        why = await refused()
+        if why is not None:
+            # No id: line: what the client has seen stays its Last-Event-ID.
+            yield f"event: revoked\ndata: {json.dumps({'reason': why})}\n\n".encode()
+            return
         fp = fingerprint(got.job)
         if fp != sent_job:
             sent_job = fp

@@ -11,7 +11,8 @@ Not a test module: it is the entrypoint of three jobs, each a snapshot of its ow
   content in the worker's code cache, add a .pth to every shared environment, plant a
   whole environment (its own interpreter, sealed with the worker's token where `ddpq up`
   keeps it) under the name a later job's requirements will be looked for by, plant a
-  directory under the next job's name, read the victim's job token from /proc and post
+  directory under the next job's name, read the victim's job token (and its owner's secret,
+  `ps e`'s way) from /proc and post
   metrics as the victim, read and write the victim's directory and checkpoint directory,
   rewrite the victim's program for its retry, and write into the worker's own code and
   site-packages. Its code also holds a
@@ -26,6 +27,7 @@ Not a test module: it is the entrypoint of three jobs, each a snapshot of its ow
   own interpreter ran (the planted one prints ``PLANTED interpreter`` instead).
 """
 
+import hashlib
 import json
 import os
 import re
@@ -182,6 +184,21 @@ def attack(plan: dict) -> None:  # type: ignore[type-arg]
                     return f"posted as the victim: {r.status}"
         raise PermissionError(13, "no process of the victim's was readable")
 
+    def secret() -> str:
+        # The victim's owner's secret (their WANDB key, say) in its ranks' environment:
+        # `ps e` reads every process's /proc/PID/environ it may.
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            try:
+                env = _environ(proc.name)
+            except OSError:
+                continue
+            if "VICTIM_SECRET" in env:
+                seen = hashlib.sha256(env["VICTIM_SECRET"].encode()).hexdigest()[:12]
+                return f"read the victim's secret (sha256 {seen})"
+        raise PermissionError(13, "no process holding the victim's secret was readable")
+
     def victim_dir() -> str:
         found = [p for p in (data_dir / "jobs").iterdir() if p.name.startswith(f"job-{victim_id}-")]
         if not found:
@@ -231,6 +248,7 @@ def attack(plan: dict) -> None:  # type: ignore[type-arg]
     attempt("planted-env", planted_env)
     attempt("plant", plant)
     attempt("token", token)
+    attempt("secret", secret)
     attempt("victim-dir", victim_dir)
     attempt("retry-dir", retry_dir)
     attempt("victim-checkpoints", victim_checkpoints)

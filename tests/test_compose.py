@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
@@ -62,6 +63,7 @@ def test_ports_are_loopback_only_and_each_service_gets_only_its_secrets() -> Non
         "DDPQ_DATABASE_URL",
         "DDPQ_API_TOKEN",
         "DDPQ_WORKER_TOKEN",
+        "DDPQ_SECRETS_KEY",
     }
     assert set(services["worker"]["environment"]) == {"DDPQ_WORKER_TOKEN"}
 
@@ -103,7 +105,7 @@ def test_only_the_api_port_is_published_and_postgres_is_on_an_internal_network()
 
 
 def test_env_example_holds_placeholders_that_serve_refuses() -> None:
-    from service.config import _weak
+    from service.config import TokenError, _key_bytes, _weak
 
     env = dict(
         line.split("=", 1)
@@ -113,6 +115,8 @@ def test_env_example_holds_placeholders_that_serve_refuses() -> None:
     assert {"DDPQ_API_TOKEN", "DDPQ_WORKER_TOKEN", "POSTGRES_PASSWORD"} <= set(env)
     for var in ("DDPQ_API_TOKEN", "DDPQ_WORKER_TOKEN"):
         assert _weak(env[var]), f"{var}={env[var]} would be accepted on 0.0.0.0"
+    with pytest.raises(TokenError, match="DDPQ_SECRETS_KEY is not base64"):
+        _key_bytes("DDPQ_SECRETS_KEY", env["DDPQ_SECRETS_KEY"])
     # And no secret sits in the compose file itself.
     text = (REPO / "docker-compose.yml").read_text()
     assert env["POSTGRES_PASSWORD"] not in text and env["DDPQ_API_TOKEN"] not in text

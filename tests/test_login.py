@@ -12,6 +12,7 @@ databases (a Postgres server of its own).
 from __future__ import annotations
 
 import fcntl
+import http.server
 import json
 import os
 import pty
@@ -20,11 +21,13 @@ import stat
 import subprocess
 import sys
 import termios
+import threading
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from ddpq import config
@@ -332,10 +335,14 @@ def test_flag_beats_environment_beats_config(server: Server, other: Server, home
     r = home.ddpq("ls", DDPQ_URL=other.url)
     assert r.returncode == 1 and f"{other.url} wants a user token" in r.stderr, r.stderr
 
-    # The legacy file next to a local server comes last.
+    # The legacy file next to a local server comes last, and goes only to the URL its
+    # server wrote beside it: none written (a server from before), to none.
     var = home.path / "var"
     var.mkdir()
     (var / "api-token").write_text(alice + "\n")
+    r = home.ddpq("ls", DDPQ_URL=other.url)
+    assert r.returncode == 1 and "no api-url beside it" in r.stderr, r.stderr
+    (var / "api-url").write_text(other.url + "\n")
     who = home.whoami(DDPQ_URL=other.url)
     assert who["name"] == "order-alice" and who["token_from"] == "~/var/api-token"
     assert home.whoami()["name"] == "admin"  # the config file's server first
@@ -423,12 +430,22 @@ def test_resolve_in_process(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> 
     assert config.resolve().token == "tb"  # saved with that URL
     monkeypatch.setenv("DDPQ_URL", "http://c:3")
     assert config.resolve().token is None
+    # A local server's token file: only to the URL it wrote beside it (api-url).
     (tmp_path / "var").mkdir()
     (tmp_path / "var" / "api-token").write_text("legacy\n")
+    t = config.resolve()
+    assert t.token is None and "no api-url beside it" in (t.withheld or ""), t
+    (tmp_path / "var" / "api-url").write_text("http://c:3\n")
     assert config.resolve().token == "legacy"
+    assert config.resolve(url="http://c:3/").token == "legacy"  # its URL, from a flag too
+    t = config.resolve(url="http://c:4")
+    assert t.token is None and "sent only to http://c:3" in (t.withheld or ""), t
+    # DDPQ_API_TOKEN, the server's setting: with the environment's own URL only.
     monkeypatch.setenv("DDPQ_DATA_DIR", str(tmp_path / "elsewhere"))
     monkeypatch.setenv("DDPQ_API_TOKEN", "server-side")
     assert config.resolve().token_from == "DDPQ_API_TOKEN"
+    t = config.resolve(url="http://c:4")
+    assert t.token is None and "DDPQ_API_TOKEN goes only" in (t.withheld or ""), t
 
     with pytest.raises(config.ConfigError, match='no server "z"'):
         config.resolve(server="z")
@@ -489,8 +506,13 @@ def test_the_config_file_is_written_whole_private_and_escaped(
     assert config.load().servers["local"] == config.Server("http://127.0.0.1:9000", "t9")
     made = config.remember("http://127.0.0.1:9001", "t91", "local")  # saved already: as is
     assert made.name == "127.0.0.1:9001" and len(config.load().servers) == 2
-    made = config.remember("http://127.0.0.1:9000", "new", "local")  # the same URL: updated
-    assert made.name == "local" and config.load().servers["local"].token == "new"
+    # A login for the URL with another token (a person's own): never overwritten.
+    before = path.read_bytes()
+    made = config.remember("http://127.0.0.1:9000", "new", "local")
+    assert (made.name, made.token, made.login_kept) == ("local", "t9", True)
+    assert path.read_bytes() == before
+    made = config.remember("http://127.0.0.1:9000", "t9", "local")
+    assert (made.name, made.login_kept) == ("local", False)
 
     path.unlink()
     path.write_text('[servers.x]\nurl = "http://x"\n')
@@ -501,24 +523,69 @@ def test_the_config_file_is_written_whole_private_and_escaped(
 # ---- `ddpq up` logs its user in -------------------------------------------------------------
 
 
-def test_up_logs_the_local_user_in(tmp_path: Path) -> None:
+class Recorder:
+    """A local HTTP server that answers 401 to everything and keeps the requests'
+    Authorization headers: where a token must never go."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+        seen = self.seen
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                seen.append(self.headers.get("Authorization") or "")
+                body = b'{"detail": "who are you?"}'
+                self.send_response(401)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_up_logs_in_keeps_a_login_made_for_its_url_and_sends_its_token_only_there(
+    tmp_path: Path,
+) -> None:
+    """`ddpq up` saves its admin login as "local"; a member who logs in to that URL as
+    themselves stays logged in across a restart of `ddpq up` (the bug: whoami said
+    admin), and the banner says who. The data dir's token file goes to its own server
+    only, never to another URL."""
     home = Home(tmp_path / "home")
     port = free_port()
-    log = tmp_path / "up.log"
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(
-            up_argv(port, "--cpu-slots", "1"),
-            env=_child_env({**home.env(), "DDPQ_DATA_DIR": str(tmp_path / "var")}),
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            cwd=tmp_path,
-        )
-    try:
-        url = f"http://127.0.0.1:{port}"
+    url = f"http://127.0.0.1:{port}"
+    var = tmp_path / "var"
+
+    def up(log: Path) -> subprocess.Popen[bytes]:
+        with open(log, "wb") as f:
+            proc = subprocess.Popen(
+                up_argv(port, "--cpu-slots", "1"),
+                env=_child_env({**home.env(), "DDPQ_DATA_DIR": str(var)}),
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                cwd=tmp_path,
+            )
         wait_for(lambda: "ddpq is up" in log.read_text(), 60, "the banner")
-        text = log.read_text()
-        assert 'logged in: server "local" in ~/.config/ddpq/config.toml, the default' in text
-        token = (tmp_path / "var" / "api-token").read_text().strip()
+        return proc
+
+    proc = up(tmp_path / "up.log")
+    recorder = Recorder()
+    try:
+        text = (tmp_path / "up.log").read_text()
+        assert (
+            'logged in as admin (admin): server "local" in ~/.config/ddpq/config.toml, the'
+            " default" in text
+        ), text
+        token = (var / "api-token").read_text().strip()
         assert home.saved() == {
             "default": "local",
             "servers": {"local": {"url": url, "token": token}},
@@ -528,9 +595,73 @@ def test_up_logs_the_local_user_in(tmp_path: Path) -> None:
         assert (who["name"], who["role"], who["url"], who["server"]) == (
             "admin", "admin", url, "local"
         )  # fmt: skip
+        # Beside the token, whose it is: the URL a local client reaches the server at.
+        assert (var / "api-url").read_text() == url + "\n"
+        assert stat.S_IMODE((var / "api-url").stat().st_mode) == 0o600
+
+        # The token file, from the directory it is in, with no login saved: to its own
+        # server, and to no other URL (the recorder sees every header sent).
+        stranger = Home(tmp_path / "stranger")
+        r = stranger.ddpq("--url", url, "whoami", "--json", cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+        who = json.loads(r.stdout)
+        assert (who["name"], who["token_from"]) == ("admin", str(var / "api-token")), who
+        r = stranger.ddpq("--url", recorder.url, "ls", cwd=tmp_path)
+        assert r.returncode == 1 and f"{recorder.url} wants a user token" in r.stderr
+        assert f"sent only to {url}" in r.stderr, r.stderr
+        assert recorder.seen and not any(token in seen for seen in recorder.seen)
+
+        # A member logs in to that URL as themselves.
+        added = httpx.post(
+            f"{url}/users",
+            json={"name": "up-alice"},
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=30,
+        )
+        assert added.status_code == 201, added.text
+        alice = added.json()["token"]
+        r = home.ddpq("login", url, "--token-stdin", input=alice)
+        assert r.returncode == 0 and 'saved as server "local"' in r.stdout, r.stderr
     finally:
+        recorder.close()
         stop_process(proc)
     assert proc.returncode == 0
+
+    # Restarted on the same data dir and port: the member's login is kept, and said.
+    proc = up(tmp_path / "again.log")
+    try:
+        text = (tmp_path / "again.log").read_text()
+        assert (
+            f"logged in as up-alice (member): your saved login for {url}, server"
+            ' "local" in ~/.config/ddpq/config.toml, the default' in text
+        ), text
+        assert home.saved()["servers"] == {"local": {"url": url, "token": alice}}
+        assert home.whoami()["name"] == "up-alice"
+    finally:
+        stop_process(proc)
+
+
+def test_up_says_a_saved_login_its_server_refuses_and_keeps_it(
+    server: Server, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`ddpq up`'s login step (in-process, against a running API): a saved login for its
+    URL that this server refuses (another server's, an earlier data dir's) is kept, and
+    the banner's line says so and how to log in again."""
+    from ddpq.cli.servers import _log_in_locally
+
+    home = Home(tmp_path / "home")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(home.path / ".config"))
+    monkeypatch.setenv("HOME", str(home.path))
+    config.save(config.Config({"mine": config.Server(server.url, "t" * 30)}, "mine", home.config))
+    before = home.config.read_bytes()
+    port = int(server.url.rsplit(":", 1)[1])
+    line = _log_in_locally(
+        "127.0.0.1", port, server.api_token, threading.current_thread(), threading.Event(), "F"
+    )
+    assert line.startswith(f'your saved login for {server.url} (server "mine" in '), line
+    assert "is refused by this server (HTTP 401" in line and "kept as it is" in line, line
+    assert f"ddpq login {server.url} --server mine (the first admin's token: F)" in line, line
+    assert home.config.read_bytes() == before
 
 
 # ---- people --------------------------------------------------------------------------------
@@ -559,9 +690,9 @@ def test_users_add_ls_rotate_revoke_and_whoami_through_the_cli(
     r = home.ddpq("users", "ls")
     assert r.returncode == 0, r.stderr
     header, *rows = r.stdout.strip().splitlines()
-    assert header.split() == ["NAME", "ROLE", "TOKEN", "CREATED", "REVOKED"]
+    assert header.split() == ["NAME", "ROLE", "STATE", "TOKEN", "CREATED", "CLOSED"]
     row = next(x.split() for x in rows if x.split()[0] == "cli-alice")
-    assert row[1:3] == ["member", token[:10]] and len(row) == 5  # created, not revoked
+    assert row[1:4] == ["member", "active", token[:10]] and len(row) == 6  # created, open
     assert all(token not in line for line in rows)
     # A member manages no one.
     r = alice.ddpq("users", "ls")
@@ -613,15 +744,22 @@ def test_users_add_ls_rotate_revoke_and_whoami_through_the_cli(
     assert root.saved()["servers"]["default"]["token"] == USER_TOKEN.findall(r.stdout)[0]
     assert root.whoami()["name"] == "cli-root"
 
-    r = home.ddpq("users", "revoke", "cli-alice")
-    assert r.returncode == 0 and "refused from now on" in r.stdout
+    # Closing an account (`delete` is `deactivate`): refused at once, kept, never reused.
+    r = home.ddpq("users", "delete", "cli-alice", "--yes")
+    assert r.returncode == 0 and "refused from now on" in r.stdout, r.stderr
     r = alice.ddpq("ls")
     assert r.returncode == 1 and "refused the token" in r.stderr
-    r = home.ddpq("users", "revoke", "cli-alice")
-    assert r.returncode == 1 and "HTTP 409" in r.stderr
+    r = home.ddpq("users", "deactivate", "cli-alice", "--yes")
+    assert r.returncode == 1 and "HTTP 409" in r.stderr and "already closed" in r.stderr
+    r = home.ddpq("users", "add", "cli-alice")
+    assert r.returncode == 1 and "ddpq users reactivate cli-alice" in r.stderr, r.stderr
     r = home.ddpq("users", "ls")
     row = next(x.split() for x in r.stdout.splitlines() if x.split()[0] == "cli-alice")
-    assert len(row) == 7  # revoked: a date and a time
+    assert row[2] == "deactivated" and row[-2:] == ["by", "admin"], row  # when, by whom
+    r = home.ddpq("users", "reactivate", "cli-alice")
+    assert r.returncode == 0 and "shown only now" in r.stdout, r.stderr
+    alice.login(server, USER_TOKEN.findall(r.stdout)[0])
+    assert alice.whoami()["name"] == "cli-alice"
 
     # The audit trail, newest first.
     r = home.ddpq("audit", "--limit", "6")
@@ -630,7 +768,7 @@ def test_users_add_ls_rotate_revoke_and_whoami_through_the_cli(
     assert header.split() == ["AT", "ACTOR", "ACTION", "TARGET", "DETAIL"]
     assert more.startswith("more: --cursor "), more
     actions = [row.split()[3] for row in rows]
-    assert actions[:3] == ["user.revoke", "user.rotate", "user.rotate"], rows
+    assert actions[:3] == ["user.reactivate", "user.deactivate", "user.rotate"], rows
     assert "cancel" in actions, rows
     r = home.ddpq("audit", "--limit", "2", "--json")
     page = json.loads(r.stdout)

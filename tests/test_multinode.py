@@ -238,7 +238,7 @@ def test_a_cancel_reaches_every_node_and_ends_once_all_have_stopped(server: Serv
         assert _beat(server, name, c)["cancel"] == [{"job_id": job["id"], "attempt": 1}]
     assert _finish(server, "w2", b, outcome="cancelled", exit_code=143)["status"] == "cancelling"
     done = _finish(server, "w1", a, outcome="cancelled", exit_code=143)
-    assert done["status"] == "cancelled" and done["reason"] == "cancelled by user"
+    assert done["status"] == "cancelled" and done["reason"] == "cancelled by admin"
 
 
 def test_a_failed_node_ends_the_attempt_on_every_node_and_the_job_retries_as_one(

@@ -77,8 +77,14 @@ OPERATIONS = {
     ("get", "/users"): ("users", "list_users"),
     ("post", "/users"): ("users", "add_user"),
     ("post", "/users/{name}/revoke"): ("users", "revoke_user"),
+    ("delete", "/users/{name}"): ("users", "deactivate_user"),
+    ("post", "/users/{name}/reactivate"): ("users", "reactivate_user"),
     ("post", "/users/{name}/rotate"): ("users", "rotate_user"),
     ("get", "/audit"): ("users", "get_audit"),
+    ("put", "/secrets/{name}"): ("secrets", "set_secret"),
+    ("get", "/secrets"): ("secrets", "list_secrets"),
+    ("delete", "/secrets/{name}"): ("secrets", "delete_secret"),
+    ("get", "/jobs/{job_id}/secrets"): ("secrets", "get_job_secrets"),
 }
 SNAKE = re.compile(r"[a-z][a-z0-9]*(_[a-z0-9]+)*")
 PACKAGE = "ddpq_generated_client"  # a name no other module of the suite uses

@@ -25,6 +25,12 @@ def claim(server: Server) -> dict[str, Any]:
     return out
 
 
+def grant(admin: Any, name: str, cap: int = 10) -> None:
+    """Let ``name`` (a member) give jobs a priority up to ``cap``: an admin's grant."""
+    r = admin.put(f"/quotas/{name}", json={"max_priority": cap})
+    assert r.status_code == 200, r.text
+
+
 def finish(server: Server, c: dict[str, Any]) -> None:
     r = server.client("worker").post(
         f"/workers/jobs/{c['job_id']}/finish",
@@ -80,6 +86,7 @@ def test_priority_comes_before_fair_share_and_old_jobs_keep_their_place(server: 
     register(server, "one", cpu_slots=1)
     alice = server.client().post("/users", json={"name": "alice"}).json()["token"]
     bob = server.client().post("/users", json={"name": "bob"}).json()["token"]
+    grant(server.client(), "alice")
     first = server.client(alice).post("/jobs", json=JOB).json()["id"]
     c = claim(server)
     assert c["job_id"] == first
@@ -173,8 +180,9 @@ def test_quotas_hold_jobs_back_with_the_reason_and_let_them_go(server: Server) -
     assert shown.returncode == 0, shown.stderr
     assert shown.stdout.split()[:4] == ["USER", "GPUS", "RUNNING", "QUEUED"], shown.stdout
     assert "*" in shown.stdout and "alice" in shown.stdout, shown.stdout
-    done = run_ddpq("quota", "set", "carol", "--running", "3", env=env)
-    assert done.stdout.strip() == "quota carol: GPUs -, running 3, queued -", done
+    done = run_ddpq("quota", "set", "carol", "--running", "3", "--max-priority", "5", env=env)
+    said = "quota carol: GPUs -, running 3, queued -, max priority 5"
+    assert done.stdout.strip() == said, done
     assert run_ddpq("quota", "clear", "carol", env=env).returncode == 0
     assert admin.delete("/quotas/*").status_code == 204
     assert bob.post("/jobs", json=job).status_code == 201
@@ -208,6 +216,7 @@ def test_a_job_that_outranks_running_ones_takes_only_the_slots_it_needs(
         admin = server.client()
         bob = server.client(admin.post("/users", json={"name": "bob"}).json()["token"])
         alice = server.client(admin.post("/users", json={"name": "alice"}).json()["token"])
+        grant(admin, "alice")
         ran = []
         for _ in range(3):
             bob.post("/jobs", json=JOB)
@@ -343,7 +352,8 @@ def test_no_job_is_preempted_for_one_its_owners_gpu_limit_holds_back(
         admin = server.client()
         alice = server.client(admin.post("/users", json={"name": "alice"}).json()["token"])
         bob = server.client(admin.post("/users", json={"name": "bob"}).json()["token"])
-        assert admin.put("/quotas/alice", json={"max_gpus": 2}).status_code == 200
+        limits = {"max_gpus": 2, "max_priority": 10}
+        assert admin.put("/quotas/alice", json=limits).status_code == 200
         out = tmp_path / "out"
         out.mkdir()
         for name in ("A", "B"):
@@ -406,6 +416,7 @@ def test_no_job_on_a_slurm_bridge_is_preempted(db_url: str, tmp_path: Path) -> N
         admin = server.client()
         bob = server.client(admin.post("/users", json={"name": "bob"}).json()["token"])
         alice = server.client(admin.post("/users", json={"name": "alice"}).json()["token"])
+        grant(admin, "alice")
         b0 = bob.post("/jobs", json=JOB).json()["id"]
         assert claim_on(server, "one", cpu=1)["job_id"] == b0
         b1 = bob.post("/jobs", json={**JOB, "world_size": 2}).json()["id"]
@@ -440,6 +451,7 @@ def test_no_job_is_preempted_for_one_larger_than_every_worker(db_url: str, tmp_p
         admin = server.client()
         bob = server.client(admin.post("/users", json={"name": "bob"}).json()["token"])
         alice = server.client(admin.post("/users", json={"name": "alice"}).json()["token"])
+        grant(admin, "alice")
         ran = {}
         for name in ("x", "y"):
             register(server, name, cpu_slots=2)
@@ -473,6 +485,7 @@ def test_fair_share_preemption_takes_the_slot_of_the_owner_who_used_more(
         admin = server.client()
         bob = server.client(admin.post("/users", json={"name": "bob"}).json()["token"])
         alice = server.client(admin.post("/users", json={"name": "alice"}).json()["token"])
+        grant(admin, "alice")
         bob.post("/jobs", json=JOB)
         finish_on(server, "two", claim_on(server, "two", cpu=2))  # Bob's use, counted
         ran = []

@@ -162,7 +162,7 @@ def test_each_rank_is_logged_and_cancel_leaves_no_process(
     assert c.post(f"/jobs/{job_id}/cancel").status_code == 202
     final = terminal(c, job_id, timeout=60)
     assert final["status"] == "cancelled", (final, bridge.log())
-    assert final["reason"] == "cancelled by user"
+    assert final["reason"] == "cancelled by admin"
     assert slurm_clean.state(slurm_id) == "CANCELLED"
     wait_for(lambda: not _processes_of(job_id), 30, "no process of the job left")
 

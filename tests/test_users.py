@@ -150,7 +150,7 @@ def test_the_audit_trail_says_who_did_what(server: Server) -> None:
     events = admin.get("/audit").json()["items"]
     said = [(e["actor"], e["action"], e["target"]) for e in events]
     assert said[:5] == [
-        ("admin", "user.revoke", "user alice"),
+        ("admin", "user.deactivate", "user alice"),
         ("admin", "user.rotate", "user alice"),
         ("alice", "cancel", f"job {job['id']}"),
         ("alice", "submit", f"job {job['id']}"),

@@ -163,7 +163,13 @@ def _scenario(
     wheel = make_wheel(base / "wheel").read_bytes()
     reqs = {"requirements.txt": f"./{WHEEL}\n".encode(), WHEEL: wheel}
     victim_code = project(base / "victim", {"lib.py": LIB, **reqs})
-    victim = submit(c, victim_code, "victim", signal, max_attempts=2, retry_on_error=True)
+    # Its owner's secret reaches its ranks' environment, and no other job's (issue 41).
+    secret = f"victim-secret-{os.urandom(8).hex()}"
+    c.set_secret("VICTIM_SECRET", secret)
+    victim = submit(
+        c, victim_code, "victim", signal, max_attempts=2, retry_on_error=True,
+        secrets=["VICTIM_SECRET"],
+    )  # fmt: skip
 
     def started() -> dict[str, Any] | None:
         job = c.job(victim)
@@ -206,6 +212,7 @@ def _scenario(
     own = submit(c, project(base / "own", {}), "own", signal, pip=PLANTED_PIP)
     attacker_log = log_of(them, attacker)
     return {
+        "secret": secret,
         "victim": victim_job,
         "victim_log": log_of(c, victim),
         "victim_metrics": c.metrics(victim),
@@ -225,13 +232,15 @@ def assert_walls_held(seen: dict[str, Any], uids: range) -> None:
     tried = seen["attacks"]
     assert seen["attacker"]["status"] == "succeeded", seen["attacker_log"]
     assert set(tried) == {
-        "cache", "envs", "planted-env", "plant", "token", "victim-dir", "retry-dir",
+        "cache", "envs", "planted-env", "plant", "token", "secret", "victim-dir", "retry-dir",
         "victim-checkpoints", "worker-code",
     }, seen["attacker_log"]  # fmt: skip
+    assert seen["secret"] not in seen["attacker_log"]
     assert "hijacked=[]" in seen["checked_log"], "the worker ran a job's module as its own"
     refused = {what: result for what, result in tried.items() if result.startswith("denied")}
     # 1. the content cache, 2. the shared environment, 3. the jobs' directory
-    # 4. the victim's token, 5. its directory and checkpoints, 6. the worker's code
+    # 4. the victim's token and its owner's secret, 5. its directory and checkpoints,
+    # 6. the worker's code
     assert refused == tried, f"walled, these attacks got through: {tried}"
     # A process that forks and exits over and over (never long at one pid) died with its
     # attempt: it no longer beats when a later job looks.
@@ -318,12 +327,13 @@ def test_unwalled_jobs_cannot_change_what_later_jobs_run(api: Server, host_dir: 
     assert len(warning) == 1 and "docs/security.md" in warning[0], warning
     tried = seen["attacks"]
     # What docs/security.md ("An unwalled worker") says a job can do there, it did: read
-    # the victim's token from /proc and post as it (item 4), read and write its directory
+    # the victim's token (and its owner's secret) from /proc and post as it (item 4), read
+    # and write its directory
     # and checkpoints while it runs (5), write into the worker's code (6, a checkout its
     # user owns), and write the user's files the worker keeps (the cache, environments,
     # the jobs' directory, the worker's token in var/)...
     for what in (
-        "cache", "envs", "planted-env", "plant", "token", "victim-dir", "retry-dir",
+        "cache", "envs", "planted-env", "plant", "token", "secret", "victim-dir", "retry-dir",
         "victim-checkpoints", "worker-code",
     ):  # fmt: skip
         assert tried[what].startswith("done"), (what, seen["attacker_log"])

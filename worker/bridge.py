@@ -16,7 +16,6 @@ its name). The ranks report to the API themselves, and each node ships its own o
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import socket
 import subprocess
@@ -269,7 +268,10 @@ class Bridge:
     def _script(self, tracked: Tracked) -> str:
         """The attempt's batch script (it holds the job token: it is written to no
         file), once its code and environment are ready: in the bridge's data dir, on the
-        filesystem the nodes share with this host (as are the checkpoint files)."""
+        filesystem the nodes share with this host (as are the checkpoint files). Never
+        the job's secrets: Slurm keeps a batch script (slurmctld's state, and slurmdbd's
+        for good with AccountingStoreFlags=job_script), so each node fetches them with
+        the job token, which stops working when the attempt ends (worker.slurmnode)."""
         claim = tracked.claim
         shipper = tracked.shipper
         # Built here, run on the nodes: held until the job ends.
@@ -281,21 +283,20 @@ class Bridge:
                 say=lambda line: shipper.write(line.encode()) if shipper else None,
                 stop=self.loop.stopping,
                 where="the bridge's workspace",
+                with_secrets=False,
             )
         )
         env = launch.env
         if claim.device == "cuda":  # Slurm assigns each node's GPUs (and sets the variable)
             env.pop("CUDA_VISIBLE_DEVICES", None)
-        plan = json.dumps(
-            {
-                "claim": claim.model_dump(exclude={"token"}),
-                "program": launch.program,
-                "env": env,  # the ranks' environment, the job token with it
-                "comment": slurm.comment(self.name, self.api.identity),
-                # Each node starts its own warm process (worker.slurmnode): no process of
-                # ddpq's outlives a Slurm job on a node.
-                "launcher": warm.choose(claim.spec, self.launcher)[0],
-            }
+        plan = slurm.plan(
+            claim,
+            launch.program,
+            env,
+            slurm.comment(self.name, self.api.identity),
+            # Each node starts its own warm process (worker.slurmnode): no process of
+            # ddpq's outlives a Slurm job on a node.
+            warm.choose(claim.spec, self.launcher)[0],
         )
         self.scripts.mkdir(parents=True, exist_ok=True)  # Slurm's own output files
         return slurm.batch_script(launch.python, str(launch.cwd), plan)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from ddpq.errors import JobError
 from ddpq.messages import ClaimedJob
 from worker import procs, torchrun
 from worker.api import WorkerAPI
@@ -74,13 +75,22 @@ def prepared(
     scratch: Path | None = None,
     user: JobUser | None = None,
     own: Callable[[Path], Path] = lambda path: path,
+    with_secrets: bool = True,
 ) -> Iterator[Launch]:
     """The attempt's launch, held while the block runs (its environment is in use).
     ``say`` writes a line to the job's log; ``stop`` ends a wait for code or pip early
     (worker.venvs.Stopped); ``where`` names the workspace a job without code runs in;
     walled, ``own`` gives the code directory to the attempt's ``user`` (worker.walls).
-    A job that cannot start raises JobError."""
+    ``with_secrets``: the job's secrets go into ``env`` (not for a Slurm attempt, whose
+    nodes fetch them: worker.slurmnode). A job that cannot start raises JobError."""
     spec = claim.spec
+    # A secret the API could not give (deleted since the submit): nothing is fetched or
+    # run, and the job fails with words that name it.
+    problem = torchrun.secrets_problem(claim)
+    if problem:
+        raise JobError(problem)
+    if not with_secrets:
+        claim = claim.model_copy(update={"secrets": {}})
     if spec.get("code"):
         snapshot_id = str(spec["code"])
         workdir, written = src.workdirs.fetch(src.api, claim.job_id, snapshot_id, stop)

@@ -8,6 +8,7 @@ batch script starts on every node.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import shlex
@@ -155,6 +156,26 @@ def sbatch_argv(claim: ClaimedJob, to: Submission) -> list[str]:
     if limit:
         argv += ["--time", limit]
     return [*argv, *to.extra]
+
+
+def plan(
+    claim: ClaimedJob, program: list[str], env: Mapping[str, str], comment: str, launcher: str
+) -> str:
+    """What the batch script hands each node (worker.slurmnode), as JSON: the claim, the
+    program, the ranks' environment (the job token with it), the comment a node's failure
+    goes into, the launcher. Never the job's secrets, by value or in the environment:
+    Slurm keeps the script (slurmctld's state until the job is purged; slurmdbd's for good
+    with AccountingStoreFlags=job_script). Each node fetches them with the job token,
+    which stops working when the attempt ends."""
+    return json.dumps(
+        {
+            "claim": claim.model_dump(exclude={"token", "secrets"}),
+            "program": program,
+            "env": {k: v for k, v in env.items() if k not in claim.secrets},
+            "comment": comment,
+            "launcher": launcher,
+        }
+    )
 
 
 def batch_script(python: str, cwd: str, plan: str) -> str:

@@ -21,15 +21,19 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
+from ddpq.errors import ApiUnavailable
 from ddpq.messages import ClaimedJob, GangReply
+from ddpq.wire import Backoff
 from worker import procs, slurm, torchrun, warm
 from worker.api import WorkerAPI
 from worker.logship import LogShipper, Tailed
 
 KILL_GRACE_S = 10.0
+SECRETS_WAIT_S = 120.0  # the API away at a node's start: how long it asks for the secrets
 # c10d's store port on the first node: the same on every node without a word between
 # them, from the Slurm job id, in a range of 20000 ports above 20000.
 RDZV_PORT_BASE = 20000
@@ -51,6 +55,20 @@ class NodeAPI(WorkerAPI):
             headers={"Content-Type": "application/octet-stream"},
         )
         return int(r.json()["next_offset"])
+
+    def secrets(self, job_id: int) -> dict[str, str]:
+        """The values of the secrets the job's spec names (GET /jobs/{id}/secrets): the
+        batch script carries none (worker.bridge). Retried while the API is away, for at
+        most SECRETS_WAIT_S."""
+        backoff, deadline = Backoff(), time.monotonic() + SECRETS_WAIT_S
+        while True:
+            try:
+                r = self._request("GET", f"/jobs/{job_id}/secrets")
+                return {str(k): str(v) for k, v in r.json()["values"].items()}
+            except ApiUnavailable:
+                if time.monotonic() + backoff.delay > deadline:
+                    raise
+                backoff.wait()
 
 
 def first_host(nodelist: str) -> str:
@@ -93,6 +111,8 @@ def main() -> int:
     )
     code = 1
     try:
+        if torchrun.secret_names(claim.spec):  # in this process's memory only, then the ranks'
+            torchrun.add_secrets(env, api.secrets(claim.job_id))
         code = _run(claim, plan, env, node, slurm_job, shipper)
     except Exception as exc:  # a launch that cannot start says why in the job's log
         shipper.write(f"[ddpq] node {node}: {exc}\n".encode())

@@ -148,7 +148,8 @@ class Placement:
 
 def environment(environ: Mapping[str, str], claim: ClaimedJob, at: Placement) -> dict[str, str]:
     """The ranks' environment: the allow-listed part of the worker's, the spec's own
-    (checked again), and ddpq's."""
+    (checked again), its owner's secrets the claim carries, and ddpq's, last: no variable
+    of the spec or of a secret stands in for one of ddpq's."""
     env = {
         k: v for k, v in environ.items() if k in INHERITED_ENV or k.startswith(INHERITED_PREFIXES)
     }
@@ -161,6 +162,7 @@ def environment(environ: Mapping[str, str], claim: ClaimedJob, at: Placement) ->
         if problem:  # the API refuses these at submission; never trust the wire
             raise JobError(f"env: {problem}")
         env[name] = value
+    add_secrets(env, claim.secrets)
     env.update(
         {
             "DDPQ_URL": at.api_url,
@@ -191,6 +193,35 @@ def environment(environ: Mapping[str, str], claim: ClaimedJob, at: Placement) ->
     if tensorboard_dir:
         env["DDPQ_TENSORBOARD_DIR"] = str(Path(tensorboard_dir).resolve())
     return env
+
+
+def secrets_problem(claim: ClaimedJob) -> str | None:
+    """Why an attempt cannot start for want of its secrets (the API said so at the claim,
+    or sent no value for a name the spec gives), or None. Never quotes a value."""
+    if claim.secrets_problem:
+        return claim.secrets_problem
+    missing = [n for n in secret_names(claim.spec) if n not in claim.secrets]
+    if missing:
+        return f"the API sent no value for secret {', '.join(missing)[:200]}"
+    return None
+
+
+def secret_names(spec: Mapping[str, Any]) -> list[str]:
+    names = spec.get("secrets") or []
+    return [str(n) for n in names] if isinstance(names, list) else []
+
+
+def add_secrets(env: dict[str, str], secrets: Mapping[str, str]) -> None:
+    """Put a job's secrets into its ranks' environment ``env``, each checked again as a
+    spec's env is (a name ddpq, torchrun or CUDA sets is refused: never one of DDPQ_*).
+    An error names the secret, never its value."""
+    for name, value in secrets.items():
+        problem = env_problem(str(name), "")
+        if problem:
+            raise JobError(f"secrets: {problem}")
+        if "\x00" in value:
+            raise JobError(f"secrets: the value of {name} contains a NUL character")
+        env[name] = value
 
 
 def resume_path(claim: ClaimedJob) -> str | None:

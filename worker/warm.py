@@ -64,18 +64,25 @@ def choose(spec: Mapping[str, Any], default: str) -> tuple[str, str | None]:
     asked = str(spec.get("launcher") or default)
     if asked != "warm":
         return "torchrun", None
-    read = sorted(k for k in spec.get("env", {}) if k.startswith(READ_AT_START))
+    read = sorted(k for k in _own_names(spec) if k.startswith(READ_AT_START))
     if read:
         return "torchrun", f"its env sets {', '.join(read)[:200]}, read as the interpreter starts"
     return "warm", None
 
 
+def _own_names(spec: Mapping[str, Any]) -> set[str]:
+    """The variables a job sets itself: its spec's env and its secrets (by name)."""
+    return set(spec.get("env", {})) | set(torchrun.secret_names(spec))
+
+
 def zygote_env(env: Mapping[str, str], spec: Mapping[str, Any], nproc: int) -> dict[str, str]:
     """A warm process's environment for ranks whose environment is ``env``: what of it the
     worker gives every job (the allow-list, the interpreter activated), never ddpq's own
-    (the job's token), the job's own or the attempt's; OMP_NUM_THREADS as torchrun sets it
-    for the ranks (before torch is imported: torch sizes its pool then)."""
-    own = set(spec.get("env", {}))
+    (the job's token), the job's own (its env, its secrets: a secret named HF_TOKEN would
+    pass the allow-list, and a warm process's memory is every later job's) or the
+    attempt's; OMP_NUM_THREADS as torchrun sets it for the ranks (before torch is
+    imported: torch sizes its pool then)."""
+    own = _own_names(spec)
     base = {
         k: v
         for k, v in env.items()

@@ -26,6 +26,7 @@ from ddpq.cli import (  # noqa: F401
     live,
     login,
     logs,
+    secrets,
     servers,
     submit,
     users,
@@ -37,7 +38,7 @@ from ddpq.errors import DdpqError
 # life, then the people of the server (groups of commands too: `users`).
 ORDER = [
     "serve", "worker", "up",
-    "login", "logout", "whoami",
+    "login", "logout", "whoami", "secrets",
     "submit", "resubmit", "status", "ls", "cancel", "code", "outputs", "logs", "watch",
     "checkpoints",
     "workers", "recipes",

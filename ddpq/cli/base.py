@@ -269,9 +269,10 @@ def _refusal(exc: ApiError, target: config.Target) -> str:
     """Why the API refused the token, where it came from, and what to do."""
     detail = format_detail(exc.detail)
     if target.token is None:
+        withheld = f"; {target.withheld}" if target.withheld else ""
         return (
             f"{target.url} wants a user token and none was found (not in --token, "
-            f"DDPQ_TOKEN, {config.shown(config.config_path())} or var/api-token): "
+            f"DDPQ_TOKEN, {config.shown(config.config_path())} or var/api-token{withheld}): "
             f"`ddpq login {target.url}` saves one ({detail})"
         )
     login = f"ddpq login {target.url}" + (f" --server {target.server}" if target.server else "")

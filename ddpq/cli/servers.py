@@ -289,15 +289,20 @@ def slurm_node() -> None:
 
 
 def _log_in_locally(
-    host: str, port: int, token: str, api: threading.Thread, stop: threading.Event
+    host: str,
+    port: int,
+    token: str,
+    api: threading.Thread,
+    stop: threading.Event,
+    token_from: str,
 ) -> str:
     """Once the API answers, save it and its admin token in the user's config file as
-    the server "local" (ddpq.config.remember); the banner's line saying what was done."""
+    the server "local" (ddpq.config.remember), unless a login for its URL is saved
+    already: that one is kept, never overwritten. The banner's line saying who the CLI
+    is logged in as there (checked with GET /whoami), or what to do."""
     import httpx
 
-    reach = "127.0.0.1" if host in config.WILDCARDS else host
-    reach = f"[{reach}]" if ":" in reach and not reach.startswith("[") else reach
-    url = f"http://{reach}:{port}"
+    url = config.local_url(host, port)
     deadline = time.monotonic() + 60
     answer = None
     while answer is None:
@@ -319,15 +324,30 @@ def _log_in_locally(
     except (OSError, config.ConfigError) as exc:
         return f"not logged in: {exc}"
     where = f'server "{saved.name}" in {config.shown(saved.path)}'
-    kept = (
-        f' (the server "local" there is {saved.kept}: kept; this one is "{saved.name}")'
-        if saved.kept
-        else ""
-    )
+    if saved.login_kept:
+        # A person's own login for this URL: whose it is, as this server sees it.
+        try:
+            answer = httpx.get(
+                f"{url}/whoami", headers={"Authorization": f"Bearer {saved.token}"}, timeout=5
+            )
+        except httpx.HTTPError as exc:
+            return f"your saved login for {url} ({where}) is kept; not checked: {exc}"
+        if answer.status_code != 200:
+            return (
+                f"your saved login for {url} ({where}) is refused by this server (HTTP"
+                f" {answer.status_code}: revoked, rotated, or another server's); it is kept"
+                f" as it is. Log in again: ddpq login {url} --server {saved.name} (the first"
+                f" admin's token: {token_from})"
+            )
+        where = f"your saved login for {url}, {where}"
+    elif saved.kept:
+        where += f' (the server "local" there is {saved.kept}: kept)'
+    who = answer.json()
+    said = f"logged in as {who.get('name')} ({who.get('role')}): {where}"
     if saved.default == saved.name:
-        return f"logged in: {where}{kept}, the default: ddpq commands in any directory use it"
+        return f"{said}, the default: ddpq commands in any directory use it"
     return (
-        f"logged in: {where}{kept}; the default server is {saved.default!r}, so use this one"
+        f"{said}; the default server is {saved.default!r}, so use this one"
         f" with ddpq --server {saved.name} COMMAND"
     )
 
@@ -402,11 +422,11 @@ def up(
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    logged_in = _log_in_locally(host, port, api.state.api_token, thread, stop)
+    token_from = "DDPQ_API_TOKEN" if settings.api_token else str(token_file)
+    logged_in = _log_in_locally(host, port, api.state.api_token, thread, stop, token_from)
     out.print(
         f"\n[bold]ddpq is up[/bold] at {url}  (database: {settings.resolved_database_url})\n"
-        f"  user token: {'DDPQ_API_TOKEN' if settings.api_token else token_file}"
-        " (the first admin's)\n"
+        f"  user token: {token_from} (the first admin's)\n"
         f"  {escape(logged_in)}\n"
         f"  dashboard: {url}/  (asks for that token once)\n"
         f"  try:  ddpq submit --recipe toy-regression --world-size 2 && ddpq ls\n"

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpq.cli.base import EXIT_USAGE, _fail
+from ddpq.rules import secret_like
 
 
 def _parse_env(pairs: list[str]) -> dict[str, str]:
@@ -66,3 +67,23 @@ def _read_spec_file(path: str) -> dict[str, Any]:
 def _scalar_text(v: Any) -> Any:
     # Only plain numbers: a bool or a list stays as it is for the API to refuse by name.
     return str(v) if isinstance(v, int | float) and not isinstance(v, bool) else v
+
+
+def secret_like_env(spec: dict[str, Any]) -> str | None:
+    """The warning for plain ``env`` variables whose names look like secrets (``*_KEY``,
+    ``*TOKEN*``, ``*SECRET*``, ``*PASSWORD*``): a spec's env is shown to every member of
+    the team (``ddpq status``, GET /jobs), where a secret's value is shown to no one."""
+    env = spec.get("env")
+    names = (
+        sorted(k for k in env if isinstance(k, str) and secret_like(k))
+        if isinstance(env, dict)
+        else []
+    )
+    if not names:
+        return None
+    first = names[0]
+    return (
+        f"env {', '.join(names)[:200]} looks like a secret, and a job's env is shown to "
+        "everyone who can list jobs. Keep it out of env: `ddpq secrets set "
+        f"{first}` once, then `--secret {first}` (or `secrets: [{first}]` in a spec file)"
+    )

@@ -27,7 +27,7 @@ from ddpq.cli.base import (
     err,
 )
 from ddpq.cli.live import follow
-from ddpq.cli.spec import _parse_env, _read_spec_file
+from ddpq.cli.spec import _parse_env, _read_spec_file, secret_like_env
 from ddpq.client import Client
 from ddpq.errors import CodeError
 from ddpq.rules import UNSCHEDULABLE, is_unschedulable
@@ -80,6 +80,15 @@ PipOpt = Annotated[
         "--pip", metavar="REQUIREMENT", help="a Python requirement for the job (repeatable)"
     ),
 ]
+SecretOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--secret",
+        metavar="NAME",
+        help="one of your secrets (`ddpq secrets set NAME`) for the ranks, as the variable "
+        "NAME; its value is shown to no one (repeatable)",
+    ),
+]
 Wait = Annotated[
     bool,
     typer.Option(
@@ -104,8 +113,11 @@ SPEC_FLAGS = (
 )  # fmt: skip
 
 
-def _override(spec: dict[str, Any], flags: dict[str, Any], args: Any, env: Any, pip: Any) -> None:
-    """Flags given on the command line override the spec's fields; --env adds to its env."""
+def _override(
+    spec: dict[str, Any], flags: dict[str, Any], args: Any, env: Any, pip: Any, secret: Any = None
+) -> None:
+    """Flags given on the command line override the spec's fields; --env, --pip and
+    --secret add to its lists."""
     spec.update({k: v for k, v in flags.items() if v is not None})
     if args:
         spec["args"] = list(args)
@@ -115,6 +127,10 @@ def _override(spec: dict[str, Any], flags: dict[str, Any], args: Any, env: Any, 
     if pip:
         old = spec.get("pip")
         spec["pip"] = [*(old if isinstance(old, list) else []), *pip]
+    if secret:
+        old = spec.get("secrets")
+        had = old if isinstance(old, list) else []
+        spec["secrets"] = [*had, *(n for n in dict.fromkeys(secret) if n not in had)]
 
 
 @client_command(context_settings={"allow_interspersed_args": False})
@@ -159,6 +175,7 @@ def submit(
     launcher: Launcher = None,
     env: EnvOpt = None,
     pip: PipOpt = None,
+    secret: SecretOpt = None,
     idempotency_key: Annotated[
         str | None,
         typer.Option(
@@ -177,7 +194,9 @@ def submit(
     The spec file (YAML or JSON, - for stdin) holds the fields of POST /jobs, and may
     say `workdir: DIR` (relative to the file) or `no_code: true`.
 
-    Flags given too override its fields; --env and --pip add to its lists.
+    Flags given too override its fields; --env, --pip and --secret add to its lists.
+    An --env value is shown to everyone who lists jobs: pass a key or token with
+    --secret NAME instead (`ddpq secrets set NAME` first).
     """
     if recipe is not None and entrypoint is not None:
         _fail("give exactly one of --recipe and --entrypoint", EXIT_USAGE)
@@ -188,7 +207,7 @@ def submit(
     if entrypoint is not None:
         spec.pop("recipe", None)
     flags = {k: v for k, v in locals().items() if k in SPEC_FLAGS}
-    _override(spec, {"recipe": recipe, "entrypoint": entrypoint, **flags}, args, env, pip)
+    _override(spec, {"recipe": recipe, "entrypoint": entrypoint, **flags}, args, env, pip, secret)
     if spec.get("recipe") is None and spec.get("entrypoint") is None:
         _fail(
             "give exactly one of --recipe and --entrypoint (or recipe/entrypoint in -f FILE)",
@@ -308,6 +327,9 @@ def _submit(
 ) -> None:
     """Submit ``spec`` and say so: what of the code was sent (``pushed``) or ``words``
     (resubmit's: which snapshot), then, with ``wait``, follow it to its end."""
+    shown = secret_like_env(spec)
+    if shown:
+        _warn(shown)
     with _client() as c:
         job = c.submit(spec, idempotency_key, strict)
         try:
@@ -393,6 +415,7 @@ def resubmit(
     launcher: Launcher = None,
     env: EnvOpt = None,
     pip: PipOpt = None,
+    secret: SecretOpt = None,
     resume: Annotated[
         bool,
         typer.Option(
@@ -426,7 +449,7 @@ def resubmit(
             )
         else:
             words = _rerun_words(c, old)
-    _override(spec, flags, args, env, pip)
+    _override(spec, flags, args, env, pip, secret)
     if as_json and words:  # stdout is for the Job
         err.print(_text(words), highlight=False, soft_wrap=True)
     _submit(spec, None, wait, strict, as_json, None, words)

@@ -1,5 +1,6 @@
-"""The people of a server (admins manage them): `ddpq users add|ls|revoke|rotate`,
-`ddpq audit`, who did what and when, and `ddpq usage`, who uses the hosts."""
+"""The people of a server (admins manage them): `ddpq users
+add|ls|rotate|deactivate|reactivate`, `ddpq audit`, who did what and when, `ddpq usage`,
+who uses the hosts, and `ddpq quota`, what each may hold."""
 
 from __future__ import annotations
 
@@ -82,9 +83,10 @@ def add(
 
 @client_command(users_app, name="ls")
 def list_users(as_json: JsonOpt = False) -> None:
-    """List the users, revoked ones too.
+    """List the users, closed accounts too.
 
-    TOKEN is the start of each one's token, to tell tokens apart.
+    TOKEN is the start of each one's token, to tell tokens apart; CLOSED, when and by
+    whom an account was closed.
     """
     with _client() as c:
         items = c.users()
@@ -95,22 +97,103 @@ def list_users(as_json: JsonOpt = False) -> None:
         [
             u["name"],
             u["role"],
+            u.get("state") or ("deactivated" if u.get("revoked_at") else "active"),
             u.get("token_hint") or "",
             _stamp(u.get("created_at")),
-            _stamp(u.get("revoked_at")),
+            _closed(u),
         ]
         for u in items
     ]
-    _print_table(
-        _fit_table(["NAME", "ROLE", "TOKEN", "CREATED", "REVOKED"], rows, caps={"NAME": 64})
+    header = ["NAME", "ROLE", "STATE", "TOKEN", "CREATED", "CLOSED"]
+    _print_table(_fit_table(header, rows, caps={"NAME": 64}))
+
+
+def _closed(user: dict[str, Any]) -> str:
+    if not user.get("revoked_at"):
+        return ""
+    by = user.get("deactivated_by")
+    return _stamp(user["revoked_at"]) + (f" by {by}" if by else "")
+
+
+JOBS_CHOICES = ("cancel-queued", "cancel-all", "keep", "transfer")
+
+
+def _deactivate(name: str, jobs: str, to: str | None, yes: bool, as_json: bool) -> None:
+    if jobs not in JOBS_CHOICES:
+        raise typer.BadParameter(f"one of {', '.join(JOBS_CHOICES)}", param_hint="--jobs")
+    if (jobs == "transfer") != (to is not None):
+        raise typer.BadParameter("give --to USER with --jobs transfer, and only then")
+    what = {
+        "cancel-queued": "their queued jobs are cancelled, running ones finish",
+        "cancel-all": "their queued and running jobs are cancelled",
+        "keep": "their jobs run and start as before",
+        "transfer": f"their queued and running jobs become {to}'s",
+    }[jobs]
+    if not yes and not as_json:
+        typer.confirm(f"close {name}'s account? their token stops working; {what}", abort=True)
+    with _client() as c:
+        closed = c.deactivate_user(name, jobs, to)
+    if as_json:
+        _print_json(closed)
+        return
+    counts = ", ".join(
+        f"{len(closed[k])} {k}" for k in ("cancelled", "cancelling", "transferred", "kept")
+        if closed[k]
+    )  # fmt: skip
+    _say(
+        f"closed {name}'s account: their token is refused from now on"
+        + (f"; jobs: {counts}" if counts else "; they had no queued or running jobs")
     )
+
+
+JobsOpt = Annotated[
+    str,
+    typer.Option(
+        "--jobs",
+        metavar="CHOICE",
+        help="what becomes of their jobs: cancel-queued (running ones finish), cancel-all, "
+        "keep, or transfer (with --to)",
+    ),
+]
+ToOpt = Annotated[
+    str | None, typer.Option("--to", metavar="USER", help="with --jobs transfer: whose they become")
+]
+YesOpt = Annotated[bool, typer.Option("--yes", "-y", help="do not ask to confirm")]
+
+
+@client_command(users_app)
+def deactivate(
+    name: UserName,
+    jobs: JobsOpt = "cancel-queued",
+    to: ToOpt = None,
+    yes: YesOpt = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Close a user's account: their token is refused at once (open streams end too).
+
+    The account stays, for the audit trail and usage; its name is not given to anyone
+    else (`ddpq users reactivate` opens it again). Their jobs: --jobs.
+    """
+    _deactivate(name, jobs, to, yes, as_json)
+
+
+@client_command(users_app, name="delete")
+def delete(
+    name: UserName,
+    jobs: JobsOpt = "cancel-queued",
+    to: ToOpt = None,
+    yes: YesOpt = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """The same as `ddpq users deactivate`: an account is closed, never erased."""
+    _deactivate(name, jobs, to, yes, as_json)
 
 
 @client_command(users_app)
 def revoke(name: UserName, as_json: JsonOpt = False) -> None:
-    """Revoke a user: their token is refused from now on.
+    """Close a user's account as `deactivate` does by default (its older name).
 
-    Their jobs stay theirs.
+    Their queued jobs are cancelled; running ones finish.
     """
     with _client() as c:
         user = c.revoke_user(name)
@@ -118,6 +201,17 @@ def revoke(name: UserName, as_json: JsonOpt = False) -> None:
         _print_json(user)
         return
     _say(f"revoked {user['name']} ({user['role']}): their token is refused from now on")
+
+
+@client_command(users_app)
+def reactivate(name: UserName, as_json: JsonOpt = False) -> None:
+    """Open a closed account again, with a new token (printed this once)."""
+    with _client() as c:
+        user = c.reactivate_user(name)
+    if as_json:
+        _print_json(user)
+        return
+    _show_token(user["name"], user["token"], f"reopened {user['name']}'s account; token")
 
 
 @client_command(users_app)
@@ -249,6 +343,16 @@ QuotaName = Annotated[
     str, typer.Argument(metavar="NAME", help="a user's name, or '*' for everyone's default")
 ]
 Limit = Annotated[int | None, typer.Option(min=0, help="the most at once (default: no limit)")]
+PriorityCap = Annotated[
+    int | None,
+    typer.Option(
+        "--max-priority",
+        min=-1_000_000,
+        max=1_000_000,
+        help="the highest priority a member may give a job (default: everyone's default's, "
+        "else 0: they may only lower it); admins have no cap",
+    ),
+]
 
 
 def _limit(value: int | None) -> str:
@@ -257,17 +361,25 @@ def _limit(value: int | None) -> str:
 
 @client_command(quota_app, name="ls")
 def quota_ls(as_json: JsonOpt = False) -> None:
-    """Every user's limits, and everyone's default (*); a user's own row wins whole."""
+    """Every user's limits, and everyone's default (*); a user's own row wins whole,
+    but for MAX PRIO, which falls back to the default's on its own (then 0)."""
     with _client() as c:
         items = c.quotas()
     if as_json:
         _print_json({"items": items})
         return
     rows = [
-        [q["user"], _limit(q["max_gpus"]), _limit(q["max_running"]), _limit(q["max_queued"])]
+        [
+            q["user"],
+            _limit(q["max_gpus"]),
+            _limit(q["max_running"]),
+            _limit(q["max_queued"]),
+            _limit(q.get("max_priority")),
+        ]
         for q in items
     ]
-    _print_table(_fit_table(["USER", "GPUS", "RUNNING", "QUEUED"], rows, caps={"USER": 24}))
+    header = ["USER", "GPUS", "RUNNING", "QUEUED", "MAX PRIO"]
+    _print_table(_fit_table(header, rows, caps={"USER": 24}))
 
 
 @client_command(quota_app, name="set")
@@ -276,20 +388,28 @@ def quota_set(
     gpus: Limit = None,
     running: Limit = None,
     queued: Limit = None,
+    max_priority: PriorityCap = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Set a user's limits (or everyone's, '*'): what is not given has no limit.
 
-    Their queued jobs are held back at once, each saying which limit holds it.
+    Their queued jobs are held back at once, each saying which limit holds it. A lower
+    --max-priority lowers their queued and running jobs above it.
     """
     with _client() as c:
-        q = c.set_quota(name, max_gpus=gpus, max_running=running, max_queued=queued)
+        q = c.set_quota(
+            name,
+            max_gpus=gpus,
+            max_running=running,
+            max_queued=queued,
+            max_priority=max_priority,
+        )
     if as_json:
         _print_json(q)
         return
     _say(
         f"quota {q['user']}: GPUs {_limit(q['max_gpus'])}, running {_limit(q['max_running'])}, "
-        f"queued {_limit(q['max_queued'])}"
+        f"queued {_limit(q['max_queued'])}, max priority {_limit(q.get('max_priority'))}"
     )
 
 

@@ -31,7 +31,6 @@ from service.queue.leases import (
     release_worker,
     workers_attempt,
 )
-from service.queue.preempt import preempt as preempt_pass
 from service.queue.preempt import sweep as preempt_sweep
 from service.queue.quotas import DEFAULT as DEFAULT_QUOTA
 from service.queue.quotas import Limits, usage_and_limits
@@ -39,7 +38,14 @@ from service.queue.quotas import queued as queued_count
 from service.queue.quotas import refresh as refresh_quota_flags
 from service.queue.quotas import refresh_all as refresh_all_quota_flags
 from service.queue.reasons import pending_reasons, unschedulable
-from service.queue.rules import NOTIFY_CHANNEL, ORDER, as_utc, at_or_ahead, notify_claimers
+from service.queue.rules import (
+    NOTIFY_CHANNEL,
+    ORDER,
+    as_utc,
+    at_or_ahead,
+    lock_owner,
+    notify_claimers,
+)
 from service.queue.shares import count_running
 from service.queue.shares import overview as usage_overview
 from service.queue.shares import sweep as count_usage
@@ -67,11 +73,11 @@ __all__ = [
     "gang_status",
     "held_attempts",
     "leave_gang",
+    "lock_owner",
     "node_of",
     "nodes_of",
     "notify_claimers",
     "pending_reasons",
-    "preempt_pass",
     "preempt_sweep",
     "queued_count",
     "record_heartbeat",

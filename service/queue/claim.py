@@ -291,6 +291,12 @@ class NothingFits:
         self._kind.pop(worker, None)
 
 
+# Claims undone for a limit another claim reached first, before this one answers "none"
+# (the worker asks again): each try settles the owner's flags, so a second nearly always
+# finds the job held.
+OVER_LIMIT_TRIES = 5
+
+
 class _GangFirst(ServiceError):
     """A bridge's claim met a gang of workers' slots for the same attempt: rolled back."""
 
@@ -332,8 +338,8 @@ def _claim_whole(
         raise _GangFirst()
     checkpoint_dir = checkpoint_dir_of(cap.checkpoint_root, job_id)
     new_attempt(conn, job_id, number, cap.name, token_hash, [], checkpoint_dir, now)
-    if quotas_set:
-        quotas.refresh(conn, owner)  # what its owner holds grew
+    if quotas_set:  # what its owner holds grew: still within their limits?
+        quotas.settle_start(conn, owner, device != "cpu")  # Slurm holds an auto job's GPUs
     return Claim(
         job_id=job_id,
         attempt=number,
@@ -386,21 +392,28 @@ def claim_next_job(
     A bridge to a Slurm partition is handed whole jobs, multi-node ones too, that fit
     its partition's nodes (``_claim_whole``); Slurm decides when they start.
     """
-    now = utcnow()
-    try:
-        return _claim(
-            db,
-            worker,
-            free_cpu_slots,
-            free_gpus,
-            token_hash,
-            advertise_addr,
-            rdzv_port,
-            now,
-            probe or Probe(),
-        )
-    except _GangFirst:
-        return None
+    probe = probe or Probe()
+    for _ in range(OVER_LIMIT_TRIES):
+        try:
+            return _claim(
+                db,
+                worker,
+                free_cpu_slots,
+                free_gpus,
+                token_hash,
+                advertise_addr,
+                rdzv_port,
+                utcnow(),
+                probe,
+            )
+        except _GangFirst:
+            return None
+        except quotas.OverLimit as over:
+            # Another claim of that owner's committed first: this one is undone, the
+            # flags it read are refreshed, and the claim looks again (another job).
+            quotas.settle(db, over.owner)
+    probe.general = False  # it found something each time: not "nothing fits"
+    return None
 
 
 def _claim(
@@ -500,8 +513,8 @@ def _start(
         conn.execute(_SET_GPUS, {"job_id": job_id, "gpus": gpus})
     checkpoint_dir = checkpoint_dir_of(cap.checkpoint_root, job_id)
     new_attempt(conn, job_id, number, cap.name, token_hash, gpus, checkpoint_dir, now)
-    if quotas_set:
-        quotas.refresh(conn, owner)  # what its owner holds grew
+    if quotas_set:  # what its owner holds grew: still within their limits?
+        quotas.settle_start(conn, owner, bool(gpus))
     resume = resume_from(conn, job_id, number)
     return Claim(
         job_id=job_id,

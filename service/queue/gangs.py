@@ -200,7 +200,7 @@ def _start(conn: Connection, job_id: int, number: int, slots: list[Any], now: da
         raise RuntimeError(f"job {job_id} changed under its row lock")
     new_attempt(conn, job_id, number, worker, token_hash, gpus, gang_dir, now)
     owner = conn.execute(select(j.owner).where(j.id == job_id)).scalar()
-    quotas.refresh(conn, owner)  # what its owner holds grew
+    quotas.settle_start(conn, owner, bool(gpus))  # what its owner holds grew: within limits?
 
 
 # ---- releasing and timing out ----------------------------------------------------------

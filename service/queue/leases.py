@@ -143,7 +143,9 @@ def reported(
         why = f"{handed} (worker {worker})" if handed else f"worker {worker} shut down"
         return Ending(Event.HAND_BACK, f"{why}; requeued, not counted as a failure")
     if job.status == JobStatus.CANCELLING or report.outcome == "cancelled":
-        return Ending(Event.STOP, "cancelled by user")
+        # Who asked, in the words service.jobs.cancel kept (a worker's own cancel, from
+        # a job of an earlier version, says only that).
+        return Ending(Event.STOP, f"cancelled by {job.cancelled_by or 'user'}")
     if report.outcome == "timeout":
         return Ending(Event.FAIL, report.reason or f"timeout after {job.spec.get('timeout_s')} s")
     if report.outcome == "exited" and code == 0:
@@ -539,15 +541,15 @@ def _lose_attempts(
     find_stale = _FIND_CURRENT.where(which)
     # Look first without the write lock: nearly every sweep finds nothing.
     with db.read() as s:
-        if s.execute(find_stale.limit(1)).first() is None:
-            return []
-    changed: list[int] = []
-    began = time.monotonic()
-    with db.write() as s:
         stale = s.execute(find_stale).all()
-        if settled is not None and (time.monotonic() - began > STALL_S or not settled()):
-            return changed
-        for job_id, number, worker, attempt_id in stale:
+    changed: list[int] = []
+    # Each in a transaction of its own: losing one takes its owner's lock (states.end),
+    # and a finish holding the next one's job row may be waiting for that very lock.
+    for job_id, number, worker, attempt_id in stale:
+        began = time.monotonic()
+        with db.write() as s:
+            if settled is not None and (time.monotonic() - began > STALL_S or not settled()):
+                return changed
             if _lose(s, job_id, number, attempt_id, which, why(worker)):
                 changed.append(job_id)  # states.end woke the claimers
     return changed

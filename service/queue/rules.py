@@ -9,6 +9,7 @@ claim that takes it cannot drift apart.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -210,9 +211,32 @@ def notify_claimers(s: Session | Connection, wake: Wake = EVERYONE) -> None:
     process's at the commit (``db.after_commit``), every other API process's through
     NOTIFY. ``wake``: for everyone, or only one worker's claims (service.wakeup)."""
     after_commit(wake)
-    dialect = s.dialect.name if isinstance(s, Connection) else s.get_bind().dialect.name
-    if dialect == "postgresql":
+    if postgres(s):
         s.execute(_NOTIFY, {"channel": NOTIFY_CHANNEL, "payload": wake.payload()})
+
+
+def postgres(ex: Session | Connection) -> bool:
+    bind = ex.get_bind() if isinstance(ex, Session) else ex
+    return bind.dialect.name == "postgresql"
+
+
+# The owner's lock (service.queue.quotas says who takes it and why): a transaction
+# advisory lock of this class ("ddqu"), keyed by the owner's name, its crc32 (two names
+# that share a key only wait for each other).
+OWNER_LOCK_CLASS = 0x64647175
+_OWNER_LOCK = text("SELECT pg_advisory_xact_lock(:lock_class, :lock_key)")
+
+
+def owner_lock_key(owner: str) -> int:
+    """The owner's lock's key: a signed 32-bit integer, as the advisory lock takes."""
+    return int.from_bytes(zlib.crc32(owner.encode()).to_bytes(4, "big"), "big", signed=True)
+
+
+def lock_owner(ex: Session | Connection, owner: str | None) -> None:
+    """Hold ``owner``'s lock until the transaction ends; SQLite: nothing (its writers are
+    serialised)."""
+    if owner is not None and postgres(ex):
+        ex.execute(_OWNER_LOCK, {"lock_class": OWNER_LOCK_CLASS, "lock_key": owner_lock_key(owner)})
 
 
 def as_utc(value: datetime | str) -> datetime:

@@ -37,7 +37,7 @@ from sqlalchemy.orm import Session
 
 from service.db import Database, Policy
 from service.models import Attempt, FairshareEpoch, Job, JobStatus, UserUsage, utcnow
-from service.queue.rules import SQL, as_utc, is_active, policy_of
+from service.queue.rules import SQL, as_utc, is_active, lock_owner, policy_of, postgres
 
 usage_table = cast(Table, UserUsage.__table__)
 epoch_table = cast(Table, FairshareEpoch.__table__)
@@ -109,10 +109,11 @@ def usage_of(s: Session, owner: str | None, now: datetime) -> float:
     return float(row[1] or 0.0)
 
 
-def _add(s: Session, owner: str, amount: float, now: datetime) -> float:
+def _add(s: Session, owner: str, amount: float, now: datetime, t0: datetime | None = None) -> float:
     """Add a use of ``amount`` at ``now`` to ``owner``'s usage; the new scaled usage.
-    The row is locked for the change: two transactions adding at once both count."""
-    t0 = _epoch(s, now)
+    The row is locked for the change: two transactions adding at once both count.
+    ``t0``: the epoch, read (shared) by the caller already."""
+    t0 = t0 or _epoch(s, now)
     scaled = amount * _scale(now, t0, policy_of(s).fairshare_half_life_s)
     s.execute(
         _insert(s)(usage_table)
@@ -125,11 +126,32 @@ def _add(s: Session, owner: str, amount: float, now: datetime) -> float:
     return new
 
 
+_QUEUED = cast(Table, Job.__table__).alias("queued")
+
+
 def _refresh(s: Session, owner: str, usage: float) -> None:
-    """The share of ``owner``'s queued jobs: its scaled usage."""
-    s.execute(
-        update(Job).where(Job.owner == owner, Job.status == JobStatus.QUEUED).values(share=usage)
-    )
+    """The share of ``owner``'s queued jobs: its scaled usage. Under the owner's lock
+    (the caller's), so a row another transaction holds is one being claimed or
+    cancelled: skipped, never waited for (service.queue.quotas says why)."""
+    which: Any = and_(Job.owner == owner, Job.status == JobStatus.QUEUED)
+    if postgres(s):
+        q = _QUEUED.c
+        which = Job.id.in_(
+            select(q.id)
+            .where(q.owner == owner, q.status == JobStatus.QUEUED)
+            .with_for_update(skip_locked=True)
+        )
+    s.execute(update(Job).where(which).values(share=usage))
+
+
+def _add_locked(s: Session, owner: str, amount: float, now: datetime) -> None:
+    """Add a use to ``owner``'s usage and their queued jobs' share, under their lock,
+    taken after the epoch (shared): a rebase holds the epoch while it rewrites every
+    queued job's share, so one who waited for it holding an owner's lock could close a
+    circle of waits through a claim."""
+    t0 = _epoch(s, now)
+    lock_owner(s, owner)
+    _refresh(s, owner, _add(s, owner, amount, now, t0))
 
 
 def _count(s: Session, attempt_id: int, counted_until: datetime | None, started: datetime,
@@ -157,9 +179,10 @@ def _count(s: Session, attempt_id: int, counted_until: datetime | None, started:
     return 0.0
 
 
-def count_end(s: Session, job_id: int, attempt_id: int, now: datetime) -> None:
+def count_end(s: Session, job_id: int, attempt_id: int, now: datetime) -> bool:
     """An attempt ends (in the caller's transaction, before the job moves on): count the
-    rest of its use, and refresh its owner's queued jobs."""
+    rest of its use, and refresh its owner's queued jobs. Whether it took the owner's
+    lock (it does when it counts anything)."""
     row = s.execute(
         select(
             Job.owner, Job.device, Attempt.gpus, Job.nproc_per_node, Job.nnodes,
@@ -169,11 +192,13 @@ def count_end(s: Session, job_id: int, attempt_id: int, now: datetime) -> None:
         .where(Job.id == job_id, Attempt.id == attempt_id)
     ).first()  # fmt: skip
     if row is None or row.owner is None:
-        return
+        return False
     seconds = _count(s, attempt_id, row.counted_until, row.started_at, now)
-    if seconds:
-        use = units(row.device, row.gpus, row.nproc_per_node, row.nnodes, policy_of(s))
-        _refresh(s, row.owner, _add(s, row.owner, use * seconds, now))
+    if not seconds:
+        return False
+    use = units(row.device, row.gpus, row.nproc_per_node, row.nnodes, policy_of(s))
+    _add_locked(s, row.owner, use * seconds, now)
+    return True
 
 
 def sweep(db: Database) -> int:
@@ -243,8 +268,8 @@ def count_running(s: Session, now: datetime) -> int:
     for part in range(0, len(counted), 500):  # one statement, not one per attempt
         ids = counted[part : part + 500]
         s.execute(update(Attempt).where(Attempt.id.in_(ids)).values(counted_until=now))
-    for owner in sorted(added):
-        _refresh(s, owner, _add(s, owner, added[owner], now))
+    for owner in sorted(added):  # one order of the owners' locks
+        _add_locked(s, owner, added[owner], now)
     return len(added)
 
 

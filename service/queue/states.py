@@ -194,13 +194,15 @@ def end(
         raise IllegalMove(job.id, job.status, event, f"attempt {attempt.number} already ended")
     ends = attempt_move(attempt.outcome, event)
     held_cpu = job.held_cpu_slots  # what it held, before a requeue clears it
-    shares.count_end(s, job.id, attempt.id, now)  # as it held: before the job moves on
+    # As it held: before the job moves on; under its owner's lock from there if it
+    # counted any (taken after the attempt's row: service.queue.quotas).
+    locked = shares.count_end(s, job.id, attempt.id, now)
     _set(job, m, now, reason, columns)
     job.exit_code = exit_code
     job.preempted_by = None  # a hand-back asked of it is done, or moot
     _end_attempt(attempt, ends, now, exit_code, job.reason)
     s.flush()
-    lifted = quotas.refresh(s, job.owner)  # what its owner holds shrank
+    lifted = quotas.refresh(s, job.owner, locked=locked)  # what its owner holds shrank
     # Its slots are free: only its worker's claims could use them, unless the job is
     # queued again, a gang's nodes are free, or its owner's limits now let a job start.
     # (Fair share reorders its owner's queued jobs: what fits anywhere is the same.)

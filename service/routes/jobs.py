@@ -9,8 +9,8 @@ from fastapi import APIRouter, Header, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response, StreamingResponse
 
-from service import checkpoints, gpus, jobs, logs, metrics, outputs, streams
-from service.auth import CurrentUser, UserAuth
+from service import checkpoints, gpus, jobs, logs, metrics, outputs, secrets, streams
+from service.auth import CurrentUser, UserAuth, Watched
 from service.deps import DB, JobId, SettingsDep, gone
 from service.errors import Invalid, responses
 from service.models import JobStatus
@@ -40,6 +40,7 @@ NO_JOB = {404: "no such job"}
         {
             409: "the Idempotency-Key was used with another body, or strict=true and no "
             "registered worker could ever run the job",
+            403: "a member asked for a priority above their cap (quota max_priority)",
             429: "its owner has as many jobs queued as their quota allows",
         }
     ),
@@ -60,8 +61,12 @@ async def submit_job(
     ] = False,
 ) -> JobPublic:
     """Queue a job."""
+    if spec.secrets:  # its owner's own, by name (422 naming one they do not have)
+        await run_in_threadpool(secrets.require, db, me.name, spec.secrets)
     # Claimers are woken as it commits (queue.notify_claimers).
-    return await run_in_threadpool(jobs.submit_job, db, spec, idempotency_key, strict, me.name)
+    return await run_in_threadpool(
+        jobs.submit_job, db, spec, idempotency_key, strict, me.name, me.admin
+    )
 
 
 @router.get("/jobs", response_model=JobsPublic)
@@ -216,7 +221,8 @@ async def list_job_attempts(job_id: JobId, db: DB) -> AttemptsPublic:
     responses={
         200: {
             "content": {"text/event-stream": {"schema": {"type": "string"}}},
-            "description": "server-sent events: job, metrics, end (then the stream closes)",
+            "description": "server-sent events: job, metrics, end (then the stream "
+            "closes); revoked when its token stops working meanwhile (then it closes)",
         },
         **responses(NO_JOB),
     },
@@ -226,6 +232,7 @@ async def get_job_events(
     request: Request,
     db: DB,
     settings: SettingsDep,
+    watch: Watched,
     since: Annotated[
         str | None,
         Query(max_length=40, description="resume after this event id (or 0: every point)"),
@@ -245,6 +252,7 @@ async def get_job_events(
             cursor.job if cursor else None,
             settings.events_poll_s,
             gone(request),
+            watch.refused,
         ),
         media_type="text/event-stream",
         headers=_STREAM_HEADERS,
@@ -276,7 +284,8 @@ _STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     responses={
         200: {
             "content": {"text/plain": {"schema": {"type": "string"}}},
-            "description": "the log from offset; with follow=true, streamed until the job ends",
+            "description": "the log from offset; with follow=true, streamed until the job "
+            "ends (or its token stops working: a last line [ddpq] says so)",
             "headers": {
                 "X-Next-Offset": {
                     "description": "where to resume (absent when following)",
@@ -295,6 +304,7 @@ async def get_job_logs(
     job_id: JobId,
     request: Request,
     db: DB,
+    watch: Watched,
     offset: Annotated[
         int, Query(ge=0, le=2**63 - 1, description="a byte offset: 0, or an X-Next-Offset")
     ] = 0,
@@ -312,7 +322,7 @@ async def get_job_logs(
         )
     first = await run_in_threadpool(logs.read, db, job_id, offset, past_end_ok=True)
     return StreamingResponse(
-        logs.follow(db, job_id, first, gone(request)),
+        logs.follow(db, job_id, first, gone(request), watch.refused),
         media_type="text/plain; charset=utf-8",
         headers={**_STREAM_HEADERS, "X-Job-Status": first.status},
     )

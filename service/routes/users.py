@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Annotated
 
@@ -9,12 +10,13 @@ from fastapi import APIRouter, Path, Query
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 
-from service import queue, users
+from service import accounts, queue, users
 from service.auth import AdminAuth, CurrentAdmin, CurrentUser, UserAuth
 from service.deps import DB
 from service.errors import Invalid, responses
 from service.models import utcnow
 from service.schemas import (
+    AccountClosed,
     AuditPublic,
     QuotaIn,
     QuotaPublic,
@@ -53,7 +55,7 @@ async def get_usage(db: DB) -> UsagePublic:
 
 @admin_router.get("/users", response_model=UsersPublic)
 async def list_users(db: DB) -> UsersPublic:
-    """Every user, revoked ones too (admins only)."""
+    """Every user, closed accounts too (admins only)."""
     items = await run_in_threadpool(users.list_users, db)
     return UsersPublic.model_validate({"items": items})
 
@@ -70,20 +72,69 @@ async def add_user(body: UserIn, db: DB, me: CurrentAdmin) -> UserWithToken:
     return UserWithToken.model_validate({**user, "token": token})
 
 
+JobsChoice = Annotated[
+    accounts.JobsChoice,
+    Query(
+        description="what becomes of the user's jobs: cancel-queued (running ones finish), "
+        "cancel-all, keep, or transfer (to another user: give to)"
+    ),
+]
+HeirQuery = Annotated[
+    str | None,
+    Query(min_length=1, max_length=64, description="with jobs=transfer: whose they become"),
+]
+
+
+@admin_router.delete(
+    "/users/{name}",
+    response_model=AccountClosed,
+    responses=responses(
+        {**NO_USER, 409: "already closed, or the last admin", 422: "a bad jobs/to pair"}
+    ),
+)
+async def deactivate_user(
+    name: UserNamePath, db: DB, me: CurrentAdmin, jobs: JobsChoice = "cancel-queued",
+    to: HeirQuery = None,
+) -> AccountClosed:  # fmt: skip
+    """Close a user's account (admins only): its token is refused at once, every open
+    stream of it ends, and its jobs are handled as ``jobs`` says. The account stays, for
+    the audit trail and usage history; its name is not given to anyone else."""
+    closed = await run_in_threadpool(accounts.deactivate, db, me, name, jobs, to)
+    return AccountClosed.model_validate(dataclasses.asdict(closed))
+
+
 @admin_router.post(
     "/users/{name}/revoke",
     response_model=UserPublic,
-    responses=responses({**NO_USER, 409: "already revoked, or the last admin"}),
+    responses=responses(
+        {**NO_USER, 409: "already closed, or the last admin", 422: "a bad jobs/to pair"}
+    ),
 )
-async def revoke_user(name: UserNamePath, db: DB, me: CurrentAdmin) -> UserPublic:
-    """Revoke a user: its token is refused at once (admins only; its jobs stay its)."""
-    return UserPublic.model_validate(await run_in_threadpool(users.revoke_user, db, me, name))
+async def revoke_user(
+    name: UserNamePath, db: DB, me: CurrentAdmin, jobs: JobsChoice = "cancel-queued",
+    to: HeirQuery = None,
+) -> UserPublic:  # fmt: skip
+    """Close a user's account, as DELETE /users/{name} does (its older name); answers
+    the user (admins only)."""
+    closed = await run_in_threadpool(accounts.deactivate, db, me, name, jobs, to)
+    return UserPublic.model_validate(closed.user)
+
+
+@admin_router.post(
+    "/users/{name}/reactivate",
+    response_model=UserWithToken,
+    responses=responses({**NO_USER, 409: "the account is open"}),
+)
+async def reactivate_user(name: UserNamePath, db: DB, me: CurrentAdmin) -> UserWithToken:
+    """Open a closed account again, with a new token shown this once (admins only)."""
+    user, token = await run_in_threadpool(accounts.reactivate, db, me, name)
+    return UserWithToken.model_validate({**user, "token": token})
 
 
 @admin_router.post(
     "/users/{name}/rotate",
     response_model=UserWithToken,
-    responses=responses({**NO_USER, 409: "the user is revoked"}),
+    responses=responses({**NO_USER, 409: "the account is closed"}),
 )
 async def rotate_user(name: UserNamePath, db: DB, me: CurrentAdmin) -> UserWithToken:
     """A new token for a user, shown this once; the old one is refused at once."""

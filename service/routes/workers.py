@@ -22,7 +22,7 @@ from ddpq.messages import (
     HeldAttempt,
     WorkerRegistered,
 )
-from service import checkpoints, jobs, logs, outputs, queue
+from service import checkpoints, jobs, logs, outputs, queue, secrets
 from service.auth import WorkerAuth, mint_job_token
 from service.config import Settings
 from service.db import Database
@@ -205,7 +205,13 @@ async def _claim(
         memo.found_nothing(body.name, seen, probe, began)
         return None
     memo.found(body.name, probe)
-    return claimed.wire(token)
+    wired = claimed.wire(token)
+    if secrets.names_of(wired.spec):
+        # The owner's secrets as they are now (a retry gets the current values), or why
+        # not, which the worker fails the attempt with (service.secrets).
+        keys = request.app.state.keyring
+        wired = await run_in_threadpool(secrets.for_claim, db, keys, wired)
+    return wired
 
 
 @router.post("/gang", response_model=GangReply)

@@ -5,7 +5,7 @@ worker unchecked: bounded integers (no overflow in Postgres), bounded strings,
 no coercion of "2" into 2, and unknown fields refused by name.
 
 A module per resource, each importing what it shares from the ones before it
-(common → metrics → code → jobs → workers; users and meta need common only):
+(common → metrics → code → jobs → workers; users, secrets and meta need common only):
 
 - ``common``: the bounds, the Strict base of every request body, labels, the error
   answers and the small answers several resources give;
@@ -15,6 +15,7 @@ A module per resource, each importing what it shares from the ones before it
 - ``workers``: the worker protocol (register, claim, gang, heartbeat, finish) and
   the workers' views;
 - ``users``: users, tokens, the audit trail, usage and quotas;
+- ``secrets``: a user's secrets in, their names out (never a value to a person);
 - ``outputs``: what a job wrote in its directory, sent by its worker, read by users;
 - ``meta``: health and the recipes.
 
@@ -99,7 +100,9 @@ from service.schemas.outputs import (
     OutputsLimits,
     OutputsPublic,
 )
+from service.schemas.secrets import JobSecrets, SecretIn, SecretPublic, SecretsPublic
 from service.schemas.users import (
+    AccountClosed,
     AuditEventPublic,
     AuditPublic,
     QuotaIn,
@@ -152,6 +155,7 @@ __all__ = [
     "MAX_PIP_REQUIREMENTS",
     "MAX_WORLD_SIZE",
     "Accepted",
+    "AccountClosed",
     "AttemptNumber",
     "AttemptPublic",
     "AttemptsPublic",
@@ -184,6 +188,7 @@ __all__ = [
     "JobGpusPublic",
     "JobIdIn",
     "JobPublic",
+    "JobSecrets",
     "JobSpec",
     "JobSpecPublic",
     "JobsPublic",
@@ -217,6 +222,9 @@ __all__ = [
     "RecipePublic",
     "RecipesPublic",
     "RunningAttempt",
+    "SecretIn",
+    "SecretPublic",
+    "SecretsPublic",
     "SeriesCount",
     "SnapshotIn",
     "SnapshotPublic",

@@ -17,7 +17,7 @@ from pydantic import (
 )
 
 from ddpq.catalog import recipe_names
-from ddpq.rules import entrypoint_problem, env_problem
+from ddpq.rules import MAX_JOB_SECRETS, entrypoint_problem, env_problem, secret_name_problem
 from service.models import AttemptOutcome, CheckpointState, JobStatus
 from service.schemas.code import CodeSummary, Digest
 from service.schemas.common import INT64_MAX, MAX_NAME_CHARS, MAX_PATH_CHARS, Label, Strict
@@ -102,6 +102,10 @@ class JobSpec(Strict):
     # torch imported (issue 34; what differs is in docs/training.md). None: the worker's
     # default (its DDPQ_LAUNCHER).
     launcher: Literal["torchrun", "warm"] | None = None
+    # The names of its owner's secrets (PUT /secrets/{name}) its ranks get as environment
+    # variables of those names: the names are part of the spec everyone reads, the values
+    # never (service.secrets). Each must be one its owner has when it is submitted.
+    secrets: Annotated[list[str], Field(max_length=MAX_JOB_SECRETS)] = []
 
     @field_validator("recipe")
     @classmethod
@@ -131,12 +135,29 @@ class JobSpec(Strict):
                 raise ValueError(problem)
         return v
 
+    @field_validator("secrets")
+    @classmethod
+    def _secret_names(cls, v: list[str]) -> list[str]:
+        for name in v:
+            problem = secret_name_problem(name)
+            if problem:
+                raise ValueError(problem)
+        if len(set(v)) != len(v):
+            raise ValueError("a secret is named twice")
+        return v
+
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:
         if (self.recipe is None) == (self.entrypoint is None):
             raise ValueError("give exactly one of 'recipe' and 'entrypoint'")
         if self.world_size % self.nnodes:
             raise ValueError(f"nnodes ({self.nnodes}) must divide world_size ({self.world_size})")
+        both = sorted(set(self.secrets) & set(self.env))
+        if both:
+            raise ValueError(
+                f"{', '.join(both)[:200]} is both a secret and in env: give it one way "
+                "(a secret's value is seen by its ranks only; env by everyone)"
+            )
         return self
 
 
@@ -170,6 +191,7 @@ class JobSpecPublic(BaseModel):
     pip: list[str] = []
     keep_last: int | None = None
     launcher: str | None = None
+    secrets: list[str] = []
 
 
 FileBytes = Annotated[int, Field(strict=True, ge=0, le=INT64_MAX)]
@@ -248,6 +270,9 @@ class JobPublic(BaseModel):
     external_id: str | None = None
     # Who submitted it (None: from before users existed).
     owner: str | None = None
+    # The priority the queue and preemption go by: the spec's, or lower if its owner's
+    # cap (quota max_priority) was lowered since.
+    priority: int = 0
 
 
 class JobsPublic(BaseModel):

@@ -87,12 +87,25 @@ function forgetToken() {
   showWho(null);
 }
 
+// Who the token is (GET /whoami, once per token): the actions a page offers depend on it.
+let viewer = null;
+let viewerChanged = () => {}; // the open view's, to show or hide its actions again
+
 // Who the token is: "signed in as alice (member)" in the header.
 function showWho(who) {
+  viewer = who;
   const w = $("whoami");
   w.textContent = who ? `signed in as ${who.name} (${who.role})` : "";
   w.hidden = !who;
   if (who) addOwners([who.name]);
+  viewerChanged();
+}
+
+// The API's rule (service/jobs.py cancel_job): an admin cancels any job, a member their
+// own. Not offered until the page knows who the token is.
+function mayCancel(job) {
+  if (!viewer) return false;
+  return viewer.role === "admin" || (job.owner != null && job.owner === viewer.name);
 }
 
 // The owner filter's names: the signed-in user's, the owners of the jobs listed and the
@@ -779,6 +792,12 @@ function jobView(id) {
     $("job-status").replaceChildren(statusBadge(job.status));
     document.title = `ddpq · job ${job.id} · ${job.status}`;
     renderFacts(job);
+    renderActions(job);
+  };
+
+  // Cancel only where the viewer may take it; disabled once the job is ending or ended.
+  const renderActions = (job) => {
+    $("cancel").hidden = !mayCancel(job);
     $("cancel").disabled = TERMINAL.has(job.status) || job.status === "cancelling";
   };
 
@@ -852,6 +871,11 @@ function jobView(id) {
     $("log-follow").checked = pre.scrollTop + pre.clientHeight >= pre.scrollHeight - 4;
   };
 
+  $("cancel").hidden = true; // until the job and the viewer are known
+  viewerChanged = () => {
+    if (st.job) renderActions(st.job);
+    else $("cancel").hidden = true;
+  };
   $("cancel").addEventListener("click", onCancel);
   $("metric-list").addEventListener("change", onPick);
   $("log-scale").addEventListener("change", onMetric);
@@ -861,6 +885,7 @@ function jobView(id) {
     stopped = true;
     stopPolling();
     chart.destroy();
+    viewerChanged = () => {};
     $("cancel").removeEventListener("click", onCancel);
     $("metric-list").removeEventListener("change", onPick);
     $("log-scale").removeEventListener("change", onMetric);

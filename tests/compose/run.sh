@@ -69,7 +69,7 @@ docker build -q -t local/pytorch:2.14.1 "$HERE/images/pytorch" >/dev/null
 # ---- the stack -----------------------------------------------------------------------
 log "building ddpq's two images (api, worker) from the checkout"
 # Building reads no secret, but the file requires them to be set: placeholders will do.
-printf 'POSTGRES_USER=x\nPOSTGRES_PASSWORD=x\nPOSTGRES_DB=x\nDDPQ_API_TOKEN=x\nDDPQ_WORKER_TOKEN=x\n' \
+printf 'POSTGRES_USER=x\nPOSTGRES_PASSWORD=x\nPOSTGRES_DB=x\nDDPQ_API_TOKEN=x\nDDPQ_WORKER_TOKEN=x\nDDPQ_SECRETS_KEY=x\n' \
   >"$CACHE/build.env"
 docker compose -f "$REPO/docker-compose.yml" -f "$HERE/override.yml" \
   --project-directory "$REPO" --env-file "$CACHE/build.env" build -q

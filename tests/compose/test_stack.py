@@ -47,7 +47,7 @@ class Stack:
         self.env_file.write_text(
             f"POSTGRES_USER=ddpq\nPOSTGRES_PASSWORD={self.db_password}\nPOSTGRES_DB=ddpq\n"
             f"DDPQ_API_TOKEN={self.api_token}\nDDPQ_WORKER_TOKEN={self.worker_token}\n"
-            f"DDPQ_PORT={self.port}\n"
+            f"DDPQ_SECRETS_KEY={secrets.token_urlsafe(32)}\nDDPQ_PORT={self.port}\n"
         )
         # make compose-test's override swaps in local base images and drops the GPU
         # reservation; a GPU host (make gpu-check-compose) runs the file as it is.

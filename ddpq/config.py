@@ -28,6 +28,9 @@ The config file holds several named servers and a default::
     url = "https://ddpq.lab.example:8000"
     token = "ddpqu_..."
 
+A server ``ddpq up`` saved itself (its first admin's token) also says ``saved_by = "ddpq
+up"``: a later ``ddpq up`` may replace that one, never a login a person made.
+
 It is read with tomllib and written here (``save``), whole, atomically, mode 0600 from
 its first byte, in a directory made 0700; keys other than these are not kept.
 """
@@ -130,6 +133,9 @@ def check_name(name: str) -> str:
 class Server:
     url: str
     token: str
+    # Who saved it, when it was not a person: "ddpq up" (the first admin's token of its
+    # data dir, which a later `ddpq up` may replace). A login a person made has none.
+    saved_by: str | None = None
 
 
 @dataclass
@@ -175,7 +181,10 @@ def load(path: Path | None = None) -> Config:
         token = entry.get("token") if isinstance(entry, dict) else None
         if not isinstance(url, str) or not isinstance(token, str):
             raise ConfigError(f'{shown(path)}: server "{name}" needs a url and a token (text)')
-        servers[name] = Server(normal_url(url), token.strip())
+        saved_by = entry.get("saved_by")
+        servers[name] = Server(
+            normal_url(url), token.strip(), saved_by if isinstance(saved_by, str) else None
+        )
     default = data.get("default")
     if default is not None and not isinstance(default, str):
         raise ConfigError(f"{shown(path)}: 'default' must be a server's name (text)")
@@ -212,6 +221,8 @@ def render(cfg: Config) -> str:
             f"url = {_quoted(server.url)}",
             f"token = {_quoted(server.token)}",
         ]
+        if server.saved_by:
+            lines += [f"saved_by = {_quoted(server.saved_by)}"]
     return "\n".join(lines) + "\n"
 
 
@@ -276,8 +287,10 @@ def remember(url: str, token: str, preferred: str) -> Remembered:
     server the CLI uses for that URL (``Config.of_url``) is never overwritten. With this
     token nothing changes; with another (a person's `ddpq login` as themselves, or a
     login kept from an earlier data dir) it stays, and is returned (``login_kept``) for
-    the caller to say whose it is. A server named ``preferred`` saved with another URL is
-    left alone too: this one is saved under its HOST:PORT instead."""
+    the caller to say whose it is. Only a login ``ddpq up`` saved itself (``saved_by``:
+    the first admin's token of an earlier data dir) is replaced by the new one. A server
+    named ``preferred`` saved with another URL is left alone too: this one is saved under
+    its HOST:PORT instead."""
     url = check_url(url)
     # Read first: a login found is left as it is, the file not even written again.
     found = _saved_for(load(), url, token)
@@ -287,29 +300,35 @@ def remember(url: str, token: str, preferred: str) -> Remembered:
         found = _saved_for(cfg, url, token)  # saved meanwhile
         if found is not None:
             return found
-        name = preferred
+        name = cfg.of_url(url) or preferred  # a login of ddpq up's own, replaced
         kept = None
         old = cfg.servers.get(name)
-        if old is not None:  # of another URL: none is saved with this one
+        if old is not None and old.url != url:  # of another URL: none is saved with this one
             kept = old.url
             name = base = name_for(url)
             n = 1
             while name in cfg.servers:
                 n += 1
                 name = f"{base}-{n}"
-        cfg.servers[name] = Server(url, token)
+        cfg.servers[name] = Server(url, token, UP)
         if cfg.default is None or cfg.default not in cfg.servers:
             cfg.default = name
         return Remembered(name, cfg.default, kept, cfg.path, token, False)
 
 
+UP = "ddpq up"
+
+
 def _saved_for(cfg: Config, url: str, token: str) -> Remembered | None:
-    """The login the CLI uses for ``url``, if one is saved."""
+    """The login the CLI uses for ``url``, if one is saved and is to stay: a person's,
+    or ``ddpq up``'s own with this very token."""
     name = cfg.of_url(url)
     if name is None:
         return None
-    saved = cfg.servers[name].token
-    return Remembered(name, cfg.default, None, cfg.path, saved, saved != token)
+    saved = cfg.servers[name]
+    if saved.saved_by == UP and saved.token != token:
+        return None  # the first admin's of an earlier data dir: ddpq up's to replace
+    return Remembered(name, cfg.default, None, cfg.path, saved.token, saved.token != token)
 
 
 # ---- the order -----------------------------------------------------------------------

@@ -7,11 +7,34 @@ import base64
 import hashlib
 import io
 import json
+import threading
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from tests.conftest import Server
+
+
+def together(*calls: Callable[[], Any]) -> list[Any]:
+    """Run calls released by one barrier (races: on clients connected before); their
+    results (or exceptions) in order."""
+    barrier = threading.Barrier(len(calls))
+    out: list[Any] = [None] * len(calls)
+
+    def run(i: int, call: Callable[[], Any]) -> None:
+        barrier.wait()
+        try:
+            out[i] = call()
+        except Exception as exc:  # reported by the caller's checks
+            out[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i, c)) for i, c in enumerate(calls)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
 
 
 def register(

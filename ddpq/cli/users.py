@@ -161,7 +161,6 @@ ToOpt = Annotated[
 YesOpt = Annotated[bool, typer.Option("--yes", "-y", help="do not ask to confirm")]
 
 
-@client_command(users_app)
 def deactivate(
     name: UserName,
     jobs: JobsOpt = "cancel-queued",
@@ -177,16 +176,9 @@ def deactivate(
     _deactivate(name, jobs, to, yes, as_json)
 
 
-@client_command(users_app, name="delete")
-def delete(
-    name: UserName,
-    jobs: JobsOpt = "cancel-queued",
-    to: ToOpt = None,
-    yes: YesOpt = False,
-    as_json: JsonOpt = False,
-) -> None:
-    """The same as `ddpq users deactivate`: an account is closed, never erased."""
-    _deactivate(name, jobs, to, yes, as_json)
+# `delete` is the same command: an account is closed, never erased.
+client_command(users_app, name="deactivate")(deactivate)
+client_command(users_app, name="delete", help="The same as `ddpq users deactivate`.")(deactivate)
 
 
 @client_command(users_app)

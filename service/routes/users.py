@@ -88,9 +88,7 @@ HeirQuery = Annotated[
 @admin_router.delete(
     "/users/{name}",
     response_model=AccountClosed,
-    responses=responses(
-        {**NO_USER, 409: "already closed, or the last admin", 422: "a bad jobs/to pair"}
-    ),
+    responses=responses({**NO_USER, 409: "already closed, or the last admin"}),
 )
 async def deactivate_user(
     name: UserNamePath, db: DB, me: CurrentAdmin, jobs: JobsChoice = "cancel-queued",
@@ -106,9 +104,7 @@ async def deactivate_user(
 @admin_router.post(
     "/users/{name}/revoke",
     response_model=UserPublic,
-    responses=responses(
-        {**NO_USER, 409: "already closed, or the last admin", 422: "a bad jobs/to pair"}
-    ),
+    responses=responses({**NO_USER, 409: "already closed, or the last admin"}),
 )
 async def revoke_user(
     name: UserNamePath, db: DB, me: CurrentAdmin, jobs: JobsChoice = "cancel-queued",

@@ -228,7 +228,7 @@ def _flush_all() -> bool:
     # __class__, and a weak proxy whose referent is gone (torch.compile leaves them in the
     # heap) raises ReferenceError there, which failed a program that had finished; others
     # warn when asked (torch.distributed.reduce_op says it is deprecated).
-    def stream(o: object) -> bool:
+    def is_stream(o: object) -> bool:
         try:
             return issubclass(type(o), io.IOBase)
         except Exception:  # a metaclass of the program's that refuses: not a stream of ours
@@ -236,7 +236,7 @@ def _flush_all() -> bool:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        streams = [o for o in gc.get_objects() if stream(o)]
+        streams = [o for o in gc.get_objects() if is_stream(o)]
     streams.sort(key=lambda o: not isinstance(o, io.TextIOBase))
     for stream in streams:
         if stream is sys.stdout or stream is sys.stderr:

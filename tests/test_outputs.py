@@ -202,6 +202,9 @@ def test_capture_reads_nothing_outside_the_directory_and_names_what_it_left(
     (root / ".git" / "config").write_text("[core]\n")
     (root / "tab\tname").write_text("x")
     (root / "large.bin").write_bytes(b"x" * 2000)
+    # Importing the job's own modules writes bytecode: no output of the job's, nor left.
+    (root / "sub" / "__pycache__").mkdir()
+    (root / "sub" / "__pycache__" / "made.cpython-311.pyc").write_bytes(b"\x00" * 16)
     code = {"train.py": Entry("train.py", "0" * 64, 12)}
     got = capture(root, code, Limits(10, 1000, 1500, 0, 0))
     kept = {e.path for e in got.entries}

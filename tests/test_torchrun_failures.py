@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.conftest import wait_for
 from worker import tee, torchrun
 from worker.logship import TAIL_LINES
 
@@ -164,3 +165,65 @@ def test_a_line_torch_already_prefixed_gets_no_second_prefix(tmp_path: Path) -> 
     assert dst.getvalue() == (
         "[rank1]: plain\n[rank1]: ValueError: bad input\n[rank1]: [rank0]: not mine\n"
     )
+
+
+def _tee(tmp_path: Path, header: str, data: bytes) -> str:
+    out = tmp_path / f"{abs(hash(header))}.log"
+    out.write_bytes(data)
+    dst = io.StringIO()
+    finished = threading.Event()
+    finished.set()
+    tee.tail_whole_lines(header, str(out), dst, finished, 0.01)
+    return dst.getvalue()
+
+
+def test_a_progress_bar_is_its_latest_state_and_torch_s_own_prefix_is_not_doubled(
+    tmp_path: Path,
+) -> None:
+    # tqdm redraws its line with \r and ends it once; a CRLF line; a bar wiped on the way
+    # out (leave=False) by blanks; torch's C++ warnings already say "[rank1]:".
+    bar = b"epoch 1\n\r  0%|          \r 50%|#####     \r100%|##########| 4/4\nafter\r\n"
+    assert _tee(tmp_path, "[rank1]: ", bar) == (
+        "[rank1]: epoch 1\n[rank1]: 100%|##########| 4/4\n[rank1]: after\n"
+    )
+    wiped = b"\r 50%|#####     \r          \rdone\n\r 10%|#   "
+    assert _tee(tmp_path, "[rank0]: ", wiped) == "[rank0]: done\n[rank0]:  10%|#   \n"
+    warned = b"[rank1]:[W1129 02:00:00 ProcessGroupGloo.cpp:42] Warning: slow\n"
+    assert _tee(tmp_path, "[rank1]: ", warned) == (
+        "[rank1]: [W1129 02:00:00 ProcessGroupGloo.cpp:42] Warning: slow\n"
+    )
+
+
+def test_a_running_bar_is_shown_now_and_then_on_rank_0_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a bar runs, its latest state is shown once each PROGRESS_EVERY_S, on rank 0
+    only (every rank draws the same bar); as it ends, every rank's last state once."""
+    monkeypatch.setattr(tee, "PROGRESS_EVERY_S", 0.05)
+    shown = {}
+    for header in ("[rank0]: ", "[rank1]: "):
+        out = tmp_path / f"{header[1:6]}.log"
+        out.write_bytes(b"")
+        dst = io.StringIO()
+        finished = threading.Event()
+        tail = threading.Thread(
+            target=tee.tail_whole_lines, args=(header, str(out), dst, finished, 0.005)
+        )
+        tail.start()
+        with open(out, "ab", buffering=0) as f:
+            for step in range(1, 4):
+                f.write(f"\r{step * 25:3d}%|{'#' * step}".encode())
+                if header == "[rank0]: ":  # shown before the next redraw
+                    seen = f"{step * 25:3d}%|"
+                    wait_for(lambda seen=seen: seen in dst.getvalue(), 10, f"state {step}")
+            f.write(b"\r100%|####\n")
+        finished.set()
+        tail.join(10)
+        shown[header] = dst.getvalue().splitlines()
+    assert shown["[rank0]: "] == [
+        "[rank0]:  25%|#",
+        "[rank0]:  50%|##",
+        "[rank0]:  75%|###",
+        "[rank0]: 100%|####",
+    ]
+    assert shown["[rank1]: "] == ["[rank1]: 100%|####"]

@@ -82,10 +82,15 @@ def _shown(path: str) -> str:
     return text[:4000]
 
 
+# Python's bytecode caches, which importing the job's own modules writes: never the job's
+# output (nor listed as left), as `ddpq submit` never sends them (ddpq.codepack.NEVER).
+BYTECODE = "__pycache__"
+
+
 def _walk(root_fd: int) -> Iterator[tuple[str, str, int]]:
     """(relative path, name, its directory's fd) of every entry under ``root_fd``, by
     directory fds, never following a link; a directory the snapshot rules refuse is not
-    entered (yielded itself, to be left)."""
+    entered (yielded itself, to be left); a bytecode cache is passed over."""
     for top, dirs, files, dir_fd in os.fwalk(".", follow_symlinks=False, dir_fd=root_fd):
         base = "" if top == "." else top.removeprefix("./")
         keep = []
@@ -93,6 +98,8 @@ def _walk(root_fd: int) -> Iterator[tuple[str, str, int]]:
             rel = f"{base}/{name}" if base else name
             if _is_link(name, dir_fd):
                 files.append(name)  # a link to a directory: kept as a link
+            elif name == BYTECODE:
+                continue
             elif is_vcs(name) or path_problem(rel):
                 yield rel, name, dir_fd
             else:

@@ -10,11 +10,15 @@ The tails of all ranks also write into one file concurrently.
 
 This replaces torchrun's tail with one that passes on complete lines only, each
 with its prefix once, every write whole and under one lock. (After init_process_group
-PyTorch's excepthook prefixes a traceback's lines with ``[rankN]: `` itself; a line
-that already starts with the rank's prefix is not given a second one.) A piece without its newline
-is held until the newline comes, the rank ends, or PARTIAL_WAIT_S passes (a progress
-bar redrawn with ``\\r`` never ends its line: it is shown that often). Torch is pinned
-(2.14.1), and tests/test_observe.py fails if a torch upgrade changes what is replaced.
+PyTorch's excepthook prefixes a traceback's lines with ``[rankN]: `` itself, and its C++
+warnings with ``[rankN]:``; a line that already starts with the rank's prefix is not
+given a second one.) A piece without its newline is held until the newline comes, the
+rank ends, or PARTIAL_WAIT_S passes. A progress bar (tqdm's, a framework's) redraws its
+line with ``\\r`` and ends it only when it is done: only its latest state is kept
+(never the ``\\r``-joined chunks of every redraw), shown once each PROGRESS_EVERY_S while
+it runs, on rank 0 only (frameworks draw the same bar on every rank), and once, as it
+ended, on each rank. Torch is pinned (2.14.1), and tests/test_observe.py fails if a
+torch upgrade changes what is replaced.
 
 When a rank fails, torchrun raises ChildFailedError, whose traceback (through this
 module) and 20-line table are noise in a job's log. This prints instead one line per
@@ -46,6 +50,7 @@ from typing import TextIO
 from worker import entry
 
 PARTIAL_WAIT_S = 2.0
+PROGRESS_EVERY_S = 10.0  # how often a running progress bar's latest state is shown
 READ_BYTES = 1 << 16
 RECENT_LINES = 200  # of each rank's output, kept to name its error when it fails
 # torchrun's --log-line-prefix-template as worker.torchrun.argv gives it.
@@ -82,10 +87,31 @@ def error_line(lines: Iterable[str]) -> str | None:
     return (causes or errors or [None])[-1]
 
 
+def latest(piece: bytes) -> bytes:
+    """A line redrawn with ``\\r`` (a progress bar) as its latest state: its last part
+    that is not blank (``text\\r`` from a CRLF line is ``text``)."""
+    if b"\r" not in piece:
+        return piece
+    parts = [p for p in piece.split(b"\r") if p.strip()]
+    return parts[-1] if parts else b""
+
+
+def _own(header: str, line: str) -> str:
+    """``line`` without the rank's own prefix, if torch put it there already (its
+    excepthook's ``[rank1]: ``, its C++ warnings' ``[rank1]:``)."""
+    if not header:
+        return line
+    mark = header.rstrip()
+    if line.startswith(mark):
+        line = line[len(mark) :]
+        return line[1:] if line.startswith(" ") else line
+    return line
+
+
 def _emit(header: str, lines: list[bytes], dst: TextIO, keep: Callable[[str], bool] | None) -> None:
     shown = [
-        line.removeprefix(header) if header else line
-        for line in (raw.decode("utf-8", errors="replace") + "\n" for raw in lines)
+        _own(header, line)
+        for line in (latest(raw).decode("utf-8", errors="replace") + "\n" for raw in lines)
         if keep is None or keep(line)
     ]
     _recent.setdefault(header, collections.deque(maxlen=RECENT_LINES)).extend(
@@ -113,6 +139,10 @@ def tail_whole_lines(
         time.sleep(interval_sec)
     pending = b""
     waiting_since = 0.0  # when the held piece of a line began waiting for its end
+    # A progress bar's state last shown, and when: its redraws are shown at most once each
+    # PROGRESS_EVERY_S, and only rank 0's while it runs (every rank draws the same bar).
+    shown_bar, shown_at = b"", 0.0
+    live_bars = _rank(header) == 0
     with open(file, "rb") as fp:
         while True:
             # Set before this read: then the read sees all there is (the rank has ended).
@@ -123,15 +153,39 @@ def tail_whole_lines(
                 *lines, pending = (pending + chunk).split(b"\n")
                 if lines:
                     _emit(header, lines, dst, log_line_filter)
-                if pending and (lines or not had):
+                    shown_bar = b""
+                if b"\r" in pending:  # a bar: only its latest state is kept
+                    pending = b"\r" + latest(pending)
+                elif pending and (lines or not had):
                     waiting_since = time.monotonic()
                 continue
-            if pending and (done or time.monotonic() - waiting_since >= PARTIAL_WAIT_S):
+            now = time.monotonic()
+            if pending.startswith(b"\r"):
+                state = pending[1:]  # empty: the bar was wiped (tqdm's leave=False)
+                if done:
+                    if state:
+                        _emit(header, [state], dst, log_line_filter)
+                    pending = b""
+                elif (
+                    live_bars
+                    and state
+                    and state != shown_bar
+                    and now - shown_at >= PROGRESS_EVERY_S
+                ):
+                    _emit(header, [state], dst, log_line_filter)
+                    shown_bar, shown_at = state, now
+            elif pending and (done or now - waiting_since >= PARTIAL_WAIT_S):
                 _emit(header, [pending], dst, log_line_filter)
                 pending = b""
             if done:
                 return
             time.sleep(interval_sec)
+
+
+def _rank(header: str) -> int:
+    """The rank a tail's prefix names (PREFIX_TEMPLATE); 0 without one."""
+    m = re.match(r"\[rank(\d+)\]", header)
+    return int(m.group(1)) if m else 0
 
 
 # worker.torchrun.FAILURE_LINE reads these; tests/test_torchrun_failures.py holds both

@@ -41,9 +41,11 @@ INHERITED_ENV = frozenset(
         "NO_PROXY", "http_proxy", "https_proxy", "no_proxy",
     }
 )  # fmt: skip
+# Not XDG_*: those name the worker user's own directories (XDG_CONFIG_HOME holds its
+# ddpq login, XDG_RUNTIME_DIR its session), never a job's: a job's HOME is its scratch.
 INHERITED_PREFIXES = (
     "LC_", "CUDA_", "NCCL_", "NVIDIA_", "OMP_", "MKL_", "OPENBLAS_", "GLOO_", "TORCH_",
-    "PYTORCH_", "HF_", "TRANSFORMERS_", "XDG_",
+    "PYTORCH_", "HF_", "TRANSFORMERS_",
 )  # fmt: skip
 
 TORCHRUN_EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
@@ -153,6 +155,10 @@ def environment(environ: Mapping[str, str], claim: ClaimedJob, at: Placement) ->
     env = {
         k: v for k, v in environ.items() if k in INHERITED_ENV or k.startswith(INHERITED_PREFIXES)
     }
+    if claim.device == "cpu":
+        # accelerate on a CPU host runs each rank alone (DistributedType.NO, one process)
+        # unless told: every rank trained apart, silently. The spec's env may say "0".
+        env["ACCELERATE_USE_CPU"] = "1"
     if at.scratch:  # the spec's own env may still name others
         env["TMPDIR"] = at.scratch
         if at.user:

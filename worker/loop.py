@@ -162,6 +162,8 @@ def finish(
         "outcome": result.outcome,
         "reason": result.reason,
     }
+    if result.oom is not None:  # said only when the worker looked (an older API: unknown)
+        body["oom"] = result.oom
     try:
         retry(lambda: api.finish(job_id, body), what=f"finish job {job_id}")
     except ApiRefused as exc:

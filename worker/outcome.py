@@ -23,6 +23,9 @@ class Outcome:
     exit_code: int | None
     outcome: str  # exited, cancelled, timeout, requeue, error, lost
     reason: str | None = None
+    # A rank SIGKILL ended: whether the kernel's log says its OOM killer did (worker.oom);
+    # None: not killed so, or the log could not be read.
+    oom: bool | None = None
 
 
 def stopped(why: str, timeout_s: Any, code: int | None = None, words: str | None = None) -> Outcome:

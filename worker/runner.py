@@ -23,7 +23,7 @@ from typing import Any
 
 from ddpq.errors import ApiRefused, ApiUnavailable, JobError, Stopped
 from ddpq.messages import ClaimedJob, GangReply
-from worker import outputs, prepare, procs, torchrun, warm
+from worker import oom, outputs, prepare, procs, torchrun, warm
 from worker.api import WorkerAPI
 from worker.code import Workdirs
 from worker.logship import LogShipper, Tailed
@@ -339,6 +339,7 @@ class JobRunner:
             on_exit=self.wake.set,
         )
         self.trace.mark("spawned")
+        spawned = time.monotonic()  # worker.oom reads the kernel's records since then
         timeout_s = self.claim.spec.get("timeout_s")
         deadline = None if not timeout_s else time.monotonic() + timeout_s
         # Woken by the exit or a stop request, at once: a poll here would add its
@@ -364,7 +365,12 @@ class JobRunner:
             shipper.write(
                 f"[ddpq] {words}: stopped the ranks with {how} in {took:.1f} s\n".encode()
             )
-        return torchrun.outcome(code, tail, self.stop_reason, timeout_s, self.stop_words)
+        result = torchrun.outcome(code, tail, self.stop_reason, timeout_s, self.stop_words)
+        failed = torchrun.first_failure(tail) if result.outcome == "exited" else None
+        if failed is not None and failed.exitcode == -signal.SIGKILL and failed.pid:
+            # Was it the OOM killer? The kernel's log says, where the worker may read it.
+            result.oom = oom.killed_for_memory([failed.pid], spawned)
+        return result
 
     def _first_line_marked(self, write: Callable[[bytes], None]) -> Callable[[bytes], None]:
         """``write``, marking the first line of a rank's output as it passes (worker.trace)."""

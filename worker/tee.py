@@ -194,28 +194,37 @@ FIRST = "[ddpq] first to fail: "
 ALSO = "[ddpq] also failed: "
 
 
-def failed_words(rank: int, local_rank: int, exitcode: int) -> str:
+def failed_words(rank: int, local_rank: int, exitcode: int, pid: int | None = None) -> str:
     """How a rank ended, from torch's exit code (negative: killed by that signal):
     ``rank 1 (local rank 1) exited with code 1``, ``rank 0 (local rank 0) killed by
-    SIGKILL``."""
+    SIGKILL (pid 4242)``: the pid of a rank a signal killed, which the worker looks for
+    in the kernel's log of OOM kills (worker.oom)."""
     if exitcode < 0:
         try:
             how = f"killed by {signal.Signals(-exitcode).name}"
         except ValueError:
             how = f"killed by signal {-exitcode}"
+        if pid:
+            how += f" (pid {pid})"
     else:
         how = f"exited with code {exitcode}"
     return f"rank {rank} (local rank {local_rank}) {how}"
 
 
 def failure_line(
-    first: bool, rank: int, local_rank: int, exitcode: int, message: str | None = None
+    first: bool,
+    rank: int,
+    local_rank: int,
+    exitcode: int,
+    message: str | None = None,
+    pid: int | None = None,
 ) -> str:
     """One failed rank's line: ``[ddpq] first to fail: rank 1 (local rank 1) exited with
     code 1``, then ``: ValueError: bad input`` when the rank's error file says so (as
     under ``@record``)."""
     said = f": {' '.join(message.split())[:500]}" if message else ""
-    return f"{FIRST if first else ALSO}{failed_words(rank, local_rank, exitcode)}{said}"
+    words = failed_words(rank, local_rank, exitcode, pid)
+    return f"{FIRST if first else ALSO}{words}{said}"
 
 
 def _error_file_message(failure: object) -> str | None:
@@ -277,7 +286,9 @@ def failure_lines(
             message = error_line(recent.get(header, ()))
         local_rank = int(getattr(failure, "local_rank", rank))
         exitcode = int(getattr(failure, "exitcode", 1))
-        lines.append(failure_line(rank == first_rank, rank, local_rank, exitcode, message))
+        pid = getattr(failure, "pid", None)
+        pid = pid if isinstance(pid, int) and pid > 0 else None
+        lines.append(failure_line(rank == first_rank, rank, local_rank, exitcode, message, pid))
     return lines
 
 

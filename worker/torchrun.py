@@ -53,7 +53,8 @@ TORCHRUN_EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
 # cause in the table of torchrun's own ChildFailedError (a launch without worker.tee).
 FAILURE_LINE = re.compile(
     "^" + re.escape(tee.FIRST) + r"rank (?P<rank>\d+) \(local rank (?P<local>\d+)\) "
-    r"(?:exited with code (?P<code>-?\d+)|killed by (?:SIG\w+|signal (?P<signum>\d+)))"
+    r"(?:exited with code (?P<code>-?\d+)|killed by (?:SIG\w+|signal (?P<signum>\d+))"
+    r"(?: \(pid (?P<pid>\d+)\))?)"
     r"(?:: (?P<said>.*))?$"
 )
 FINISHED_LINE = re.compile(
@@ -263,6 +264,7 @@ class Failed:
     exitcode: int
     said: str | None = None  # what its error file said, when it left one
     others: bool = False  # other ranks failed after it
+    pid: int | None = None  # a rank killed by a signal: its pid (worker.oom looks it up)
 
     @property
     def exit_status(self) -> int:
@@ -276,7 +278,8 @@ def first_failure(tail: list[str]) -> Failed | None:
         m = FAILURE_LINE.match(line)
         if m:
             code = int(m["code"]) if m["code"] else -_signum(line, m["signum"])
-            return Failed(int(m["rank"]), int(m["local"]), code, m["said"] or None, others)
+            pid = int(m["pid"]) if m["pid"] else None
+            return Failed(int(m["rank"]), int(m["local"]), code, m["said"] or None, others, pid)
     if TABLE_ROOT not in tail:
         return None
     if "Failures:" in tail:  # the others, or "<NO_OTHER_FAILURES>"

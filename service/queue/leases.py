@@ -109,8 +109,10 @@ def lost(status: str, number: int, failures: int, max_attempts: int, words: str)
     return Ending(Event.LOSE_LAST, f"{words}; all {max_attempts} attempts used")
 
 
-def exit_words(code: int | None) -> str:
-    """An exit status as a person reads it; codes >= 128 are death by signal 128+n."""
+def exit_words(code: int | None, oom: bool | None = None) -> str:
+    """An exit status as a person reads it; codes >= 128 are death by signal 128+n.
+    ``oom``: whether the kernel's log says its OOM killer sent a SIGKILL (the worker
+    looked: worker.oom); unknown, a SIGKILL is only asked about."""
     if code is None:
         return "ended without an exit code"
     if code >= 128:
@@ -119,7 +121,11 @@ def exit_words(code: int | None) -> str:
             name = signal.Signals(n).name
         except ValueError:
             name = f"signal {n}"
-        hint = " (out of memory?)" if n == signal.SIGKILL else ""
+        hint = ""
+        if n == signal.SIGKILL and oom is None:
+            hint = " (out of memory?)"
+        elif n == signal.SIGKILL and oom:
+            hint = ": out of memory (the kernel's OOM killer)"
         return f"killed by {name}{hint}, exit code {code}"
     return f"exited with code {code}"
 
@@ -158,7 +164,8 @@ def reported(
         # is lost, the ranks of the others fail with their own error.
         retryable = bool(job.spec.get("retry_on_error")) or job.nnodes > 1
     # The worker sends the program's last error line; the words for the exit are ours.
-    what = (exit_words(code) if report.outcome == "exited" else "failed to start") + where
+    what = exit_words(code, report.oom) if report.outcome == "exited" else "failed to start"
+    what += where
     if report.reason:
         what += f": {report.reason}"
     if code is not None and 0 < code < 128 and not retryable:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, StrictBool, model_validator
 
 from service.models import JobStatus
 from service.schemas.common import INT32_MAX, INT64_MAX, MAX_PATH_CHARS, Label, Strict
@@ -156,6 +156,9 @@ class FinishRequest(Strict):
     # outside ddpq): as when a worker is lost, it is retried at once while attempts remain.
     outcome: Literal["exited", "cancelled", "timeout", "requeue", "error", "lost"] = "exited"
     reason: Annotated[str | None, Field(max_length=4000)] = None
+    # A rank SIGKILL ended: whether the kernel's log says its OOM killer did (the worker
+    # looked); absent when it could not look (the reason then asks "out of memory?").
+    oom: StrictBool | None = None
 
 
 class WorkerJob(BaseModel):

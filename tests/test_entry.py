@@ -274,3 +274,52 @@ def test_ddpq_runs_ranks_through_the_entry(server: Server, start_worker) -> None
         code, reason = expected[how]
         assert (job["status"], job["exit_code"]) == ("failed", code), job
         assert job["reason"].startswith(reason), (job["reason"], c.get(f"/jobs/{job_id}/logs").text)
+
+
+APART = r"""
+import os, sys
+if sys.argv[1] == "joins":
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    dist.barrier()
+    dist.destroy_process_group()
+elif sys.argv[1] == "mesh":
+    from torch.distributed.device_mesh import init_device_mesh
+    init_device_mesh("cpu", (2,))
+print(f"rank {os.environ['RANK']} done", flush=True)
+"""
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_a_world_whose_ranks_never_joined_a_process_group_says_so(
+    server: Server, start_worker
+) -> None:
+    """Two ranks that never call init_process_group train apart, each as if alone
+    (accelerate on a CPU host without ACCELERATE_USE_CPU did it, silently): the job
+    succeeds and its reason says so. One that joins, by DDP's call or a device mesh's,
+    under either launcher, says nothing."""
+    worker = start_worker(server, cpu_slots=8)
+    (worker.workspace / "apart.py").write_text(APART)
+    c = server.client()
+
+    def submit(how: str, launcher: str) -> int:
+        spec = {"entrypoint": "apart.py", "world_size": 2, "device": "cpu", "args": [how]}
+        return int(c.post("/jobs", json={**spec, "launcher": launcher}).json()["id"])
+
+    jobs = {
+        (how, launcher): submit(how, launcher)
+        for how in ("apart", "joins", "mesh")
+        for launcher in ("warm", "torchrun")
+    }
+    for (how, launcher), job_id in jobs.items():
+        final = terminal(c, job_id)
+        log = c.get(f"/jobs/{job_id}/logs").text
+        assert final["status"] == "succeeded", (how, launcher, log)
+        if how == "apart":
+            assert final["reason"] == (
+                "rank 0 (local rank 0): the program finished; it never joined a process "
+                "group (torch.distributed.init_process_group): the world of 2 ranks ran "
+                "apart, each training alone"
+            ), (launcher, final["reason"], log)
+        else:
+            assert final["reason"] is None, (how, launcher, final["reason"], log)

@@ -42,8 +42,12 @@ import sys
 from types import ModuleType  # runpy has it imported already: not typing, which it has not
 
 # The rank's error file (torch's record_exception writes it in this JSON shape) carries this
-# message once the program has finished well: worker.tee reads it.
+# message once the program has finished well: worker.tee reads it. ALONE: it finished, but
+# in a world of several ranks it never joined a process group, so the ranks trained
+# apart, each as if alone (accelerate on a CPU host without ACCELERATE_USE_CPU did).
 FINISHED = "ddpq: the program finished"
+ALONE = "ddpq: the program finished without joining a process group"
+_joined: list[bool] = []  # set once the program calls init_process_group (_watch_joining)
 SIGINT_STATUS = 130  # what CPython exits with when killing itself by SIGINT fails
 
 
@@ -59,8 +63,69 @@ def main() -> None:
     main_module.__dict__.update(__annotations__={}, __builtins__=builtins)
     sys.modules["__main__"] = main_module
     script = args[:1] != ["-m"]
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        _watch_joining()
     status = _run(args, main_module, script)
     _leave(status, entry_module)
+
+
+def _watch_joining() -> None:
+    """Note when the program forms a process group (torch.distributed's
+    init_process_group, however it is reached: DDP, Lightning, accelerate, a device mesh),
+    so a rank of a world of several that never did can be said (ALONE). torch's
+    distributed module is wrapped as it loads, or now if a warm launcher loaded it: the
+    program sees the same function, called through."""
+    name = "torch.distributed.distributed_c10d"
+    loaded = sys.modules.get(name)
+    if loaded is not None:
+        _wrap(loaded)
+        return
+    # Not importlib.abc or .util: they import typing, which a program run bare has not.
+    import importlib.machinery
+
+    class Watch:
+        def find_spec(
+            self, fullname: str, path: object, target: object = None
+        ) -> importlib.machinery.ModuleSpec | None:
+            if fullname != name:
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.machinery.PathFinder.find_spec(fullname, path)  # type: ignore[arg-type]
+            loader = getattr(spec, "loader", None)
+            run = getattr(loader, "exec_module", None)
+            if run is None:
+                return spec
+
+            def exec_module(module: ModuleType) -> None:
+                run(module)
+                _wrap(module)  # before torch.distributed's star import takes it
+
+            loader.exec_module = exec_module  # type: ignore[union-attr]
+            return spec
+
+    sys.meta_path.insert(0, Watch())
+
+
+def _wrap(c10d: ModuleType) -> None:
+    real = getattr(c10d, "init_process_group", None)
+    if real is None or getattr(real, "_ddpq_watched", False):
+        return
+
+    def init_process_group(*args: object, **kwargs: object) -> object:
+        _joined.append(True)
+        return real(*args, **kwargs)
+
+    import functools
+
+    watched = functools.wraps(real)(init_process_group)
+    watched._ddpq_watched = True  # type: ignore[attr-defined]
+    # Every module of torch's that took the function already (torch.distributed's star
+    # import, a device mesh's), as a warm launcher's loaded them all: the same call,
+    # watched. Only torch's: another package's lazy module may import on a getattr.
+    torch_modules = [m for n, m in list(sys.modules.items()) if n.startswith("torch.")]
+    for module in [c10d, *torch_modules]:
+        if module is not None and getattr(module, "init_process_group", None) is real:
+            setattr(module, "init_process_group", watched)  # noqa: B010 - any module
 
 
 def _run(args: list[str], main_module: ModuleType, script: bool) -> int | None:
@@ -200,7 +265,12 @@ def _leave(status: int | None, *keep: object) -> None:
         except BaseException as exc:
             sys.stderr.write(f"Exception ignored on threading shutdown: {exc!r}\n")
     if status == 0:
-        _error_file(FINISHED, "", keep=False)
+        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        if world > 1 and not _joined:
+            rank = os.environ.get("RANK", "?")
+            _error_file(f"{ALONE}: rank {rank} of a world of {world}", "", keep=False)
+        else:
+            _error_file(FINISHED, "", keep=False)
     import atexit
 
     atexit._run_exitfuncs()

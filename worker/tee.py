@@ -248,7 +248,39 @@ AFTER_FINISH = "the program finished; "
 def finished(failure: object) -> bool:
     """Whether a failed rank's program had finished well before the rank died: worker.entry
     marks that point in the rank's error file."""
-    return _error_file_message(failure) == entry.FINISHED
+    message = _error_file_message(failure)
+    return message == entry.FINISHED or bool(message and message.startswith(entry.ALONE))
+
+
+ALONE_WORDS = re.compile(re.escape(entry.ALONE) + r": rank (\d+) of a world of (\d+)$")
+
+
+def alone_words(log_dir: str) -> str | None:
+    """``rank 0 (local rank 0): the program finished; it never joined a process group:
+    ...``, when worker.entry marked that in a rank's error file (under torchrun's
+    ``--log-dir``: ``.../attempt_N/LOCAL_RANK/error.json``); None when every rank did."""
+    import glob
+    import json
+
+    found = []
+    for path in glob.glob(os.path.join(log_dir, "**", "error.json"), recursive=True):
+        try:
+            with open(path) as f:
+                message = json.load(f)["message"]["message"]
+            local_rank = int(os.path.basename(os.path.dirname(path)))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        m = ALONE_WORDS.match(message) if isinstance(message, str) else None
+        if m:
+            found.append((int(m[1]), local_rank, int(m[2])))
+    if not found:
+        return None
+    rank, local_rank, world = min(found)
+    return (
+        f"rank {rank} (local rank {local_rank}): {AFTER_FINISH}it never joined a process "
+        f"group (torch.distributed.init_process_group): the world of {world} ranks ran "
+        "apart, each training alone"
+    )
 
 
 def finished_words(rank: int, local_rank: int, exitcode: int) -> str:
@@ -321,6 +353,24 @@ def main() -> None:
             sys.stderr.write("".join(f"{line}\n" for line in lines))
             sys.stderr.flush()
         sys.exit(1)
+    log_dir = _option("--log-dir") or _option("--log_dir")
+    alone = alone_words(log_dir) if log_dir else None
+    if alone:  # worker.torchrun.outcome gives it as the success's reason
+        with _write_lock:
+            sys.stdout.flush()
+            sys.stderr.write(f"[ddpq] {alone}\n")
+            sys.stderr.flush()
+
+
+def _option(flag: str) -> str | None:
+    """A torchrun option's value in this process's arguments (``--flag V``, ``--flag=V``)."""
+    args = sys.argv[1:]
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
 
 
 if __name__ == "__main__":

@@ -323,3 +323,35 @@ def test_a_world_whose_ranks_never_joined_a_process_group_says_so(
             ), (launcher, final["reason"], log)
         else:
             assert final["reason"] is None, (how, launcher, final["reason"], log)
+
+
+SEES_RICH = r"""
+import importlib.metadata, importlib.util
+try:
+    installed = importlib.metadata.version("rich")
+except importlib.metadata.PackageNotFoundError:
+    installed = None
+listed = any(d.metadata["Name"].lower() == "rich" for d in importlib.metadata.distributions())
+import rich  # still importable: only its metadata is hidden
+print(f"installed={installed is not None} listed={listed} imports={rich is not None}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_a_job_sees_rich_installed_only_when_it_asks_for_it(server: Server, start_worker) -> None:
+    """The worker's rich (ddpq's CLI's) makes Lightning draw a Rich progress bar, which
+    writes nothing to a log until the run ends: a job does not see it installed unless
+    its requirements name it (issue 42). Importing it still works."""
+    worker = start_worker(server)
+    (worker.workspace / "sees.py").write_text(SEES_RICH)
+    c = server.client()
+    plain = c.post("/jobs", json={"entrypoint": "sees.py", "device": "cpu"}).json()["id"]
+    asks = c.post("/jobs", json={"entrypoint": "sees.py", "device": "cpu", "pip": ["rich"]})
+    said = {}
+    for name, job_id in (("plain", plain), ("asks", asks.json()["id"])):
+        final = terminal(c, job_id)
+        log = c.get(f"/jobs/{job_id}/logs").text
+        assert final["status"] == "succeeded", log
+        said[name] = next(line for line in log.splitlines() if "installed=" in line)
+    assert said["plain"].endswith("installed=False listed=False imports=True"), said
+    assert said["asks"].endswith("installed=True listed=True imports=True"), said

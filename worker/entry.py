@@ -63,10 +63,58 @@ def main() -> None:
     main_module.__dict__.update(__annotations__={}, __builtins__=builtins)
     sys.modules["__main__"] = main_module
     script = args[:1] != ["-m"]
+    hidden = os.environ.get(HIDE_VAR, "")
+    if hidden:
+        _hide_distributions({_normal(n) for n in hidden.split(",") if n})
     if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
         _watch_joining()
     status = _run(args, main_module, script)
     _leave(status, entry_module)
+
+
+# Distributions of the worker's environment a job does not see installed unless it asks
+# for them (worker.venvs.hidden_distributions sets it): their import still works.
+HIDE_VAR = "DDPQ_HIDE_DISTRIBUTIONS"
+
+
+def _normal(name: str) -> str:
+    """A distribution's name as importlib.metadata compares them (PEP 503, underscores)."""
+    out = name.strip().lower()
+    for ch in "-.":
+        out = out.replace(ch, "_")
+    while "__" in out:
+        out = out.replace("__", "_")
+    return out
+
+
+def _hide_distributions(hidden: set[str]) -> None:
+    """importlib.metadata finds none of ``hidden`` (the worker's rich: Lightning, seeing
+    it installed, draws a Rich progress bar, which writes nothing to a log until the run
+    ends). Only the metadata: a package that imports one of them still can."""
+    for i, finder in enumerate(sys.meta_path):
+        if hasattr(finder, "find_distributions") and not isinstance(finder, _Hiding):
+            sys.meta_path[i] = _Hiding(finder, hidden)  # type: ignore[call-overload]
+
+
+class _Hiding:
+    """A meta path finder as it was, but for the distributions it no longer finds."""
+
+    def __init__(self, inner: object, hidden: set[str]) -> None:
+        self._inner = inner
+        self._hidden = hidden
+
+    def __getattr__(self, name: str) -> object:  # find_spec, invalidate_caches, ...
+        return getattr(self._inner, name)
+
+    def find_distributions(self, *args: object, **kwargs: object) -> object:
+        context = args[0] if args else kwargs.get("context")
+        wanted = getattr(context, "name", None)
+        if isinstance(wanted, str) and _normal(wanted) in self._hidden:
+            return iter(())
+        found = self._inner.find_distributions(*args, **kwargs)  # type: ignore[attr-defined]
+        if isinstance(wanted, str):
+            return found
+        return (d for d in found if _normal(getattr(d, "name", None) or "") not in self._hidden)
 
 
 def _watch_joining() -> None:

@@ -15,7 +15,7 @@ from typing import Protocol
 
 from ddpq.errors import JobError
 from ddpq.messages import ClaimedJob
-from worker import procs, torchrun
+from worker import entry, procs, torchrun, venvs
 from worker.api import WorkerAPI
 from worker.code import Workdirs, describe
 from worker.venvs import Venvs, activate, python_for
@@ -103,6 +103,9 @@ def prepared(
     if resume_from:
         say(f"[ddpq] resuming from {resume_from}\n")
     env = environment(src, claim, launch_id, resume_from, scratch, user)
+    hidden = venvs.hidden_distributions(spec, cwd, src.venvs.policy)
+    if hidden:
+        env[entry.HIDE_VAR] = ",".join(hidden)
     with python_for(src.venvs, spec, cwd, env, say, stop, user) as python:
         activate(env, python)
         yield Launch(cwd, program, env, python)

@@ -451,6 +451,40 @@ def python_for(
     return _as_str(venvs.using(reqs, cwd, env, say, stop, user))
 
 
+# Distributions of the worker's own environment (ddpq's CLI's) that change what a job does
+# by being installed: Lightning, seeing rich, draws a Rich progress bar, which writes nothing
+# to a log until the run ends. A job's importlib.metadata does not find them unless its
+# requirements name them (worker.entry hides them; an import of one still works). ddpq's
+# other packages (typer, httpx, PyYAML, pathspec) change nothing a framework does: seen.
+HIDDEN_UNLESS_ASKED = ("rich",)
+
+
+def hidden_distributions(
+    spec: Mapping[str, Any], cwd: Path, policy: requirements.Policy
+) -> list[str]:
+    """Which of HIDDEN_UNLESS_ASKED a job's ranks do not see installed: those its
+    requirements (requirements.txt, the spec's pip list) do not name."""
+    try:
+        reqs = requirements.read(
+            cwd if spec.get("code") else None, list(spec.get("pip") or []), policy
+        )
+    except RequirementsRefused:
+        return list(HIDDEN_UNLESS_ASKED)  # the job will not start: python_for says why
+    asked = set()
+    for r in reqs:
+        if r.kind != "name":
+            continue
+        try:
+            asked.add(_canonical(Pep508(r.line).name))
+        except InvalidRequirement:
+            continue
+    return [d for d in HIDDEN_UNLESS_ASKED if _canonical(d) not in asked]
+
+
+def _canonical(name: str) -> str:
+    return "-".join(name.lower().replace("_", "-").replace(".", "-").split("-"))
+
+
 def satisfied(reqs: list[Requirement]) -> bool:
     """Whether the worker's own environment already satisfies every requirement, as pip
     would find it: each a project name (no file, URL, option, hash or extras) that is

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from sqlalchemy import select
+from sqlalchemy import select, update
 
 from service import jobs, queue, users
 from service.db import Database
@@ -116,9 +116,7 @@ def _settle_transfer(s: Any, old: str, new: str, now: Any) -> None:
     job rows, in one order)."""
     share, _ = queue.usage_and_limits(s, new, now)
     s.execute(
-        Job.__table__.update()  # type: ignore[attr-defined]
-        .where(Job.owner == new, Job.status == JobStatus.QUEUED)
-        .values(share=share)
+        update(Job).where(Job.owner == new, Job.status == JobStatus.QUEUED).values(share=share)
     )
     for owner in sorted((old, new)):
         queue.refresh_quota_flags(s, owner)

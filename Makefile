@@ -14,7 +14,7 @@ PIP_COMPILE_FLAGS := -q --generate-hashes --allow-unsafe --strip-extras \
 # Pinned: tests/test_openapi_client.py asserts the generated code's names and shapes.
 OPENAPI_GENERATOR := openapi-python-client==0.29.1
 
-.PHONY: venv lock browser slurm run test test-slurm test-launchers test-walls test-teardown test-long gpu-check gpu-check-compose test-learning compose-test docs lint fmt bench clean
+.PHONY: venv lock browser slurm run test test-slurm test-launchers test-walls test-teardown test-long test-frameworks gpu-check gpu-check-compose test-learning compose-test docs lint fmt bench clean
 
 venv: $(VENV)/.installed
 
@@ -64,7 +64,7 @@ slurm:
 
 # Everything but the slow suites that have targets of their own (CI runs them all).
 test: venv browser
-	$(BIN)/pytest -n 3 --dist worksteal -m 'not exclusive and not learning and not slurm and not gpu and not teardown and not launchers and not walls and not long'
+	$(BIN)/pytest -n 3 --dist worksteal -m 'not exclusive and not learning and not slurm and not gpu and not teardown and not launchers and not walls and not long and not frameworks'
 	$(BIN)/pytest -m exclusive
 
 # The two launchers against each other (issue 34): the warm launcher's probe against a cold
@@ -72,7 +72,7 @@ test: venv browser
 # restart, multi-node, walls; `make test` runs their warm side, the default). Its own
 # target, which CI runs after `make test` (inside it they took 2 of its 15 minutes).
 test-launchers: venv
-	$(BIN)/pytest -n 3 --dist worksteal -m 'launchers and not slurm and not gpu'
+	$(BIN)/pytest -n 3 --dist worksteal -m 'launchers and not slurm and not gpu and not frameworks'
 
 # The walls between jobs (issue 26): a hostile job's attacks on a walled worker (real uids)
 # and an unwalled one, each launcher. Its own target, which CI runs after `make test`
@@ -86,6 +86,14 @@ test-walls: venv
 # runs after `make test` (with them, make test took 22 minutes on a slow day of this VM).
 test-long: venv
 	$(BIN)/pytest -n 3 --dist worksteal -m 'long and not launchers and not slurm and not gpu'
+
+# The frameworks people train with (issue 42): a Lightning, accelerate, ignite and Hugging
+# Face Trainer program (examples/frameworks/) as jobs under both launchers, each killed once
+# after its first checkpoint and resumed, against a bare torchrun (tests/test_frameworks.py:
+# about 4 minutes here, one server and worker for them all, one at a time on 2 cores). Its
+# own target, which CI runs after `make test`.
+test-frameworks: venv
+	$(BIN)/pytest -m frameworks
 
 # The Slurm executor against a real one-node cluster (tests/slurmcluster.py). The tests
 # share that cluster, so they run one at a time: their own target, which CI runs after

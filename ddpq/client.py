@@ -261,6 +261,51 @@ class Client:
         result: dict[str, Any] = self._json("POST", f"/jobs/{job_id}/cancel")
         return result
 
+    # ---- sweeps (docs/experiments.md) ----------------------------------------------------
+
+    def submit_sweep(self, spec: dict[str, Any]) -> dict[str, Any]:
+        """Start a sweep (POST /sweeps): ``spec["job"]`` is a job spec (its ``code`` a
+        snapshot push_code sent), ``space``, ``method``, ``metric``, ...; its first trials
+        are queued at once. Returns the sweep with its trials."""
+        result: dict[str, Any] = self._json("POST", "/sweeps", json=spec)
+        return result
+
+    def sweeps(
+        self,
+        status: str | list[str] | None = None,
+        user: str | None = None,
+        mine: bool = False,
+        limit: int = 50,
+        cursor: str | None = None,
+    ) -> dict[str, Any]:
+        """A page of sweeps, newest first (``items``, ``next_cursor``), without trials."""
+        params: dict[str, Any] = {"limit": limit}
+        if status:
+            params["status"] = status if isinstance(status, str) else ",".join(status)
+        if user:
+            params["user"] = user
+        if mine:
+            params["mine"] = "true"
+        if cursor:
+            params["cursor"] = cursor
+        result: dict[str, Any] = self._json("GET", "/sweeps", params=params)
+        return result
+
+    def sweep(self, sweep_id: int) -> dict[str, Any]:
+        """One sweep with its trials ranked by its metric (``trials``) and its ``best``."""
+        result: dict[str, Any] = self._json("GET", f"/sweeps/{sweep_id}")
+        return result
+
+    def cancel_sweep(self, sweep_id: int) -> dict[str, Any]:
+        """Cancel a sweep and its trials."""
+        result: dict[str, Any] = self._json("POST", f"/sweeps/{sweep_id}/cancel")
+        return result
+
+    def export_sweep(self, sweep_id: int, format: str = "csv") -> bytes:
+        """The sweep's table, one row per trial, as CSV or JSON (``format``)."""
+        params = {"format": format}
+        return self._call("GET", f"/sweeps/{sweep_id}/export", params=params).content
+
     # ---- people ---------------------------------------------------------------------------
 
     def whoami(self) -> dict[str, Any]:
@@ -340,6 +385,25 @@ class Client:
 
     def delete_secret(self, name: str) -> None:
         self._call("DELETE", f"/secrets/{_segment(name)}")
+
+    # ---- users' caches on the workers --------------------------------------------------------
+
+    def caches(self, user: str | None = None, worker: str | None = None) -> list[dict[str, Any]]:
+        """Each cache as its worker last reported it: ``[{"worker", "user", "bytes",
+        "files", "last_used", "reported_at", "clearing"}]``; the token's user's (an
+        admin: ``user``'s, everyone's when None), on ``worker`` if given."""
+        params = {k: v for k, v in (("user", user), ("worker", worker)) if v}
+        items: list[dict[str, Any]] = self._json("GET", "/caches", params=params)["items"]
+        return items
+
+    def clear_caches(
+        self, user: str | None = None, worker: str | None = None
+    ) -> list[dict[str, Any]]:
+        """Ask the workers to clear ``user``'s caches (the token's user's when None), or
+        ``worker``'s alone; the caches asked for."""
+        body = {k: v for k, v in (("user", user), ("worker", worker)) if v}
+        items: list[dict[str, Any]] = self._json("POST", "/caches/clear", json=body)["items"]
+        return items
 
     def usage(self) -> list[dict[str, Any]]:
         """Each user's running and queued jobs, GPU- and CPU-slot-hours over the last day

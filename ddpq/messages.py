@@ -29,6 +29,9 @@ class ClaimedJob(BaseModel):
     # A node slot of a multi-node job: wait for the gang (POST /workers/gang) first.
     nnodes: int = 1
     node_rank: int = 0
+    # Who submitted it: whose cache on the worker its ranks use (worker.caches). None
+    # from an API of an earlier version, or for a job from before users: no cache kept.
+    owner: str | None = None
     # The values of the secrets the spec names (spec["secrets"]), its owner's as they are
     # at this claim (service.secrets.for_claim): for the ranks' environment alone
     # (worker.torchrun.environment), never logged, written to a file or shown; left out of
@@ -73,13 +76,23 @@ class HandBack(AttemptRef):
 class PruneOrder(BaseModel):
     """A registered checkpoint this worker holds that its job no longer keeps (keep_last):
     delete the file, if it is still a regular file inside the job's checkpoint directory
-    here and, when rank 0 reported them, of the size and mtime it was registered with."""
+    here and, when rank 0 reported them, of the size and mtime it was registered with;
+    a ``dir`` the same way, as a directory whose stamp (ddpq.wire.tree_stamp) they are."""
 
     id: int
     job_id: int
     path: str
     bytes: int | None = None
     mtime_ns: int | None = None
+    kind: Literal["file", "dir"] = "file"  # an API before migration 0030 sends files only
+
+
+class CacheClearOrder(BaseModel):
+    """A user's cache this worker is to clear (``ddpq cache clear``): now, or when the
+    attempt that holds it ends; reported done on a later heartbeat (Heartbeat.cleared)."""
+
+    id: int
+    user: str
 
 
 class HeartbeatReply(BaseModel):
@@ -98,6 +111,8 @@ class HeartbeatReply(BaseModel):
     # directories here (Heartbeat.dropped).
     prune: list[PruneOrder] = []
     drop: list[int] = []
+    # Users' caches to clear (asked again until a heartbeat reports them: Heartbeat.cleared).
+    clear: list[CacheClearOrder] = []
 
 
 class HeldAttempt(BaseModel):

@@ -8,10 +8,14 @@ Pure functions on strings, no imports of service/ or worker/: both import this.
 
 from __future__ import annotations
 
+import json
+import math
 import numbers
+import os
 import re
 import unicodedata
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 # Metric reports: what the API accepts in one point and one request. ddpq.train checks
 # a point where report() is called, so a bad one never rides in a batch with good ones.
@@ -239,3 +243,68 @@ def entrypoint_problem(path: str) -> str | None:
         if all(p in ("", ".") for p in parts):
             return "must name a file inside the workspace"
     return None
+
+
+# A trial's parameters (a sweep's: docs/experiments.md): a spec's ``params``, which the
+# API checks at submission and the worker again before it gives them to the ranks as
+# JSON in DDPQ_PARAMS, where ``params()`` reads them. Names are those a template writes
+# (``--lr {lr}``); values JSON scalars, bounded so that the variable fits every rank's
+# environment (64 of 500 characters: about 35 KB, of the kernel's 128 KiB a string).
+PARAMS_VAR = "DDPQ_PARAMS"
+MAX_PARAMS = 64
+MAX_PARAM_TEXT = 500
+PARAM_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")  # fullmatch
+INT64 = (-(2**63), 2**63 - 1)
+
+
+def param_name_problem(name: object) -> str | None:
+    """Why ``name`` cannot name a parameter, or None."""
+    if isinstance(name, str) and PARAM_NAME.fullmatch(name):
+        return None
+    return (
+        "a parameter's name is a letter or '_' and then up to 63 letters, digits or '_' "
+        f"(as a template names it: {{lr}}), not {str(name)[:100]!r}"
+    )
+
+
+def param_value_problem(value: object) -> str | None:
+    """Why ``value`` cannot be a parameter's value (a JSON scalar), or None."""
+    if value is None or isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return None if INT64[0] <= value <= INT64[1] else "an integer must fit in 64 bits"
+    if isinstance(value, float):
+        return None if math.isfinite(value) else "a number must be finite"
+    if isinstance(value, str):
+        if len(value) > MAX_PARAM_TEXT:
+            return f"a text value has at most {MAX_PARAM_TEXT} characters"
+        return "a text value must not hold a NUL character" if "\x00" in value else None
+    return f"a value is a string, a number, true, false or null, not {type(value).__name__}"
+
+
+def params_problem(params: object) -> str | None:
+    """Why ``params`` cannot be a job's parameters, or None."""
+    if not isinstance(params, dict):
+        return f"parameters are a mapping of names to values, not {type(params).__name__}"
+    if len(params) > MAX_PARAMS:
+        return f"at most {MAX_PARAMS} parameters, not {len(params)}"
+    for name, value in params.items():
+        problem = param_name_problem(name) or param_value_problem(value)
+        if problem:
+            return f"{str(name)[:100]}: {problem}"
+    return None
+
+
+def params(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """This trial's parameters, as its sweep chose them: ``{"lr": 0.003, "width": 128}``
+    (docs/experiments.md); ``{}`` in any other job, or outside ddpq. Every rank gets
+    them. Offered as ``ddpq.train.params()`` and ``ddpq.params()``. (Reading the
+    environment is the one thing here that is not a pure function of its arguments.)"""
+    text = (os.environ if environ is None else environ).get(PARAMS_VAR)
+    if not text:
+        return {}
+    found = json.loads(text)
+    problem = params_problem(found)
+    if problem:
+        raise ValueError(f"{PARAMS_VAR}: {problem}")
+    return dict(found)

@@ -47,6 +47,7 @@ import logging
 import numbers
 import os
 import re
+import stat
 import sys
 import threading
 import time
@@ -56,9 +57,9 @@ from typing import Any
 import httpx
 
 from ddpq.errors import ApiUnavailable, answer_error, no_answer
-from ddpq.rules import MAX_METRIC_ITEMS, metric_point_problem, total_steps_problem
+from ddpq.rules import MAX_METRIC_ITEMS, metric_point_problem, params, total_steps_problem
 from ddpq.tensorboard import EventWriter
-from ddpq.wire import Backoff, encode_number
+from ddpq.wire import Backoff, encode_number, tree_stamp
 
 # Also offered as ddpq.report etc. (ddpq/__init__.py reads this list).
 __all__ = [
@@ -66,7 +67,10 @@ __all__ = [
     "is_master",
     "latest_checkpoint",
     "load_checkpoint",
+    "params",  # a sweep's trial's parameters (ddpq.rules, where the rule is)
+    "register_checkpoint",
     "report",
+    "resume_path",
     "save_checkpoint",
 ]
 
@@ -416,7 +420,8 @@ def report(
             return
         sender = _get_sender()
     if sender is None:
-        _plain.report(step, epoch, values)
+        if values:  # a point of only the total has nothing to show
+            _plain.report(step, epoch, values)
         return
     point = {"step": step, "epoch": epoch, "values": {k: _detach(v) for k, v in values.items()}}
     if total_steps is not None:
@@ -461,22 +466,82 @@ def save_checkpoint(
         # (renaming keeps size and mtime).
         written = os.fstat(f.fileno())
     os.replace(tmp, path)
-    sender = _get_sender()
-    if sender is not None:
-        body: dict[str, Any] = {
-            "path": str(path),
-            "step": step,
-            "bytes": written.st_size,
-            "mtime_ns": written.st_mtime_ns,
-        }
-        if keep:
-            body["keep"] = True
-        if epoch is not None:
-            body["epoch"] = epoch
-        if metrics:
-            body["metrics"] = {k: encode_number(_to_float(v)) for k, v in metrics.items()}
-        sender.add_checkpoint(body)
+    _send_checkpoint(path, step, epoch, metrics, keep, written.st_size, written.st_mtime_ns)
     return path
+
+
+def _send_checkpoint(
+    path: Path,
+    step: int,
+    epoch: float | None,
+    metrics: dict[str, float] | None,
+    keep: bool,
+    size: int,
+    mtime_ns: int,
+    kind: str = "file",
+) -> None:
+    sender = _get_sender()
+    if sender is None:
+        return
+    body: dict[str, Any] = {"path": str(path), "step": step, "bytes": size, "mtime_ns": mtime_ns}
+    if kind != "file":  # an API from before directories (migration 0030) knows no kind
+        body["kind"] = kind
+    if keep:
+        body["keep"] = True
+    if epoch is not None:
+        body["epoch"] = epoch
+    if metrics:
+        body["metrics"] = {k: encode_number(_to_float(v)) for k, v in metrics.items()}
+    sender.add_checkpoint(body)
+
+
+def register_checkpoint(
+    path: str | os.PathLike[str],
+    *,
+    step: int,
+    epoch: float | None = None,
+    metrics: dict[str, float] | None = None,
+    keep: bool = False,
+) -> Path | None:
+    """Register, on rank 0 (None elsewhere), a checkpoint already written and complete: a
+    framework's file, or a directory once every rank has written its part. It must lie
+    inside DDPQ_CHECKPOINT_DIR (``./checkpoints`` under a bare torchrun, where nothing is
+    sent), links resolved, for keep_last, the retention and a retry (``resume_path()``)
+    to reach it; its stamp (ddpq.wire.tree_stamp for a directory) is what its worker
+    checks before deleting it. Returns the path registered. ValueError for a path outside
+    or neither a file nor a directory, FileNotFoundError for none, TypeError or
+    ValueError for a step that is not an int of at least 0."""
+    if not is_master():
+        return None
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise TypeError(f"step must be an int, not {type(step).__name__}")
+    if step < 0:
+        raise ValueError(f"register_checkpoint(): step must be at least 0, not {step}")
+    own = checkpoint_dir().resolve()
+    target = Path(path).resolve()
+    if not target.is_relative_to(own) or target == own:
+        raise ValueError(
+            f"register_checkpoint(): {path} is not inside the job's checkpoint directory"
+            f" {own} (DDPQ_CHECKPOINT_DIR): have the framework write its checkpoints there"
+        )
+    st = os.lstat(target)  # resolved: no link left to follow
+    if stat.S_ISDIR(st.st_mode):
+        size, mtime_ns = tree_stamp(str(target))
+        _send_checkpoint(target, step, epoch, metrics, keep, size, mtime_ns, "dir")
+    elif stat.S_ISREG(st.st_mode):
+        _send_checkpoint(target, step, epoch, metrics, keep, st.st_size, st.st_mtime_ns)
+    else:
+        raise ValueError(f"register_checkpoint(): {path} is neither a file nor a directory")
+    return target
+
+
+def resume_path() -> Path | None:
+    """The checkpoint a retry resumes from, a file or a directory as a framework's resume
+    takes it (Lightning's ``ckpt_path``, accelerate's ``load_state``...); None on a first
+    attempt or a bare torchrun. ``DDPQ_RESUME_FROM``: the job's registered checkpoint of
+    the highest step that the worker found inside the job's checkpoint directory."""
+    resume = os.environ.get("DDPQ_RESUME_FROM")
+    return Path(resume) if resume and os.path.exists(resume) else None
 
 
 def _step_of(path: Path) -> int:

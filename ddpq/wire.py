@@ -9,8 +9,10 @@ The typed messages between service and worker are in ddpq.messages.
 from __future__ import annotations
 
 import math
+import os
 import random
 import re
+import stat
 import threading
 import time
 from typing import Literal
@@ -101,3 +103,26 @@ def marker_resume(line: bytes) -> int | None:
     """The offset the output resumes at, if ``line`` (without its newline) is a cut marker."""
     m = _CUT_LINE.fullmatch(line)
     return int(m.group(1)) if m else None
+
+
+# ---- a directory checkpoint's stamp ------------------------------------------------------
+
+
+def tree_stamp(path: str, dir_fd: int | None = None) -> tuple[int, int]:
+    """A directory checkpoint's stamp, as rank 0 registers it (ddpq.train) and its worker
+    checks it before deleting the directory (worker.checkpoints): the bytes of the regular
+    files under it and the newest mtime (ns) of it and of everything under it, walked
+    without following a link. Anything written, added, removed or renamed inside since
+    changes it: a directory written again is not the one registered."""
+    size, newest = 0, 0
+    for _root, dirs, files, fd in os.fwalk(path, dir_fd=dir_fd):
+        newest = max(newest, os.fstat(fd).st_mtime_ns)
+        for name in (*dirs, *files):
+            try:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue  # gone meanwhile: the stamp differs by the directory's mtime
+            newest = max(newest, st.st_mtime_ns)
+            if stat.S_ISREG(st.st_mode):
+                size += st.st_size
+    return size, newest

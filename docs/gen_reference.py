@@ -62,7 +62,14 @@ JOB_ENV = [
     ("DDPQ_CHECKPOINT_DIR", "where `ddpq.train.save_checkpoint()` writes"),
     ("DDPQ_DEVICE", "`cpu` or `cuda`, as the worker resolved the spec's `device`"),
     ("DDPQ_RESUME_FROM", "the newest registered checkpoint, when there is one to resume from"),
+    ("DDPQ_PARAMS", "its spec's `params` as JSON (a sweep's trial's; `ddpq.params()` reads it)"),
     ("DDPQ_TENSORBOARD_DIR", "when the worker has one (above)"),
+    # Their owner's caches on the worker (worker/caches.py), unless --cache-gb 0.
+    ("TORCHINDUCTOR_CACHE_DIR", "inductor's cache (`torch.compile`), in its owner's caches"),
+    ("TRITON_CACHE_DIR", "Triton's kernels, in its owner's caches"),
+    ("HF_HOME", "Hugging Face's home (the hub's downloads), in its owner's caches"),
+    ("TORCH_HOME", "torch hub's and torchvision's downloads, in its owner's caches"),
+    ("MPLCONFIGDIR", "matplotlib's config and font cache, in its owner's caches"),
 ]
 
 
@@ -250,6 +257,8 @@ GROUPS = [
     ("Code", ("/code",)),
     ("Workers (the worker protocol)", ("/workers",)),
     ("Users, quotas and usage", ("/whoami", "/users", "/audit", "/quotas", "/usage")),
+    ("Users' caches on the workers", ("/caches",)),
+    ("Sweeps", ("/sweeps",)),
     ("The service", ("/healthz", "/recipes", "/metrics")),
 ]
 

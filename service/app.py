@@ -22,13 +22,14 @@ from pydantic import BaseModel
 from sqlalchemy.exc import IntegrityError, InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from service import queue, sweeper, telemetry
+from service import caches, queue, sweeper, telemetry
 from service.auth import TokenGate, route_rules
 from service.bodies import BodyLimit, LingeringClose, body_limits
 from service.config import Settings
 from service.db import Database
 from service.errors import DomainError, Invalid, not_utf8_json
-from service.routes import code, jobs, meta, reports, secrets, ui, users, workers
+from service.routes import caches as caches_routes
+from service.routes import code, jobs, meta, reports, secrets, sweeps, ui, users, workers
 from service.schemas import Error
 from service.secrets import Keyring
 from service.telemetry import RequestMetrics, Telemetry
@@ -96,6 +97,8 @@ def create_app(
     # backoff running out) is still seen within 1.5 re-checks.
     app.state.nothing_fits = queue.NothingFits(settings.claim_recheck_s / 2)
     app.state.telemetry = Telemetry(app.state.db)
+    # The clear orders of users' caches heartbeats carry, read at most every few seconds.
+    app.state.cache_orders = caches.Orders()
     app.state.stopping = threading.Event()
     app.add_exception_handler(DomainError, _domain_error)  # type: ignore[arg-type]
     app.add_exception_handler(OperationalError, _database_down)
@@ -113,6 +116,8 @@ def create_app(
     app.include_router(users.admin_router)
     app.include_router(secrets.router)
     app.include_router(secrets.job_router)
+    app.include_router(caches_routes.router)
+    app.include_router(sweeps.router)
     app.include_router(telemetry.router)
     app.include_router(ui.router)  # the dashboard's open static shell; its data needs the token
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, larger=body_limits(settings))

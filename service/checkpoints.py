@@ -4,7 +4,10 @@ is asked to delete, what it says it did, and a job's list of them.
 The API owns which checkpoints are registered and which of them are kept; the worker
 whose disk holds a file (its attempt's worker: node 0's for a gang) owns the file, and
 deletes it only when its heartbeat's reply asks (worker.checkpoints), reporting back on
-the next heartbeat. Two rules choose what goes:
+the next heartbeat. A checkpoint is a file or a directory (``kind``: a framework's, as
+ddpq.train.register_checkpoint registers it), never inside another of the job's nor
+holding one, so that deleting one never takes or changes another. Two rules choose what
+goes:
 
 - keep_last (the spec's, else DDPQ_KEEP_LAST; 0 keeps all): as each checkpoint
   registers, the job's kept ones beyond its newest ``keep_last`` (by registration) are
@@ -24,6 +27,7 @@ worker is None (jobs that had ended before migration 0015) are never deleted.
 
 from __future__ import annotations
 
+import posixpath
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -34,7 +38,7 @@ from sqlalchemy.orm import Session
 
 from ddpq.messages import PruneOrder
 from service.db import Database, Policy
-from service.errors import NotFound
+from service.errors import Invalid, NotFound
 from service.models import TERMINAL, Attempt, Checkpoint, Job, utcnow
 from service.queue import as_utc
 from service.queue.rules import resume_key
@@ -84,7 +88,8 @@ def register(
     s: Session, job: Job, attempt: Attempt, path: str, body: CheckpointIn, policy: Policy
 ) -> Checkpoint:
     """Record a checkpoint of ``attempt`` (its job's row locked, the attempt checked
-    current) and mark what keep_last lets go."""
+    current) and mark what keep_last lets go. Invalid when it would nest with another."""
+    _refuse_nesting(s, job.id, attempt.worker, path, body.kind)
     now = utcnow()
     c = Checkpoint(
         job_id=job.id,
@@ -98,6 +103,7 @@ def register(
         keep=body.keep,
         bytes=body.bytes,
         mtime_ns=body.mtime_ns,
+        kind=body.kind,
         state="kept",
     )
     # The same file registered again (a step saved twice, after a resume): the older
@@ -139,6 +145,33 @@ def register(
     return c
 
 
+def _refuse_nesting(s: Session, job_id: int, worker: str, path: str, kind: str) -> None:
+    """A checkpoint is one file or one directory, never inside another of the job's still
+    on that worker's disk, nor holding one: deleting either would delete or change the
+    other (a directory's stamp covers everything under it)."""
+    live = (Checkpoint.job_id == job_id, Checkpoint.worker == worker, Checkpoint.state.in_(LIVE))
+    above = []
+    parent = posixpath.dirname(path)
+    while parent not in ("", "/"):
+        above.append(parent)
+        parent = posixpath.dirname(parent)
+    holder = s.scalar(
+        select(Checkpoint.path)
+        .where(*live, Checkpoint.kind == "dir", Checkpoint.path.in_(above))
+        .limit(1)
+    )
+    if holder is not None:
+        raise Invalid(("body", "path"), f"inside the registered checkpoint directory {holder}")
+    if kind == "dir":
+        held = s.scalar(
+            select(Checkpoint.path)
+            .where(*live, Checkpoint.path.startswith(path + "/", autoescape=True))
+            .limit(1)
+        )
+        if held is not None:
+            raise Invalid(("body", "path"), f"holds the registered checkpoint {held}")
+
+
 # ---- a worker's heartbeat --------------------------------------------------------------
 
 
@@ -153,6 +186,7 @@ _ORDERS = (
         Checkpoint.path,
         Checkpoint.bytes,
         Checkpoint.mtime_ns,
+        Checkpoint.kind.label("what"),
     )
     .where(Checkpoint.worker == bindparam("worker"), Checkpoint.state == "pruning")
     .order_by(Checkpoint.id)
@@ -174,7 +208,7 @@ _DROPS = (
 )
 _ORDERS_AND_DROPS = union_all(
     select(_ORDERS.subquery()),
-    select(literal("d"), null(), _DROPS.c.job_id, null(), null(), null()),
+    select(literal("d"), null(), _DROPS.c.job_id, null(), null(), null(), null()),
 )
 
 
@@ -199,7 +233,9 @@ def worker_round(
         since = now - timedelta(seconds=retention)
         rows = db.read_all(_ORDERS_AND_DROPS, {"worker": worker, "ended_before": since})
     orders = [
-        PruneOrder(id=r.id, job_id=r.job_id, path=r.path, bytes=r.bytes, mtime_ns=r.mtime_ns)
+        PruneOrder(
+            id=r.id, job_id=r.job_id, path=r.path, bytes=r.bytes, mtime_ns=r.mtime_ns, kind=r.what
+        )
         for r in rows
         if r.kind == "p"
     ]
@@ -317,6 +353,7 @@ def public(c: Any, expires: datetime | None = None) -> CheckpointPublic:
         pruned_at=c.pruned_at,
         expires_at=expires,
         worker=c.worker,
+        kind=c.kind,
     )
 
 

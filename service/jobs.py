@@ -18,6 +18,7 @@ from service import checkpoints, code, queue, users
 from service.db import Database, Policy
 from service.errors import Conflict, Forbidden, Invalid, NotFound, TooMany
 from service.models import (
+    TERMINAL,
     Attempt,
     Checkpoint,
     Job,
@@ -284,6 +285,38 @@ def _submit(
         existing = _replay(db, idempotency_key, digest, owner)
         if existing is not None:
             return existing
+    try:
+        with db.write() as s:
+            job = queue_job(s, spec, owner, admin, strict, idempotency_key, digest)
+            public = _publics(s, [job])[0]
+    except IntegrityError:
+        # Another request with the same key won the race; answer with its job.
+        if idempotency_key is not None:
+            existing = _replay(db, idempotency_key, digest, owner)
+            if existing is not None:
+                return existing
+        raise
+    if db.policy.preemption != "off":
+        # Room made for it at once, if it outranks and may: a transaction of its own,
+        # which marks other owners' running jobs, never under this owner's lock.
+        queue.preempt_sweep(db)
+    return public
+
+
+def queue_job(
+    s: Session,
+    spec: JobSpec,
+    owner: str | None,
+    admin: bool,
+    strict: bool = False,
+    idempotency_key: str | None = None,
+    digest: str | None = None,
+) -> Job:
+    """Insert ``spec`` queued as ``owner``'s in the caller's write transaction (a submit's,
+    or a sweep's as it makes a trial: service.sweeps), audited, its claimers woken as it
+    commits. Forbidden over a member's priority cap, TooMany past their queued limit. It
+    takes the owner's lock when they have limits: the caller locks no job row after it
+    (service.queue.quotas)."""
     now = utcnow()
     job = Job(
         name=spec.name,
@@ -301,48 +334,34 @@ def _submit(
         code=spec.code,
         owner=owner,
     )
-    try:
-        with db.write() as s:
-            # Fair share (its place among equals) and its owner's quota, read at once.
-            job.share, limits = queue.usage_and_limits(s, owner, now)
-            if limits.max_queued is not None or limits.holds_back:
-                # Counted, and flagged, under the owner's lock: two submits at once each
-                # counted without the other's job (service.queue.quotas).
-                queue.lock_owner(s, owner)
-            if not admin:
-                _within_priority_cap(spec.priority, owner, limits)
-            _within_queued_limit(s, owner, limits)
-            if spec.code is not None:
-                code.use(s, spec.code, spec.entrypoint)
-            if strict:
-                problem = queue.unschedulable(s, job)
-                if problem:
-                    raise Conflict(f"{problem} (strict=true: not queued)")
-            s.add(job)
-            s.flush()
-            program = spec.recipe or spec.entrypoint
-            users.audit(s, owner, "submit", f"job {job.id}", {"program": program})
-            if limits.holds_back:  # held back from the start if it must be
-                # (With no running limit, every queued job of the owner's is unflagged
-                # already: a limit set or lifted refreshes them all. A round trip saved.)
-                queue.refresh_quota_flags(s, owner, locked=True)
-            queue.notify_claimers(s)
-            public = _publics(s, [job])[0]
-    except IntegrityError:
-        # Another request with the same key won the race; answer with its job.
-        if idempotency_key is not None:
-            existing = _replay(db, idempotency_key, digest, owner)
-            if existing is not None:
-                return existing
-        raise
-    if db.policy.preemption != "off":
-        # Room made for it at once, if it outranks and may: a transaction of its own,
-        # which marks other owners' running jobs, never under this owner's lock.
-        queue.preempt_sweep(db)
-    return public
+    # Fair share (its place among equals) and its owner's quota, read at once.
+    job.share, limits = queue.usage_and_limits(s, owner, now)
+    if limits.max_queued is not None or limits.holds_back:
+        # Counted, and flagged, under the owner's lock: two submits at once each
+        # counted without the other's job (service.queue.quotas).
+        queue.lock_owner(s, owner)
+    if not admin:
+        within_priority_cap(spec.priority, owner, limits)
+    _within_queued_limit(s, owner, limits)
+    if spec.code is not None:
+        code.use(s, spec.code, spec.entrypoint)
+    if strict:
+        problem = queue.unschedulable(s, job)
+        if problem:
+            raise Conflict(f"{problem} (strict=true: not queued)")
+    s.add(job)
+    s.flush()
+    program = spec.recipe or spec.entrypoint
+    users.audit(s, owner, "submit", f"job {job.id}", {"program": program})
+    if limits.holds_back:  # held back from the start if it must be
+        # (With no running limit, every queued job of the owner's is unflagged
+        # already: a limit set or lifted refreshes them all. A round trip saved.)
+        queue.refresh_quota_flags(s, owner, locked=True)
+    queue.notify_claimers(s)
+    return job
 
 
-def _within_priority_cap(priority: int, owner: str | None, limits: queue.Limits) -> None:
+def within_priority_cap(priority: int, owner: str | None, limits: queue.Limits) -> None:
     """Forbidden (403) if a member asks for a priority above their cap: with preemption
     on, a member's priority is how far they may push others' jobs out, so raising it is
     an admin's grant (as Slurm's QOS is), never the member's own pick."""
@@ -415,6 +434,16 @@ def cancel_job(db: Database, job_id: int, by: Principal | None = None) -> JobPub
     raise refused
 
 
+def cancel_locked(s: Session, job_id: int, why: str, by: Principal | None = None) -> bool:
+    """Cancel job ``job_id`` in the caller's transaction, its row locked here (a sweep's
+    trial pruned, or its sweep cancelled: service.sweeps), for ``why``. False if it had
+    ended or was being cancelled already."""
+    job = _get(s, job_id, lock=True)
+    if job.status in TERMINAL:
+        return False
+    return cancel(s, job, by, utcnow(), why)
+
+
 def cancel(s: Session, job: Job, by: Principal | None, now: Any, why: str | None = None) -> bool:
     """Cancel ``job`` (its row locked by the caller) in the caller's transaction, in
     ``by``'s name and for ``why`` (both in its reason), audited. False if it was being
@@ -428,7 +457,9 @@ def cancel(s: Session, job: Job, by: Principal | None, now: Any, why: str | None
         reason = f"cancelled by {who} before it started" + (f": {why}" if why else "")
     else:  # its worker stops the processes; the reason it ends with: queue.leases
         reason = f"cancel requested by {cancelled_by}; stopping its processes"
-    users.audit(s, by.name if by else None, "cancel", f"job {job.id}", {"status": job.status})
+    users.audit(
+        s, who if by is None else by.name, "cancel", f"job {job.id}", {"status": job.status}
+    )
     states.enter(job, Event.CANCEL, now, reason, cancelled_by=cancelled_by)
     if move.source == JobStatus.QUEUED:
         # A queued job gone may let others start: one every worker had to wait behind

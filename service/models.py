@@ -383,6 +383,37 @@ class Worker(Base):
     )
 
 
+class WorkerCache(Base):
+    """One user's cache on one worker (worker.caches), as the worker last reported it: a
+    report is whole, and replaces the worker's rows (service.caches)."""
+
+    __tablename__ = "worker_caches"
+
+    worker: Mapped[str] = mapped_column(String(200), primary_key=True)
+    owner: Mapped[str] = mapped_column(String(64), primary_key=True)
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    files: Mapped[int] = mapped_column(BigInteger)
+    last_used: Mapped[datetime]
+    reported_at: Mapped[datetime]
+
+    __table_args__ = (Index("ix_worker_caches_owner", "owner"),)
+
+
+class CacheClear(Base):
+    """A clear order (``ddpq cache clear``) its worker has not reported done: heartbeat
+    replies carry it until then; the row goes when it is (service.caches)."""
+
+    __tablename__ = "cache_clears"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    worker: Mapped[str] = mapped_column(String(200))
+    owner: Mapped[str] = mapped_column(String(64))
+    asked_by: Mapped[str] = mapped_column(String(64))
+    asked_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+    __table_args__ = (Index("ix_cache_clears_worker_owner", "worker", "owner"),)
+
+
 class MetricPoint(Base):
     """One value of one metric at one step: a job's history is one series per name."""
 
@@ -438,6 +469,9 @@ class GpuSample(Base):
 # gone); refused (its worker would not delete it: not a regular file inside the job's
 # checkpoint directory, or changed since it was registered; the note says which).
 CheckpointState = TypeAliasType("CheckpointState", Literal["kept", "pruning", "pruned", "refused"])
+# What a checkpoint is: a file (ddpq.train.save_checkpoint's, a framework's), or a
+# directory a framework wrote (accelerate's save_state, a Trainer's checkpoint-<step>).
+CheckpointKind = TypeAliasType("CheckpointKind", Literal["file", "dir"])
 
 
 class Checkpoint(Base):
@@ -459,9 +493,12 @@ class Checkpoint(Base):
     # an ended job).
     keep: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     # The file as rank 0 saw it once written (size, and mtime as the worker's identity
-    # check: a file written again under the same name since is not deleted).
+    # check: a file written again under the same name since is not deleted); for a
+    # directory its stamp (ddpq.wire.tree_stamp: its files' bytes, their newest mtime).
     bytes: Mapped[int | None] = mapped_column(BigInteger)
     mtime_ns: Mapped[int | None] = mapped_column(BigInteger)
+    # A CheckpointKind (migration 0030): its worker deletes a directory only as one.
+    kind: Mapped[str] = mapped_column(String(8), default="file", server_default="file")
     # A CheckpointState; why it went (or was refused) in words; when its worker said so.
     state: Mapped[str] = mapped_column(String(16), default="kept", server_default="kept")
     note: Mapped[str | None] = mapped_column(Text)

@@ -1,8 +1,8 @@
 """The background work of every API process, beside the requests it serves: the
 sweeper's rounds (expired leases and gangs, fair-share usage, preemption, code
-collection, history retention), which process takes them (SweepTurn), and on Postgres
-the LISTEN that wakes this process's claimers for work another process queued. The app
-(service.app) starts both in its lifespan."""
+collection, history retention, sweeps' decisions), which process takes them (SweepTurn),
+and on Postgres the LISTEN that wakes this process's claimers for work another process
+queued. The app (service.app) starts both in its lifespan."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from fastapi import FastAPI
 from fastapi.concurrency import run_in_threadpool
 
 from service import code as code_store
-from service import outputs, queue, retention
+from service import outputs, queue, retention, sweeps
 from service.config import Settings
 from service.db import Database, Policy, libpq_conninfo
 from service.schemas import OutputsLimits
@@ -121,6 +121,7 @@ async def run(app: FastAPI) -> None:
                 if now >= retention_at:
                     retention_at = now + await _retention_round(db, settings.outputs_limits())
                 code_swept = await _sweep_once(app, code_swept, code_every)
+                await _sweeps_round(db)
     finally:
         await run_in_threadpool(turn.close)
 
@@ -186,6 +187,15 @@ async def _sweep_once(app: FastAPI, code_swept: float, code_every: float) -> flo
     except Exception:
         log.exception("usage or preemption sweep failed")
     return code_swept
+
+
+async def _sweeps_round(db: Database) -> None:
+    """The sweeps' decisions (service.sweeps): by one process, the turn's holder, so two
+    never decide the same round (the sweep's row lock would keep them right anyway)."""
+    try:
+        await run_in_threadpool(sweeps.sweep_round, db)
+    except Exception:
+        log.exception("sweeps round failed")
 
 
 def listen_for_jobs(url: str, wakeup: Wakeup, stop: threading.Event) -> None:

@@ -88,9 +88,10 @@ def test_keep_last_lets_the_oldest_go_but_never_the_resume_point_nor_a_kept_one(
             "path": f"/ckpt/job-{jid}/step-10.pt",
             "bytes": 5,
             "mtime_ns": 123,
+            "kind": "file",
         },
         {"id": ids[1], "job_id": jid, "path": f"/ckpt/job-{jid}/step-1.pt"}
-        | {"bytes": None, "mtime_ns": None},
+        | {"bytes": None, "mtime_ns": None, "kind": "file"},
     ]
     # Another worker's report about them changes nothing; this one's does.
     register(server, "other")

@@ -2,7 +2,8 @@
 
 - every third-party module each room imports is declared in the set of its role: the base
   (ddpq/, the CLI, the client, ddpq.train), server (service/, migrations/), worker
-  (worker/), recipes (recipes/); tests and bench in dev; the CLI's table of what each
+  (worker/), recipes (recipes/); ddpq.integrations' frameworks in frameworks (imported
+  when first used); tests and bench in dev; the CLI's table of what each
   extra gives (ddpq/cli/extras.py) names modules of that extra;
 - the sdist and wheel build (`python -m build`) and pass `twine check`;
 - a fresh venv with a plain install of the wheel (its light dependencies, at the lock's
@@ -106,6 +107,10 @@ def test_every_import_of_a_room_is_declared_in_its_role(room: str) -> None:
             ok = allowed
             if rel == "ddpq/train.py" and module == "torch":
                 ok = _declared("worker")  # deferred: only checkpoints touch torch
+            if rel.startswith("ddpq/integrations/"):  # each its framework, when first used
+                ok = allowed | _declared("frameworks", "worker")
+                if module == "lightning":  # the unified package, when a program uses it:
+                    continue  # the same Lightning as the extra's pytorch-lightning
             if rel == "ddpq/messages.py":  # the worker protocol: the API and the worker
                 ok = _declared("server") & _declared("worker")
             dists = _dists(module)

@@ -34,7 +34,9 @@ from worker.procs import find_by_launch_id
 CPU_JOB = {"entrypoint": "train.py", "device": "cpu"}
 
 # A heartbeat's reply that asks nothing of the worker.
-NOTHING_ASKED = {"cancel": [], "abandon": [], "preempt": [], "ended": [], "prune": [], "drop": []}
+NOTHING_ASKED = {
+    "cancel": [], "abandon": [], "preempt": [], "ended": [], "prune": [], "drop": [], "clear": [],
+}  # fmt: skip
 
 
 def _submit(server: Server, **spec: Any) -> dict[str, Any]:

@@ -85,6 +85,13 @@ OPERATIONS = {
     ("get", "/secrets"): ("secrets", "list_secrets"),
     ("delete", "/secrets/{name}"): ("secrets", "delete_secret"),
     ("get", "/jobs/{job_id}/secrets"): ("secrets", "get_job_secrets"),
+    ("get", "/caches"): ("caches", "list_caches"),
+    ("post", "/caches/clear"): ("caches", "clear_caches"),
+    ("post", "/sweeps"): ("sweeps", "submit_sweep"),
+    ("get", "/sweeps"): ("sweeps", "list_sweeps"),
+    ("get", "/sweeps/{sweep_id}"): ("sweeps", "get_sweep"),
+    ("post", "/sweeps/{sweep_id}/cancel"): ("sweeps", "cancel_sweep"),
+    ("get", "/sweeps/{sweep_id}/export"): ("sweeps", "export_sweep"),
 }
 SNAKE = re.compile(r"[a-z][a-z0-9]*(_[a-z0-9]+)*")
 PACKAGE = "ddpq_generated_client"  # a name no other module of the suite uses

@@ -157,6 +157,8 @@ class FakeAPI:
         kept: list[int],
         pruned: list[dict[str, Any]] | None = None,
         dropped: list[dict[str, Any]] | None = None,
+        caches: list[dict[str, Any]] | None = None,
+        cleared: list[dict[str, Any]] | None = None,
     ) -> HeartbeatReply:
         self.heartbeats.append(running)
         self.reports.append((pruned or [], dropped or []))

@@ -89,6 +89,7 @@ class Agent:
             workdirs=self.workdirs,
             venvs=self.loop.venvs,
             walls=self.walls,
+            caches=self.loop.caches,
             warm_pool=pool,
             launcher=launcher,
             trace_file=trace_file,
@@ -252,6 +253,8 @@ class Agent:
             shutil.rmtree(leftover, ignore_errors=True)
         walls.take_back_orphans(self.workdirs.root)
         walls.take_back_orphans(self.checkpoint_root)
+        # Users' caches: measured, and those left lent by a worker that died discarded.
+        self.loop.caches.start()
 
     def run(self) -> None:
         """Serve until SIGTERM or SIGINT, then hand running jobs back to the queue."""

@@ -98,6 +98,8 @@ class WorkerAPI:
         kept: list[int],
         pruned: list[dict[str, Any]] | None = None,
         dropped: list[dict[str, Any]] | None = None,
+        caches: list[dict[str, Any]] | None = None,
+        cleared: list[dict[str, Any]] | None = None,
     ) -> HeartbeatReply:
         body: dict[str, Any] = {"name": self.name, "running": running}
         if self.identity:
@@ -108,6 +110,10 @@ class WorkerAPI:
             body["pruned"] = pruned
         if dropped:
             body["dropped"] = dropped
+        if caches is not None:  # only when they changed (worker.caches)
+            body["caches"] = caches
+        if cleared:
+            body["cleared"] = cleared
         r = self._request("POST", "/workers/heartbeat", json=body)
         return HeartbeatReply.model_validate_json(r.content)
 

@@ -10,8 +10,11 @@ name is deleted only if it is a regular file and, when rank 0 reported them, of 
 and mtime it was registered with (a file written again under that name since is left:
 its new registration owns it). Unlinking a name removes that name, never what a link
 points to, so a name swapped for a link between the check and the unlink harms nothing
-outside. An ended job's directory is removed whole by ``shutil.rmtree``, which on Linux
-walks by directory fds and removes links without following them.
+outside. A checkpoint registered as a directory (a framework's) is deleted only as one,
+while its stamp (ddpq.wire.tree_stamp, walked by directory fds without following a link)
+is the one registered, by ``shutil.rmtree`` from the directory fd above it. An ended
+job's directory is removed whole by ``shutil.rmtree``, which on Linux walks by directory
+fds and removes links without following them.
 
 Deleting runs on a thread of its own (a slow disk must not hold up heartbeats); what
 became of each order is reported with the next heartbeats until one is answered.
@@ -30,6 +33,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ddpq.messages import PruneOrder
+from ddpq.wire import tree_stamp
 
 log = logging.getLogger("ddpq.worker")
 
@@ -57,8 +61,9 @@ def _not_followed(exc: OSError, name: str, dir_fd: int | None = None) -> str:
 
 
 def delete_checkpoint(root: Path, order: PruneOrder) -> tuple[Outcome, str | None]:
-    """Delete one registered checkpoint file, if it is still what was registered and
-    lies, without a link on the way, inside the job's checkpoint directory here."""
+    """Delete one registered checkpoint, a file or a directory, if it is still what was
+    registered and lies, without a link on the way, inside the job's checkpoint directory
+    here."""
     top = job_dir(root, order.job_id)
     norm = os.path.normpath(order.path)
     rel = os.path.relpath(norm, top) if os.path.isabs(norm) else os.pardir
@@ -89,6 +94,8 @@ def delete_checkpoint(root: Path, order: PruneOrder) -> tuple[Outcome, str | Non
             return "missing", None
         if stat.S_ISLNK(st.st_mode):
             return "refused", "a symbolic link, not a file ddpq.train wrote"
+        if order.kind == "dir":
+            return _delete_directory(fd, name, st, order)
         if not stat.S_ISREG(st.st_mode):
             return "refused", "not a regular file"
         if (order.bytes is not None and st.st_size != order.bytes) or (
@@ -102,6 +109,28 @@ def delete_checkpoint(root: Path, order: PruneOrder) -> tuple[Outcome, str | Non
         return "deleted", None
     finally:
         os.close(fd)
+
+
+def _delete_directory(
+    fd: int, name: str, st: os.stat_result, order: PruneOrder
+) -> tuple[Outcome, str | None]:
+    """Remove directory ``name`` under directory fd ``fd`` while it is the one registered."""
+    if not stat.S_ISDIR(st.st_mode):
+        return "refused", "not a directory (it was registered as one)"
+    size, mtime_ns = tree_stamp(name, dir_fd=fd)
+    if (order.bytes is not None and size != order.bytes) or (
+        order.mtime_ns is not None and mtime_ns != order.mtime_ns
+    ):
+        return "refused", "written again since it was registered (its bytes or mtimes differ)"
+    if not shutil.rmtree.avoids_symlink_attacks:
+        return "refused", "this platform's rmtree may follow links"
+    try:
+        shutil.rmtree(name, dir_fd=fd)
+    except FileNotFoundError:
+        return "missing", None
+    except OSError as exc:  # e.g. swapped for a link meanwhile: rmtree refuses one
+        return "refused", f"{order.path[:300]}: {exc.strerror or exc}"
+    return "deleted", None
 
 
 def drop_directory(root: Path, job_id: int) -> tuple[Outcome, str | None]:

@@ -2,13 +2,16 @@
 uid's (or the worker's again, with every bit that would let another uid in cleared),
 walked by directory fds so that nothing a job put there (a link, a swapped component, a
 hard link to someone else's file) turns root's walk elsewhere. worker.walls decides
-what is handed to whom and when; this module only changes owners and modes."""
+what is handed to whom and when; this module only changes owners and modes (and, taking
+back strictly, removes what another uid must not be given: take_back_strictly)."""
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import stat
+from dataclasses import dataclass, field
 from pathlib import Path
 
 log = logging.getLogger("ddpq.worker")
@@ -66,3 +69,108 @@ def _chmod_at(name: str | Path, dir_fd: int | None, st: os.stat_result, mode: in
             os.fchmod(fd, mode)
     finally:
         os.close(fd)
+
+
+# ---- taken back strictly: a tree another attempt is given next (a user's cache) ----------
+
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+_STRIP = stat.S_ISUID | stat.S_ISGID | stat.S_IWGRP | stat.S_IWOTH
+
+
+class Untrusted(Exception):
+    """A tree not to be kept (taken back strictly): why, in words."""
+
+
+@dataclass
+class Walked:
+    """What a strict take-back kept: its entries, its regular files' bytes, and each
+    regular file as (last used: the later of its atime and mtime, size, its directory
+    below the top, its name)."""
+
+    entries: int = 0
+    bytes: int = 0
+    files: list[tuple[float, int, tuple[str, ...], str]] = field(default_factory=list)
+
+
+def take_back_strictly(top: Path, owners: range, max_entries: int, max_depth: int) -> Walked:
+    """``top`` and everything under it this process's again, as a tree that goes to
+    another uid next (a user's cache: worker.caches) must be: walked by directory fds,
+    following no link; what is neither a regular file, a directory nor a symbolic link
+    (a FIFO, a socket) removed; a regular file with a second name removed (it may be
+    someone else's, hard-linked: the other name stays); anything owned by neither this
+    process nor a uid of ``owners`` removed; set-uid, set-gid and group or other write
+    bits cleared. Untrusted past ``max_entries`` entries or ``max_depth`` levels, or if
+    an entry is not what it was (the caller discards the tree). Run once nothing of the
+    uid runs: nothing changes under the walk, which checks each entry it opens anyway. A
+    missing top is an empty tree."""
+    try:
+        fd = os.open(top, _DIR)
+    except FileNotFoundError:
+        return Walked()
+    except OSError as exc:
+        raise Untrusted(f"{top} is not a directory ({exc.strerror})") from None
+    walked = Walked()
+    me = os.geteuid()
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != me and st.st_uid not in owners:
+            raise Untrusted(f"{top} is owned by uid {st.st_uid}")
+        os.fchown(fd, me, os.getegid())
+        os.fchmod(fd, 0o700)
+        _walk(fd, (), 0, walked, owners, (max_entries, max_depth))
+    except RecursionError:  # a foreign tree's removal, deeper than rmtree goes
+        raise Untrusted("nested deeper than a walk goes") from None
+    finally:
+        os.close(fd)
+    return walked
+
+
+def _walk(
+    dir_fd: int,
+    rel: tuple[str, ...],
+    depth: int,
+    w: Walked,
+    owners: range,
+    bounds: tuple[int, int],
+) -> None:
+    me, group = os.geteuid(), os.getegid()
+    max_entries, max_depth = bounds
+    for name in os.listdir(dir_fd):
+        w.entries += 1
+        if w.entries > max_entries:
+            raise Untrusted(f"more than {max_entries} entries")
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        kind = stat.S_IFMT(st.st_mode)
+        foreign = st.st_uid != me and st.st_uid not in owners
+        if foreign or kind not in (stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK):
+            if kind == stat.S_IFDIR:
+                shutil.rmtree(name, dir_fd=dir_fd)  # by fds, removing links unfollowed
+            else:
+                os.unlink(name, dir_fd=dir_fd)
+            continue
+        if kind == stat.S_IFREG and st.st_nlink > 1:
+            os.unlink(name, dir_fd=dir_fd)
+            continue
+        if (st.st_uid, st.st_gid) != (me, group):
+            os.chown(name, me, group, dir_fd=dir_fd, follow_symlinks=False)
+        if kind == stat.S_IFLNK:
+            continue  # kept as it is, never followed
+        mode = stat.S_IMODE(st.st_mode)
+        if kind == stat.S_IFREG:
+            if mode & _STRIP:
+                _chmod_at(name, dir_fd, st, mode & ~_STRIP)
+            w.files.append((max(st.st_atime, st.st_mtime), st.st_size, rel, name))
+            w.bytes += st.st_size
+            continue
+        if depth + 1 > max_depth:
+            raise Untrusted(f"deeper than {max_depth} directories")
+        fd = os.open(name, _DIR, dir_fd=dir_fd)
+        try:
+            now = os.fstat(fd)
+            if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                raise Untrusted(f"{'/'.join((*rel, name))} changed under the walk")
+            if mode & _STRIP:
+                os.fchmod(fd, mode & ~_STRIP)
+            _walk(fd, (*rel, name), depth + 1, w, owners, bounds)
+        finally:
+            os.close(fd)

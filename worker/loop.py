@@ -22,11 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NotRequired, Protocol, TypedDict, Unpack
 
+from ddpq.config import DEFAULT_CACHE_GB
 from ddpq.errors import ApiRefused, ApiUnavailable
 from ddpq.messages import ClaimedJob, HeartbeatReply, HeldAttempt
 from ddpq.wire import Backoff
 from worker import health
 from worker.api import WorkerAPI, claim_or_wait, retry
+from worker.caches import Caches
 from worker.checkpoints import Pruner
 from worker.code import Workdirs
 from worker.outcome import Outcome
@@ -56,6 +58,7 @@ class Settings(TypedDict):
     code_cache_bytes: NotRequired[int]
     max_envs: NotRequired[int]
     pip_policy: NotRequired[Policy | None]
+    cache_bytes: NotRequired[int]  # each user's caches (worker.caches); 0: none kept
 
 
 @dataclass(frozen=True)
@@ -203,6 +206,9 @@ class Loop:
         max_envs = settings.get("max_envs", DEFAULT_MAX_ENVS)
         policy = settings.get("pip_policy")
         self.venvs = Venvs(self.data_dir / "venvs", max_envs, walls, policy)
+        # Each user's caches across their jobs here (started by an executor that uses them).
+        cache_bytes = settings.get("cache_bytes", int(DEFAULT_CACHE_GB * 1000**3))
+        self.caches = Caches(self.data_dir / "caches", cache_bytes, walls or Walls(None))
         self.heartbeat_s = 2.0
         self.gpu_sample_s = 5.0  # the service's, once registered
         self.stopping = threading.Event()
@@ -224,6 +230,7 @@ class Loop:
             return {**common, **self.executor.registration()}
 
         reply = retry(lambda: self.api.register(body()), what="register", stop=self.stopping)
+        self.caches.registered()  # a fresh database knows none of them: sent again
         self.heartbeat_s = reply.heartbeat_s
         self.gpu_sample_s = reply.gpu_sample_s
         health.record(self.data_dir, self.heartbeat_s)
@@ -243,8 +250,13 @@ class Loop:
             ]
         keys = {(item["job_id"], item["attempt"]) for item in running}
         pruned, dropped = self.pruner.reports()
+        # The caches only when they changed since a heartbeat's answer took them.
+        report, cleared = self.caches.report(), self.caches.cleared()
+        version, caches = report if report is not None else (None, None)
         try:
-            reply = self.api.heartbeat(running, self.workdirs.kept()[:MAX_KEPT], pruned, dropped)
+            reply = self.api.heartbeat(
+                running, self.workdirs.kept()[:MAX_KEPT], pruned, dropped, caches, cleared
+            )
         except ApiUnavailable as exc:
             log.warning("heartbeat: API unavailable (%s)", exc)
             return
@@ -265,6 +277,9 @@ class Loop:
             return
         health.record(self.data_dir, self.heartbeat_s)
         self.pruner.answered(pruned, dropped)
+        self.caches.answered(version, cleared)
+        if reply.clear:
+            self.caches.clear(reply.clear)
         if reply.prune or reply.drop:
             self.pruner.take(reply.prune, reply.drop, running={job_id for job_id, _ in keys})
         if reply.ended:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -49,6 +49,7 @@ def environment(
     resume_from: str | None,
     scratch: Path | None = None,
     user: JobUser | None = None,
+    cache_env: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """The ranks' environment (worker.torchrun.environment) for this worker's attempt."""
     at = torchrun.Placement(
@@ -59,6 +60,7 @@ def environment(
         resume_from=resume_from,
         scratch=str(scratch) if scratch else None,
         user=user.name if user else None,
+        cache_env=dict(cache_env or {}),
     )
     return torchrun.environment(os.environ, claim, at)
 
@@ -76,13 +78,15 @@ def prepared(
     user: JobUser | None = None,
     own: Callable[[Path], Path] = lambda path: path,
     with_secrets: bool = True,
+    cache_env: Mapping[str, str] | None = None,
 ) -> Iterator[Launch]:
     """The attempt's launch, held while the block runs (its environment is in use).
     ``say`` writes a line to the job's log; ``stop`` ends a wait for code or pip early
     (worker.venvs.Stopped); ``where`` names the workspace a job without code runs in;
     walled, ``own`` gives the code directory to the attempt's ``user`` (worker.walls).
     ``with_secrets``: the job's secrets go into ``env`` (not for a Slurm attempt, whose
-    nodes fetch them: worker.slurmnode). A job that cannot start raises JobError."""
+    nodes fetch them: worker.slurmnode). ``cache_env``: where the ranks' caches are
+    (worker.caches). A job that cannot start raises JobError."""
     spec = claim.spec
     # A secret the API could not give (deleted since the submit): nothing is fetched or
     # run, and the job fails with words that name it.
@@ -102,7 +106,7 @@ def prepared(
     resume_from = torchrun.resume_path(claim)
     if resume_from:
         say(f"[ddpq] resuming from {resume_from}\n")
-    env = environment(src, claim, launch_id, resume_from, scratch, user)
+    env = environment(src, claim, launch_id, resume_from, scratch, user, cache_env)
     hidden = venvs.hidden_distributions(spec, cwd, src.venvs.policy)
     if hidden:
         env[entry.HIDE_VAR] = ",".join(hidden)

@@ -25,6 +25,7 @@ from ddpq.errors import ApiRefused, ApiUnavailable, JobError, Stopped
 from ddpq.messages import ClaimedJob, GangReply
 from worker import oom, outputs, prepare, procs, torchrun, warm
 from worker.api import WorkerAPI
+from worker.caches import Caches
 from worker.code import Workdirs
 from worker.logship import LogShipper, Tailed
 from worker.loop import finish
@@ -59,6 +60,8 @@ class RunContext:
     venvs: Venvs
     # Whether each attempt runs under a uid of its own (worker.walls).
     walls: Walls = field(default_factory=lambda: Walls(None))
+    # Each user's caches across their jobs here (worker.caches); None: none kept.
+    caches: Caches | None = None
     # The warm launcher (worker.warm, issue 34): its processes, and the launcher a job
     # whose spec names none uses.
     warm_pool: warm.WarmPool | None = None
@@ -278,14 +281,34 @@ class JobRunner:
                 log_dir.mkdir(parents=True)
                 log_dir.chmod(0o711)  # not the umask's (`ddpq up` runs with 077)
                 owned = held.own(scratch)
+                cache_env = self._cache(held, owned, shipper)
                 self.trace.mark("held")
-                return self._run_held(held, shipper, log_dir, owned)
+                return self._run_held(held, shipper, log_dir, owned, cache_env)
         finally:
             shutil.rmtree(log_dir, ignore_errors=True)
             shutil.rmtree(scratch, ignore_errors=True)
             self.trace.mark("released")
 
-    def _run_held(self, held: Held, shipper: LogShipper, log_dir: Path, scratch: Path) -> Outcome:
+    def _cache(self, held: Held, scratch: Path, shipper: LogShipper) -> dict[str, str]:
+        """The ranks' cache variables: their owner's cache here, lent to the attempt until
+        ``held`` ends (worker.caches), or an empty one in ``scratch``; none when caches
+        are off."""
+        caches = self.ctx.caches
+        if caches is None or not caches.enabled:
+            return {}
+        lease, words = caches.lend(self.claim.owner, held, scratch, self.job_id, self.attempt)
+        if words:
+            shipper.write(words.encode())
+        return lease.env()
+
+    def _run_held(
+        self,
+        held: Held,
+        shipper: LogShipper,
+        log_dir: Path,
+        scratch: Path,
+        cache_env: dict[str, str] | None = None,
+    ) -> Outcome:
         checkpoints = Path(self.claim.checkpoint_dir)
         if self.gang is None or self.gang.node_rank == 0:
             held.own(checkpoints)
@@ -303,6 +326,7 @@ class JobRunner:
             scratch=scratch,
             user=held.user,
             own=held.own,
+            cache_env=cache_env,
         ) as launch:
             self.trace.mark("prepared")
             if self.stop_requested.is_set():

@@ -8,18 +8,19 @@ why the worker stopped one, whatever ran it, is worker.outcome's.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ddpq.catalog import catalog
 from ddpq.errors import JobError
 from ddpq.messages import ClaimedJob, GangReply
-from ddpq.rules import entrypoint_problem, env_problem
+from ddpq.rules import PARAMS_VAR, entrypoint_problem, env_problem, params_problem
 from worker import tee
 from worker.outcome import Outcome, stopped
 
@@ -147,6 +148,9 @@ class Placement:
     # closed to it.
     scratch: str | None = None
     user: str | None = None
+    # Where its owner's caches are (worker.caches: TORCHINDUCTOR_CACHE_DIR, HF_HOME, ...):
+    # over the worker's own settings of them, under the spec's.
+    cache_env: dict[str, str] = field(default_factory=dict)
 
 
 def environment(environ: Mapping[str, str], claim: ClaimedJob, at: Placement) -> dict[str, str]:
@@ -164,6 +168,7 @@ def environment(environ: Mapping[str, str], claim: ClaimedJob, at: Placement) ->
         env["TMPDIR"] = at.scratch
         if at.user:
             env.update(HOME=at.scratch, USER=at.user, LOGNAME=at.user)
+    env.update(at.cache_env)
     for name, value in claim.spec.get("env", {}).items():
         problem = env_problem(str(name), str(value))
         if problem:  # the API refuses these at submission; never trust the wire
@@ -193,6 +198,12 @@ def environment(environ: Mapping[str, str], claim: ClaimedJob, at: Placement) ->
     )
     if at.resume_from:
         env["DDPQ_RESUME_FROM"] = at.resume_from
+    params = claim.spec.get("params")
+    if params:  # a sweep's trial's: ddpq.train.params() reads them (checked again here)
+        problem = params_problem(params)
+        if problem:
+            raise JobError(f"params: {problem}")
+        env[PARAMS_VAR] = json.dumps(params)
     # The one DDPQ_* setting of the worker's own that ranks get (others stay private):
     # where ddpq.train writes TensorBoard runs. Absolute, since ranks run in the
     # workspace, not in the worker's directory.
@@ -232,15 +243,15 @@ def add_secrets(env: dict[str, str], secrets: Mapping[str, str]) -> None:
 
 
 def resume_path(claim: ClaimedJob) -> str | None:
-    """The checkpoint an attempt resumes from: the newest offered that is a file inside
-    the job's directory here."""
+    """The checkpoint an attempt resumes from: the newest offered that is a file or a
+    directory (a framework's) inside the job's directory here."""
     return next((p for p in claim.resume_from if inside_job_dir(p, claim.job_id)), None)
 
 
 def inside_job_dir(path: str, job_id: int) -> bool:
-    """A registered checkpoint is a regular file that stays, symlinks resolved, inside
-    the ``job-<id>`` directory its path names (the API checked the path's text when it
-    was registered; only the host that holds the file can check its links)."""
+    """A registered checkpoint is a regular file or a directory that stays, symlinks
+    resolved, inside the ``job-<id>`` directory its path names (the API checked the path's
+    text when it was registered; only the host that holds it can check its links)."""
     parts = os.path.normpath(path).split(os.sep)
     name = f"job-{job_id}"
     if not os.path.isabs(path) or name not in parts[:-1]:
@@ -248,7 +259,7 @@ def inside_job_dir(path: str, job_id: int) -> bool:
     job_dir = os.sep.join(parts[: len(parts) - parts[::-1].index(name)])
     real_dir = os.path.realpath(job_dir)
     real = os.path.realpath(path)
-    return real.startswith(real_dir + os.sep) and os.path.isfile(real)
+    return real.startswith(real_dir + os.sep) and (os.path.isfile(real) or os.path.isdir(real))
 
 
 # ---- what an exit means ----------------------------------------------------------------

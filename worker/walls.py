@@ -45,7 +45,7 @@ import os
 import pwd
 import stat
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -192,7 +192,11 @@ class Walls:
         search starts where the job's id points, so a job usually gets the same uid on
         every attempt and on every host."""
         if self.uids is None:
-            yield Held(self, None)
+            held = Held(self, None)
+            try:
+                yield held
+            finally:
+                held.end(True)
             return
         held = Held(self, self._take(job_id))
         try:
@@ -205,10 +209,13 @@ class Walls:
                 for path in held.given:
                     self.take_back(path)
             finally:
-                if clean:
+                # What it was lent comes back before the uid can go to another attempt.
+                safe = held.end(clean)
+                if clean and safe:
                     self._give_back(held.user.uid)
                 else:  # held by this worker until it exits: never handed to another job
-                    log.error("uid %s kept out of use: its processes survived", held.user.uid)
+                    why = "its processes survived" if not clean else "what it was lent stayed"
+                    log.error("uid %s kept out of use: %s", held.user.uid, why)
 
     def _take(self, job_id: int) -> JobUser:
         assert self.uids is not None
@@ -358,6 +365,22 @@ class Held:
     walls: Walls
     user: JobUser | None
     given: list[Path] = field(default_factory=list)
+    # What runs as the attempt ends, once its processes are swept and its directories
+    # taken back, before its uid is free (worker.caches takes a user's cache back): each
+    # gets whether no process survived, and answers whether the uid may go on.
+    at_end: list[Callable[[bool], bool]] = field(default_factory=list)
+
+    def end(self, clean: bool) -> bool:
+        """Run ``at_end``, each once; False if one left the uid unsafe to hand on."""
+        safe = True
+        while self.at_end:
+            step = self.at_end.pop(0)
+            try:
+                safe = step(clean) and safe
+            except Exception:
+                log.exception("an attempt's end failed")
+                safe = False
+        return safe
 
     def own(self, path: Path) -> Path:
         """A real directory at ``path`` (a link or a file a job put there goes, then a

@@ -31,6 +31,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from worker import torchrun, zygote
+from worker.caches import CACHE_VARS
 
 log = logging.getLogger("ddpq.worker")
 
@@ -51,10 +52,11 @@ READ_AT_START = (
 # warm process's: ddpq's own, the job's scratch and identity, its GPUs).
 # worker.torchrun.environment sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE for the agent (read
 # when it starts its rendezvous, not at import): the same warm process with it or without.
+# Nor where the owner's caches are (worker.caches; read when a program first uses them).
 PER_ATTEMPT = frozenset(
     {
         "TMPDIR", "HOME", "USER", "LOGNAME", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER",
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", *CACHE_VARS,
     }
 )  # fmt: skip
 

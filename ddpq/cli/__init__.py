@@ -19,6 +19,7 @@ from typing import Any
 import typer
 
 from ddpq.cli import (  # noqa: F401
+    cache,
     checkpoints,
     code,
     info,
@@ -29,6 +30,7 @@ from ddpq.cli import (  # noqa: F401
     secrets,
     servers,
     submit,
+    sweep,
     users,
 )
 from ddpq.cli.base import app, end
@@ -40,7 +42,7 @@ ORDER = [
     "serve", "worker", "up",
     "login", "logout", "whoami", "secrets",
     "submit", "resubmit", "status", "ls", "cancel", "code", "outputs", "logs", "watch",
-    "checkpoints",
+    "checkpoints", "cache", "sweep",
     "workers", "recipes",
     "users", "audit", "usage", "quota",
     "slurm-node",  # hidden: what the Slurm bridge starts on each node

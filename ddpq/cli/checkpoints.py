@@ -29,7 +29,8 @@ def checkpoints(job_id: int, as_json: JsonOpt = False) -> None:
     """List a job's checkpoints, oldest first.
 
     Step, size, when saved, whether it is kept (keep: saved with keep=True), pruning,
-    pruned or refused (its worker would not delete it), and its path on the worker.
+    pruned or refused (its worker would not delete it), and its path on the worker (a
+    directory a framework wrote ends with /).
     Only the job's newest keep_last stay while it runs; an ended job's go after the
     server's checkpoint retention (docs/checkpoints.md).
 
@@ -49,7 +50,7 @@ def checkpoints(job_id: int, as_json: JsonOpt = False) -> None:
             "" if c.get("bytes") is None else human_bytes(c["bytes"]),
             f"{_age(c['created_at'])} ago",
             _state(c),
-            c["path"],
+            c["path"] + ("/" if c.get("kind") == "dir" else ""),  # a framework's directory
         ]
         for c in items
     ]

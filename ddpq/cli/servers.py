@@ -98,6 +98,15 @@ def worker(
     code_cache_gb: Annotated[
         float, typer.Option(help="cap of the cache of jobs' code contents, in GB")
     ] = 10.0,
+    cache_gb: Annotated[
+        float,
+        typer.Option(
+            envvar="DDPQ_CACHE_GB",
+            help="cap of each user's caches kept across their jobs on this worker (inductor, "
+            "Triton, Hugging Face, torch hub, matplotlib), in GB: the least recently used "
+            "files go as an attempt ends; 0 keeps none",
+        ),
+    ] = config.DEFAULT_CACHE_GB,
     keep_workdirs_s: Annotated[
         float,
         typer.Option(
@@ -185,6 +194,8 @@ def worker(
         )
     if not workspace.is_dir():
         _fail(f"--workspace {workspace} is not a directory", EXIT_USAGE)
+    if not 0 <= cache_gb < 1e9:
+        _fail(f"--cache-gb takes a size in GB from 0 (no caches), not {cache_gb}", EXIT_USAGE)
     first, _, last = rdzv_ports.partition("-")
     try:
         ports = (int(first), int(last or first))
@@ -205,7 +216,7 @@ def worker(
         "url": url, "token": token, "name": name, "workspace": workspace,
         "data_dir": data_dir, "checkpoint_dir": checkpoint_dir, "identity": identity,
         "code_cache_bytes": int(code_cache_gb * 1000**3), "max_envs": max(1, max_envs),
-        "pip_policy": pip_policy,
+        "pip_policy": pip_policy, "cache_bytes": int(cache_gb * 1000**3),
     }  # fmt: skip
     if launcher not in ("torchrun", "warm"):
         _fail(f"--launcher takes torchrun or warm, not {launcher!r}", EXIT_USAGE)

@@ -351,6 +351,7 @@ def _claim_whole(
         resume_from=resume_from(conn, job_id, number),
         queued_at=queued_at,
         nnodes=nnodes,
+        owner=owner,
     )
 
 
@@ -493,6 +494,7 @@ def _node_of(gang: Any, slot: gangs.NodeSlot | None) -> Claim | None:
         resume_from=[],
         nnodes=gang.nnodes,
         node_rank=slot.node_rank,
+        owner=gang.owner,
     )
 
 
@@ -526,4 +528,5 @@ def _start(
         checkpoint_dir=checkpoint_dir,
         resume_from=resume,
         queued_at=queued_at,
+        owner=owner,
     )

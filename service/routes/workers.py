@@ -22,7 +22,7 @@ from ddpq.messages import (
     HeldAttempt,
     WorkerRegistered,
 )
-from service import checkpoints, jobs, logs, outputs, queue, secrets
+from service import caches, checkpoints, jobs, logs, outputs, queue, secrets
 from service.auth import WorkerAuth, mint_job_token
 from service.config import Settings
 from service.db import Database
@@ -248,17 +248,23 @@ async def wait_for_gang(
     response_model=HeartbeatReply,
     responses=responses({**NOT_REGISTERED, **NAME_TAKEN}),
 )
-async def send_heartbeat(body: Heartbeat, db: DB, settings: SettingsDep) -> Response:
+async def send_heartbeat(
+    body: Heartbeat, request: Request, db: DB, settings: SettingsDep
+) -> Response:
     """Extend the leases of the worker's attempts (storing the samples of their GPUs it
-    carries: the jobs' system metrics); learn which to stop."""
+    carries: the jobs' system metrics, and its users' caches when they changed); learn
+    which to stop."""
     # async, its work in one hop to a thread: a plain def takes two (the handler, then
     # FastAPI validating the model it returns), a tenth of an idle host's heartbeat in
     # the API's CPU, every host every 2 s. Serialised once, here, as claim_job answers.
-    reply = await run_in_threadpool(_heartbeat, body, db, settings)
+    orders = request.app.state.cache_orders
+    reply = await run_in_threadpool(_heartbeat, body, db, settings, orders)
     return Response(reply.model_dump_json(), media_type="application/json")
 
 
-def _heartbeat(body: Heartbeat, db: Database, settings: Settings) -> HeartbeatReply:
+def _heartbeat(
+    body: Heartbeat, db: Database, settings: Settings, orders: caches.Orders
+) -> HeartbeatReply:
     """The heartbeat's database work and its reply, on a worker thread."""
     cancel, abandon, preempt = queue.record_heartbeat(
         db,
@@ -274,6 +280,7 @@ def _heartbeat(body: Heartbeat, db: Database, settings: Settings) -> HeartbeatRe
         settings.gpu_sample_s,
     )
     prune, drop = checkpoints.worker_round(db, body.name, body.pruned, body.dropped)
+    clear = caches.worker_round(db, orders, body.name, body.caches, body.cleared)
     return HeartbeatReply(
         cancel=[AttemptRef(job_id=j, attempt=a) for j, a in cancel],
         abandon=[AttemptRef(job_id=j, attempt=a) for j, a in abandon],
@@ -281,6 +288,7 @@ def _heartbeat(body: Heartbeat, db: Database, settings: Settings) -> HeartbeatRe
         ended=outputs.due(db, body.kept, settings.outputs_limits()) if body.kept else [],
         prune=prune,
         drop=drop,
+        clear=clear,
     )
 
 

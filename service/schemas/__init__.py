@@ -5,23 +5,36 @@ worker unchecked: bounded integers (no overflow in Postgres), bounded strings,
 no coercion of "2" into 2, and unknown fields refused by name.
 
 A module per resource, each importing what it shares from the ones before it
-(common → metrics → code → jobs → workers; users, secrets and meta need common only):
+(common → metrics → code → jobs → caches → workers; users, secrets and meta need common
+only):
 
 - ``common``: the bounds, the Strict base of every request body, labels, the error
   answers and the small answers several resources give;
 - ``metrics``: metric names and values (the NaN codec's types), points in and out;
 - ``code``: code snapshots: digests, manifests, what is missing, the limits;
 - ``jobs``: JobSpec and the views of a job, its attempts and its checkpoints;
+- ``caches``: users' caches on the workers: what a heartbeat reports, what people see
+  and clear;
 - ``workers``: the worker protocol (register, claim, gang, heartbeat, finish) and
   the workers' views;
 - ``users``: users, tokens, the audit trail, usage and quotas;
 - ``secrets``: a user's secrets in, their names out (never a value to a person);
 - ``outputs``: what a job wrote in its directory, sent by its worker, read by users;
+- ``sweeps``: SweepSpec (a base job, a search space, a method, a metric, early
+  stopping), the templates that give a trial its parameters, the views of a sweep;
 - ``meta``: health and the recipes.
 
 Everything is importable from here too (``from service.schemas import JobSpec``).
 """
 
+from service.schemas.caches import (
+    CacheCleared,
+    CacheClearIn,
+    CachePublic,
+    CachesCleared,
+    CachesPublic,
+    CacheUsage,
+)
 from service.schemas.code import (
     CodeLimits,
     CodeSummary,
@@ -72,6 +85,7 @@ from service.schemas.jobs import (
     JobSpec,
     JobSpecPublic,
     JobsPublic,
+    ParamValue,
     PipRequirement,
 )
 from service.schemas.meta import Health, RecipeArg, RecipePublic, RecipesPublic
@@ -101,6 +115,24 @@ from service.schemas.outputs import (
     OutputsPublic,
 )
 from service.schemas.secrets import JobSecrets, SecretIn, SecretPublic, SecretsPublic
+from service.schemas.sweeps import (
+    TPE_STARTUP_TRIALS,
+    AshaStopping,
+    CategoricalParam,
+    FixedParam,
+    FloatParam,
+    IntParam,
+    MedianStopping,
+    RungPublic,
+    SweepPublic,
+    SweepSpec,
+    SweepSpecPublic,
+    SweepsPublic,
+    TrialCounts,
+    TrialPublic,
+    fill,
+    grid_values,
+)
 from service.schemas.users import (
     AccountClosed,
     AuditEventPublic,
@@ -154,13 +186,22 @@ __all__ = [
     "MAX_PATH_CHARS",
     "MAX_PIP_REQUIREMENTS",
     "MAX_WORLD_SIZE",
+    "TPE_STARTUP_TRIALS",
     "Accepted",
     "AccountClosed",
+    "AshaStopping",
     "AttemptNumber",
     "AttemptPublic",
     "AttemptsPublic",
     "AuditEventPublic",
     "AuditPublic",
+    "CacheClearIn",
+    "CacheCleared",
+    "CachePublic",
+    "CacheUsage",
+    "CachesCleared",
+    "CachesPublic",
+    "CategoricalParam",
     "CheckpointIn",
     "CheckpointPruned",
     "CheckpointPublic",
@@ -176,6 +217,8 @@ __all__ = [
     "ExternalId",
     "FinishRequest",
     "FiniteNumber",
+    "FixedParam",
+    "FloatParam",
     "GangRequest",
     "GpuDevice",
     "GpuIndex",
@@ -184,6 +227,7 @@ __all__ = [
     "Health",
     "Heartbeat",
     "IdempotencyKey",
+    "IntParam",
     "JobGpu",
     "JobGpusPublic",
     "JobIdIn",
@@ -197,6 +241,7 @@ __all__ = [
     "LogAppended",
     "ManifestEntry",
     "ManifestEntryIn",
+    "MedianStopping",
     "MetricItemIn",
     "MetricItemPublic",
     "MetricName",
@@ -213,6 +258,7 @@ __all__ = [
     "OutputsPublic",
     "PackLimits",
     "PackReply",
+    "ParamValue",
     "PipRequirement",
     "QuotaIn",
     "QuotaLimit",
@@ -221,6 +267,7 @@ __all__ = [
     "RecipeArg",
     "RecipePublic",
     "RecipesPublic",
+    "RungPublic",
     "RunningAttempt",
     "SecretIn",
     "SecretPublic",
@@ -231,7 +278,13 @@ __all__ = [
     "Step",
     "Strict",
     "StrictPosInt",
+    "SweepPublic",
+    "SweepSpec",
+    "SweepSpecPublic",
+    "SweepsPublic",
     "TotalSteps",
+    "TrialCounts",
+    "TrialPublic",
     "UsagePublic",
     "UserIn",
     "UserName",
@@ -248,6 +301,8 @@ __all__ = [
     "WorkerPublic",
     "WorkerRegister",
     "WorkersPublic",
+    "fill",
+    "grid_values",
     "metric_in",
     "metric_out",
 ]

@@ -17,8 +17,15 @@ from pydantic import (
 )
 
 from ddpq.catalog import recipe_names
-from ddpq.rules import MAX_JOB_SECRETS, entrypoint_problem, env_problem, secret_name_problem
-from service.models import AttemptOutcome, CheckpointState, JobStatus
+from ddpq.rules import (
+    MAX_JOB_SECRETS,
+    MAX_PARAM_TEXT,
+    entrypoint_problem,
+    env_problem,
+    params_problem,
+    secret_name_problem,
+)
+from service.models import AttemptOutcome, CheckpointKind, CheckpointState, JobStatus
 from service.schemas.code import CodeSummary, Digest
 from service.schemas.common import INT64_MAX, MAX_NAME_CHARS, MAX_PATH_CHARS, Label, Strict
 from service.schemas.metrics import (
@@ -67,6 +74,16 @@ PipRequirement = Annotated[
     str, Field(min_length=1, max_length=500), AfterValidator(_pip_requirement)
 ]
 
+# A parameter's value (a sweep's trial's: ddpq.rules.params_problem has the rule): a JSON
+# scalar, never coerced ("2" stays a string, true a bool).
+ParamValue = (
+    Annotated[str, Field(strict=True, max_length=MAX_PARAM_TEXT)]
+    | Annotated[int, Field(strict=True, ge=-(2**63), le=INT64_MAX)]
+    | Annotated[float, Field(strict=True, allow_inf_nan=False)]
+    | Annotated[bool, Field(strict=True)]
+    | None
+)
+
 
 class JobSpec(Strict):
     """What to run: the body of POST /jobs."""
@@ -106,6 +123,9 @@ class JobSpec(Strict):
     # variables of those names: the names are part of the spec everyone reads, the values
     # never (service.secrets). Each must be one its owner has when it is submitted.
     secrets: Annotated[list[str], Field(max_length=MAX_JOB_SECRETS)] = []
+    # Parameters its ranks read as JSON in DDPQ_PARAMS (ddpq.train.params()): what a
+    # sweep chose for its trial (service.sweeps), or any job's own.
+    params: dict[str, ParamValue] = {}
 
     @field_validator("recipe")
     @classmethod
@@ -144,6 +164,14 @@ class JobSpec(Strict):
                 raise ValueError(problem)
         if len(set(v)) != len(v):
             raise ValueError("a secret is named twice")
+        return v
+
+    @field_validator("params")
+    @classmethod
+    def _params(cls, v: dict[str, ParamValue]) -> dict[str, ParamValue]:
+        problem = params_problem(v)
+        if problem:
+            raise ValueError(problem)
         return v
 
     @model_validator(mode="after")
@@ -192,6 +220,7 @@ class JobSpecPublic(BaseModel):
     keep_last: int | None = None
     launcher: str | None = None
     secrets: list[str] = []
+    params: dict[str, ParamValue] = {}
 
 
 FileBytes = Annotated[int, Field(strict=True, ge=0, le=INT64_MAX)]
@@ -205,9 +234,12 @@ class CheckpointIn(Strict):
     # save_checkpoint(keep=True): never pruned by keep_last.
     keep: Annotated[bool, Field(strict=True)] = False
     # The file once written, as rank 0 saw it: its size, and its mtime, which its worker
-    # checks before deleting it (a file written again since under the name is left).
+    # checks before deleting it (a file written again since under the name is left); a
+    # directory's stamp (ddpq.wire.tree_stamp), which its worker checks the same way.
     bytes: FileBytes | None = None
     mtime_ns: FileBytes | None = None
+    # A directory a framework wrote (ddpq.train.register_checkpoint), or a file.
+    kind: CheckpointKind = "file"
 
 
 class CheckpointPublic(BaseModel):
@@ -230,6 +262,7 @@ class CheckpointPublic(BaseModel):
     pruned_at: datetime | None = None
     expires_at: datetime | None = None
     worker: str | None = None
+    kind: CheckpointKind = "file"  # a file, or a directory a framework wrote
 
 
 class CheckpointsPublic(BaseModel):

@@ -10,6 +10,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, Field, StrictBool, model_validator
 
 from service.models import JobStatus
+from service.schemas.caches import MAX_CACHES, CacheCleared, CacheUsage
 from service.schemas.common import INT32_MAX, INT64_MAX, MAX_PATH_CHARS, Label, Strict
 from service.schemas.gpus import (
     MAX_GPUS,
@@ -145,6 +146,11 @@ class Heartbeat(Strict):
     # directories (HeartbeatReply.drop) earlier replies asked this worker to delete.
     pruned: Annotated[list[CheckpointPruned], Field(max_length=10_000)] = []
     dropped: Annotated[list[CheckpointsDropped], Field(max_length=10_000)] = []
+    # Its users' caches (worker.caches), all of them, sent only when they changed since
+    # the last heartbeat answered (None: unchanged); what it did with the clear orders
+    # earlier replies carried (HeartbeatReply.clear).
+    caches: Annotated[list[CacheUsage], Field(max_length=MAX_CACHES)] | None = None
+    cleared: Annotated[list[CacheCleared], Field(max_length=MAX_CACHES)] = []
 
 
 class FinishRequest(Strict):

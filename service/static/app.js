@@ -554,7 +554,8 @@ function renderCheckpoints(items) {
       el("td", { class: "num" }, c.step),
       el("td", { class: "num" }, cellValue(c.epoch)),
       el("td", { class: "num" }, c.attempt),
-      el("td", { class: "path" }, c.path),
+      // A directory a framework wrote ends with "/", as `ddpq checkpoints` shows it.
+      el("td", { class: "path" }, c.kind === "dir" ? `${c.path}/` : c.path),
       el("td", {}, Object.entries(c.metrics || {}).map(([k, v]) => `${k}=${formatNumber(v)}`).join(" ")),
       el("td", { class: "num", title: c.created_at }, age(c.created_at)),
       // Retention (docs/checkpoints.md): kept, pruning, pruned or refused, and why.

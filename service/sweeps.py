@@ -328,7 +328,7 @@ def _write(db: Database, read: _Read, plan: _Plan) -> int:
 
 def _record(row: SweepTrial, told: _Told, now: datetime) -> None:
     row.state, row.value, row.step, row.reason = told.state, told.value, told.step, told.reason
-    row.ended_at = now
+    row.finished_at = now
 
 
 def _admin(s: Session, owner: str) -> bool | None:

@@ -76,6 +76,6 @@ class SweepTrial(Base):
     rungs: Mapped[list[Any]] = mapped_column(JSON, default=list)
     reason: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
-    ended_at: Mapped[datetime | None]
+    finished_at: Mapped[datetime | None]
 
     __table_args__ = (Index("ix_sweep_trials_job_id", "job_id", unique=True),)

@@ -76,7 +76,7 @@ def trial_public(metric: str, row: Row[Any]) -> TrialPublic:
         # failed, was cancelled).
         reason=t.reason or row.reason,
         created_at=t.created_at,
-        ended_at=t.ended_at,
+        finished_at=t.finished_at,
     )
 
 

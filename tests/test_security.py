@@ -595,6 +595,7 @@ def test_checkpoint_registration_stays_in_the_job_directory_and_serves_no_file(
         "pruned_at",
         "expires_at",
         "worker",
+        "kind",
     }
 
 

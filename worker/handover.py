@@ -14,6 +14,8 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ddpq.errors import WorkerError
+
 log = logging.getLogger("ddpq.worker")
 
 
@@ -77,7 +79,7 @@ _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
 _STRIP = stat.S_ISUID | stat.S_ISGID | stat.S_IWGRP | stat.S_IWOTH
 
 
-class Untrusted(Exception):
+class Untrusted(WorkerError):
     """A tree not to be kept (taken back strictly): why, in words."""
 
 

@@ -64,7 +64,7 @@ def upgrade() -> None:
         sa.Column("rungs", sa.JSON(), nullable=False),
         sa.Column("reason", sa.Text(), nullable=True),
         sa.Column("created_at", When, nullable=False),
-        sa.Column("ended_at", When, nullable=True),
+        sa.Column("finished_at", When, nullable=True),
     )
     op.create_index("ix_sweep_trials_job_id", "sweep_trials", ["job_id"], unique=True)
 

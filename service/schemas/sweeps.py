@@ -332,7 +332,7 @@ class TrialPublic(BaseModel):
     rungs: list[RungPublic] = []
     reason: str | None = None
     created_at: datetime
-    ended_at: datetime | None = None
+    finished_at: datetime | None = None
 
 
 SweepStatus = Literal["running", "done", "cancelled"]

@@ -136,7 +136,8 @@ def test_the_api_image_is_slim_holds_its_lock_and_no_torch(stack: Stack) -> None
         text=True,
         check=True,
     )
-    assert int(size.stdout) < 300_000_000, f"the API image is {int(size.stdout) / 1e6:.0f} MB"
+    # Slim: no torch (GBs). Optuna, which decides sweeps (issue 43), brings numpy: 371 MB.
+    assert int(size.stdout) < 400_000_000, f"the API image is {int(size.stdout) / 1e6:.0f} MB"
     installed = stack.compose("exec", "-T", "api", "pip", "list", "--format=freeze").stdout
 
     def canonical(name: str) -> str:  # PEP 503: pip list and pip-compile spell names apart

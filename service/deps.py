@@ -6,14 +6,15 @@ dependency on its thread pool, a thread hop per dependency per request.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import re
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Annotated
 
 from fastapi import Depends, Path, Request
 
 from service.config import Settings
 from service.db import Database
-from service.errors import DomainError
+from service.errors import DomainError, Invalid
 from service.schemas import INT64_MAX
 from service.secrets import Keyring
 from service.wakeup import Wakeup
@@ -77,3 +78,39 @@ async def log_chunk(request: Request) -> bytes:
     if len(data) > MAX_LOG_CHUNK_BYTES:
         raise DomainError(f"a log chunk is at most {MAX_LOG_CHUNK_BYTES} bytes")
     return data
+
+
+# ---- a listing's query: states, a page's cursor, whose -------------------------------------
+
+
+def states_of(status: str | None, valid: Iterable[str]) -> list[str]:
+    """A listing's ``status`` query (comma-separated), each one of ``valid``; 422 naming
+    the first that is not."""
+    known = sorted(valid)
+    states = [s.strip() for s in status.split(",") if s.strip()] if status else []
+    for s in states:
+        if s not in known:
+            raise Invalid(
+                ("query", "status"), f"unknown state {s[:40]!r}; one of {', '.join(known)}"
+            )
+    return states
+
+
+def cursor_of(cursor: str | None) -> int | None:
+    """A page's ``cursor`` query: the id the previous page ended at (its next_cursor)."""
+    if cursor is None:
+        return None
+    # [0-9] and not isdigit(): "²".isdigit() is True and int("²") raises.
+    if not re.fullmatch(r"[0-9]{1,19}", cursor) or not 0 < int(cursor) < 2**63:
+        raise Invalid(
+            ("query", "cursor"), "malformed cursor; pass next_cursor from the previous page"
+        )
+    return int(cursor)
+
+
+def owner_of(me: str, mine: bool, user: str | None, what: str) -> str | None:
+    """Whose ``what`` a listing asks for: ``mine`` (the token's user's) or ``user``'s (or
+    everyone's); 422 for both naming different users."""
+    if mine and user is not None and user != me:
+        raise Invalid(("query", "mine"), f"mine=true is {me}'s {what}, not user={user}'s")
+    return me if mine else user

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Request
@@ -11,7 +10,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from service import checkpoints, gpus, jobs, logs, metrics, outputs, secrets, streams
 from service.auth import CurrentUser, UserAuth, Watched
-from service.deps import DB, JobId, SettingsDep, gone
+from service.deps import DB, JobId, SettingsDep, cursor_of, gone, owner_of, states_of
 from service.errors import Invalid, responses
 from service.models import JobStatus
 from service.schemas import (
@@ -93,25 +92,9 @@ def list_jobs(
     mine: Annotated[bool, Query(description="only the jobs of the token's user")] = False,
 ) -> JobsPublic:
     """List jobs, newest first."""
-    statuses = [s.strip() for s in status.split(",") if s.strip()] if status else []
-    valid = {s.value for s in JobStatus}
-    for s in statuses:
-        if s not in valid:
-            raise Invalid(
-                ("query", "status"), f"unknown state {s[:40]!r}; one of {', '.join(sorted(valid))}"
-            )
-    after: int | None = None
-    if cursor is not None:
-        # [0-9] and not isdigit(): "²".isdigit() is True and int("²") raises.
-        if not re.fullmatch(r"[0-9]{1,19}", cursor) or not 0 < int(cursor) < 2**63:
-            raise Invalid(
-                ("query", "cursor"), "malformed cursor; pass next_cursor from the previous page"
-            )
-        after = int(cursor)
-    if mine and user is not None and user != me.name:
-        raise Invalid(("query", "mine"), f"mine=true is {me.name}'s jobs, not user={user}'s")
-    owner = me.name if mine else user
-    items, next_cursor = jobs.list_jobs(db, statuses, limit, after, name, owner)
+    statuses = states_of(status, (s.value for s in JobStatus))
+    owner = owner_of(me.name, mine, user, "jobs")
+    items, next_cursor = jobs.list_jobs(db, statuses, limit, cursor_of(cursor), name, owner)
     return JobsPublic(items=items, next_cursor=next_cursor)
 
 

@@ -4,7 +4,6 @@ service.sweepviews'."""
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Path, Query
@@ -13,8 +12,8 @@ from fastapi.responses import Response
 
 from service import secrets, sweeps, sweepviews
 from service.auth import CurrentUser, UserAuth
-from service.deps import DB
-from service.errors import Invalid, responses
+from service.deps import DB, cursor_of, owner_of, states_of
+from service.errors import responses
 from service.schemas import INT64_MAX, SweepPublic, SweepSpec, SweepsPublic
 
 router = APIRouter(dependencies=[UserAuth], tags=["sweeps"])
@@ -56,24 +55,10 @@ async def list_sweeps(
     cursor: Annotated[str | None, Query(max_length=40)] = None,
 ) -> SweepsPublic:
     """List sweeps, newest first, with their trials' counts and best trial."""
-    statuses = [s.strip() for s in status.split(",") if s.strip()] if status else []
-    for s in statuses:
-        if s not in STATUSES:
-            raise Invalid(
-                ("query", "status"), f"unknown state {s[:40]!r}; one of {', '.join(STATUSES)}"
-            )
-    after: int | None = None
-    if cursor is not None:
-        if not re.fullmatch(r"[0-9]{1,19}", cursor) or not 0 < int(cursor) < 2**63:
-            raise Invalid(
-                ("query", "cursor"), "malformed cursor; pass next_cursor from the previous page"
-            )
-        after = int(cursor)
-    if mine and user is not None and user != me.name:
-        raise Invalid(("query", "mine"), f"mine=true is {me.name}'s sweeps, not user={user}'s")
-    owner = me.name if mine else user
+    statuses = states_of(status, STATUSES)
+    owner = owner_of(me.name, mine, user, "sweeps")
     items, next_cursor = await run_in_threadpool(
-        sweepviews.list_sweeps, db, statuses, owner, limit, after
+        sweepviews.list_sweeps, db, statuses, owner, limit, cursor_of(cursor)
     )
     return SweepsPublic(items=items, next_cursor=next_cursor)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Query
@@ -12,8 +11,8 @@ from fastapi.responses import Response
 
 from service import accounts, queue, users
 from service.auth import AdminAuth, CurrentAdmin, CurrentUser, UserAuth
-from service.deps import DB
-from service.errors import Invalid, responses
+from service.deps import DB, cursor_of
+from service.errors import responses
 from service.models import utcnow
 from service.schemas import (
     AccountClosed,
@@ -145,14 +144,7 @@ async def get_audit(
     cursor: Annotated[str | None, Query(max_length=40)] = None,
 ) -> AuditPublic:
     """Who did what and when, newest first (admins only)."""
-    after = None
-    if cursor is not None:
-        if not re.fullmatch(r"[0-9]{1,19}", cursor) or not 0 < int(cursor) < 2**63:
-            raise Invalid(
-                ("query", "cursor"), "malformed cursor; pass next_cursor from the previous page"
-            )
-        after = int(cursor)
-    items, next_cursor = await run_in_threadpool(users.audit_trail, db, limit, after)
+    items, next_cursor = await run_in_threadpool(users.audit_trail, db, limit, cursor_of(cursor))
     return AuditPublic.model_validate({"items": items, "next_cursor": next_cursor})
 
 

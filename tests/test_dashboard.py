@@ -23,7 +23,7 @@ from sqlalchemy import update
 
 from service.db import Database
 from service.models import Job
-from tests.conftest import Server, start_server, stop_server
+from tests.conftest import Server, start_server, stop_server, wait_for
 from tests.helpers import finish, register, report, submit_and_claim
 
 CHROMIUM = os.environ.get("DDPQ_CHROMIUM", "/usr/bin/chromium")
@@ -38,7 +38,19 @@ CHROMIUM_ARGS = [
     "--disable-sync",
 ]
 TIMEOUT_MS = 20_000  # the machine is shared: generous, but every wait is on a condition
-STATIC = ["app.js", "chart.js", "style.css", "favicon.svg", "index.html"]
+STATIC = [
+    "app.js",
+    "common.js",
+    "history.js",
+    "gpus.js",
+    "chart.js",
+    "scatter.js",
+    "sweeps.js",
+    "compare.js",
+    "style.css",
+    "favicon.svg",
+    "index.html",
+]
 
 
 @pytest.fixture
@@ -72,7 +84,7 @@ def test_the_shell_is_open_holds_no_data_and_the_data_needs_the_token(
     assert pages["/static/app.js"].headers["content-type"].startswith("text/javascript")
     assert pages["/static/style.css"].headers["content-type"].startswith("text/css")
     # Nothing outside the page's own origin is loaded: it works offline.
-    for path in ("/", "/static/app.js", "/static/style.css"):
+    for path in ("/", *(f"/static/{n}" for n in STATIC if n.endswith((".js", ".css")))):
         assert not re.search(r"https?://(?!www\.w3\.org/2000/svg)", pages[path].text), path
 
     etag = pages["/static/app.js"].headers["etag"]
@@ -96,7 +108,15 @@ def test_the_shell_is_open_holds_no_data_and_the_data_needs_the_token(
         assert "ASSETS" not in resp.text and "[project]" not in resp.text, path
 
     # The data stays behind the token.
-    for path in ("/jobs", f"/jobs/{job_id}", f"/jobs/{job_id}/metrics", f"/jobs/{job_id}/logs"):
+    for path in (
+        "/jobs",
+        f"/jobs/{job_id}",
+        f"/jobs/{job_id}/metrics",
+        f"/jobs/{job_id}/logs",
+        "/sweeps",
+        "/sweeps/1",
+        "/sweeps/1/export",
+    ):
         assert anon.get(path).status_code == 401, path
         assert server.client("bogus").get(path).status_code == 401, path
     assert anon.post(f"/jobs/{job_id}/cancel").status_code == 401
@@ -526,3 +546,392 @@ def test_a_member_sees_who_they_are_filters_by_owner_and_cancels_only_their_own(
     assert alice.get("/whoami").status_code == 401
     assert admin.post(f"/jobs/{theirs['id']}/cancel").json()["status"] == "cancelled"
     assert bob.post(f"/jobs/{bobs['id']}/cancel").json()["status"] == "cancelled"
+
+
+# ---- sweeps and runs compared ----------------------------------------------------------
+
+STATIC_DIR = Path(__file__).resolve().parent.parent / "service" / "static"
+# Ways a script could put data into the page as markup: none of them is used.
+AS_HTML = re.compile(
+    r"\.(innerHTML|outerHTML)\b|insertAdjacentHTML|document\.write|createContextualFragment"
+    r"|DOMParser|\beval\(|new Function\("
+)
+
+
+def test_the_pages_put_data_in_as_text_only() -> None:
+    """Every script builds the page from elements and text nodes (el(), textContent,
+    setAttribute): data the API sends is never parsed as HTML, in any view."""
+    scripts = sorted(STATIC_DIR.glob("*.js"))
+    assert {p.name for p in scripts} == {n for n in STATIC if n.endswith(".js")}
+    for path in scripts:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            assert not AS_HTML.search(line), f"{path.name}:{number}: {line.strip()}"
+
+
+@pytest.fixture
+def sweep_server(tmp_path: Path) -> Iterator[Server]:
+    # The sweeper's round every 0.5 s (a third of the gang timeout): a sweep decides at once.
+    s = start_server(
+        f"sqlite:///{tmp_path / 'ddpq.db'}", tmp_path / "api", DDPQ_GANG_TIMEOUT_S="1.5"
+    )
+    yield s
+    stop_server(s)
+
+
+def _browser_page(p: Any, server: Server, problems: list[str], path: str) -> tuple[Any, Any]:
+    """A browser on ``path`` of the dashboard, signed in with the API's token; script
+    errors and CSP violations go to ``problems``."""
+    browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    page.set_default_timeout(TIMEOUT_MS)
+    page.on("console", lambda m: _console(m, problems))
+    page.on("pageerror", lambda e: problems.append(str(e)))
+    page.goto(server.url + path)
+    page.fill("#token-input", server.api_token)
+    page.click("#login button[type=submit]")
+    expect(page.locator("#login")).to_be_hidden()
+    return browser, page
+
+
+def _claim(server: Server, worker: str = "hand") -> dict[str, Any]:
+    register(server, worker, cpu_slots=16)
+    r = server.client("worker").post(
+        "/workers/claim",
+        json={"name": worker, "free_cpu_slots": 16, "free_gpus": [], "wait_s": 0},
+    )
+    assert r.status_code in (200, 204), r.text
+    return r.json() if r.status_code == 200 else {}
+
+
+def _run(server: Server, **spec: Any) -> dict[str, Any]:
+    """A job submitted with ``spec`` (its name too) and claimed by the hand worker."""
+    r = server.client().post("/jobs", json={"entrypoint": "train.py", **spec})
+    assert r.status_code == 201, r.text
+    claim = _claim(server)
+    assert claim["job_id"] == r.json()["id"], claim
+    return claim
+
+
+def _trial_loss(base: float, step: int) -> float:
+    return base * (1 + 1 / step)
+
+
+def test_a_sweep_page_ranks_its_trials_plots_them_and_exports_them(
+    sweep_server: Server,
+) -> None:
+    """Four trials under ASHA (a rung at step 5, half kept): the two worst are pruned, one
+    completes, one still runs. The sweeps list links to the sweep; its page ranks the
+    trials as GET /sweeps/N does, puts a mark per trial on the parameter's axis (log for
+    a log-uniform one, discrete for a categorical), overlays their curves, and exports
+    the table as the API writes it."""
+    if not os.access(CHROMIUM, os.X_OK):
+        pytest.fail(f"no Chromium at {CHROMIUM}: run `make browser` (or set DDPQ_CHROMIUM)")
+    expect.set_options(timeout=TIMEOUT_MS)
+    server = sweep_server
+    api = server.client()
+    body = {
+        "name": "lr <b>sweep</b>",
+        "job": {"entrypoint": "train.py", "args": ["--lr", "{lr}", "--act", "{act}"]},
+        "space": {
+            "lr": {"type": "float", "low": 1e-4, "high": 1.0, "log": True},
+            "act": {"type": "categorical", "values": ["relu", "gelu", "<i>tanh</i>"]},
+            "width": {"type": "fixed", "value": 64},
+        },
+        "method": "random",
+        "metric": "loss",
+        "max_trials": 4,
+        "max_concurrent": 4,
+        "seed": 7,
+        "early_stopping": {"type": "asha", "min_steps": 5, "reduction_factor": 2},
+    }
+    r = api.post("/sweeps", json=body)
+    assert r.status_code == 201, r.text
+    sweep_id = r.json()["id"]
+    claims: dict[int, dict[str, Any]] = {}
+    while len(claims) < 4:
+        c = wait_for(lambda: _claim(server), 30, "a trial to claim")
+        claims[int(c["spec"]["name"].rsplit("/", 1)[1])] = c
+    # Each trial reports steps 1 to 5 in turn: the rung at step 5 keeps the better half
+    # of those that reached it so far (the first to reach it, 1, goes on; 0 is better
+    # than 1; 2 and 3 are worse than both).
+    bases = {1: 0.8, 0: 0.5, 2: 3.0, 3: 6.0}
+    for n, base in bases.items():
+        report(server, claims[n], [{"step": s, "values": {"loss": _trial_loss(base, s)}}
+                                   for s in range(1, 6)])  # fmt: skip
+
+    def decided() -> dict[str, Any] | None:
+        s: dict[str, Any] = api.get(f"/sweeps/{sweep_id}").json()
+        return s if all(len(t["rungs"]) == 1 for t in s["trials"]) else None
+
+    sweep = wait_for(decided, 30, "the sweep to decide every trial at step 5")
+    pruned = {t["number"] for t in sweep["trials"] if t["state"] == "pruned"}
+    kept = sorted(set(bases) - pruned)
+    assert pruned and kept[:2] == [0, 1], sweep["trials"]
+    # The pruned ones stop as a cancel does; the best completes; the others run on.
+    held = [{"job_id": c["job_id"], "attempt": c["attempt"]} for c in claims.values()]
+    beat = server.client("worker").post(
+        "/workers/heartbeat", json={"name": "hand", "running": held}
+    )
+    assert beat.status_code == 200, beat.text
+    assert sorted(x["job_id"] for x in beat.json()["cancel"]) == sorted(
+        claims[n]["job_id"] for n in pruned
+    )
+    for n in sorted(pruned):
+        r = server.client("worker").post(
+            f"/workers/jobs/{claims[n]['job_id']}/finish",
+            json={
+                "worker": "hand",
+                "attempt": claims[n]["attempt"],
+                "exit_code": None,
+                "outcome": "cancelled",
+            },
+        )
+        assert r.status_code == 200, r.text
+    report(server, claims[0], [{"step": s, "values": {"loss": _trial_loss(0.5, s)}}
+                               for s in range(6, 11)])  # fmt: skip
+    finish(server, claims[0])
+    for n in kept[1:]:
+        report(server, claims[n], [{"step": 6, "values": {"loss": _trial_loss(bases[n], 6)}}])
+
+    def settled() -> dict[str, Any] | None:
+        s: dict[str, Any] = api.get(f"/sweeps/{sweep_id}").json()
+        states = {t["number"]: t["state"] for t in s["trials"]}
+        done = states[0] == "complete" and all(states[n] == "pruned" for n in pruned)
+        return (
+            s
+            if done and all(t["latest_step"] == 6 for t in s["trials"] if t["number"] in kept[1:])
+            else None
+        )
+
+    sweep = wait_for(settled, 30, "the best trial to complete and the pruned ones to end")
+    ranked = [t["number"] for t in sweep["trials"]]
+    problems: list[str] = []
+    with sync_playwright() as p:
+        browser, page = _browser_page(p, server, problems, "/")
+        try:
+            # From the jobs page to the sweeps, to the sweep.
+            page.click("#nav-sweeps")
+            expect(page).to_have_url(re.compile(r"#/sweeps$"))
+            row = page.locator(f'#sweeps tr[data-sweep-id="{sweep_id}"]')
+            expect(row.locator("td.name")).to_have_text("lr <b>sweep</b>")  # as text
+            expect(row).to_contain_text(f"loss 0.55 (trial 0, job {claims[0]['job_id']})")
+            row.locator("td.name a").click()
+            expect(page).to_have_url(re.compile(rf"#/sweeps/{sweep_id}$"))
+
+            facts = page.locator("#sweep-facts")
+            expect(facts).to_contain_text("random (seed 7)")
+            expect(facts).to_contain_text("minimize loss")
+            expect(facts).to_contain_text("asha: min_steps 5, reduction_factor 2")
+            expect(facts).to_contain_text("4 of 4, 4 at once")
+            expect(page.locator("#sweep-title")).to_have_text(f"Sweep {sweep_id} · lr <b>sweep</b>")
+            # The trials in the API's order, the rank of the complete one, each job linked.
+            rows = page.locator("#trials tbody tr")
+            expect(rows).to_have_count(4)
+            shown = rows.evaluate_all("rs => rs.map(r => Number(r.dataset.trial))")
+            assert shown == ranked, (shown, ranked)
+            expect(page.locator("#trials thead th")).to_have_text(
+                [
+                    "",
+                    "rank",
+                    "trial",
+                    "job",
+                    "state",
+                    "loss",
+                    "step",
+                    "lr",
+                    "act",
+                    "width",
+                    "reason",
+                ]
+            )
+            first = page.locator('#trials tr[data-trial="0"]')
+            expect(first.locator("td.rank")).to_have_text("1")
+            expect(first.locator(f'a[href="#/jobs/{claims[0]["job_id"]}"]')).to_have_count(1)
+            for n in pruned:
+                expect(page.locator(f'#trials tr[data-trial="{n}"] .status')).to_have_text("pruned")
+            for n in kept[1:]:
+                expect(page.locator(f'#trials tr[data-trial="{n}"] td.value')).to_have_text(
+                    re.compile(r"…$")
+                )
+            assert page.locator("#sweep-view i, #sweep-view b").count() == 0
+
+            # A mark per trial: lr on a log axis, pruned trials drawn apart.
+            scatter = page.locator("#scatter")
+            expect(scatter).to_have_attribute("data-marks", "4")
+            expect(scatter).to_have_attribute("data-x-scale", "log")
+            expect(scatter.locator(".scatter-mark")).to_have_count(4)
+            expect(scatter.locator(".scatter-mark.pruned")).to_have_count(len(pruned))
+            expect(scatter.locator(".scatter-mark.pruned path")).to_have_count(len(pruned))
+            expect(scatter.locator(".scatter-mark.best")).to_have_count(1)
+            expect(scatter.locator('.scatter-mark.best[data-key="0"]')).to_have_count(1)
+            # The curves: every trial's loss, the pruned ones dashed.
+            curves = page.locator("#sweep-chart")
+            expect(curves.locator("path.chart-line")).to_have_count(4)
+            expect(curves.locator("path.chart-line.dashed")).to_have_count(len(pruned))
+            expect(curves).to_have_attribute("data-last-step", "10")
+            _screenshot(page, "sweep")
+            page.select_option("#scatter-param", "act")
+            expect(scatter).to_have_attribute("data-x-scale", "category")
+            expect(scatter.locator(".scatter-mark")).to_have_count(4)
+            expect(scatter.locator(".tick.x").first).to_have_text("relu")
+            expect(scatter.locator(".tick.x").nth(2)).to_have_text("<i>tanh</i>")
+            page.check("#sweep-log")
+            expect(scatter).to_have_attribute("data-log-y", "true")
+            expect(curves).to_have_attribute("data-log-y", "true")
+
+            # Two trials chosen: their curves only, and a comparison of their jobs.
+            page.check('#trials tr[data-trial="0"] td.pick input')
+            page.check(f'#trials tr[data-trial="{kept[1]}"] td.pick input')
+            expect(curves.locator("path.chart-line")).to_have_count(2)
+            compare = page.locator("#sweep-compare")
+            expect(compare).to_have_attribute(
+                "href", f"#/compare?jobs={claims[0]['job_id']},{claims[kept[1]]['job_id']}"
+            )
+
+            # The CSV, fetched with the token: what the API exports.
+            with page.expect_download() as download:
+                page.click("#sweep-export")
+            saved = Path(download.value.path()).read_text()
+            assert download.value.suggested_filename == f"sweep-{sweep_id}.csv"
+            assert saved == api.get(f"/sweeps/{sweep_id}/export?format=csv").text
+            assert saved.splitlines()[0].startswith("rank,trial,job,state,status,loss,step")
+            assert not problems, problems
+        finally:
+            browser.close()
+
+
+def _points(first: int, last: int, scale: float, **more: float) -> list[Any]:
+    """Loss falling from about 10 * scale to scale / 2 over the steps: the runs span
+    decades, as a log scale shows them."""
+    return [
+        {
+            "step": s,
+            "values": {
+                "loss": scale * (0.5 + 10 * 0.8**s) * (1.1 if s % 2 else 0.9),
+                **{k: v * s for k, v in more.items()},
+            },
+        }
+        for s in range(first, last + 1)
+    ]
+
+
+def test_runs_compared_on_one_chart_smoothed_on_a_log_scale(sqlite_server: Server) -> None:
+    """Three jobs, one still running: two ticked in the jobs table open the comparison
+    of those two; the comparison of all three draws a series per job named by it, a
+    table of their last and best values and a trial's params, follows the running one,
+    smooths (the drawn path changes, the raw one stays faint under it), and switches to
+    a log scale and to a metric only one job has."""
+    if not os.access(CHROMIUM, os.X_OK):
+        pytest.fail(f"no Chromium at {CHROMIUM}: run `make browser` (or set DDPQ_CHROMIUM)")
+    expect.set_options(timeout=TIMEOUT_MS)
+    server = sqlite_server
+    a = _run(server, name="base <b>run</b>")
+    b = _run(server, name="wide", params={"lr": 0.01})
+    c = _run(server, name="small")
+    report(server, a, _points(1, 40, 0.01, acc=0.02))
+    report(server, b, _points(1, 30, 1.0))
+    report(server, c, _points(1, 40, 0.1))
+    finish(server, a)
+    finish(server, c)
+    ids = [a["job_id"], b["job_id"], c["job_id"]]
+    problems: list[str] = []
+    with sync_playwright() as p:
+        browser, page = _browser_page(p, server, problems, "/")
+        try:
+            # Two rows ticked in the jobs table, then Compare: the view of those two.
+            button = page.locator("#compare-jobs")
+            expect(page.locator("#jobs tbody tr")).to_have_count(3)
+            expect(button).to_be_disabled()
+            page.check(f'#jobs tr[data-job-id="{ids[2]}"] td.pick input')
+            page.check(f'#jobs tr[data-job-id="{ids[0]}"] td.pick input')
+            expect(button).to_have_text("Compare 2 jobs")
+            button.click()
+            expect(page).to_have_url(re.compile(rf"#/compare\?jobs={ids[0]},{ids[2]}$"))
+            chart = page.locator("#compare-chart")
+            expect(chart.locator("path.chart-line")).to_have_count(2)
+            expect(page.locator("#compare-table tbody tr")).to_have_count(2)
+
+            page.goto(f"{server.url}/#/compare?jobs={','.join(map(str, ids))}")
+            lines = chart.locator("path.chart-line:not(.raw)")
+            expect(lines).to_have_count(3)
+            expect(chart).to_have_attribute("data-series", "3")
+            expect(chart.locator(".chart-legend-item")).to_have_text(
+                [f"{ids[0]} · base <b>run</b>", f"{ids[1]} · wide", f"{ids[2]} · small"]
+            )
+            colours = {lines.nth(i).get_attribute("class") for i in range(3)}
+            assert len(colours) == 3, colours
+            expect(page.locator("#compare-metric")).to_have_value("loss")
+            table = page.locator("#compare-table")
+            expect(table.locator("thead th")).to_have_text(
+                [
+                    "job",
+                    "name",
+                    "state",
+                    "last loss",
+                    "step",
+                    "best (lowest)",
+                    "at step",
+                    "points",
+                    "lr",
+                ]
+            )
+            row_b = table.locator(f'tr[data-job-id="{ids[1]}"]')
+            expect(row_b.locator(".status")).to_have_text("running")
+            expect(row_b.locator("td.param")).to_have_text("0.01")
+            expect(row_b.locator("td").nth(4)).to_have_text("30")
+            row_a = table.locator(f'tr[data-job-id="{ids[0]}"]')
+            expect(row_a.locator("td.name")).to_have_text("base <b>run</b>")
+            expect(row_a.locator(".status")).to_have_text("succeeded")
+            lowest = min(pt["values"]["loss"] for pt in _points(1, 40, 0.01))
+            expect(row_a.locator("td.best")).to_have_text(_js_number(lowest))
+            assert page.locator("#compare-view b").count() == 0
+
+            # The running job is followed: what it reports next is drawn.
+            report(server, b, _points(31, 45, 1.0))
+            expect(row_b.locator("td").nth(4)).to_have_text("45")
+            expect(chart).to_have_attribute("data-last-step", "45")
+
+            # Smoothing: the line drawn changes; the raw one is drawn faint under it.
+            before = lines.nth(1).get_attribute("d")
+            expect(chart.locator("path.chart-line.raw")).to_have_count(0)
+            page.locator("#compare-smoothing").fill("0.9")
+            expect(page.locator("#compare-smoothing-value")).to_have_text("0.90")
+            expect(chart).to_have_attribute("data-smoothing", "0.9")
+            expect(chart.locator("path.chart-line.raw")).to_have_count(3)
+            expect(lines.nth(1)).not_to_have_attribute("d", before or "")
+
+            # A log scale: the axis changes to powers of ten (the runs span three decades).
+            ticks = chart.locator(".tick.y")
+            linear = ticks.all_text_contents()
+            page.check("#compare-log")
+            expect(chart).to_have_attribute("data-log-y", "true")
+            expect(ticks).not_to_have_text(linear)
+            logged = ticks.all_text_contents()
+            assert {"0.01", "0.1", "1", "10"} <= set(logged), logged
+            _screenshot(page, "compare")
+
+            # A metric only one job has: one series, said which jobs lack it.
+            page.select_option("#compare-metric", "acc")
+            expect(lines).to_have_count(1)
+            expect(page.locator("#compare-best")).to_have_value("max")
+            expect(page.locator("#compare-info")).to_contain_text(
+                f"not reported by {ids[1]}, {ids[2]}"
+            )
+            expect(row_a.locator("td.best")).to_have_text("0.8")
+
+            assert not problems, problems
+
+            # A job that does not exist is said, the others still drawn.
+            page.goto(f"{server.url}/#/compare?jobs={ids[0]},999999")
+            expect(page.locator("#compare-error")).to_have_text("There is no job 999999.")
+            expect(lines).to_have_count(1)
+            # The browser logs the API's 404 itself: that is all it logged.
+            assert all("/jobs/999999" in x for x in problems), problems
+        finally:
+            browser.close()
+    finish(server, b)
+
+
+def _js_number(v: float) -> str:
+    """A value as chart.js's formatNumber writes it (4 significant digits)."""
+    return f"{float(f'{v:.4g}')!r}".removesuffix(".0")

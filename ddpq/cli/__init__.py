@@ -22,6 +22,7 @@ from ddpq.cli import (  # noqa: F401
     cache,
     checkpoints,
     code,
+    compare,
     info,
     jobs,
     live,
@@ -42,7 +43,7 @@ ORDER = [
     "serve", "worker", "up",
     "login", "logout", "whoami", "secrets",
     "submit", "resubmit", "status", "ls", "cancel", "code", "outputs", "logs", "watch",
-    "checkpoints", "cache", "sweep",
+    "checkpoints", "cache", "sweep", "compare",
     "workers", "recipes",
     "users", "audit", "usage", "quota",
     "slurm-node",  # hidden: what the Slurm bridge starts on each node

@@ -1,109 +1,48 @@
 // The ddpq dashboard: a jobs table and a job page, both polling the token-protected
-// JSON routes. Every piece of data goes into the page as text (textContent or
-// attributes), never as HTML, and the page's CSP forbids inline script and eval.
+// JSON routes, and the routes to the other views (sweeps.js, compare.js). Every piece of
+// data goes into the page as text (textContent or attributes), never as HTML, and the
+// page's CSP forbids inline script and eval.
 
 import { COLOURS, LineChart, formatNumber } from "./chart.js";
+import {
+  $,
+  TERMINAL,
+  age,
+  api,
+  askToken,
+  cellValue,
+  checkWho,
+  currentViewer,
+  el,
+  fact,
+  fillTable,
+  forgetToken,
+  hasToken,
+  onWho,
+  poll,
+  setViewerChanged,
+  statusBadge,
+  when,
+} from "./common.js";
+import { compareView } from "./compare.js";
+import { BEHIND_REFRESH_MS, MetricHistory, chartNote, historyPoints } from "./history.js";
+import { renderGpus } from "./gpus.js";
+import { sweepView, sweepsView } from "./sweeps.js";
 
-const TOKEN_KEY = "ddpq.token";
-const POLL_MS = 2000;
-// max_points of every metrics fetch: about two points per pixel of the chart's width.
-const HISTORY_POINTS = { min: 500, max: 4000, perPixel: 2 };
-// While a new attempt reports again steps an earlier one reached, the job's latest step
-// does not move: its metrics are then fetched again at most this often.
-const BEHIND_REFRESH_MS = 10000;
 // Samples of each GPU's history fetched (GET /jobs/{id}/gpus): its small chart's width.
 const GPU_POINTS = 300;
 const LOG_KEEP_CHARS = 256 * 1024; // the log tail kept on the page
 const LOG_READS_PER_POLL = 8;
-const TERMINAL = new Set(["succeeded", "failed", "cancelled"]);
-const STATES = new Set(["queued", "running", "cancelling", "succeeded", "failed", "cancelled"]);
-
-const $ = (id) => document.getElementById(id);
-
-// A table's rows, and its "none yet" line (#<id>-empty) shown only when there are none.
-function fillTable(id, rows) {
-  document.querySelector(`#${id} tbody`).replaceChildren(...rows);
-  const empty = $(`${id}-empty`);
-  if (empty) empty.hidden = rows.length > 0;
-}
 
 function showJobError(message) {
   $("job-error").textContent = message;
   $("job-error").hidden = false;
 }
 
-function el(tag, attrs = {}, ...children) {
-  const e = document.createElement(tag);
-  for (const [k, v] of Object.entries(attrs)) {
-    if (v == null) continue;
-    if (k === "class") e.className = v;
-    else e.setAttribute(k, String(v));
-  }
-  // append() turns strings into text nodes: data is never parsed as HTML.
-  for (const c of children) e.append(c == null ? "" : c instanceof Node ? c : String(c));
-  return e;
-}
-
-function statusBadge(status) {
-  const known = STATES.has(status) ? status : "unknown";
-  return el("span", { class: `status s-${known}` }, status);
-}
-
-function age(iso) {
-  if (!iso) return "";
-  const s = Math.max(0, (Date.now() - Date.parse(iso)) / 1000);
-  if (s < 60) return `${Math.floor(s)}s`;
-  if (s < 3600) return `${Math.floor(s / 60)}m`;
-  if (s < 86400) return `${Math.floor(s / 3600)}h ${Math.floor((s % 3600) / 60)}m`;
-  return `${Math.floor(s / 86400)}d`;
-}
-
-function when(iso) {
-  if (!iso) return "";
-  return `${new Date(iso).toLocaleString()} (${age(iso)} ago)`;
-}
-
-// ---- the API, with the token ---------------------------------------------------------
-
-let token = localStorage.getItem(TOKEN_KEY);
-let asking = null;
-
-class ApiError extends Error {
-  constructor(status, detail) {
-    super(detail);
-    this.status = status;
-  }
-}
-
-function setConn(ok, text) {
-  const c = $("conn");
-  c.className = ok ? "conn ok" : "conn bad";
-  c.textContent = text;
-}
-
-function forgetToken() {
-  token = null;
-  localStorage.removeItem(TOKEN_KEY);
-  showWho(null);
-}
-
-// Who the token is (GET /whoami, once per token): the actions a page offers depend on it.
-let viewer = null;
-let viewerChanged = () => {}; // the open view's, to show or hide its actions again
-
-// Who the token is: "signed in as alice (member)" in the header.
-function showWho(who) {
-  viewer = who;
-  const w = $("whoami");
-  w.textContent = who ? `signed in as ${who.name} (${who.role})` : "";
-  w.hidden = !who;
-  if (who) addOwners([who.name]);
-  viewerChanged();
-}
-
 // The API's rule (service/jobs.py cancel_job): an admin cancels any job, a member their
 // own. Not offered until the page knows who the token is.
 function mayCancel(job) {
+  const viewer = currentViewer();
   if (!viewer) return false;
   return viewer.role === "admin" || (job.owner != null && job.owner === viewer.name);
 }
@@ -120,127 +59,19 @@ function addOwners(names) {
     select.insertBefore(el("option", { value: name }, name), after);
   }
 }
-
-// Ask the API who the token is (GET /whoami): when the page starts with a stored token,
-// and each time a token is entered. A token that is not a user's is asked for again.
-async function checkWho() {
-  const asked = token;
-  try {
-    const who = await api("/whoami");
-    if (token === asked) showWho(who);
-  } catch (e) {
-    if (e.status !== 0) console.warn(e);
-  }
-}
-
-// Show the token dialog; every caller waiting for a token shares one prompt.
-function askToken(message) {
-  if (asking) return asking;
-  const dialog = $("login");
-  const input = $("token-input");
-  const error = $("login-error");
-  error.hidden = !message;
-  error.textContent = message || "";
-  input.value = "";
-  asking = new Promise((resolve) => {
-    const form = $("login-form");
-    const submit = (ev) => {
-      ev.preventDefault();
-      const value = input.value.trim();
-      if (!value) return;
-      form.removeEventListener("submit", submit);
-      token = value;
-      localStorage.setItem(TOKEN_KEY, value);
-      input.value = "";
-      dialog.close();
-      asking = null;
-      resolve();
-      checkWho();
-    };
-    form.addEventListener("submit", submit);
-  });
-  if (!dialog.open) dialog.showModal();
-  input.focus();
-  return asking;
-}
-
-async function detailOf(response) {
-  const text = await response.text();
-  try {
-    const body = JSON.parse(text);
-    if (typeof body.detail === "string") return body.detail;
-    if (Array.isArray(body.detail)) return body.detail.map((d) => d.msg).join("; ");
-  } catch {
-    // not JSON: show the text itself
-  }
-  return text.slice(0, 300) || `HTTP ${response.status}`;
-}
-
-async function api(path, { method = "GET", raw = false } = {}) {
-  for (;;) {
-    if (!token) await askToken();
-    const used = token;
-    let response;
-    try {
-      response = await fetch(path, {
-        method,
-        headers: { Authorization: `Bearer ${used}` },
-        cache: "no-store",
-        credentials: "omit",
-      });
-    } catch {
-      setConn(false, "API unreachable, retrying");
-      throw new ApiError(0, "the API is unreachable");
-    }
-    // 401: no such token. 403 on /whoami: a token, but not a user's (a worker's). A 403
-    // elsewhere is the API refusing what a user asked (another's job): an error to show.
-    if (response.status === 401 || (response.status === 403 && path === "/whoami")) {
-      const detail = await detailOf(response);
-      // A request sent with an older token must not throw away a newer one.
-      if (token === used) forgetToken();
-      await askToken(`The API refused the token: ${detail}`);
-      continue;
-    }
-    setConn(true, `updated ${new Date().toLocaleTimeString()}`);
-    if (!response.ok) throw new ApiError(response.status, await detailOf(response));
-    return raw ? response : response.json();
-  }
-}
-
-// ---- polling ----------------------------------------------------------------------------
-
-// Run `fn` now and every POLL_MS after it finishes; pause while the tab is hidden and
-// catch up as soon as it shows again. Returns a stop function.
-function poll(fn) {
-  let timer = null;
-  let busy = false;
-  let stopped = false;
-  const tick = async () => {
-    timer = null;
-    if (stopped || busy || document.hidden) return;
-    busy = true;
-    try {
-      await fn();
-    } catch (e) {
-      if (e.status !== 0) console.warn(e);
-    } finally {
-      busy = false;
-    }
-    if (!stopped && !document.hidden) timer = setTimeout(tick, POLL_MS);
-  };
-  const visible = () => {
-    if (!document.hidden && !timer && !busy) tick();
-  };
-  document.addEventListener("visibilitychange", visible);
-  tick();
-  return () => {
-    stopped = true;
-    clearTimeout(timer);
-    document.removeEventListener("visibilitychange", visible);
-  };
-}
+onWho((who) => addOwners([who.name]));
 
 // ---- the jobs table ---------------------------------------------------------------------
+
+// The jobs chosen (by their row's checkbox) for "Compare": kept while the page lives, as
+// the table is drawn again at every poll.
+const chosenJobs = new Set();
+
+function showChosen() {
+  const n = chosenJobs.size;
+  $("compare-jobs").disabled = n < 2;
+  $("compare-jobs").textContent = n ? `Compare ${n} job${n === 1 ? "" : "s"}` : "Compare";
+}
 
 function jobRow(job) {
   const latest = job.latest_metrics;
@@ -253,6 +84,16 @@ function jobRow(job) {
   const row = el(
     "tr",
     { "data-job-id": job.id },
+    el(
+      "td",
+      { class: "pick" },
+      el("input", {
+        type: "checkbox",
+        value: job.id,
+        "aria-label": `choose job ${job.id} to compare`,
+        ...(chosenJobs.has(job.id) ? { checked: "" } : {}),
+      }),
+    ),
     el("td", { class: "num" }, el("a", { href }, job.id)),
     el("td", { class: "name" }, el("a", { href }, job.name || job.spec.recipe || job.spec.entrypoint || "")),
     el("td", { class: "owner" }, job.owner ?? ""),
@@ -265,7 +106,7 @@ function jobRow(job) {
     el("td", { class: "reason", title: reason }, reason),
   );
   row.addEventListener("click", (ev) => {
-    if (ev.target.closest("a") || window.getSelection().toString()) return;
+    if (ev.target.closest("a, td.pick") || window.getSelection().toString()) return;
     location.hash = href;
   });
   return row;
@@ -293,177 +134,30 @@ function jobsView() {
   let stopped = false;
   const stopPolling = poll(refresh);
   const onFilter = () => refresh().catch(() => {});
+  const onPick = (ev) => {
+    if (!ev.target.matches("td.pick input")) return;
+    const id = Number(ev.target.value);
+    if (ev.target.checked) chosenJobs.add(id);
+    else chosenJobs.delete(id);
+    showChosen();
+  };
+  const onCompare = () => {
+    location.hash = `#/compare?jobs=${[...chosenJobs].sort((a, b) => a - b).join(",")}`;
+  };
+  showChosen();
   filter.addEventListener("change", onFilter);
   owner.addEventListener("change", onFilter);
+  $("jobs").addEventListener("change", onPick);
+  $("compare-jobs").addEventListener("click", onCompare);
   api("/usage").then((usage) => addOwners(usage.items.map((u) => u.user)), () => {});
   return () => {
     stopped = true;
     stopPolling();
     filter.removeEventListener("change", onFilter);
     owner.removeEventListener("change", onFilter);
+    $("jobs").removeEventListener("change", onPick);
+    $("compare-jobs").removeEventListener("click", onCompare);
   };
-}
-
-// ---- a job's metric history --------------------------------------------------------------
-
-// A value as a number: the API sends NaN and the infinities as names.
-const numberOf = (v) =>
-  typeof v === "number" ? v : v === "Infinity" ? Infinity : v === "-Infinity" ? -Infinity : NaN;
-
-// Lowest to highest as the API ranks values (service/metrics.py): NaN above every number.
-const rankBelow = (a, b) => (Number.isNaN(a) ? false : Number.isNaN(b) ? true : a < b);
-
-// At most `maxPoints` of `pts` (sorted by x) that keep their shape, as the API
-// downsamples: equal spans of steps, each keeping its lowest and highest point, and the
-// first and the last point.
-function thinHistory(pts, maxPoints) {
-  if (pts.length <= maxPoints) return pts;
-  const buckets = Math.max(1, Math.floor((maxPoints - 2) / 2));
-  const lo = pts[0].x;
-  const span = pts[pts.length - 1].x - lo + 1;
-  const low = new Map();
-  const high = new Map();
-  pts.forEach((p, i) => {
-    const b = Math.floor(((p.x - lo) * buckets) / span);
-    if (!low.has(b) || rankBelow(p.y, pts[low.get(b)].y)) low.set(b, i);
-    if (!high.has(b) || rankBelow(pts[high.get(b)].y, p.y)) high.set(b, i);
-  });
-  const keep = new Set([0, pts.length - 1, ...low.values(), ...high.values()]);
-  return [...keep].sort((a, b) => a - b).map((i) => pts[i]);
-}
-
-// A job's metric series over the whole run, as its current attempt sees it, at a bounded
-// cost (as `ddpq watch` keeps its loss, ddpq/cli/live.py). It is fetched once downsampled
-// (max_points), then only what is new: from the current attempt's newest step on, still
-// with max_points, so an answer stays small however far the job got meanwhile; never the
-// whole history again until the attempt changes. A series kept here is thinned as the API
-// downsamples once it passes twice max_points. A new attempt resumes from a checkpoint
-// and reports its steps again: points of earlier attempts from the step it started
-// reporting at are left out, so the lines end where the attempt is.
-//
-// It also keeps how many points each series has in the API (`held`, from the answers'
-// `series`) and which series it holds fewer of (`downsampled`), for the note under the
-// chart. An answer from `since` on counts again what the API held from there: what the
-// previous answer counted from there is taken off first, by the steps it sent (exact
-// unless that answer was itself downsampled past `since`, which keeps at least the
-// newest point: only a new attempt's leftovers can be off).
-class MetricHistory {
-  constructor(maxPoints) {
-    this.maxPoints = maxPoints;
-    this.reset(0);
-  }
-
-  reset(attempt) {
-    this.attempt = attempt;
-    this.series = new Map(); // name -> [{x: step, y: number, a: attempt}] by step
-    this.held = new Map(); // name -> the points the API holds of it
-    this.downsampled = new Set(); // names of which fewer points are kept than it holds
-    this.answered = new Map(); // name -> the steps the last answer sent
-    this.loaded = false;
-    this.behind = false; // earlier attempts' points lie past the current one's newest
-    this.fetchedAt = -Infinity;
-  }
-
-  names() {
-    return [...this.series.keys()].sort();
-  }
-
-  // The current attempt's newest step, or -1.
-  newest() {
-    let newest = -1;
-    for (const pts of this.series.values()) {
-      for (let i = pts.length - 1; i >= 0; i--) {
-        if (pts[i].a >= this.attempt) {
-          newest = Math.max(newest, pts[i].x);
-          break;
-        }
-      }
-    }
-    return newest;
-  }
-
-  // The query of the next fetch and where it starts (null: the whole run). Before the
-  // current attempt reported anything, it starts at the step the attempt resumes from.
-  next(resumeStep) {
-    const q = new URLSearchParams({ max_points: String(this.maxPoints) });
-    if (!this.loaded) return { q, since: null };
-    const newest = this.newest();
-    const since = newest >= 0 ? newest : resumeStep;
-    q.set("since_step", String(since));
-    return { q, since };
-  }
-
-  // Take an answer to next()'s query (`series`: its counts; none from an older API).
-  take(items, since, series = {}) {
-    this.loaded = true;
-    this.fetchedAt = Date.now();
-    if (since === null) {
-      this.series = new Map();
-      this.held = new Map();
-      this.downsampled = new Set();
-    } else {
-      for (const [name, pts] of this.series) this.series.set(name, pts.filter((p) => p.x < since));
-      for (const [name, held] of this.held) {
-        const again = (this.answered.get(name) || []).filter((x) => x >= since).length;
-        this.held.set(name, held - again);
-      }
-    }
-    this.answered = new Map();
-    for (const [name, c] of Object.entries(series)) {
-      this.held.set(name, (this.held.get(name) || 0) + c.points);
-      if (c.downsampled) this.downsampled.add(name);
-    }
-    for (const item of items) {
-      for (const [name, v] of Object.entries(item.values)) {
-        if (!this.series.has(name)) this.series.set(name, []);
-        this.series.get(name).push({ x: item.step, y: numberOf(v), a: item.attempt });
-        if (!this.answered.has(name)) this.answered.set(name, []);
-        this.answered.get(name).push(item.step);
-      }
-    }
-    let first = Infinity;
-    for (const pts of this.series.values()) {
-      const own = pts.find((p) => p.a >= this.attempt);
-      if (own) first = Math.min(first, own.x);
-    }
-    const newest = this.newest();
-    this.behind = false;
-    for (const [name, pts] of this.series) {
-      if (pts.some((p) => p.a < this.attempt && (newest < 0 || p.x > newest))) this.behind = true;
-      const kept = first === Infinity ? pts : pts.filter((p) => p.a >= this.attempt || p.x < first);
-      if (kept.length > 2 * this.maxPoints) {
-        this.series.set(name, thinHistory(kept, this.maxPoints));
-        this.downsampled.add(name);
-      } else {
-        this.series.set(name, kept);
-      }
-    }
-  }
-}
-
-const count = (n) => n.toLocaleString("en-US");
-
-// The note under the chart: which series drawn show fewer points than they have, and
-// whether retention downsampled the job's series in storage (the chart cannot tell).
-function chartNote(history, names, job) {
-  const notes = [];
-  for (const name of names) {
-    const shown = (history.series.get(name) || []).length;
-    if (!shown || !history.downsampled.has(name)) continue;
-    const held = history.held.get(name);
-    notes.push(
-      held > shown
-        ? `${name}: ${count(shown)} of ${count(held)} points shown (downsampled)`
-        : `${name}: ${count(shown)} points shown (downsampled)`,
-    );
-  }
-  if (job && job.metrics_downsampled > 0) {
-    notes.push(
-      `this job's series were downsampled in storage after it ended: ` +
-        `${count(job.metrics_downsampled)} points removed (DDPQ_METRICS_DOWNSAMPLE_AFTER)`,
-    );
-  }
-  return notes;
 }
 
 // ---- one job ------------------------------------------------------------------------------
@@ -474,10 +168,6 @@ function where(worker, externalId) {
   return externalId ? `${worker} (Slurm job ${externalId})` : worker;
 }
 
-function fact(dl, term, value) {
-  if (value === null || value === undefined || value === "") return;
-  dl.append(el("dt", {}, term), el("dd", {}, value));
-}
 
 // The progress bar: the latest step of the job's total_steps (its program reports it).
 function progress(job) {
@@ -517,13 +207,6 @@ function renderFacts(job) {
   fact(dl, "created", when(job.created_at));
   fact(dl, "started", when(job.started_at));
   fact(dl, "finished", when(job.finished_at));
-}
-
-function cellValue(v) {
-  if (v === null || v === undefined) return "";
-  if (typeof v === "number") return formatNumber(v);
-  if (typeof v === "object") return JSON.stringify(v);
-  return String(v);
 }
 
 const ago = (t) => (t ? el("td", { title: t }, `${age(t)} ago`) : el("td", {}, ""));
@@ -569,75 +252,6 @@ function renderCheckpoints(items) {
   fillTable("checkpoints", rows);
 }
 
-// ---- a job's GPUs (its system metrics, sampled by its worker through NVML) -------------------
-
-const gib = (n) => (n / 2 ** 30).toFixed(1);
-
-// A GPU's utilisation and memory used (% of its total) over the samples' span, 0 to 100.
-function sparkline(samples) {
-  const SVG = "http://www.w3.org/2000/svg";
-  const spark = document.createElementNS(SVG, "svg");
-  spark.setAttribute("class", "gpu-spark");
-  spark.setAttribute("viewBox", "0 0 100 100");
-  spark.setAttribute("preserveAspectRatio", "none");
-  spark.setAttribute("role", "img");
-  const frame = document.createElementNS(SVG, "rect");
-  for (const [k, v] of Object.entries({ x: 0, y: 0, width: 100, height: 100 })) frame.setAttribute(k, v);
-  spark.append(frame);
-  if (samples.length < 2) return spark;
-  const t0 = Date.parse(samples[0].time);
-  const span = Math.max(1, Date.parse(samples[samples.length - 1].time) - t0);
-  const x = (s) => ((100 * (Date.parse(s.time) - t0)) / span).toFixed(2);
-  const lines = [
-    (s) => s.utilization,
-    (s) => (s.memory_total ? (100 * s.memory_used) / s.memory_total : 0),
-  ];
-  lines.forEach((y, i) => {
-    const line = document.createElementNS(SVG, "polyline");
-    line.setAttribute("class", `series-${i}`);
-    line.setAttribute("points", samples.map((s) => `${x(s)},${(100 - y(s)).toFixed(2)}`).join(" "));
-    spark.append(line);
-  });
-  const secs = Math.round(span / 1000);
-  spark.setAttribute("aria-label", `utilisation and memory over the last ${secs} s`);
-  return spark;
-}
-
-// A row per GPU: what it is, its use now, its use over time. No GPU (no NVML on the
-// job's worker, a CPU job): no panel at all.
-function renderGpus(items) {
-  $("gpus-panel").hidden = items.length === 0;
-  const rows = items.map((g) => {
-    const now = g.latest;
-    return el(
-      "div",
-      { class: "gpu", "data-gpu": `${g.worker}:${g.gpu}` },
-      el(
-        "div",
-        { class: "gpu-name" },
-        `GPU ${g.gpu}${g.name ? ` · ${g.name}` : ""}`,
-        el("small", {}, g.uuid ? `${g.worker} · ${g.uuid}` : g.worker),
-      ),
-      el(
-        "div",
-        { class: "gpu-meter gpu-util", title: "utilisation" },
-        el("meter", { min: 0, max: 100, value: now.utilization }),
-        `${Math.round(now.utilization)}%`,
-      ),
-      el(
-        "div",
-        { class: "gpu-meter gpu-mem", title: "memory used" },
-        el("meter", { min: 0, max: now.memory_total || 1, value: now.memory_used }),
-        `${gib(now.memory_used)} / ${gib(now.memory_total)} GiB`,
-      ),
-      sparkline(g.samples),
-    );
-  });
-  $("gpus").replaceChildren(...rows);
-  const newest = items.map((g) => g.latest.time).sort().pop();
-  $("gpus-info").textContent = newest ? `sampled ${age(newest)} ago` : "";
-}
-
 function jobView(id) {
   $("job-view").hidden = false;
   $("job-title").textContent = `Job ${id}`;
@@ -655,9 +269,7 @@ function jobView(id) {
   renderGpus([]);
 
   const chart = new LineChart($("chart"));
-  const width = $("chart").clientWidth || 600;
-  const { min, max, perPixel } = HISTORY_POINTS;
-  const history = new MetricHistory(Math.min(max, Math.max(min, perPixel * width)));
+  const history = new MetricHistory(historyPoints($("chart").clientWidth || 600));
   const st = {
     job: null,
     metricsSeen: null, // latest_metrics as last fetched, to skip fetches that bring nothing
@@ -873,10 +485,10 @@ function jobView(id) {
   };
 
   $("cancel").hidden = true; // until the job and the viewer are known
-  viewerChanged = () => {
+  setViewerChanged(() => {
     if (st.job) renderActions(st.job);
     else $("cancel").hidden = true;
-  };
+  });
   $("cancel").addEventListener("click", onCancel);
   $("metric-list").addEventListener("change", onPick);
   $("log-scale").addEventListener("change", onMetric);
@@ -886,7 +498,7 @@ function jobView(id) {
     stopped = true;
     stopPolling();
     chart.destroy();
-    viewerChanged = () => {};
+    setViewerChanged(() => {});
     $("cancel").removeEventListener("click", onCancel);
     $("metric-list").removeEventListener("change", onPick);
     $("log-scale").removeEventListener("change", onMetric);
@@ -897,13 +509,20 @@ function jobView(id) {
 // ---- routing ---------------------------------------------------------------------------
 
 let leave = () => {};
+const VIEWS = ["jobs-view", "job-view", "sweeps-view", "sweep-view", "compare-view"];
 
+// #/jobs/N a job, #/sweeps the sweeps, #/sweeps/N a sweep, #/compare?jobs=1,2 a
+// comparison of jobs; anything else the jobs table.
 function route() {
   leave();
-  $("jobs-view").hidden = true;
-  $("job-view").hidden = true;
-  const m = location.hash.match(/^#\/jobs\/(\d{1,18})$/);
-  leave = m ? jobView(Number(m[1])) : jobsView();
+  for (const id of VIEWS) $(id).hidden = true;
+  const hash = location.hash;
+  let m;
+  if ((m = hash.match(/^#\/jobs\/(\d{1,18})$/))) leave = jobView(Number(m[1]));
+  else if (/^#\/sweeps\/?$/.test(hash)) leave = sweepsView();
+  else if ((m = hash.match(/^#\/sweeps\/(\d{1,18})$/))) leave = sweepView(Number(m[1]));
+  else if ((m = hash.match(/^#\/compare(?:\?(.*))?$/))) leave = compareView(m[1] || "");
+  else leave = jobsView();
 }
 
 $("login").addEventListener("cancel", (ev) => ev.preventDefault()); // the token is required
@@ -913,4 +532,4 @@ $("forget").addEventListener("click", () => {
 });
 window.addEventListener("hashchange", route);
 route();
-if (token) checkWho(); // else when the token is entered
+if (hasToken()) checkWho(); // else when the token is entered

@@ -1,6 +1,8 @@
-// A small SVG line chart of one or more metrics over steps, on one shared y axis: nice
-// ticks, optional log scale, min/max-per-pixel thinning for long histories, a legend and
-// a hover read-out. No library.
+// A small SVG line chart of one or more series over steps, on one shared y axis: nice
+// ticks, optional log scale, optional smoothing (an EMA, the raw line drawn faint under
+// it), min/max-per-pixel thinning for long histories, a legend and a hover read-out. The
+// job page draws a job's metrics with it; the comparison and sweep pages one metric of
+// several jobs. No library.
 
 const SVG = "http://www.w3.org/2000/svg";
 const PAD = { left: 64, right: 16, top: 28, bottom: 28 };
@@ -65,6 +67,21 @@ function thin(points, width, xOf) {
   return out;
 }
 
+// TensorBoard's smoothing: an exponential moving average of the values with weight
+// `weight` (0: the raw values), debiased so that the first points are not pulled
+// towards zero. A non-finite value is kept as it is and leaves the average alone.
+export function smooth(points, weight) {
+  if (!(weight > 0)) return points;
+  let last = 0;
+  let n = 0;
+  return points.map((p) => {
+    if (!Number.isFinite(p.y)) return p;
+    last = last * weight + (1 - weight) * p.y;
+    n += 1;
+    return { ...p, y: last / (1 - weight ** n) };
+  });
+}
+
 // The index of the point of `pts` (sorted by x) nearest to `x`.
 function nearest(pts, x) {
   let lo = 0;
@@ -98,21 +115,26 @@ export class LineChart {
     this.observer.disconnect();
   }
 
-  // series: [{name, colour (0..COLOURS-1), points: [{x: step, y: value}] sorted by x}];
-  // non-finite values are left out (and values <= 0 on a log scale).
-  setData(series, { logY = false, empty = "no metrics reported yet" } = {}) {
+  // series: [{name, colour (0..COLOURS-1), points: [{x: step, y: value}] sorted by x,
+  // key (optional: its data-key), cls (optional: more classes of its line, "dashed")}];
+  // non-finite values are left out (and values <= 0 on a log scale). `smoothing`: the
+  // EMA's weight, 0 to below 1 (0: raw); each series' raw line is then drawn faint.
+  setData(series, { logY = false, empty = "no metrics reported yet", smoothing = 0 } = {}) {
     this.logY = logY;
     this.empty = empty;
+    this.smoothing = smoothing > 0 && smoothing < 1 ? smoothing : 0;
     this.names = series.map((s) => s.name);
     this.series = series
-      .map((s) => ({
-        ...s,
-        points: s.points.filter((p) => Number.isFinite(p.y) && (!logY || p.y > 0)),
-      }))
+      .map((s) => {
+        const raw = s.points.filter((p) => Number.isFinite(p.y) && (!logY || p.y > 0));
+        return { ...s, raw, points: smooth(raw, this.smoothing) };
+      })
       .filter((s) => s.points.length);
     const d = this.container.dataset;
     d.points = String(this.series.reduce((n, s) => n + s.points.length, 0));
     d.series = String(this.series.length);
+    d.logY = String(logY);
+    d.smoothing = String(this.smoothing);
     const [x0, x1] = this.xRange();
     d.firstStep = this.series.length ? String(x0) : "";
     d.lastStep = this.series.length ? String(x1) : "";
@@ -151,7 +173,7 @@ export class LineChart {
     let y0 = Infinity;
     let y1 = -Infinity;
     for (const s of this.series) {
-      for (const p of s.points) {
+      for (const p of this.smoothing ? [...s.raw, ...s.points] : s.points) {
         const v = fy(p.y);
         if (v < y0) y0 = v;
         if (v > y1) y1 = v;
@@ -166,10 +188,30 @@ export class LineChart {
       y0 -= m;
       y1 += m;
     }
+    // The legend, in the band above the plot: a stroke of each series' colour, its name;
+    // as many rows as the names take (several jobs' names are long), the plot below them.
+    const legend = svg("g", { class: "chart-legend" });
+    let lx = PAD.left;
+    let ly = 14;
+    for (const s of this.series) {
+      const wide = 21 + 7 * s.name.length + 16;
+      if (lx > PAD.left && lx + wide > width - PAD.right) {
+        lx = PAD.left;
+        ly += 18;
+      }
+      const item = svg("g", { class: `chart-legend-item series-${s.colour}`, "data-name": s.name });
+      item.append(svg("line", { x1: lx, x2: lx + 16, y1: ly, y2: ly }));
+      const label = svg("text", { x: lx + 21, y: ly + 4 });
+      label.textContent = s.name;
+      item.append(label);
+      legend.append(item);
+      lx += wide;
+    }
+    const top = PAD.top + ly - 14;
     const pw = width - PAD.left - PAD.right;
-    const ph = height - PAD.top - PAD.bottom;
+    const ph = Math.max(40, height - top - PAD.bottom);
     const xOf = (x) => PAD.left + ((x - x0) / (x1 - x0)) * pw;
-    const yOf = (v) => PAD.top + (1 - (fy(v) - y0) / (y1 - y0)) * ph;
+    const yOf = (v) => top + (1 - (fy(v) - y0) / (y1 - y0)) * ph;
 
     const grid = svg("g", { class: "chart-grid" });
     let yTicks;
@@ -194,7 +236,7 @@ export class LineChart {
     for (const t of niceTicks(x0, x1, Math.max(2, Math.floor(pw / 90)))) {
       if (!Number.isInteger(t)) continue;
       const x = xOf(t);
-      grid.append(svg("line", { x1: x, x2: x, y1: PAD.top, y2: height - PAD.bottom }));
+      grid.append(svg("line", { x1: x, x2: x, y1: top, y2: height - PAD.bottom }));
       const label = svg("text", { x, y: height - PAD.bottom + 16, class: "tick x" });
       label.textContent = String(t);
       grid.append(label);
@@ -204,25 +246,27 @@ export class LineChart {
     grid.append(axisLabel);
     root.append(grid);
 
-    // The legend, in the band above the plot: a stroke of each series' colour, its name.
-    const legend = svg("g", { class: "chart-legend" });
-    let lx = PAD.left;
-    for (const s of this.series) {
-      const item = svg("g", { class: `chart-legend-item series-${s.colour}`, "data-name": s.name });
-      item.append(svg("line", { x1: lx, x2: lx + 16, y1: 14, y2: 14 }));
-      const label = svg("text", { x: lx + 21, y: 18 });
-      label.textContent = s.name;
-      item.append(label);
-      legend.append(item);
-      lx += 21 + 7 * s.name.length + 16;
-    }
     root.append(legend);
 
-    for (const s of this.series) {
-      const shown = thin(s.points, pw, xOf);
+    const pathOf = (points) => {
       let d = "";
-      for (const p of shown) d += `${d ? "L" : "M"}${xOf(p.x).toFixed(1)},${yOf(p.y).toFixed(1)}`;
-      root.append(svg("path", { d, class: `chart-line series-${s.colour}`, "data-name": s.name }));
+      for (const p of thin(points, pw, xOf)) {
+        d += `${d ? "L" : "M"}${xOf(p.x).toFixed(1)},${yOf(p.y).toFixed(1)}`;
+      }
+      return d;
+    };
+    if (this.smoothing) {
+      // The raw values, faint, under every smoothed line.
+      for (const s of this.series) {
+        const cls = `chart-line raw series-${s.colour}`;
+        root.append(svg("path", { d: pathOf(s.raw), class: cls, "data-name": s.name }));
+      }
+    }
+    for (const s of this.series) {
+      const attrs = { d: pathOf(s.points), class: `chart-line series-${s.colour}`, "data-name": s.name };
+      if (s.cls) attrs.class += ` ${s.cls}`;
+      if (s.key != null) attrs["data-key"] = s.key;
+      root.append(svg("path", attrs));
       const last = s.points[s.points.length - 1];
       root.append(
         svg("circle", { cx: xOf(last.x), cy: yOf(last.y), r: 3, class: `chart-dot series-${s.colour}` }),
@@ -230,9 +274,9 @@ export class LineChart {
     }
 
     this.cursor = svg("g", { class: "chart-cursor", visibility: "hidden" });
-    this.cursorLine = svg("line", { y1: PAD.top, y2: height - PAD.bottom });
+    this.cursorLine = svg("line", { y1: top, y2: height - PAD.bottom });
     this.cursorDots = this.series.map((s) => svg("circle", { r: 4, class: `series-${s.colour}` }));
-    this.cursorText = svg("text", { y: PAD.top + 12 });
+    this.cursorText = svg("text", { y: top + 12 });
     this.cursor.append(this.cursorLine, ...this.cursorDots, this.cursorText);
     root.append(this.cursor);
     this.layout = { xOf, yOf, x0, x1, pw, width };

@@ -453,6 +453,13 @@ class Client:
         items: list[dict[str, Any]] = self._json("GET", f"/jobs/{job_id}/checkpoints")["items"]
         return items
 
+    def send_checkpoint(self, job_id: int, checkpoint_id: int) -> dict[str, Any]:
+        """Ask for a kept checkpoint to be sent to the API (its worker does so at its next
+        heartbeat); the checkpoint, with ``snapshot`` once sent."""
+        path = f"/jobs/{job_id}/checkpoints/{checkpoint_id}/send"
+        result: dict[str, Any] = self._json("POST", path)
+        return result
+
     def workers(self) -> list[dict[str, Any]]:
         items: list[dict[str, Any]] = self._json("GET", "/workers")["items"]
         return items

@@ -13,6 +13,22 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 
+class ForkSource(BaseModel):
+    """Another job's checkpoint, as a code snapshot (service.forks): the worker writes it
+    as ``<checkpoint_dir>/<dirname>/<name>`` (a file, or a framework's directory) and its
+    ranks resume from that path until they saved one of their own."""
+
+    job_id: int
+    step: int
+    snapshot: str
+    name: str
+    kind: Literal["file", "dir"] = "file"
+
+    @property
+    def dirname(self) -> str:
+        return f"fork-of-job-{self.job_id}-step-{self.step}"
+
+
 class ClaimedJob(BaseModel):
     """POST /workers/claim: one attempt of a job (or one node slot of it) to run."""
 
@@ -41,6 +57,10 @@ class ClaimedJob(BaseModel):
     # this API does not have): the worker ends the attempt as an error with these words
     # before it starts anything, so the job fails naming the secret.
     secrets_problem: str | None = None
+    # The checkpoint a fork starts from (spec.from_checkpoint), sent to the API by the
+    # worker that held it: written into ``checkpoint_dir`` here, and offered to the ranks
+    # after the job's own (resume_from). None for any other job.
+    fork_from: ForkSource | None = None
 
 
 class GangReply(BaseModel):
@@ -87,6 +107,13 @@ class PruneOrder(BaseModel):
     kind: Literal["file", "dir"] = "file"  # an API before migration 0030 sends files only
 
 
+class SendOrder(PruneOrder):
+    """A registered checkpoint this worker holds that a fork (or a download) wants: send
+    it to the API as a code snapshot, if it is still what was registered (read as a
+    deletion reads it: from the job's checkpoint directory, no link followed); reported
+    on a later heartbeat (Heartbeat.sent)."""
+
+
 class CacheClearOrder(BaseModel):
     """A user's cache this worker is to clear (``ddpq cache clear``): now, or when the
     attempt that holds it ends; reported done on a later heartbeat (Heartbeat.cleared)."""
@@ -111,6 +138,8 @@ class HeartbeatReply(BaseModel):
     # directories here (Heartbeat.dropped).
     prune: list[PruneOrder] = []
     drop: list[int] = []
+    # Checkpoints to send (asked again until a heartbeat reports them: Heartbeat.sent).
+    send: list[SendOrder] = []
     # Users' caches to clear (asked again until a heartbeat reports them: Heartbeat.cleared).
     clear: list[CacheClearOrder] = []
 

@@ -308,3 +308,45 @@ def params(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     if problem:
         raise ValueError(f"{PARAMS_VAR}: {problem}")
     return dict(found)
+
+
+# A job array (docs/experiments.md): Slurm's ``--array`` syntax without its ``%N`` (the
+# CLI turns that into the sweep's max_concurrent): "0-31", "0-15:4", "1,3,5-7". Each task
+# is a trial of a sweep whose one parameter is ``index``, and its ranks read the index in
+# DDPQ_ARRAY_INDEX. At most 1,000 tasks (Slurm's default MaxArraySize is 1,001), indices
+# from 0 to 2**31 - 1, each once.
+ARRAY_VAR = "DDPQ_ARRAY_INDEX"
+MAX_ARRAY_TASKS = 1000
+MAX_ARRAY_INDEX = 2**31 - 1
+MAX_ARRAY_CHARS = 2000
+_ARRAY_ITEM = re.compile(r"(\d{1,10})(?:-(\d{1,10})(?::(\d{1,10}))?)?")  # fullmatch
+
+
+def array_indices(text: str) -> list[int]:
+    """The indices ``text`` names, ascending; ValueError saying which part is wrong."""
+    if len(text) > MAX_ARRAY_CHARS:
+        raise ValueError(f"at most {MAX_ARRAY_CHARS} characters")
+    found: set[int] = set()
+    for item in text.split(","):
+        m = _ARRAY_ITEM.fullmatch(item.strip())
+        if m is None:
+            raise ValueError(
+                f"{item.strip()[:40]!r} is not an index (7), a range (0-31) or a range "
+                "with a step (0-31:2)"
+            )
+        low = int(m.group(1))
+        high = int(m.group(2)) if m.group(2) is not None else low
+        step = int(m.group(3)) if m.group(3) is not None else 1
+        if high > MAX_ARRAY_INDEX:
+            raise ValueError(f"{item.strip()}: an index is at most {MAX_ARRAY_INDEX}")
+        if high < low:
+            raise ValueError(f"{item.strip()}: a range goes up ({low} > {high})")
+        if step < 1:
+            raise ValueError(f"{item.strip()}: a step is at least 1")
+        # Counted before it is made: "0-2147483647" must not make two billion numbers.
+        if (high - low) // step + 1 > MAX_ARRAY_TASKS:
+            raise ValueError(f"{item.strip()}: at most {MAX_ARRAY_TASKS} tasks")
+        found.update(range(low, high + 1, step))
+        if len(found) > MAX_ARRAY_TASKS:
+            raise ValueError(f"at most {MAX_ARRAY_TASKS} tasks")
+    return sorted(found)

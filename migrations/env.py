@@ -5,6 +5,7 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import create_engine, pool, text
 
+import service.deptables
 import service.sweeptables  # noqa: F401  (its tables are Base's too)
 from service.models import Base
 

@@ -34,25 +34,28 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import ColumnElement, bindparam, exists, literal, null, select, union_all, update
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, aliased
 
-from ddpq.messages import PruneOrder
+from ddpq.messages import ClaimedJob, ForkSource, PruneOrder, SendOrder
 from service.db import Database, Policy
-from service.errors import Invalid, NotFound
+from service.errors import Conflict, Invalid, NotFound
 from service.models import TERMINAL, Attempt, Checkpoint, Job, utcnow
-from service.queue import as_utc
+from service.queue import as_utc, ask_checkpoint, checkpoints_sent, fork_source
+from service.queue.forks import SENDING
 from service.queue.rules import resume_key
 from service.schemas import (
     CheckpointIn,
     CheckpointPruned,
     CheckpointPublic,
     CheckpointsDropped,
+    CheckpointSent,
     metric_in,
     metric_out,
 )
 
 MAX_ORDERS = 1000  # checkpoints one heartbeat reply asks to delete; the rest next time
 MAX_DROPS = 100  # ended jobs' directories one reply asks to remove
+MAX_SENDS = 20  # checkpoints one reply asks to send (each may be large)
 LIVE = ("kept", "pruning")  # the file is there as far as the API knows
 
 
@@ -126,9 +129,10 @@ def register(
     if keep_last == 0:
         return c
     kept = [
-        Held(r.id, r.step, r.keep)
+        # One being sent (a fork wants it: service.queue.forks) stays till it is sent.
+        Held(r.id, r.step, r.keep or r.sending)
         for r in s.execute(
-            select(Checkpoint.id, Checkpoint.step, Checkpoint.keep).where(
+            select(Checkpoint.id, Checkpoint.step, Checkpoint.keep, SENDING.label("sending")).where(
                 Checkpoint.job_id == job.id,
                 Checkpoint.state == "kept",
                 Checkpoint.worker.is_not(None),
@@ -175,23 +179,30 @@ def _refuse_nesting(s: Session, job_id: int, worker: str, path: str, kind: str) 
 # ---- a worker's heartbeat --------------------------------------------------------------
 
 
-# What a heartbeat's reply asks its worker to delete, in one statement built once (each
+# What a heartbeat's reply asks its worker to do, in one statement built once (each
 # heartbeat of every worker asks, and most find nothing): checkpoints keep_last let go
-# (kind "p"), and ended jobs whose retention ran out (kind "d", their job ids).
-_ORDERS = (
-    select(
-        literal("p").label("kind"),
-        Checkpoint.id,
-        Checkpoint.job_id,
-        Checkpoint.path,
-        Checkpoint.bytes,
-        Checkpoint.mtime_ns,
-        Checkpoint.kind.label("what"),
+# (kind "p"), checkpoints a fork wants sent (kind "s"), and ended jobs whose retention
+# ran out (kind "d", their job ids), unless one of their checkpoints is being sent.
+def _checkpoint_orders(kind: str, limit: int, *where: ColumnElement[bool]) -> Any:
+    return (
+        select(
+            literal(kind).label("kind"),
+            Checkpoint.id,
+            Checkpoint.job_id,
+            Checkpoint.path,
+            Checkpoint.bytes,
+            Checkpoint.mtime_ns,
+            Checkpoint.kind.label("what"),
+        )
+        .where(Checkpoint.worker == bindparam("worker"), *where)
+        .order_by(Checkpoint.id)
+        .limit(limit)
     )
-    .where(Checkpoint.worker == bindparam("worker"), Checkpoint.state == "pruning")
-    .order_by(Checkpoint.id)
-    .limit(MAX_ORDERS)
-)
+
+
+_ORDERS = _checkpoint_orders("p", MAX_ORDERS, Checkpoint.state == "pruning")
+_SENDS = _checkpoint_orders("s", MAX_SENDS, Checkpoint.state == "kept", SENDING)
+_sending = aliased(Checkpoint)
 _DROPS = (
     select(Checkpoint.job_id)
     .join(Job, Job.id == Checkpoint.job_id)
@@ -200,14 +211,22 @@ _DROPS = (
         Checkpoint.state.in_(LIVE),
         Job.status.in_(sorted(TERMINAL)),
         Job.finished_at < bindparam("ended_before"),
+        ~exists().where(
+            _sending.job_id == Checkpoint.job_id,
+            _sending.send_asked_at.is_not(None),
+            _sending.snapshot.is_(None),
+            _sending.send_problem.is_(None),
+        ),
     )
     .distinct()
     .order_by(Checkpoint.job_id)
     .limit(MAX_DROPS)
     .subquery()
 )
+_ORDERS_AND_SENDS = union_all(select(_ORDERS.subquery()), select(_SENDS.subquery()))
 _ORDERS_AND_DROPS = union_all(
     select(_ORDERS.subquery()),
+    select(_SENDS.subquery()),
     select(literal("d"), null(), _DROPS.c.job_id, null(), null(), null(), null()),
 )
 
@@ -217,18 +236,23 @@ def worker_round(
     worker: str,
     pruned: Sequence[CheckpointPruned],
     dropped: Sequence[CheckpointsDropped],
-) -> tuple[list[PruneOrder], list[int]]:
-    """Record what ``worker`` did with earlier orders; return what it is to delete now:
-    checkpoints keep_last let go, and ended jobs whose retention ran out."""
+    sent: Sequence[CheckpointSent] = (),
+) -> tuple[list[PruneOrder], list[int], list[SendOrder]]:
+    """Record what ``worker`` did with earlier orders; return what it is to do now:
+    checkpoints keep_last let go, ended jobs whose retention ran out, checkpoints forks
+    want sent."""
     now = utcnow()
     retention = db.policy.checkpoint_retention_s
     if pruned or dropped:
         with db.write() as s:
             _record(s, worker, pruned, dropped, now, retention)
+    if sent:  # its own transaction: it locks forks (service.queue.forks)
+        with db.write() as s:
+            checkpoints_sent(s, worker, sent, now)
     # One lone SELECT, outside any transaction (a read Session around two SELECTs cost a
     # third of an idle heartbeat's CPU in the API).
     if retention is None:
-        rows = db.read_all(_ORDERS, {"worker": worker})
+        rows = db.read_all(_ORDERS_AND_SENDS, {"worker": worker})
     else:
         since = now - timedelta(seconds=retention)
         rows = db.read_all(_ORDERS_AND_DROPS, {"worker": worker, "ended_before": since})
@@ -240,7 +264,14 @@ def worker_round(
         if r.kind == "p"
     ]
     drops = [r.job_id for r in rows if r.kind == "d"]
-    return orders, drops
+    sends = [
+        SendOrder(
+            id=r.id, job_id=r.job_id, path=r.path, bytes=r.bytes, mtime_ns=r.mtime_ns, kind=r.what
+        )
+        for r in rows
+        if r.kind == "s"
+    ]
+    return orders, drops, sends
 
 
 def _record(
@@ -354,6 +385,9 @@ def public(c: Any, expires: datetime | None = None) -> CheckpointPublic:
         expires_at=expires,
         worker=c.worker,
         kind=c.kind,
+        snapshot=c.snapshot,
+        sending=c.send_asked_at is not None and c.snapshot is None and c.send_problem is None,
+        send_problem=c.send_problem,
     )
 
 
@@ -367,3 +401,29 @@ def list_checkpoints(db: Database, job_id: int) -> list[CheckpointPublic]:
             select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.id)
         )
         return [public(c, expires_at(c, job.status, job.finished_at, db.policy)) for c in rows]
+
+
+def for_claim(db: Database, claim: ClaimedJob) -> ClaimedJob:
+    """A fork's claim with the checkpoint it starts from (service.queue.forks: sent, or
+    no claim would have taken it; None only if its rows went meanwhile, which the worker
+    refuses to start without)."""
+    with db.read() as s:
+        found = fork_source(s, claim.job_id)
+    return claim.model_copy(update={"fork_from": ForkSource(**found) if found else None})
+
+
+def ask_send(db: Database, job_id: int, checkpoint_id: int) -> CheckpointPublic:
+    """Ask for a job's kept checkpoint to be sent to the API (``ddpq checkpoints
+    --download``): its worker does at its next heartbeat; the answer says where it
+    stands (``snapshot`` once sent)."""
+    with db.write() as s:
+        job = s.execute(select(Job.status, Job.finished_at).where(Job.id == job_id)).first()
+        c = ask_checkpoint(s, checkpoint_id, utcnow())
+        if job is None or c is None or c.job_id != job_id:
+            raise NotFound(f"no kept checkpoint {checkpoint_id} of job {job_id}")
+        if c.worker is None and c.snapshot is None:
+            raise Conflict(
+                f"checkpoint {checkpoint_id} was saved before ddpq recorded which worker "
+                "holds a checkpoint: it cannot be fetched"
+            )
+        return public(c, expires_at(c, job.status, job.finished_at, db.policy))

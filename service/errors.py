@@ -65,7 +65,7 @@ class Invalid(DomainError):
 
     status_code = 422
 
-    def __init__(self, loc: tuple[str, str], detail: str) -> None:
+    def __init__(self, loc: tuple[str | int, ...], detail: str) -> None:
         super().__init__(detail)
         self.loc = loc
 

@@ -318,6 +318,17 @@ def queue_job(
     takes the owner's lock when they have limits: the caller locks no job row after it
     (service.queue.quotas)."""
     now = utcnow()
+    # What it waits for, first: those rows are read FOR SHARE before any other lock,
+    # then the checkpoint it starts from, FOR UPDATE (service.queue.forks).
+    unmet = queue.dependencies_unmet(s, spec.after)
+    source = queue.fork_source_of(s, spec.from_checkpoint)
+    if source is not None and spec.from_checkpoint is not None:
+        # Stored with the step it starts from, whichever way it was asked for.
+        spec = spec.model_copy(
+            update={
+                "from_checkpoint": spec.from_checkpoint.model_copy(update={"step": source.step})
+            }
+        )
     job = Job(
         name=spec.name,
         **states.submitted(),
@@ -351,6 +362,8 @@ def queue_job(
             raise Conflict(f"{problem} (strict=true: not queued)")
     s.add(job)
     s.flush()
+    queue.record_dependencies(s, job, unmet)
+    queue.record_fork(s, job, source, now)
     program = spec.recipe or spec.entrypoint
     users.audit(s, owner, "submit", f"job {job.id}", {"program": program})
     if limits.holds_back:  # held back from the start if it must be
@@ -461,6 +474,8 @@ def cancel(s: Session, job: Job, by: Principal | None, now: Any, why: str | None
         s, who if by is None else by.name, "cancel", f"job {job.id}", {"status": job.status}
     )
     states.enter(job, Event.CANCEL, now, reason, cancelled_by=cancelled_by)
+    if move.target == JobStatus.CANCELLED:  # what waited for it: met (any) or never (ok)
+        states.settle_dependents(s, job.id, move.target, now)
     if move.source == JobStatus.QUEUED:
         # A queued job gone may let others start: one every worker had to wait behind
         # (a starving head, a gang's), or a gang's held node slots. Every API process's

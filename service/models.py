@@ -144,6 +144,12 @@ class Job(Base):
     # Who cancelled it, as its reason names them: "bob", "alice (admin): bob's account was
     # closed" (service.jobs.cancel_job); its final reason once its worker confirms.
     cancelled_by: Mapped[str | None] = mapped_column(String(300))
+    # While queued: how many of its dependencies (service.deptables.JobDep) are unmet,
+    # and 1 more while the checkpoint it forks from is not yet sent (service.forks).
+    waits_on: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # The checkpoint it starts from (spec.from_checkpoint, resolved at its submit): its
+    # ranks resume from a copy of it until they have one of their own (service.forks).
+    fork_checkpoint_id: Mapped[int | None] = mapped_column(BigInteger)
     # What the job's working directory held when its last attempt ended (service.outputs):
     # a code snapshot (its code and what it wrote), kept for the workdir retention; what
     # was not sent ([{path, size, why}]); the directory on its worker.
@@ -179,6 +185,8 @@ class Job(Base):
         Index("ix_jobs_status_nnodes", "status", "nnodes"),
         # The job purge (service.retention): ended jobs, oldest first, a range of it.
         Index("ix_jobs_finished_at", "finished_at"),
+        # The forks of a checkpoint, released (or failed) once it is sent (service.forks).
+        Index("ix_jobs_fork_checkpoint_id", "fork_checkpoint_id"),
     )
 
 
@@ -503,6 +511,12 @@ class Checkpoint(Base):
     state: Mapped[str] = mapped_column(String(16), default="kept", server_default="kept")
     note: Mapped[str | None] = mapped_column(Text)
     pruned_at: Mapped[datetime | None]
+    # Sent to the API (service.forks): asked since (a fork of it, or a download, wants
+    # it; its worker is told with its heartbeats, and keeps it till then), then the code
+    # snapshot that holds it, or why its worker could not send it.
+    send_asked_at: Mapped[datetime | None]
+    snapshot: Mapped[str | None] = mapped_column(String(64))
+    send_problem: Mapped[str | None] = mapped_column(Text)
 
     # A worker's heartbeat asks for its checkpoints to delete, every few seconds.
     __table_args__ = (Index("ix_checkpoints_worker_state", "worker", "state"),)

@@ -154,7 +154,8 @@ async def _sweep_once(app: FastAPI, code_swept: float, code_every: float) -> flo
     if asyncio.get_running_loop().time() - code_swept >= code_every:
         code_swept = asyncio.get_running_loop().time()
         try:
-            keep = outputs.kept(settings.outputs_limits())
+            # Jobs' directories as they ended, and checkpoints sent for forks.
+            keep = outputs.kept(settings.outputs_limits()) | queue.fork_snapshots_kept()
             gone = await run_in_threadpool(code_store.collect, db, settings.code_retention_s, keep)
             if any(gone):
                 log.info("collected %d code snapshot(s) and %d content(s)", *gone)

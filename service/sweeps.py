@@ -69,6 +69,9 @@ def trial_spec(spec: SweepSpec, name: str, number: int, params: dict[str, Any]) 
     job["env"] = {k: fill(v, params) for k, v in job["env"].items()}
     job["params"] = params
     job["name"] = f"{name}/{number}"[-200:]
+    if spec.array is not None:  # a task: named and numbered by its index, as Slurm's are
+        job["array_index"] = params["index"]
+        job["name"] = f"{name}/{params['index']}"[-200:]
     return JobSpec.model_validate(job)
 
 
@@ -128,7 +131,7 @@ def _read(s: Session, sweep: Sweep) -> _Read:
         if t.state != "active" or t.job_id is None:
             continue
         _read_rungs(s, read, t)
-        if t.ended:
+        if t.ended and spec.metric is not None:
             last = s.execute(
                 select(MetricPoint.step, MetricPoint.value)
                 .where(MetricPoint.job_id == t.job_id, MetricPoint.name == spec.metric)
@@ -184,9 +187,11 @@ class _Plan:
         return not (self.rungs or self.told or self.prunes or self.new or self.done)
 
 
-def _tell(metric: str, t: _Trial, final: tuple[int, float | None] | None) -> _Told:
+def _tell(metric: str | None, t: _Trial, final: tuple[int, float | None] | None) -> _Told:
     """How an ended trial ended, for the sweep (and the study: complete, or failed)."""
     if t.status == JobStatus.SUCCEEDED:
+        if metric is None:  # a sweep without a metric (an array): its job's success
+            return _Told("complete", None, None, None)
         if final is None:
             return _Told("failed", None, None, f"it succeeded without reporting {metric}")
         step, value = final
@@ -395,6 +400,8 @@ def _ended_words(read: _Read, plan: _Plan) -> str:
         state = plan.told[t.number].state if t.number in plan.told else t.state
         states[state] = states.get(state, 0) + 1
     tally = ", ".join(f"{n} {state}" for state, n in sorted(states.items()))
+    if spec.metric is None:
+        return f"every trial ended ({tally})"
     if plan.best is None:
         return f"every trial ended ({tally}); none completed with a value of {spec.metric}"
     job = next((t.job_id for t in read.trials if t.number == plan.best.number), None)

@@ -50,13 +50,13 @@ def _value(v: float | None) -> Any:
     return None if v is None else metric_out(v)
 
 
-def _latest(metric: str, latest: dict[str, Any] | None) -> tuple[Any, int | None]:
-    if not latest or metric not in (latest.get("values") or {}):
+def _latest(metric: str | None, latest: dict[str, Any] | None) -> tuple[Any, int | None]:
+    if not latest or metric is None or metric not in (latest.get("values") or {}):
         return None, None
     return latest["values"][metric], latest.get("step")
 
 
-def trial_public(metric: str, row: Row[Any]) -> TrialPublic:
+def trial_public(metric: str | None, row: Row[Any]) -> TrialPublic:
     t: SweepTrial = row[0]
     latest, latest_step = (
         _latest(metric, row.latest_metrics) if t.state == "active" else (None, None)
@@ -104,7 +104,7 @@ def ranked(spec: SweepSpecPublic, trials: list[TrialPublic]) -> list[TrialPublic
     out = sorted(trials, key=key)
     rank = 0
     for t in out:
-        if t.state == "complete":
+        if t.state == "complete" and spec.metric is not None:  # no metric: no order
             rank += 1
             t.rank = rank
     return out
@@ -214,7 +214,8 @@ def export(db: Database, sweep_id: int, fmt: str) -> tuple[bytes, str]:
     spec = sweep.spec
     names = sorted({n for t in sweep.trials or [] for n in t.params} | set(spec.space))
     fixed = ("rank", "trial", "job", "state", "status", "step", "reason")
-    column = spec.metric if spec.metric not in fixed and "." not in spec.metric else "value"
+    metric = spec.metric or "value"  # an array has none: the column stays empty
+    column = metric if metric not in fixed and "." not in metric else "value"
     rows = [
         {
             "rank": t.rank,

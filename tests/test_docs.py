@@ -205,7 +205,8 @@ def operations() -> list[tuple[str, re.Pattern[str]]]:
 
 
 def _exists(method: str | None, path: str) -> bool:
-    path = path.split("?")[0].rstrip(".,;:)")
+    # A fragment is the dashboard's route (/#/compare?jobs=1,2), in its page at /.
+    path = path.split("#")[0].split("?")[0].rstrip(".,;:)")
     if path.rstrip("/") in NOT_OPERATIONS or path.startswith("/static/") or path == "/":
         return True
     return any((method is None or m == method) and p.match(path) for m, p in operations())

@@ -35,7 +35,8 @@ CPU_JOB = {"entrypoint": "train.py", "device": "cpu"}
 
 # A heartbeat's reply that asks nothing of the worker.
 NOTHING_ASKED = {
-    "cancel": [], "abandon": [], "preempt": [], "ended": [], "prune": [], "drop": [], "clear": [],
+    "cancel": [], "abandon": [], "preempt": [], "ended": [], "prune": [], "drop": [], "send": [],
+    "clear": [],
 }  # fmt: skip
 
 

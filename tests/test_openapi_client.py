@@ -43,6 +43,7 @@ OPERATIONS = {
     ("get", "/jobs/{job_id}/gpus"): ("jobs", "get_job_gpus"),
     ("get", "/jobs/{job_id}/events"): ("jobs", "get_job_events"),
     ("get", "/jobs/{job_id}/checkpoints"): ("jobs", "list_job_checkpoints"),
+    ("post", "/jobs/{job_id}/checkpoints/{checkpoint_id}/send"): ("jobs", "send_job_checkpoint"),
     ("get", "/jobs/{job_id}/outputs"): ("jobs", "list_job_outputs"),
     ("get", "/jobs/{job_id}/logs"): ("jobs", "get_job_logs"),
     ("post", "/jobs/{job_id}/metrics"): ("reports", "report_metrics"),

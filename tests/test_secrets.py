@@ -472,6 +472,14 @@ def test_the_ranks_get_the_secrets_and_nothing_of_ddpqs_is_replaced() -> None:
     at = torchrun.Placement("http://api", "/ckpt/job-12", "DDPQ_LAUNCH_ID", "w@x/12/3")
     env = torchrun.environment({"HF_TOKEN": "the-worker's", "PATH": "/bin"}, claim, at)
     assert env["WANDB_API_KEY"] == "w" and env["HF_TOKEN"] == "h" and env["A"] == "1"
+    # Without the job's own, the worker's credentials stay the worker's, whatever their
+    # prefix; its settings pass.
+    worker_env = {
+        "HF_TOKEN": "t", "HF_HUB_TOKEN": "t", "HF_API_KEY": "k", "TORCH_AUTH": "a",
+        "NCCL_SECRET": "s", "HF_HUB_OFFLINE": "1", "TORCH_KEYS_ALLOWED": "1", "PATH": "/bin",
+    }  # fmt: skip
+    bare = torchrun.environment(worker_env, _claim_of(spec={}), at)
+    assert {k for k in worker_env if k in bare} == {"HF_HUB_OFFLINE", "TORCH_KEYS_ALLOWED", "PATH"}
     assert env["DDPQ_JOB_TOKEN"] == "secret-job-token"
     assert torchrun.secrets_problem(claim) is None
     forged = claim.model_copy(update={"secrets": {"DDPQ_JOB_TOKEN": "x"}})

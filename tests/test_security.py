@@ -579,7 +579,9 @@ def test_checkpoint_registration_stays_in_the_job_directory_and_serves_no_file(
     r = rank0.post(f"/jobs/{jid}/checkpoints", json={"path": f"{root}/a.pt", "step": 1})
     assert r.status_code == 201
     answer = server.client().get(f"/jobs/{jid}/checkpoints").json()
-    # What a checkpoint is, where it stands (retention), never its file's contents.
+    # What a checkpoint is, where it stands (retention), never its file's contents (once
+    # sent for a fork or a download, the id of the snapshot that holds them: read as any
+    # job's outputs are, by the team, docs/sharing.md).
     assert set(answer["items"][0]) == {
         "id",
         "path",
@@ -596,6 +598,9 @@ def test_checkpoint_registration_stays_in_the_job_directory_and_serves_no_file(
         "expires_at",
         "worker",
         "kind",
+        "snapshot",
+        "sending",
+        "send_problem",
     }
 
 

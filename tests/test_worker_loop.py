@@ -159,6 +159,7 @@ class FakeAPI:
         dropped: list[dict[str, Any]] | None = None,
         caches: list[dict[str, Any]] | None = None,
         cleared: list[dict[str, Any]] | None = None,
+        sent: list[dict[str, Any]] | None = None,
     ) -> HeartbeatReply:
         self.heartbeats.append(running)
         self.reports.append((pruned or [], dropped or []))

@@ -100,6 +100,7 @@ class WorkerAPI:
         dropped: list[dict[str, Any]] | None = None,
         caches: list[dict[str, Any]] | None = None,
         cleared: list[dict[str, Any]] | None = None,
+        sent: list[dict[str, Any]] | None = None,
     ) -> HeartbeatReply:
         body: dict[str, Any] = {"name": self.name, "running": running}
         if self.identity:
@@ -114,6 +115,8 @@ class WorkerAPI:
             body["caches"] = caches
         if cleared:
             body["cleared"] = cleared
+        if sent:
+            body["sent"] = sent
         r = self._request("POST", "/workers/heartbeat", json=body)
         return HeartbeatReply.model_validate_json(r.content)
 

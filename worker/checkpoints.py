@@ -32,6 +32,7 @@ import threading
 from pathlib import Path
 from typing import Any, Literal
 
+from ddpq.errors import WorkerError
 from ddpq.messages import PruneOrder
 from ddpq.wire import tree_stamp
 
@@ -60,34 +61,55 @@ def _not_followed(exc: OSError, name: str, dir_fd: int | None = None) -> str:
     return exc.strerror or str(exc)
 
 
+class NotThere(WorkerError):
+    """A registered checkpoint's path cannot be walked: missing, or refused (why)."""
+
+    def __init__(self, outcome: Outcome, why: str | None = None) -> None:
+        super().__init__(why or outcome)
+        self.outcome, self.why = outcome, why
+
+
+def walk_to(root: Path, job_id: int, path: str) -> tuple[int, str]:
+    """The directory fd holding a registered checkpoint's last name, and that name: walked
+    from this worker's checkpoint root and ``job-<id>``, never through a link; NotThere
+    if it cannot be. The caller closes the fd."""
+    top = job_dir(root, job_id)
+    norm = os.path.normpath(path)
+    rel = os.path.relpath(norm, top) if os.path.isabs(norm) else os.pardir
+    parts = rel.split(os.sep)
+    if rel == os.curdir or any(p in ("", os.curdir, os.pardir) for p in parts):
+        raise NotThere("refused", f"{path[:300]} is not inside {top}")
+    try:
+        fd = os.open(top, _DIR_FLAGS)
+    except FileNotFoundError:
+        raise NotThere("missing") from None
+    except OSError as exc:
+        raise NotThere("refused", f"{top} {_not_followed(exc, top)}") from None
+    for i, name in enumerate(parts[:-1]):
+        try:
+            inner = os.open(name, _DIR_FLAGS, dir_fd=fd)
+        except FileNotFoundError:
+            os.close(fd)
+            raise NotThere("missing") from None
+        except OSError as exc:
+            where = os.path.join(top, *parts[: i + 1])
+            why = f"{where} {_not_followed(exc, name, fd)}"
+            os.close(fd)
+            raise NotThere("refused", why) from None
+        os.close(fd)
+        fd = inner
+    return fd, parts[-1]
+
+
 def delete_checkpoint(root: Path, order: PruneOrder) -> tuple[Outcome, str | None]:
     """Delete one registered checkpoint, a file or a directory, if it is still what was
     registered and lies, without a link on the way, inside the job's checkpoint directory
     here."""
-    top = job_dir(root, order.job_id)
-    norm = os.path.normpath(order.path)
-    rel = os.path.relpath(norm, top) if os.path.isabs(norm) else os.pardir
-    parts = rel.split(os.sep)
-    if rel == os.curdir or any(p in ("", os.curdir, os.pardir) for p in parts):
-        return "refused", f"{order.path[:300]} is not inside {top}"
     try:
-        fd = os.open(top, _DIR_FLAGS)
-    except FileNotFoundError:
-        return "missing", None
-    except OSError as exc:
-        return "refused", f"{top} {_not_followed(exc, top)}"
+        fd, name = walk_to(root, order.job_id, order.path)
+    except NotThere as exc:
+        return exc.outcome, exc.why
     try:
-        for i, name in enumerate(parts[:-1]):
-            try:
-                inner = os.open(name, _DIR_FLAGS, dir_fd=fd)
-            except FileNotFoundError:
-                return "missing", None
-            except OSError as exc:
-                where = os.path.join(top, *parts[: i + 1])
-                return "refused", f"{where} {_not_followed(exc, name, fd)}"
-            os.close(fd)
-            fd = inner
-        name = parts[-1]
         try:
             st = os.stat(name, dir_fd=fd, follow_symlinks=False)
         except FileNotFoundError:

@@ -33,6 +33,7 @@ from worker.checkpoints import Pruner
 from worker.code import Workdirs
 from worker.outcome import Outcome
 from worker.requirements import Policy
+from worker.sending import Sender
 from worker.venvs import Venvs
 from worker.walls import Walls
 
@@ -198,6 +199,8 @@ class Loop:
         self.pruner = Pruner(self.checkpoint_root)
         token = settings["token"]
         self.api = WorkerAPI(self.url, token, self.name, settings.get("identity"))
+        # Sends the checkpoints forks elsewhere want (service.queue.forks) to the API.
+        self.sender = Sender(self.checkpoint_root, self.api)
         self.workdirs = Workdirs(
             self.data_dir,
             settings.get("code_cache_bytes", DEFAULT_CODE_CACHE_BYTES),
@@ -250,12 +253,13 @@ class Loop:
             ]
         keys = {(item["job_id"], item["attempt"]) for item in running}
         pruned, dropped = self.pruner.reports()
+        sent = self.sender.reports()
         # The caches only when they changed since a heartbeat's answer took them.
         report, cleared = self.caches.report(), self.caches.cleared()
         version, caches = report if report is not None else (None, None)
         try:
             reply = self.api.heartbeat(
-                running, self.workdirs.kept()[:MAX_KEPT], pruned, dropped, caches, cleared
+                running, self.workdirs.kept()[:MAX_KEPT], pruned, dropped, caches, cleared, sent
             )
         except ApiUnavailable as exc:
             log.warning("heartbeat: API unavailable (%s)", exc)
@@ -277,11 +281,14 @@ class Loop:
             return
         health.record(self.data_dir, self.heartbeat_s)
         self.pruner.answered(pruned, dropped)
+        self.sender.answered(sent)
         self.caches.answered(version, cleared)
         if reply.clear:
             self.caches.clear(reply.clear)
         if reply.prune or reply.drop:
             self.pruner.take(reply.prune, reply.drop, running={job_id for job_id, _ in keys})
+        if reply.send:
+            self.sender.take(reply.send)
         if reply.ended:
             self.workdirs.ended(reply.ended, running={job_id for job_id, _ in keys})
         for s in stops(reply):

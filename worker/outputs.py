@@ -116,7 +116,14 @@ def _is_link(name: str, dir_fd: int) -> bool:
         return False
 
 
-def capture(root: Path, code: dict[str, Entry], limits: Limits) -> Captured:
+def open_root(root: Path | int) -> int:
+    """A directory fd of ``root``: a path opened without following a link at its end,
+    or a new fd of a directory fd the caller opened safely (worker.checkpoints.walk_to),
+    for a directory a job could swap a component of meanwhile."""
+    return os.dup(root) if isinstance(root, int) else os.open(root, DIR_FLAGS)
+
+
+def capture(root: Path | int, code: dict[str, Entry], limits: Limits) -> Captured:
     """Read the job's directory ``root`` (its attempt's processes gone): every file
     hashed, the job's own (not in its ``code``, or changed) kept smallest first within the
     limits. What is read is bounded too: past as many entries as its code and the
@@ -127,7 +134,7 @@ def capture(root: Path, code: dict[str, Entry], limits: Limits) -> Captured:
     refused: list[Entry] = []  # links left, standing in as links that leave
     most = len(code) + limits.max_files
     seen = 0
-    root_fd = os.open(root, DIR_FLAGS)
+    root_fd = open_root(root)
     try:
         for rel, name, dir_fd in _walk(root_fd):
             seen += 1
@@ -222,11 +229,11 @@ def _digest(name: str, dir_fd: int, st: os.stat_result) -> str | None:
         os.close(fd)
 
 
-def read_under(root: Path, rel: str, limit: int) -> bytes | None:
+def read_under(root: Path | int, rel: str, limit: int) -> bytes | None:
     """The content of ``root/rel`` read by directory fds, no link followed at any step
     (None if that is not a regular file any more, or over ``limit``)."""
     parts = rel.split("/")
-    fd = os.open(root, DIR_FLAGS)
+    fd = open_root(root)
     try:
         for part in parts[:-1]:
             nxt = os.open(part, DIR_FLAGS, dir_fd=fd)
@@ -245,7 +252,7 @@ def read_under(root: Path, rel: str, limit: int) -> bytes | None:
 
 
 def send(
-    api: WorkerAPI, root: Path, captured: Captured, max_file_bytes: int
+    api: WorkerAPI, root: Path | int, captured: Captured, max_file_bytes: int
 ) -> tuple[str | None, Captured]:
     """Send the captured directory to the API as a code snapshot: its id (None when there
     is nothing to send), and what was sent (a file that changed since it was hashed is

@@ -104,6 +104,13 @@ def prepared(
         cwd = src.workspace
     program = torchrun.program(spec, cwd, where)
     resume_from = torchrun.resume_path(claim)
+    if claim.fork_from is not None and resume_from is None:
+        # Never a silent start from scratch (a Slurm attempt: its bridge fetches none).
+        raise JobError(
+            f"job {claim.fork_from.job_id}'s checkpoint at step {claim.fork_from.step}, which "
+            "it starts from, is not on this host (forks run on ddpq workers, not through "
+            "the Slurm bridge)"
+        )
     if resume_from:
         say(f"[ddpq] resuming from {resume_from}\n")
     env = environment(src, claim, launch_id, resume_from, scratch, user, cache_env)

@@ -23,7 +23,7 @@ from typing import Any
 
 from ddpq.errors import ApiRefused, ApiUnavailable, JobError, Stopped
 from ddpq.messages import ClaimedJob, GangReply
-from worker import oom, outputs, prepare, procs, torchrun, warm
+from worker import oom, outputs, prepare, procs, sending, torchrun, warm
 from worker.api import WorkerAPI
 from worker.caches import Caches
 from worker.code import Workdirs
@@ -310,6 +310,13 @@ class JobRunner:
         cache_env: dict[str, str] | None = None,
     ) -> Outcome:
         checkpoints = Path(self.claim.checkpoint_dir)
+        # A fork's checkpoint, fetched into its directory before the attempt is given it.
+        forked = sending.write_fork(
+            self.ctx.api, self.ctx.workdirs.cache, self.claim, self.stop_requested
+        )
+        if forked and self.claim.fork_from is not None:
+            said = f"[ddpq] {sending.words(self.claim.fork_from)} is at {forked}\n"
+            shipper.write(said.encode())
         if self.gang is None or self.gang.node_rank == 0:
             held.own(checkpoints)
         else:

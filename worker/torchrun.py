@@ -20,7 +20,13 @@ from typing import Any
 from ddpq.catalog import catalog
 from ddpq.errors import JobError
 from ddpq.messages import ClaimedJob, GangReply
-from ddpq.rules import PARAMS_VAR, entrypoint_problem, env_problem, params_problem
+from ddpq.rules import (
+    ARRAY_VAR,
+    PARAMS_VAR,
+    entrypoint_problem,
+    env_problem,
+    params_problem,
+)
 from worker import tee
 from worker.outcome import Outcome, stopped
 
@@ -48,6 +54,19 @@ INHERITED_PREFIXES = (
     "LC_", "CUDA_", "NCCL_", "NVIDIA_", "OMP_", "MKL_", "OPENBLAS_", "GLOO_", "TORCH_",
     "PYTORCH_", "HF_", "TRANSFORMERS_",
 )  # fmt: skip
+# A name that says it holds a credential is never inherited, whatever its prefix: the
+# operator's HF_TOKEN (their hub login) is theirs, not every job's. A job that needs one
+# is given its owner's (`ddpq secrets set HF_TOKEN`, then `--secret HF_TOKEN`).
+_CREDENTIAL = re.compile(r"TOKEN|SECRET|PASSW|CREDENTIAL|AUTH|(?:^|_)KEY(?:$|_)")
+
+
+def inherited(name: str) -> bool:
+    """Whether the ranks get the worker's variable ``name`` (the one rule: the ranks'
+    environment, a warm process's, pip's)."""
+    if name in INHERITED_ENV:
+        return True
+    return name.startswith(INHERITED_PREFIXES) and _CREDENTIAL.search(name) is None
+
 
 TORCHRUN_EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
 # The rank that failed first: worker.tee's line for it (tee.failure_line), else the root
@@ -157,9 +176,7 @@ def environment(environ: Mapping[str, str], claim: ClaimedJob, at: Placement) ->
     """The ranks' environment: the allow-listed part of the worker's, the spec's own
     (checked again), its owner's secrets the claim carries, and ddpq's, last: no variable
     of the spec or of a secret stands in for one of ddpq's."""
-    env = {
-        k: v for k, v in environ.items() if k in INHERITED_ENV or k.startswith(INHERITED_PREFIXES)
-    }
+    env = {k: v for k, v in environ.items() if inherited(k)}
     if claim.device == "cpu":
         # accelerate on a CPU host runs each rank alone (DistributedType.NO, one process)
         # unless told: every rank trained apart, silently. The spec's env may say "0".
@@ -204,6 +221,11 @@ def environment(environ: Mapping[str, str], claim: ClaimedJob, at: Placement) ->
         if problem:
             raise JobError(f"params: {problem}")
         env[PARAMS_VAR] = json.dumps(params)
+    index = claim.spec.get("array_index")
+    if index is not None:  # an array's task's (Slurm's SLURM_ARRAY_TASK_ID)
+        if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+            raise JobError(f"array_index: {index!r} is not an index")
+        env[ARRAY_VAR] = str(index)
     # The one DDPQ_* setting of the worker's own that ranks get (others stay private):
     # where ddpq.train writes TensorBoard runs. Absolute, since ranks run in the
     # workspace, not in the worker's directory.
@@ -244,8 +266,13 @@ def add_secrets(env: dict[str, str], secrets: Mapping[str, str]) -> None:
 
 def resume_path(claim: ClaimedJob) -> str | None:
     """The checkpoint an attempt resumes from: the newest offered that is a file or a
-    directory (a framework's) inside the job's directory here."""
-    return next((p for p in claim.resume_from if inside_job_dir(p, claim.job_id)), None)
+    directory (a framework's) inside the job's directory here, else, for a fork, the
+    checkpoint it starts from (worker.sending.write_fork wrote it there)."""
+    offered = list(claim.resume_from)
+    if claim.fork_from is not None:
+        src = claim.fork_from
+        offered.append(os.path.join(claim.checkpoint_dir, src.dirname, src.name))
+    return next((p for p in offered if inside_job_dir(p, claim.job_id)), None)
 
 
 def inside_job_dir(path: str, job_id: int) -> bool:

@@ -73,7 +73,7 @@ from ddpq.errors import JobError, RequirementsRefused, Stopped
 from worker import procs, requirements
 from worker.requirements import Requirement
 from worker.seal import seal as seal_tree
-from worker.torchrun import INHERITED_ENV, INHERITED_PREFIXES
+from worker.torchrun import inherited
 from worker.walls import JobUser, Walls
 
 log = logging.getLogger("ddpq.worker")
@@ -543,11 +543,7 @@ def _pip_env(job: Mapping[str, str]) -> dict[str, str]:
     where it runs (HOME, TMPDIR, its user's name, the launch id that finds its processes):
     never a PIP_INDEX_URL or PIP_CONFIG_FILE of the job's spec, which would get around
     the requirements policy."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k in INHERITED_ENV or k.startswith(INHERITED_PREFIXES) or k.startswith("PIP_")
-    }
+    env = {k: v for k, v in os.environ.items() if inherited(k) or k.startswith("PIP_")}
     env.update({k: job[k] for k in _PIP_FROM_JOB if k in job})
     return env
 

@@ -88,9 +88,7 @@ def zygote_env(env: Mapping[str, str], spec: Mapping[str, Any], nproc: int) -> d
     base = {
         k: v
         for k, v in env.items()
-        if (k in torchrun.INHERITED_ENV or k.startswith(torchrun.INHERITED_PREFIXES))
-        and k not in own
-        and k not in PER_ATTEMPT
+        if torchrun.inherited(k) and k not in own and k not in PER_ATTEMPT
     }
     if "OMP_NUM_THREADS" not in base and nproc > 1:
         base["OMP_NUM_THREADS"] = "1"
@@ -102,11 +100,7 @@ def zygote_env(env: Mapping[str, str], spec: Mapping[str, Any], nproc: int) -> d
 def default_zygote_env(nproc: int = 2) -> dict[str, str]:
     """The warm process's environment for a job of the worker's own interpreter with no
     env of its own (what a worker with the warm launcher on starts ahead)."""
-    inherited = {
-        k: v
-        for k, v in os.environ.items()
-        if k in torchrun.INHERITED_ENV or k.startswith(torchrun.INHERITED_PREFIXES)
-    }
+    inherited = {k: v for k, v in os.environ.items() if torchrun.inherited(k)}
     return zygote_env(inherited, {}, nproc)
 
 

@@ -2,20 +2,32 @@
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
 
 from ddpq.cli.base import (
+    EXIT_API,
+    EXIT_USAGE,
     JsonOpt,
     _age,
     _client,
+    _fail,
     _fit_table,
     _print_json,
     _print_table,
     _say,
     _text,
     client_command,
+    err,
 )
-from ddpq.snapshot import human_bytes
+from ddpq.cli.code import _download
+from ddpq.client import Client
+from ddpq.snapshot import file_count, human_bytes
+
+SEND_WAIT_S = 600.0  # for its worker to send it (a heartbeat, then the upload)
 
 
 def _state(c: dict[str, Any]) -> str:
@@ -25,8 +37,22 @@ def _state(c: dict[str, Any]) -> str:
 
 
 @client_command()
-def checkpoints(job_id: int, as_json: JsonOpt = False) -> None:
-    """List a job's checkpoints, oldest first.
+def checkpoints(
+    job_id: int,
+    download: Annotated[
+        Path | None,
+        typer.Option(
+            metavar="DIR",
+            help="fetch a kept checkpoint (the newest, or --step's) into this new directory, "
+            "from whichever worker holds it",
+        ),
+    ] = None,
+    step: Annotated[
+        int | None, typer.Option(metavar="STEP", help="with --download: the one of this step")
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """List a job's checkpoints, oldest first, or --download one.
 
     Step, size, when saved, whether it is kept (keep: saved with keep=True), pruning,
     pruned or refused (its worker would not delete it), and its path on the worker (a
@@ -36,8 +62,13 @@ def checkpoints(job_id: int, as_json: JsonOpt = False) -> None:
 
     --json prints {"items": [Checkpoint]}.
     """
+    if step is not None and download is None:
+        _fail("--step picks the checkpoint --download fetches: give --download DIR too", EXIT_USAGE)
     with _client() as client:
         items = client.checkpoints(job_id)
+        if download is not None:
+            _fetch(client, job_id, items, step, download, as_json)
+            return
     if as_json:
         _print_json({"items": items})
         return
@@ -61,3 +92,57 @@ def checkpoints(job_id: int, as_json: JsonOpt = False) -> None:
     for ck in items:
         if ck.get("state") == "refused":
             _say(_text(f"step {ck['step']}: {ck.get('note') or 'not deleted'}", "dim"))
+
+
+def _fetch(
+    c: Client,
+    job_id: int,
+    items: list[dict[str, Any]],
+    step: int | None,
+    dest: Path,
+    as_json: bool,
+) -> None:
+    """Ask for the checkpoint to be sent, wait for its worker to send it, write it."""
+    kept = [ck for ck in items if ck.get("state") == "kept"]
+    if step is not None:
+        kept = [ck for ck in kept if ck["step"] == step]
+    if not kept:
+        at = f" at step {step}" if step is not None else ""
+        _fail(f"job {job_id} has no checkpoint{at} kept (`ddpq checkpoints {job_id}`)", EXIT_API)
+    ck = max(kept, key=lambda k: (k["step"], k["id"]))
+    ck = c.send_checkpoint(job_id, ck["id"])
+    deadline = time.monotonic() + SEND_WAIT_S
+    told = False
+    while ck.get("snapshot") is None and ck.get("send_problem") is None:
+        if time.monotonic() > deadline:
+            _fail(
+                f"worker {ck.get('worker')} has not sent job {job_id}'s checkpoint at step "
+                f"{ck['step']} in {SEND_WAIT_S:.0f} s: is it running? (`ddpq workers`)",
+                EXIT_API,
+            )
+        if not told:
+            err.print(
+                _text(f"waiting for worker {ck.get('worker')} to send it..."), highlight=False
+            )
+            told = True
+        time.sleep(1.0)  # its worker sends it at its next heartbeat, every few seconds
+        ck = next((k for k in c.checkpoints(job_id) if k["id"] == ck["id"]), ck)
+    if ck.get("snapshot") is None:
+        _fail(f"job {job_id}'s checkpoint at step {ck['step']}: {ck['send_problem']}", EXIT_API)
+    manifest = [
+        {"path": i["path"], "symlink": i["symlink"]}
+        if i.get("symlink") is not None
+        else {k: i[k] for k in ("path", "digest", "size", "executable")}
+        for i in c.code(ck["snapshot"])["manifest"]
+    ]
+    if ck.get("kind") == "dir":  # its files, under its own name, as it was on its worker
+        name = ck["path"].rstrip("/").rsplit("/", 1)[-1]
+        manifest = [{**e, "path": f"{name}/{e['path']}"} for e in manifest]
+    _download(c, manifest, dest)
+    if as_json:
+        _print_json(ck)
+        return
+    _say(
+        f"job {job_id}'s checkpoint at step {ck['step']}: {file_count(len(manifest))} "
+        f"written to {dest}"
+    )

@@ -26,111 +26,39 @@ from ddpq.cli.base import (
     client_command,
     err,
 )
+from ddpq.cli.jobflags import (
+    SPEC_FLAGS,
+    AfterOpt,
+    Args,
+    ArrayOpt,
+    Device,
+    EnvOpt,
+    ForkOpt,
+    KeepLast,
+    Launcher,
+    MaxAttempts,
+    MaxRestarts,
+    Name,
+    Nnodes,
+    PipOpt,
+    Priority,
+    RetryOnError,
+    SecretOpt,
+    Strict,
+    TimeoutS,
+    Wait,
+    WorldSize,
+    _fork,
+    _override,
+)
 from ddpq.cli.live import follow
-from ddpq.cli.spec import _parse_env, _read_spec_file, secret_like_env
+from ddpq.cli.spec import _read_spec_file, secret_like_env
 from ddpq.client import Client
 from ddpq.errors import CodeError
-from ddpq.rules import UNSCHEDULABLE, is_unschedulable
+from ddpq.rules import UNSCHEDULABLE, array_indices, is_unschedulable
 from ddpq.snapshot import file_count, human_bytes
 
 PROGRESS_MIN_BYTES = 1_000_000  # a smaller upload is over before a bar would help
-
-
-# Flags submit and resubmit share: each overrides the spec's field of its name.
-Name = Annotated[str | None, typer.Option(help="a name to find the job by")]
-WorldSize = Annotated[int | None, typer.Option(help="total ranks (default 1)")]
-Nnodes = Annotated[int | None, typer.Option(help="nodes (default 1)")]
-Device = Annotated[
-    str | None, typer.Option(metavar="auto|cpu|cuda", help="where the ranks run (default auto)")
-]
-Priority = Annotated[int | None, typer.Option(help="higher first (default 0)")]
-MaxAttempts = Annotated[int | None, typer.Option(help="(default 3)")]
-MaxRestarts = Annotated[int | None, typer.Option(help="(default 0)")]
-RetryOnError = Annotated[
-    bool | None,
-    typer.Option(
-        "--retry-on-error/--no-retry-on-error",
-        help="retry exits 1..127 too (signals are always retried) (default no)",
-        show_default=False,
-    ),
-]
-TimeoutS = Annotated[int | None, typer.Option(help="stop the job after this many seconds")]
-KeepLast = Annotated[
-    int | None,
-    typer.Option(
-        min=0,
-        help="keep the newest N checkpoints while it runs, deleting older ones (0: all;"
-        " default: the server's, DDPQ_KEEP_LAST); see `ddpq checkpoints`",
-    ),
-]
-Launcher = Annotated[
-    str | None,
-    typer.Option(
-        help="torchrun (a cold torchrun) or warm (forked from a process with torch imported: "
-        "seconds faster to start; docs/jobs.md) (default: the worker's)",
-    ),
-]
-EnvOpt = Annotated[
-    list[str] | None,
-    typer.Option(metavar="KEY=VALUE", help="an environment variable for the ranks (repeatable)"),
-]
-PipOpt = Annotated[
-    list[str] | None,
-    typer.Option(
-        "--pip", metavar="REQUIREMENT", help="a Python requirement for the job (repeatable)"
-    ),
-]
-SecretOpt = Annotated[
-    list[str] | None,
-    typer.Option(
-        "--secret",
-        metavar="NAME",
-        help="one of your secrets (`ddpq secrets set NAME`) for the ranks, as the variable "
-        "NAME; its value is shown to no one (repeatable)",
-    ),
-]
-Wait = Annotated[
-    bool,
-    typer.Option(
-        "--wait",
-        help="follow the job until it ends (the live view on a terminal, a line per change"
-        " otherwise); exit 4 unless it succeeded, 5 at once if no worker can ever run it",
-    ),
-]
-Strict = Annotated[
-    bool,
-    typer.Option(
-        "--strict", help="refuse, rather than queue, a job no registered worker could ever run"
-    ),
-]
-Args = Annotated[list[str] | None, typer.Argument(help="arguments for the program, after --")]
-
-
-# The flags submit and resubmit share that override the spec field of their name.
-SPEC_FLAGS = (
-    "name", "world_size", "nnodes", "device", "priority", "max_attempts", "max_restarts",
-    "retry_on_error", "timeout_s", "keep_last", "launcher",
-)  # fmt: skip
-
-
-def _override(
-    spec: dict[str, Any], flags: dict[str, Any], args: Any, env: Any, pip: Any, secret: Any = None
-) -> None:
-    """Flags given on the command line override the spec's fields; --env, --pip and
-    --secret add to its lists."""
-    spec.update({k: v for k, v in flags.items() if v is not None})
-    if args:
-        spec["args"] = list(args)
-    if env:
-        old = spec.get("env")
-        spec["env"] = {**(old if isinstance(old, dict) else {}), **_parse_env(env)}
-    if pip:
-        old = spec.get("pip")
-        spec["pip"] = [*(old if isinstance(old, list) else []), *pip]
-    if secret:
-        old = spec.get("secrets")
-        had = old if isinstance(old, list) else []
-        spec["secrets"] = [*had, *(n for n in dict.fromkeys(secret) if n not in had)]
 
 
 @client_command(context_settings={"allow_interspersed_args": False})
@@ -176,6 +104,9 @@ def submit(
     env: EnvOpt = None,
     pip: PipOpt = None,
     secret: SecretOpt = None,
+    after: AfterOpt = None,
+    from_checkpoint: ForkOpt = None,
+    array: ArrayOpt = None,
     idempotency_key: Annotated[
         str | None,
         typer.Option(
@@ -194,7 +125,8 @@ def submit(
     The spec file (YAML or JSON, - for stdin) holds the fields of POST /jobs, and may
     say `workdir: DIR` (relative to the file) or `no_code: true`.
 
-    Flags given too override its fields; --env, --pip and --secret add to its lists.
+    Flags given too override its fields; --env, --pip, --secret and --after add to its
+    lists.
     An --env value is shown to everyone who lists jobs: pass a key or token with
     --secret NAME instead (`ddpq secrets set NAME` first).
     """
@@ -207,12 +139,17 @@ def submit(
     if entrypoint is not None:
         spec.pop("recipe", None)
     flags = {k: v for k, v in locals().items() if k in SPEC_FLAGS}
-    _override(spec, {"recipe": recipe, "entrypoint": entrypoint, **flags}, args, env, pip, secret)
+    _override(
+        spec, {"recipe": recipe, "entrypoint": entrypoint, **flags}, args, env, pip, secret, after
+    )
+    if from_checkpoint is not None:
+        spec["from_checkpoint"] = _fork(from_checkpoint)
     if spec.get("recipe") is None and spec.get("entrypoint") is None:
         _fail(
             "give exactly one of --recipe and --entrypoint (or recipe/entrypoint in -f FILE)",
             EXIT_USAGE,
         )
+    tasks = _array(array, wait, idempotency_key, strict) if array is not None else None
     code_dir = _code_dir(spec, file, workdir, no_code)
     if code_dir is not None:
         pushed = _push(code_dir, quiet=as_json)
@@ -221,7 +158,57 @@ def submit(
             _warn(_checkpoint_words(pushed.checkpoints))
     else:
         pushed = None
+    if tasks is not None:
+        _submit_array(spec, *tasks, as_json, pushed)
+        return
     _submit(spec, idempotency_key, wait, strict, as_json, pushed)
+
+
+def _array(given: str, wait: bool, key: str | None, strict: bool) -> tuple[str, int | None]:
+    """--array's indices and its %N, checked before any code is sent."""
+    refused = [
+        f for f, on in (("--wait", wait), ("--idempotency-key", key), ("--strict", strict)) if on
+    ]
+    if refused:
+        _fail(f"--array makes a sweep of jobs: {refused[0]} is for one job", EXIT_USAGE)
+    indices, _, limit = given.partition("%")
+    try:
+        array_indices(indices)
+    except ValueError as exc:
+        raise typer.BadParameter(f"{given!r}: {exc}", param_hint="--array") from None
+    if limit and not (limit.isdigit() and int(limit) >= 1):
+        raise typer.BadParameter(
+            f"{given!r}: %N is a number of tasks, 1 or more", param_hint="--array"
+        )
+    # (The API bounds N: the sweep's max_concurrent.)
+    return indices, int(limit) if limit else None
+
+
+def _submit_array(
+    spec: dict[str, Any],
+    indices: str,
+    at_once: int | None,
+    as_json: bool,
+    pushed: codepack.Pushed | None,
+) -> None:
+    """Submit ``spec`` as an array: a sweep over ``index`` (its name the sweep's)."""
+    shown = secret_like_env(spec)
+    if shown:
+        _warn(shown)
+    sweep: dict[str, Any] = {"name": spec.pop("name", None), "job": spec, "array": indices}
+    if at_once is not None:
+        sweep["max_concurrent"] = at_once
+    submit_sweep(sweep, as_json, pushed)
+
+
+def submit_sweep(sweep: dict[str, Any], as_json: bool, pushed: codepack.Pushed | None) -> None:
+    """POST the sweep (or array) and say what it is, or print it (--json)."""
+    with _client() as c:
+        made = c.submit_sweep(sweep)
+    if as_json:
+        _print_json(made)
+        return
+    say_submitted(made, _code_words(pushed) if pushed else None)
 
 
 def _code_dir(
@@ -392,6 +379,35 @@ def _said_and_followed(
     return follow(c, job["id"], 1.0, False, _never_runs, quiet=as_json)
 
 
+def say_submitted(sweep: dict[str, Any], code_words: str | None) -> None:
+    """What a new sweep (or array) is and which jobs its first trials are."""
+    s = sweep["spec"]
+    trials = sweep["trials"] or []
+    jobs = ", ".join(str(t["job_id"]) for t in sorted(trials, key=lambda t: t["number"]))
+    if s.get("array") is not None:
+        line = (
+            f"array {s['array']} (sweep {sweep['id']}) {sweep['status']}: "
+            f"{sweep['max_trials']} tasks, {s['max_concurrent']} at once"
+        )
+    else:
+        line = (
+            f"sweep {sweep['id']} {sweep['status']}: {s['method']} over "
+            f"{', '.join(s['space'])}, {sweep['max_trials']} trials, {s['max_concurrent']} "
+            f"at once{sweep_aim(s)}"
+        )
+    _say(f"{code_words} · {line}" if code_words else line)
+    if jobs:
+        _say(f"  {'tasks' if s.get('array') is not None else 'trials'} queued as jobs {jobs}")
+    if sweep.get("reason"):
+        _say(f"  {sweep['reason']}")
+    _say(_text(f"  `ddpq sweep status {sweep['id']}` shows its trials, ranked", style="dim"))
+
+
+def sweep_aim(spec: dict[str, Any]) -> str:
+    """ ", minimize loss", or nothing for a sweep without a metric."""
+    return f", {spec['direction']} {spec['metric']}" if spec.get("metric") else ""
+
+
 def _never_runs(job: dict[str, Any]) -> bool:
     """A queued job no registered worker could ever run (the API says so in its reason)."""
     return job["status"] == "queued" and is_unschedulable(job.get("reason"))
@@ -416,12 +432,15 @@ def resubmit(
     env: EnvOpt = None,
     pip: PipOpt = None,
     secret: SecretOpt = None,
+    after: AfterOpt = None,
+    from_checkpoint: ForkOpt = None,
     resume: Annotated[
         bool,
         typer.Option(
             "--resume",
-            help="run in a copy of the job's directory as it ended (what it wrote there "
-            "included, a snapshot.pt to resume from), not in its original code",
+            help="run on from where the job stopped, however it ended: from its newest "
+            "kept checkpoint, in a copy of its directory as it ended (what it wrote there "
+            "included), not in its original code",
         ),
     ] = False,
     wait: Wait = False,
@@ -433,14 +452,20 @@ def resubmit(
     The same code and spec, with these flags overriding it ([-- ARGS...] replaces its
     arguments). It says which snapshot it reruns and, run in the job's own directory
     (the one holding its entrypoint), whether the files here differ from it.
-    --resume runs in a copy of the job's directory as it ended instead.
+    --resume runs on from its newest kept checkpoint (fetched from the worker that
+    holds it), in a copy of the job's directory as it ended.
     """
     flags = {k: v for k, v in locals().items() if k in SPEC_FLAGS}
     with _client() as c:
         old = c.job(job_id)
         spec = {k: v for k, v in old["spec"].items() if v is not None}
         if resume:
-            spec["code"], words = _resume_from(c, old)
+            code, words, checkpoint = _resume_from(c, old)
+            if code is not None:
+                spec["code"] = code
+            spec.pop("from_checkpoint", None)
+            if checkpoint is not None:
+                spec["from_checkpoint"] = {"job": job_id, "step": checkpoint}
         elif spec.get("code") and not old.get("code"):
             _fail(
                 f"job {job_id}'s code is no longer kept (collected after its retention "
@@ -449,16 +474,25 @@ def resubmit(
             )
         else:
             words = _rerun_words(c, old)
-    _override(spec, flags, args, env, pip, secret)
+    _override(spec, flags, args, env, pip, secret, after)
+    if from_checkpoint is not None:
+        if resume:
+            _fail("give --resume or --from-checkpoint, not both", EXIT_USAGE)
+        spec["from_checkpoint"] = _fork(from_checkpoint)
     if as_json and words:  # stdout is for the Job
         err.print(_text(words), highlight=False, soft_wrap=True)
     _submit(spec, None, wait, strict, as_json, None, words)
 
 
-def _resume_from(c: Client, old: dict[str, Any]) -> tuple[str, str]:
-    """The snapshot of ``old``'s directory as its last attempt left it, and the words
-    that say what goes with it (docs/outputs.md)."""
+def _resume_from(c: Client, old: dict[str, Any]) -> tuple[str | None, str, int | None]:
+    """What a resume of ``old`` runs on: the snapshot of its directory as its last
+    attempt left it (None: its code as it was), the words that say so (docs/outputs.md),
+    and the step of its newest kept checkpoint, which the new job starts from (None:
+    it kept none)."""
     job_id = old["id"]
+    kept = [ck["step"] for ck in c.checkpoints(job_id) if ck.get("state") == "kept"]
+    step = max(kept) if kept else None
+    start = f"; it starts from its checkpoint at step {step}" if step is not None else ""
     outs = c.outputs(job_id)
     if outs["directory"] is None:
         why = (
@@ -467,7 +501,9 @@ def _resume_from(c: Client, old: dict[str, Any]) -> tuple[str, str]:
             else "no attempt of it ended on a worker that sent it, or it was collected "
             "after its retention (DDPQ_WORKDIR_RETENTION)"
         )
-        _fail(f"job {job_id} left no directory to resume in: {why}", EXIT_API)
+        if step is None:
+            _fail(f"job {job_id} left no directory to resume in, nor a checkpoint: {why}", EXIT_API)
+        return None, f"resuming job {job_id} in its code as it was ({why}){start}", step
     wrote = [i for i in outs["items"] if i.get("symlink") is None]
     words = (
         f"resuming in a copy of job {job_id}'s directory as attempt {outs['attempt']} left "
@@ -476,7 +512,7 @@ def _resume_from(c: Client, old: dict[str, Any]) -> tuple[str, str]:
     if outs["left"]:
         named = ", ".join(f"{x['path']} ({x['why']})" for x in outs["left"][:5])
         words += f"; not carried: {named}"
-    return str(outs["directory"]), words
+    return str(outs["directory"]), words + start, step
 
 
 def _rerun_words(c: Client, old: dict[str, Any]) -> str:

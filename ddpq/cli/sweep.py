@@ -30,7 +30,7 @@ from ddpq.cli.base import (
 )
 from ddpq.cli.jobs import _print_fields
 from ddpq.cli.spec import _read_spec_file, _scalar_text, secret_like_env
-from ddpq.cli.submit import _code_dir, _code_words, _push, _warn
+from ddpq.cli.submit import _code_dir, _push, _warn, submit_sweep, sweep_aim
 
 sweep_app = typer.Typer(
     help="Sweeps: one job run over a search space, its trials made, ranked and stopped "
@@ -120,7 +120,8 @@ def submit(
     """
     spec = _read_spec_file(file)
     job = _job(spec.get("job"))
-    spec["space"] = _space(spec.get("space"))
+    if "space" in spec:
+        spec["space"] = _space(spec["space"])
     pushed = None
     if isinstance(job, dict):
         if not job.get("recipe") and not job.get("entrypoint"):
@@ -132,25 +133,11 @@ def submit(
         shown = secret_like_env(job)
         if shown:
             _warn(shown)
-    with _client() as c:
-        sweep = c.submit_sweep(spec)
-    if as_json:
-        _print_json(sweep)
-        return
-    s = sweep["spec"]
-    trials = sweep["trials"] or []
-    jobs = ", ".join(str(t["job_id"]) for t in sorted(trials, key=lambda t: t["number"]))
-    line = (
-        f"sweep {sweep['id']} {sweep['status']}: {s['method']} over "
-        f"{', '.join(s['space'])}, {sweep['max_trials']} trials, {s['max_concurrent']} at "
-        f"once, {s['direction']} {s['metric']}"
-    )
-    _say(f"{_code_words(pushed)} · {line}" if pushed else line)
-    if jobs:
-        _say(f"  trials queued as jobs {jobs}")
-    if sweep.get("reason"):
-        _say(f"  {sweep['reason']}")
-    _say(_text(f"  `ddpq sweep status {sweep['id']}` shows its trials, ranked", style="dim"))
+    submit_sweep(spec, as_json, pushed)
+
+
+def _method(spec: dict[str, Any]) -> str:
+    return f"array {spec['array']}" if spec.get("array") is not None else str(spec["method"])
 
 
 def _best(sweep: dict[str, Any]) -> str:
@@ -190,8 +177,8 @@ def list_sweeps(
             counts += f" ({n['active']} active)"
         rows.append(
             [
-                str(w["id"]), w["name"] or "", w["owner"], w["status"], w["spec"]["method"],
-                counts, f"{w['spec']['metric']} {_best(w)}".strip(), _age(w["created_at"]),
+                str(w["id"]), w["name"] or "", w["owner"], w["status"], _method(w["spec"]),
+                counts, f"{w['spec']['metric'] or ''} {_best(w)}".strip(), _age(w["created_at"]),
                 w["reason"] or "",
             ]
         )  # fmt: skip
@@ -227,8 +214,8 @@ def status(sweep_id: SweepId, as_json: JsonOpt = False) -> None:
         ("owner", sweep["owner"]),
         ("status", sweep["status"]),
         ("reason", sweep["reason"] or ""),
-        ("method", f"{s['method']} (seed {sweep['seed']})"),
-        ("metric", f"{s['direction']} {s['metric']}"),
+        ("method", f"{_method(s)} (seed {sweep['seed']})"),
+        ("metric", sweep_aim(s)[2:]),
         ("early stopping", stop["type"] if stop else "none"),
         (
             "trials",
@@ -249,7 +236,7 @@ def status(sweep_id: SweepId, as_json: JsonOpt = False) -> None:
             ]
         )  # fmt: skip
     if rows:
-        headers = ["RANK", "TRIAL", "JOB", "STATE", s["metric"].upper(), "STEP"]
+        headers = ["RANK", "TRIAL", "JOB", "STATE", (s["metric"] or "value").upper(), "STEP"]
         headers += [n.upper() for n in names] + ["REASON"]
         _print_table(_fit_table(headers, rows, caps={h: 16 for h in headers[6:-1]}))
 

@@ -11,12 +11,22 @@
 - ``shares``: fair share: each user's recent usage, the share a queued job is ordered by.
 - ``quotas``: each user's limits, and the flags that hold their queued jobs back.
 - ``preempt``: a job that outranks running ones, with no room, takes theirs.
+- ``deps``, ``forks``: what a queued job waits for: other jobs' ends, a checkpoint sent.
 
 Other modules import this package and call what it re-exports below.
 """
 
 from service.queue.books import overview as workers_overview
 from service.queue.claim import Claim, NothingFits, Probe, claim_next_job
+from service.queue.deps import check as dependencies_unmet
+from service.queue.deps import record as record_dependencies
+from service.queue.deps import unmet_of as dependencies_of
+from service.queue.forks import ask as ask_checkpoint
+from service.queue.forks import check as fork_source_of
+from service.queue.forks import kept as fork_snapshots_kept
+from service.queue.forks import record as record_fork
+from service.queue.forks import sent as checkpoints_sent
+from service.queue.forks import source as fork_source
 from service.queue.gangs import expire_gangs, gang_status, leave_gang, node_of, nodes_of
 from service.queue.leases import (
     Elsewhere,
@@ -61,15 +71,22 @@ __all__ = [
     "NothingFits",
     "Probe",
     "as_utc",
+    "ask_checkpoint",
     "at_or_ahead",
+    "checkpoints_sent",
     "claim_next_job",
     "count_running",
     "count_usage",
+    "dependencies_of",
+    "dependencies_unmet",
     "end_attempt",
     "expire_gangs",
     "expire_leases",
     "expire_nodes",
     "fenced",
+    "fork_snapshots_kept",
+    "fork_source",
+    "fork_source_of",
     "gang_status",
     "held_attempts",
     "leave_gang",
@@ -80,6 +97,8 @@ __all__ = [
     "pending_reasons",
     "preempt_sweep",
     "queued_count",
+    "record_dependencies",
+    "record_fork",
     "record_heartbeat",
     "refresh_all_quota_flags",
     "refresh_quota_flags",

@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 from ddpq.rules import UNSCHEDULABLE
 from service.db import Policy
 from service.models import Job, utcnow
-from service.queue import quotas, rules
+from service.queue import deps, forks, quotas, rules
 from service.queue.books import Partition, Shape, summary, totals
 from service.queue.rules import FORMING, j, jn, policy_of
 
@@ -134,6 +134,33 @@ class _View:
     held: dict[str, tuple[quotas.Limits, int, int]] = field(default_factory=dict)
     # Jobs others hand back slots for (preemption): how many are handing back.
     handing_back: dict[int, int] = field(default_factory=dict)
+    # What jobs that wait for others still wait for (service.queue.deps).
+    waiting: dict[int, list[tuple[int, str]]] = field(default_factory=dict)
+    # A fork's checkpoint not yet sent: (its job, its step, the worker asked).
+    forking: dict[int, tuple[int, int, str | None]] = field(default_factory=dict)
+
+
+def _waiting_words(job: Job, view: _View) -> str | None:
+    """The jobs ``job`` waits for, before anything else: no claim takes it till then."""
+    if not getattr(job, "waits_on", 0):
+        return None
+    unmet = view.waiting.get(job.id, [])
+    fork = view.forking.get(job.id)
+    said = []
+    if fork is not None:
+        src, step, worker = fork
+        said.append(f"{forks.words(src, step)} to be sent by worker {worker}")
+    if unmet or fork is None:
+        named = (
+            ", ".join(
+                f"job {on} to {'succeed' if when == 'ok' else 'end'}" for on, when in unmet[:5]
+            )
+            or "the jobs it depends on"
+        )
+        more = f" and {len(unmet) - 5} more" if len(unmet) > 5 else ""
+        listed = ", ".join(f"{on}:{w}" for on, w in unmet[:5])
+        said.append(f"{named}{more}" + (f" (after: {listed})" if listed else ""))
+    return "waiting for " + "; and for ".join(said)
 
 
 def _quota_words(job: Job, view: _View) -> str | None:
@@ -177,6 +204,9 @@ def reasons_on(
         rows = s.execute(asked.group_by(Job.preempted_by))
         view.handing_back = {int(b): int(n) for b, n in rows if b is not None}
     held = _slots_held(s, [job.id for job in jobs if job.nnodes > 1])
+    waits = [job.id for job in jobs if getattr(job, "waits_on", 0)]
+    view.waiting = deps.unmet_of(s, waits)
+    view.forking = forks.waiting(s, waits)
     return {
         job.id: _gang_reason(job, held.get(job.id, 0), view)
         if job.nnodes > 1
@@ -225,7 +255,12 @@ def _could_run(cap: Shape, job: Job) -> bool:
 
 def _reason(job: Job, ahead: int, view: _View) -> str:
     """A single-node job's reason: what it waits for, by the claim's own rules."""
-    first = unschedulable_on(view.caps, job) or _backoff(job, view.now) or _no_worker(view)
+    first = (
+        unschedulable_on(view.caps, job)
+        or _waiting_words(job, view)
+        or _backoff(job, view.now)
+        or _no_worker(view)
+    )
     if first:
         return first
     # Held back by its owner's limits: on no worker, or (GPUs) on those it would take
@@ -279,7 +314,9 @@ def _reason(job: Job, ahead: int, view: _View) -> str:
 
 def _gang_reason(job: Job, held: int, view: _View) -> str:
     """Why a multi-node job waits: its slots so far, and how many workers could be a node."""
-    backoff = unschedulable_on(view.caps, job) or _backoff(job, view.now)
+    backoff = (
+        unschedulable_on(view.caps, job) or _waiting_words(job, view) or _backoff(job, view.now)
+    )
     if backoff:
         return backoff
     quota = _quota_words(job, view)

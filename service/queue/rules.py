@@ -191,8 +191,12 @@ QUEUED_SINGLE = and_(j.status == JobStatus.QUEUED, j.nnodes == 1)
 
 
 def ready() -> Any:
-    """SQL: queued jobs whose retry backoff, if any, is over at the bound ``now``."""
-    return or_(j.not_before.is_(None), j.not_before <= bindparam("now", type_=UTCDateTime))
+    """SQL: queued jobs whose retry backoff, if any, is over at the bound ``now``, and
+    that wait for no other job (service.queue.deps)."""
+    return and_(
+        or_(j.not_before.is_(None), j.not_before <= bindparam("now", type_=UTCDateTime)),
+        j.waits_on == 0,
+    )
 
 
 # ---- small shared helpers --------------------------------------------------------------

@@ -53,7 +53,7 @@ from service.models import (
     JobStatus,
     UTCDateTime,
 )
-from service.queue import quotas, shares
+from service.queue import deps, quotas, shares
 from service.queue.rules import Logic, attempts, j, nodes, notify_claimers
 from service.wakeup import Wake
 
@@ -72,6 +72,7 @@ class Event(enum.StrEnum):
     LOSE = "lose"  # its worker (or scheduler) was lost and attempts remain: queued at once
     LOSE_LAST = "lose last"  # its worker was lost and that was its last attempt
     STOP = "stop"  # its processes stopped after a cancel
+    UNMET = "unmet"  # a job it waits for ended so that it never starts (service.queue.deps)
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,7 @@ MOVES: tuple[Move, ...] = (
     Move(None, Event.SUBMIT, Q, says="waits for room"),
     Move(Q, Event.START, R, says="an attempt starts, with its token; holds its slots"),
     Move(Q, Event.CANCEL, X, says="cancelled before it started"),
+    Move(Q, Event.UNMET, F, says="a job it waits for ended another way: it never starts"),
     Move(R, Event.CANCEL, C, says="its worker stops the processes"),
     Move(C, Event.CANCEL, C, says="asked again: nothing more to do"),
     Move(R, Event.SUCCEED, S, ends="succeeded"),
@@ -172,6 +174,31 @@ def enter(job: Job, event: Event, now: datetime, reason: str | None, **columns: 
     return m
 
 
+def settle_dependents(s: Session, job_id: int, status: str, now: datetime) -> None:
+    """``job_id`` ended ``status`` (in the caller's transaction, its row locked): each job
+    that waited for it has that dependency met (the last one wakes the claimers) or
+    failed for good (UNMET: the job fails, and what waited for it is settled in turn)."""
+    ended = [(job_id, status)]
+    woken = False
+    while ended:
+        done, how = ended.pop()
+        for dep, waiting in deps.waiting_for(s, done):
+            met = deps.verdict(how, dep.when)
+            s.delete(dep)
+            if waiting.status != JobStatus.QUEUED:
+                continue  # cancelled meanwhile: nothing waits
+            if met:
+                waiting.waits_on = max(0, waiting.waits_on - 1)
+                woken = woken or waiting.waits_on == 0
+                continue
+            reason = f"{deps.words(done, dep.when)} can never be met: job {done} {how}"
+            enter(waiting, Event.UNMET, now, reason)
+            ended.append((waiting.id, JobStatus.FAILED))
+    s.flush()
+    if woken:
+        notify_claimers(s)
+
+
 def end(
     s: Session,
     job: Job,
@@ -193,6 +220,8 @@ def end(
     if attempt.ended_at is not None:
         raise IllegalMove(job.id, job.status, event, f"attempt {attempt.number} already ended")
     ends = attempt_move(attempt.outcome, event)
+    if m.target in TERMINAL:  # what waited for it, before any owner's lock is taken
+        settle_dependents(s, job.id, m.target, now)
     held_cpu = job.held_cpu_slots  # what it held, before a requeue clears it
     # As it held: before the job moves on; under its owner's lock from there if it
     # counted any (taken after the attempt's row: service.queue.quotas).

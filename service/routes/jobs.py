@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Query, Request
+from fastapi import APIRouter, Header, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response, StreamingResponse
 
@@ -14,9 +14,11 @@ from service.deps import DB, JobId, SettingsDep, cursor_of, gone, owner_of, stat
 from service.errors import Invalid, responses
 from service.models import JobStatus
 from service.schemas import (
+    INT64_MAX,
     MAX_METRIC_NAMES,
     MAX_NAME_CHARS,
     AttemptsPublic,
+    CheckpointPublic,
     CheckpointsPublic,
     IdempotencyKey,
     JobGpusPublic,
@@ -248,6 +250,26 @@ async def get_job_events(
 def list_job_checkpoints(job_id: JobId, db: DB) -> CheckpointsPublic:
     """Checkpoints the job registered, oldest first, each kept, pruning, pruned or refused."""
     return CheckpointsPublic(items=checkpoints.list_checkpoints(db, job_id))
+
+
+@router.post(
+    "/jobs/{job_id}/checkpoints/{checkpoint_id}/send",
+    status_code=202,
+    response_model=CheckpointPublic,
+    responses=responses(
+        {404: "no such job, or no such checkpoint of it kept", 409: "its worker is not known"}
+    ),
+)
+def send_job_checkpoint(
+    job_id: JobId,
+    checkpoint_id: Annotated[int, Path(ge=1, le=INT64_MAX, description="the checkpoint's id")],
+    db: DB,
+) -> CheckpointPublic:
+    """Ask for a kept checkpoint to be sent to the API by the worker that holds it (at
+    its next heartbeat): once ``snapshot`` is set, GET /code/snapshots/{id} lists its
+    files (a download), or ``send_problem`` says why not. A fork (``from_checkpoint``)
+    asks by itself."""
+    return checkpoints.ask_send(db, job_id, checkpoint_id)
 
 
 @router.get("/jobs/{job_id}/outputs", response_model=OutputsPublic, responses=responses(NO_JOB))

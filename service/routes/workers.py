@@ -211,6 +211,8 @@ async def _claim(
         # not, which the worker fails the attempt with (service.secrets).
         keys = request.app.state.keyring
         wired = await run_in_threadpool(secrets.for_claim, db, keys, wired)
+    if wired.spec.get("from_checkpoint"):  # a fork: the checkpoint it starts from
+        wired = await run_in_threadpool(checkpoints.for_claim, db, wired)
     return wired
 
 
@@ -279,7 +281,9 @@ def _heartbeat(
         {(r.job_id, r.attempt): r.gpu_samples for r in body.running if r.gpu_samples},
         settings.gpu_sample_s,
     )
-    prune, drop = checkpoints.worker_round(db, body.name, body.pruned, body.dropped)
+    prune, drop, send = checkpoints.worker_round(
+        db, body.name, body.pruned, body.dropped, body.sent
+    )
     clear = caches.worker_round(db, orders, body.name, body.caches, body.cleared)
     return HeartbeatReply(
         cancel=[AttemptRef(job_id=j, attempt=a) for j, a in cancel],
@@ -288,6 +292,7 @@ def _heartbeat(
         ended=outputs.due(db, body.kept, settings.outputs_limits()) if body.kept else [],
         prune=prune,
         drop=drop,
+        send=send,
         clear=clear,
     )
 

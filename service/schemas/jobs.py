@@ -18,6 +18,7 @@ from pydantic import (
 
 from ddpq.catalog import recipe_names
 from ddpq.rules import (
+    MAX_ARRAY_INDEX,
     MAX_JOB_SECRETS,
     MAX_PARAM_TEXT,
     entrypoint_problem,
@@ -85,6 +86,37 @@ ParamValue = (
 )
 
 
+MAX_DEPENDENCIES = 16  # jobs one job waits for
+
+
+class Dependency(Strict):
+    """A job this one starts after (``ddpq submit --after 12:ok``): ``ok`` once it
+    succeeded, ``any`` once it ended however it ended. A dependency that can never be
+    met (``ok`` of a job that failed or was cancelled) fails the job, as Slurm's
+    DependencyNeverSatisfied."""
+
+    job: Annotated[int, Field(strict=True, ge=1, le=INT64_MAX)]
+    when: Literal["ok", "any"] = "ok"
+
+
+class ForkFrom(Strict):
+    """The checkpoint a job starts from: job ``job``'s at ``step`` (its newest kept one
+    when not given; the submit fills the step in)."""
+
+    job: Annotated[int, Field(strict=True, ge=1, le=INT64_MAX)]
+    step: Annotated[int, Field(strict=True, ge=0, le=INT64_MAX)] | None = None
+
+
+class ForkFromPublic(BaseModel):
+    job: int
+    step: int | None = None
+
+
+class DependencyPublic(BaseModel):
+    job: int
+    when: Literal["ok", "any"] = "ok"
+
+
 class JobSpec(Strict):
     """What to run: the body of POST /jobs."""
 
@@ -126,6 +158,14 @@ class JobSpec(Strict):
     # Parameters its ranks read as JSON in DDPQ_PARAMS (ddpq.train.params()): what a
     # sweep chose for its trial (service.sweeps), or any job's own.
     params: dict[str, ParamValue] = {}
+    # Jobs it starts after (service.queue.deps): each must exist when it is submitted.
+    after: Annotated[list[Dependency], Field(max_length=MAX_DEPENDENCIES)] = []
+    # Its index in a job array (a sweep over ``index``: service.sweeps), which its ranks
+    # read in DDPQ_ARRAY_INDEX; any job may carry one (a task of an array rerun by hand).
+    array_index: Annotated[int | None, Field(strict=True, ge=0, le=MAX_ARRAY_INDEX)] = None
+    # The checkpoint its ranks start from, another job's, however that job ended
+    # (service.queue.forks: sent through the API from the worker that holds it).
+    from_checkpoint: ForkFrom | None = None
 
     @field_validator("recipe")
     @classmethod
@@ -180,6 +220,8 @@ class JobSpec(Strict):
             raise ValueError("give exactly one of 'recipe' and 'entrypoint'")
         if self.world_size % self.nnodes:
             raise ValueError(f"nnodes ({self.nnodes}) must divide world_size ({self.world_size})")
+        if len({d.job for d in self.after}) != len(self.after):
+            raise ValueError("after: a job is named twice")
         both = sorted(set(self.secrets) & set(self.env))
         if both:
             raise ValueError(
@@ -221,6 +263,9 @@ class JobSpecPublic(BaseModel):
     launcher: str | None = None
     secrets: list[str] = []
     params: dict[str, ParamValue] = {}
+    after: list[DependencyPublic] = []
+    array_index: int | None = None
+    from_checkpoint: ForkFromPublic | None = None
 
 
 FileBytes = Annotated[int, Field(strict=True, ge=0, le=INT64_MAX)]
@@ -263,6 +308,12 @@ class CheckpointPublic(BaseModel):
     expires_at: datetime | None = None
     worker: str | None = None
     kind: CheckpointKind = "file"  # a file, or a directory a framework wrote
+    # Sent to the API (a fork or a download asked for it, service.queue.forks): the
+    # code snapshot that holds it once sent, or why its worker could not send it; asked
+    # and not yet sent while ``sending``.
+    snapshot: str | None = None
+    sending: bool = False
+    send_problem: str | None = None
 
 
 class CheckpointsPublic(BaseModel):

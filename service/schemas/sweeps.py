@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, Field, model_validator
 
-from ddpq.rules import MAX_PARAMS, param_name_problem
+from ddpq.rules import MAX_ARRAY_CHARS, MAX_PARAMS, array_indices, param_name_problem
 from service.schemas.common import INT64_MAX, MAX_NAME_CHARS, Label, Strict
 from service.schemas.jobs import JobSpec, JobSpecPublic, ParamValue
 from service.schemas.metrics import MetricName, MetricValue
@@ -93,10 +93,12 @@ class CategoricalParam(Strict):
 
     @model_validator(mode="after")
     def _distinct(self) -> CategoricalParam:
-        # As the samplers compare them: 1, 1.0 and true are one value.
-        for i, v in enumerate(self.values):
-            if any(v == w for w in self.values[:i]):
+        # As the samplers compare them: 1, 1.0 and true are one value (and one hash).
+        seen: set[ParamValue] = set()
+        for v in self.values:
+            if v in seen:
                 raise ValueError(f"{v!r} is given twice (1, 1.0 and true count as one value)")
+            seen.add(v)
         return self
 
 
@@ -192,9 +194,14 @@ class SweepSpec(Strict):
 
     name: Annotated[Label | None, Field(max_length=MAX_NAME_CHARS)] = None
     job: JobSpec
-    space: Annotated[dict[ParamName, Param], Field(max_length=MAX_PARAMS)]
+    space: Annotated[dict[ParamName, Param], Field(max_length=MAX_PARAMS)] = {}
+    # A job array (Slurm's syntax: "0-31", "0-15:4", "1,3,5-7"): a grid over one
+    # parameter, ``index``, whose task i its ranks see in DDPQ_ARRAY_INDEX. Its space is
+    # that parameter (given or not); max_concurrent defaults to every task at once.
+    array: Annotated[str, Field(min_length=1, max_length=MAX_ARRAY_CHARS)] | None = None
     method: Literal["grid", "random", "tpe"] = "random"
-    metric: MetricName
+    # Needed to rank, and to stop early; a grid may run without one (an array, seeds).
+    metric: MetricName | None = None
     direction: Literal["minimize", "maximize"] = "minimize"
     # How many trials in all (a grid: its points, by default); each is a job.
     max_trials: Annotated[int, Field(strict=True, ge=1, le=MAX_TRIALS)] | None = None
@@ -207,8 +214,13 @@ class SweepSpec(Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> SweepSpec:
+        if self.array is not None:
+            self._as_array(self.array)
         if not self.space:
             raise ValueError("space: an empty space: name at least one parameter")
+        if self.metric is None and (self.method != "grid" or self.early_stopping is not None):
+            doing = "stop early" if self.early_stopping is not None else f"draw ({self.method})"
+            raise ValueError(f"metric: a sweep needs its metric to {doing}")
         varying = [n for n, p in self.space.items() if not isinstance(p, FixedParam)]
         if self.method != "grid" and not varying:
             raise ValueError(f"space: every parameter is fixed: nothing for {self.method} to draw")
@@ -226,6 +238,20 @@ class SweepSpec(Strict):
         if self.startup_trials is not None and self.method != "tpe":
             raise ValueError(f"startup_trials: TPE's, not {self.method}'s")
         return self
+
+    def _as_array(self, text: str) -> None:
+        try:
+            indices = array_indices(text)
+        except ValueError as exc:
+            raise ValueError(f"array: {exc}") from None
+        space = {"index": CategoricalParam(type="categorical", values=list(indices))}
+        if self.space and self.space != space:
+            raise ValueError("space: an array's space is its indices (give one or the other)")
+        if "method" in self.model_fields_set and self.method != "grid":
+            raise ValueError(f"method: an array runs each index once (grid), not {self.method}")
+        self.space, self.method = dict(space), "grid"
+        if "max_concurrent" not in self.model_fields_set:
+            self.max_concurrent = min(len(indices), MAX_CONCURRENT)
 
     def _templates(self) -> None:
         named = [(f"job.args[{i}]", a) for i, a in enumerate(self.job.args)]
@@ -291,8 +317,9 @@ class SweepSpecPublic(BaseModel):
     name: str | None = None
     job: JobSpecPublic
     space: dict[str, ParamPublic]
+    array: str | None = None
     method: Literal["grid", "random", "tpe"]
-    metric: str
+    metric: str | None = None
     direction: Literal["minimize", "maximize"]
     max_trials: int | None = None
     max_concurrent: int

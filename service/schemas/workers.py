@@ -11,6 +11,7 @@ from pydantic import BaseModel, Field, StrictBool, model_validator
 
 from service.models import JobStatus
 from service.schemas.caches import MAX_CACHES, CacheCleared, CacheUsage
+from service.schemas.code import Digest
 from service.schemas.common import INT32_MAX, INT64_MAX, MAX_PATH_CHARS, Label, Strict
 from service.schemas.gpus import (
     MAX_GPUS,
@@ -136,6 +137,15 @@ class CheckpointsDropped(Strict):
     why: Why = None
 
 
+class CheckpointSent(Strict):
+    """What became of a checkpoint a reply asked this worker to send (HeartbeatReply.send):
+    the code snapshot that holds it, or why it was not sent."""
+
+    id: Annotated[int, Field(strict=True, ge=1, le=INT64_MAX)]
+    snapshot: Digest | None = None
+    why: Why = None
+
+
 class Heartbeat(Strict):
     name: WorkerName
     identity: WorkerIdentity | None = None
@@ -146,6 +156,7 @@ class Heartbeat(Strict):
     # directories (HeartbeatReply.drop) earlier replies asked this worker to delete.
     pruned: Annotated[list[CheckpointPruned], Field(max_length=10_000)] = []
     dropped: Annotated[list[CheckpointsDropped], Field(max_length=10_000)] = []
+    sent: Annotated[list[CheckpointSent], Field(max_length=10_000)] = []
     # Its users' caches (worker.caches), all of them, sent only when they changed since
     # the last heartbeat answered (None: unchanged); what it did with the clear orders
     # earlier replies carried (HeartbeatReply.clear).

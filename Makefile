@@ -153,6 +153,7 @@ bench: venv
 	$(BIN)/python bench/code.py
 	$(BIN)/python bench/code.py --tree random
 	$(BIN)/python bench/slurm.py
+	$(BIN)/python bench/sweep.py
 
 clean:
 	rm -rf $(VENV) var site .pytest_cache .mypy_cache .ruff_cache

@@ -21,6 +21,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel
 from sqlalchemy.exc import IntegrityError, InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from service import caches, queue, sweeper, telemetry
 from service.auth import TokenGate, route_rules
@@ -102,6 +103,7 @@ def create_app(
     app.state.stopping = threading.Event()
     app.add_exception_handler(DomainError, _domain_error)  # type: ignore[arg-type]
     app.add_exception_handler(OperationalError, _database_down)
+    app.add_exception_handler(ClientDisconnect, _client_gone)  # type: ignore[arg-type]
     app.add_exception_handler(InterfaceError, _database_down)
     app.add_exception_handler(IntegrityError, _lost_race)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _invalid)  # type: ignore[arg-type]
@@ -161,6 +163,14 @@ async def _database_down(_: Request, exc: Exception) -> JSONResponse:
         status_code=503,
         headers={"Retry-After": "2"},
     )
+
+
+async def _client_gone(request: Request, _: ClientDisconnect) -> Response:
+    # The client hung up while its body was read (a rank killed mid-report when its
+    # job is cancelled or pruned): nothing happened and nobody reads the answer. Not a
+    # server error, so not logged as one.
+    log.info("%s %s: the client hung up before its body was read", request.method, request.url.path)
+    return Response(status_code=400)
 
 
 async def _lost_race(_: Request, exc: IntegrityError) -> JSONResponse:

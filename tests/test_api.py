@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import math
+import socket
 import threading
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
-from tests.conftest import Server
+from tests.conftest import Server, wait_for
 from tests.helpers import finish, register, submit_and_claim
 
 GOOD = {"recipe": "toy-regression", "world_size": 2}
@@ -633,3 +635,30 @@ def test_metric_reports_refused_name_the_field_and_store_nothing(server: Server)
     after = user.get(f"/jobs/{jid}").json()
     for key in ("latest_metrics", "metrics_dropped", "total_steps"):
         assert after[key] == before[key], key
+
+
+def test_a_client_that_hangs_up_mid_body_is_no_server_error(server: Server) -> None:
+    """A rank killed mid-report (its job cancelled, or a sweep's trial pruned) hangs up
+    while its body is read: nothing is stored, nothing is logged as the server's error,
+    and the job takes its next report."""
+    claim = submit_and_claim(server)
+    url = urlsplit(server.url)
+    body = b'{"items": [{"step": 1, "values": {"loss": 1.0}}'  # cut short
+    with socket.create_connection((url.hostname or "127.0.0.1", url.port or 80)) as sock:
+        sock.sendall(
+            f"POST /jobs/{claim['job_id']}/metrics HTTP/1.1\r\nHost: x\r\n"
+            f"Authorization: Bearer {claim['token']}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body) + 1000}\r\n\r\n".encode()
+            + body
+        )
+    wait_for(
+        lambda: "hung up before its body was read" in server.log_path.read_text(),
+        30,
+        "the hang-up to be seen",
+    )
+    assert "Exception in ASGI application" not in server.log_path.read_text()
+    rank0 = server.client(claim["token"])
+    items = [{"step": 2, "values": {"loss": 0.5}}]
+    assert rank0.post(f"/jobs/{claim['job_id']}/metrics", json={"items": items}).status_code == 202
+    points = server.client().get(f"/jobs/{claim['job_id']}/metrics").json()
+    assert [p["step"] for p in points["items"]] == [2], points

@@ -350,3 +350,8 @@ def array_indices(text: str) -> list[int]:
         if len(found) > MAX_ARRAY_TASKS:
             raise ValueError(f"at most {MAX_ARRAY_TASKS} tasks")
     return sorted(found)
+
+
+def checkpoint_words(job_id: int, step: int) -> str:
+    """A checkpoint as the API's reasons and the worker's log name it (a fork's)."""
+    return f"job {job_id}'s checkpoint at step {step}"

@@ -36,12 +36,12 @@ from typing import Any
 from sqlalchemy import ColumnElement, bindparam, exists, literal, null, select, union_all, update
 from sqlalchemy.orm import Session, aliased
 
-from ddpq.messages import ClaimedJob, ForkSource, PruneOrder, SendOrder
+from ddpq.messages import ClaimedJob, PruneOrder, SendOrder
 from service.db import Database, Policy
 from service.errors import Conflict, Invalid, NotFound
 from service.models import TERMINAL, Attempt, Checkpoint, Job, utcnow
 from service.queue import as_utc, ask_checkpoint, checkpoints_sent, fork_source
-from service.queue.forks import SENDING
+from service.queue.forks import LIVE, SENDING, is_sending, sending
 from service.queue.rules import resume_key
 from service.schemas import (
     CheckpointIn,
@@ -56,7 +56,6 @@ from service.schemas import (
 MAX_ORDERS = 1000  # checkpoints one heartbeat reply asks to delete; the rest next time
 MAX_DROPS = 100  # ended jobs' directories one reply asks to remove
 MAX_SENDS = 20  # checkpoints one reply asks to send (each may be large)
-LIVE = ("kept", "pruning")  # the file is there as far as the API knows
 
 
 @dataclass(frozen=True)
@@ -211,12 +210,7 @@ _DROPS = (
         Checkpoint.state.in_(LIVE),
         Job.status.in_(sorted(TERMINAL)),
         Job.finished_at < bindparam("ended_before"),
-        ~exists().where(
-            _sending.job_id == Checkpoint.job_id,
-            _sending.send_asked_at.is_not(None),
-            _sending.snapshot.is_(None),
-            _sending.send_problem.is_(None),
-        ),
+        ~exists().where(_sending.job_id == Checkpoint.job_id, sending(_sending)),
     )
     .distinct()
     .order_by(Checkpoint.job_id)
@@ -386,7 +380,7 @@ def public(c: Any, expires: datetime | None = None) -> CheckpointPublic:
         worker=c.worker,
         kind=c.kind,
         snapshot=c.snapshot,
-        sending=c.send_asked_at is not None and c.snapshot is None and c.send_problem is None,
+        sending=is_sending(c),
         send_problem=c.send_problem,
     )
 
@@ -408,8 +402,7 @@ def for_claim(db: Database, claim: ClaimedJob) -> ClaimedJob:
     no claim would have taken it; None only if its rows went meanwhile, which the worker
     refuses to start without)."""
     with db.read() as s:
-        found = fork_source(s, claim.job_id)
-    return claim.model_copy(update={"fork_from": ForkSource(**found) if found else None})
+        return claim.model_copy(update={"fork_from": fork_source(s, claim.job_id)})
 
 
 def ask_send(db: Database, job_id: int, checkpoint_id: int) -> CheckpointPublic:

@@ -14,17 +14,20 @@ from __future__ import annotations
 import json
 import os
 import textwrap
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from ddpq.client import Client
-from ddpq.messages import SendOrder
+from ddpq.messages import ClaimedJob, ForkSource, SendOrder
 from tests.conftest import Server, run_ddpq, wait_for
 from tests.helpers import finish, register, submit_and_claim
 from tests.test_checkpoints import _heartbeat, _register
-from worker.sending import Refused, send_checkpoint
+from worker.code import BlobCache
+from worker.sending import Refused, send_checkpoint, write_fork
+from worker.torchrun import resume_path
 
 JOB = {"entrypoint": "train.py", "world_size": 1, "device": "cpu"}
 
@@ -212,7 +215,7 @@ def test_the_worker_sends_what_was_registered_and_nothing_a_job_could_swap_in(
     assert sid == "f" * 64 and [f["path"] for f in api.files] == ["one.pt"]
     assert list(api.blobs.values()) == [b"1" * 10]
     send_checkpoint(root, api, order("dir", kind="dir"))  # type: ignore[arg-type]
-    assert [f["path"] for f in api.files] == ["sub/a"]
+    assert [f["path"] for f in api.files] == ["dir/sub/a"], "a directory's under its name"
     for bad, words in (
         (order("one.pt", bytes=11), "written again"),
         (order("big.pt"), "over the"),
@@ -225,6 +228,46 @@ def test_the_worker_sends_what_was_registered_and_nothing_a_job_could_swap_in(
         with pytest.raises(Refused, match=words):
             send_checkpoint(root, api, bad)  # type: ignore[arg-type]
     assert b"the worker's" not in b"".join(api.blobs.values())
+
+
+def test_what_the_holder_sends_the_forks_worker_writes_out_under_its_name(
+    tmp_path: Path,
+) -> None:
+    """Both ends agree: a framework's directory checkpoint sent by its holder is written
+    by the fork's worker as <its checkpoint dir>/fork-of-job-7-step-5/<its name>/..., and
+    that path is what the ranks resume from."""
+    root = tmp_path / "ckpt"
+    (root / "job-7" / "state" / "sub").mkdir(parents=True)
+    (root / "job-7" / "state" / "sub" / "a").write_bytes(b"weights")
+    (root / "job-7" / "state" / "b").write_bytes(b"optimizer")
+    api = _Api()
+    sid = send_checkpoint(
+        root,
+        api,
+        SendOrder(id=1, job_id=7, path=str(root / "job-7" / "state"), kind="dir"),  # type: ignore[arg-type]
+    )
+
+    class Served:
+        def snapshot(self, _: str) -> Any:
+            return type("Snapshot", (), {"manifest": api.files})()
+
+        def blob(self, digest: str) -> Any:
+            yield api.blobs[digest]
+
+    fork_from = ForkSource(job_id=7, step=5, snapshot=sid, name="state", kind="dir")
+    claim = ClaimedJob(
+        job_id=9, attempt=1, token="t", spec={"from_checkpoint": {"job": 7, "step": 5}},
+        device="cpu", nproc_per_node=1, gpus=[], checkpoint_dir=str(tmp_path / "here" / "job-9"),
+        resume_from=[], fork_from=fork_from,
+    )  # fmt: skip
+    cache = BlobCache(tmp_path / "cache", 10**6)
+    path = write_fork(Served(), cache, claim, threading.Event())  # type: ignore[arg-type]
+    assert path == str(tmp_path / "here" / "job-9" / "fork-of-job-7-step-5" / "state")
+    assert (Path(path) / "sub" / "a").read_bytes() == b"weights"
+    assert (Path(path) / "b").read_bytes() == b"optimizer"
+    assert resume_path(claim) == path
+    # A later attempt here finds it whole and writes nothing again.
+    assert write_fork(None, cache, claim, threading.Event()) == path  # type: ignore[arg-type]
 
 
 # ---- end to end -----------------------------------------------------------------------------

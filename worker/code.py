@@ -54,13 +54,14 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ddpq.errors import ApiRefused, ApiUnavailable, JobError, SnapshotError, Stopped
 from ddpq.snapshot import Entry, checked, file_count, human_bytes, write_out
 from worker.api import WorkerAPI, retry
 from worker.seal import seal
 
+T = TypeVar("T")
 log = logging.getLogger("ddpq.worker")
 
 FICLONE = 0x40049409  # ioctl: share the source's blocks (btrfs, XFS); else a plain copy
@@ -261,6 +262,19 @@ def _digest_of(fd: int) -> str:
     return h.hexdigest()
 
 
+def fetched(call: Callable[[], T], what: str, stop: threading.Event, failed: str) -> T:
+    """``call`` (a fetch through the API for an attempt), waiting out an API that is away
+    (Stopped once ``stop`` is set); a refusal fails the attempt (JobError: ``failed``,
+    then the refusal)."""
+    try:
+        result: T = retry(call, what=what, stop=stop)
+    except ApiRefused as exc:
+        raise JobError(f"{failed}: {exc}") from None
+    except ApiUnavailable:  # only once a stop was asked for: the API is waited out
+        raise Stopped() from None
+    return result
+
+
 class Workdirs:
     """The jobs' working directories on this worker, and when each may go."""
 
@@ -327,18 +341,14 @@ class Workdirs:
         """The job's directory of its code snapshot, fetched through ``api`` if need be: an
         API that is away is waited for (Stopped once ``stop`` is set), a refusal fails the
         attempt (JobError)."""
-        try:
-            workdir, written = retry(
-                lambda: self.prepare(
-                    job_id, snapshot_id, lambda: api.snapshot(snapshot_id).manifest, api.blob
-                ),
-                what=f"fetch the code of job {job_id}",
-                stop=stop,
-            )
-        except ApiRefused as exc:
-            raise JobError(f"its code could not be fetched: {exc}") from None
-        except ApiUnavailable:  # only once a stop was asked for: the API is waited out
-            raise Stopped() from None
+        workdir, written = fetched(
+            lambda: self.prepare(
+                job_id, snapshot_id, lambda: api.snapshot(snapshot_id).manifest, api.blob
+            ),
+            f"fetch the code of job {job_id}",
+            stop,
+            "its code could not be fetched",
+        )
         return Path(workdir), written
 
     def path_of(self, job_id: int) -> Path | None:

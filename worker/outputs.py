@@ -174,7 +174,7 @@ def capture(root: Path | int, code: dict[str, Entry], limits: Limits) -> Capture
                 over = f"over {human_bytes(limits.max_bytes)} (DDPQ_OUTPUTS_MAX_BYTES)"
                 out.leave(rel, st.st_size, over)
             else:
-                digest = _digest(name, dir_fd, st)
+                digest = digest_under(name, dir_fd, st)
                 if digest is None:
                     out.leave(rel, st.st_size, "not readable, or changed while it was read")
                     continue
@@ -211,7 +211,7 @@ def capture(root: Path | int, code: dict[str, Entry], limits: Limits) -> Capture
     return out
 
 
-def _digest(name: str, dir_fd: int, st: os.stat_result) -> str | None:
+def digest_under(name: str, dir_fd: int, st: os.stat_result) -> str | None:
     """The sha256 of the file ``name`` is now, if it is still the one ``st`` describes."""
     try:
         fd = os.open(name, READ_FLAGS, dir_fd=dir_fd)
@@ -252,7 +252,7 @@ def read_under(root: Path | int, rel: str, limit: int) -> bytes | None:
 
 
 def send(
-    api: WorkerAPI, root: Path | int, captured: Captured, max_file_bytes: int
+    api: WorkerAPI, root: Path | int, captured: Captured, max_file_bytes: int, under: str = ""
 ) -> tuple[str | None, Captured]:
     """Send the captured directory to the API as a code snapshot: its id (None when there
     is nothing to send), and what was sent (a file that changed since it was hashed is
@@ -282,7 +282,10 @@ def send(
         captured.written = [e for e in captured.written if e.path not in gone]
     if not captured.entries:
         return None, captured
-    files = [e.wire() for e in captured.entries]
+    # ``under``: the snapshot holds the files under this directory (a checkpoint's name).
+    files = [
+        {**e.wire(), "path": f"{under}/{e.path}" if under else e.path} for e in captured.entries
+    ]
     made = retry(lambda: api.create_snapshot(files), what="outputs: send the directory")
     return str(made["id"]), captured
 

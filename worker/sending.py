@@ -17,7 +17,6 @@ became of each order is reported with the next heartbeats until one is answered.
 from __future__ import annotations
 
 import collections
-import hashlib
 import logging
 import os
 import stat
@@ -25,14 +24,15 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from ddpq.errors import ApiRefused, ApiUnavailable, JobError, Stopped, WorkerError
+from ddpq.errors import ApiRefused, ApiUnavailable, JobError, WorkerError
 from ddpq.messages import ClaimedJob, ForkSource, SendOrder
+from ddpq.rules import checkpoint_words
 from ddpq.snapshot import Entry, human_bytes
 from ddpq.wire import tree_stamp
 from worker.api import WorkerAPI, retry
 from worker.checkpoints import MAX_REPORTS, NotThere, walk_to
-from worker.code import BlobCache, write_tree
-from worker.outputs import DIR_FLAGS, Captured, Limits, capture, read_under, send
+from worker.code import BlobCache, fetched, write_tree
+from worker.outputs import DIR_FLAGS, Captured, Limits, capture, digest_under, send
 
 log = logging.getLogger("ddpq.worker")
 
@@ -57,11 +57,13 @@ def send_checkpoint(root: Path, api: WorkerAPI, order: SendOrder) -> str:
         if stat.S_ISLNK(st.st_mode):
             raise Refused("a symbolic link, not a checkpoint ddpq.train wrote")
         if order.kind == "dir":
-            captured, top = _directory(fd, name, st, order, lim)
+            # Its files under its name, as a file's is: whoever writes it out (a fork's
+            # worker, a download) gets NAME either way.
+            captured, top, under = (*_directory(fd, name, st, order, lim), name)
         else:
-            captured, top = _file(fd, name, st, order, lim)
+            captured, top, under = (*_file(fd, name, st, order, lim), "")
         try:
-            sid, captured = send(api, top, captured, lim.max_file_bytes)
+            sid, captured = send(api, top, captured, lim.max_file_bytes, under)
         finally:
             os.close(top)
     finally:
@@ -104,10 +106,10 @@ def _file(
             f"its {human_bytes(st.st_size)} are over the {most} the API takes of a file "
             "(DDPQ_CODE_MAX_FILE_BYTES, DDPQ_OUTPUTS_MAX_BYTES)"
         )
-    data = read_under(fd, name, lim.max_file_bytes)
-    if data is None or len(data) != st.st_size:
+    digest = digest_under(name, fd, st)  # read again as it is sent, and checked
+    if digest is None:
         raise Refused("not readable, or changed while it was read")
-    e = Entry(path=name, digest=hashlib.sha256(data).hexdigest(), size=len(data))
+    e = Entry(path=name, digest=digest, size=st.st_size)
     captured = Captured()
     captured.entries.append(e)
     captured.written.append(e)
@@ -203,27 +205,14 @@ def write_fork(
         return str(path)
     base.parent.mkdir(parents=True, exist_ok=True)
 
-    def manifest() -> list[dict[str, Any]]:
-        items = api.snapshot(src.snapshot).manifest
-        # A directory's files are under its name, as a file is: base/name either way.
-        return (
-            [{**e, "path": f"{src.name}/{e['path']}"} for e in items]
-            if src.kind == "dir"
-            else items
-        )
-
-    try:
-        retry(
-            lambda: write_tree(manifest(), cache, base, api.blob),
-            what=f"fetch job {src.job_id}'s checkpoint",
-            stop=stop,
-        )
-    except ApiRefused as exc:
-        raise JobError(f"{words(src)} could not be fetched: {exc}") from None
-    except ApiUnavailable:  # only once a stop was asked for: the API is waited out
-        raise Stopped() from None
+    fetched(
+        lambda: write_tree(api.snapshot(src.snapshot).manifest, cache, base, api.blob),
+        f"fetch {words(src)}",
+        stop,
+        f"{words(src)} could not be fetched",
+    )
     return str(path)
 
 
 def words(src: ForkSource) -> str:
-    return f"job {src.job_id}'s checkpoint at step {src.step}"
+    return checkpoint_words(src.job_id, src.step)

@@ -23,7 +23,7 @@ from ddpq.cli.base import (
     client_command,
     err,
 )
-from ddpq.cli.code import _download
+from ddpq.cli.code import _download, manifest_of
 from ddpq.client import Client
 from ddpq.snapshot import file_count, human_bytes
 
@@ -129,15 +129,8 @@ def _fetch(
         ck = next((k for k in c.checkpoints(job_id) if k["id"] == ck["id"]), ck)
     if ck.get("snapshot") is None:
         _fail(f"job {job_id}'s checkpoint at step {ck['step']}: {ck['send_problem']}", EXIT_API)
-    manifest = [
-        {"path": i["path"], "symlink": i["symlink"]}
-        if i.get("symlink") is not None
-        else {k: i[k] for k in ("path", "digest", "size", "executable")}
-        for i in c.code(ck["snapshot"])["manifest"]
-    ]
-    if ck.get("kind") == "dir":  # its files, under its own name, as it was on its worker
-        name = ck["path"].rstrip("/").rsplit("/", 1)[-1]
-        manifest = [{**e, "path": f"{name}/{e['path']}"} for e in manifest]
+    # A file, or a directory's files, under its name as it was on its worker.
+    manifest = manifest_of(c.code(ck["snapshot"])["manifest"])
     _download(c, manifest, dest)
     if as_json:
         _print_json(ck)

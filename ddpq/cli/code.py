@@ -87,12 +87,7 @@ def outputs(
         if download is not None:
             if outs["directory"] is None:
                 _fail(f"job {job_id} has no outputs kept: {_none_why(c.job(job_id))}", EXIT_API)
-            entries = [
-                {"path": i["path"], "symlink": i["symlink"]}
-                if i.get("symlink") is not None
-                else {k: i[k] for k in ("path", "digest", "size", "executable")}
-                for i in outs["items"]
-            ]
+            entries = manifest_of(outs["items"])
             if not entries:
                 _fail(f"job {job_id} wrote nothing beyond its code", EXIT_API)
             _download(c, entries, download)
@@ -144,6 +139,17 @@ def _kept_words(outs: dict[str, Any]) -> str:
         return "kept while the job runs, and for its retention after it ends"
     until = _parse_time(outs["kept_until"]).astimezone(UTC)
     return f"kept until {until:%Y-%m-%d %H:%M} UTC"
+
+
+def manifest_of(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A listing's files and links (GET /jobs/{id}/outputs, /code/snapshots/{id}) as the
+    manifest a download writes: a link its path and target, a file its content's."""
+    return [
+        {"path": i["path"], "symlink": i["symlink"]}
+        if i.get("symlink") is not None
+        else {k: i[k] for k in ("path", "digest", "size", "executable")}
+        for i in items
+    ]
 
 
 def _download(c: Client, manifest: list[dict[str, Any]], dest: Path) -> None:

@@ -33,25 +33,29 @@ from sqlalchemy import and_, exists, or_, select
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.elements import ColumnElement
 
+from ddpq.messages import ForkSource
+from ddpq.rules import checkpoint_words
 from service.errors import Conflict, Invalid
 from service.models import TERMINAL, Checkpoint, CodeSnapshot, Job, JobStatus
 from service.queue.rules import notify_claimers
 from service.queue.states import Event, enter, settle_dependents
 
-LIVE = ("kept", "pruning")
+LIVE = ("kept", "pruning")  # the file is there as far as the API knows
 WHERE = ("body", "from_checkpoint")
 MAX_STEPS_NAMED = 10
 
-# A checkpoint whose worker is to send it: asked, neither sent nor refused.
-SENDING = and_(
-    Checkpoint.send_asked_at.is_not(None),
-    Checkpoint.snapshot.is_(None),
-    Checkpoint.send_problem.is_(None),
-)
+
+def sending(c: Any = Checkpoint) -> ColumnElement[bool]:
+    """SQL: checkpoint ``c`` (the table, or an alias of it) is one its worker is to send:
+    asked, neither sent nor refused. ``is_sending`` is the same rule in Python."""
+    return and_(c.send_asked_at.is_not(None), c.snapshot.is_(None), c.send_problem.is_(None))
 
 
-def words(job_id: int, step: int) -> str:
-    return f"job {job_id}'s checkpoint at step {step}"
+def is_sending(c: Any) -> bool:
+    return c.send_asked_at is not None and c.snapshot is None and c.send_problem is None
+
+
+SENDING = sending()
 
 
 def check(s: Session, given: Any) -> Checkpoint | None:
@@ -91,12 +95,12 @@ def check(s: Session, given: Any) -> Checkpoint | None:
         )
     if found.send_problem is not None:
         raise Conflict(
-            f"from_checkpoint: {words(found.job_id, found.step)} could not be sent by its "
-            f"worker: {found.send_problem}"
+            f"from_checkpoint: {checkpoint_words(found.job_id, found.step)} could not be sent "
+            f"by its worker: {found.send_problem}"
         )
     if found.worker is None and found.snapshot is None:
         raise Conflict(
-            f"from_checkpoint: {words(found.job_id, found.step)} was saved before ddpq "
+            f"from_checkpoint: {checkpoint_words(found.job_id, found.step)} was saved before ddpq "
             "recorded which worker holds a checkpoint: it cannot be fetched"
         )
     return found
@@ -143,13 +147,13 @@ def sent(s: Session, worker: str, reports: Any, now: datetime) -> None:
         ).first()
         if c is None:
             continue  # not this worker's, or told already
+        snapshot: str | None = r.snapshot
         why = r.why or "it said nothing of it"
-        if r.snapshot is not None and s.get(CodeSnapshot, r.snapshot) is None:
-            r_snapshot, why = None, f"the snapshot it named ({r.snapshot[:16]}) is not stored"
-        else:
-            r_snapshot = r.snapshot
-        if r_snapshot is not None:
-            c.snapshot = r_snapshot
+        if snapshot is not None and s.get(CodeSnapshot, snapshot) is None:
+            why = f"the snapshot it named ({snapshot[:16]}) is not stored"
+            snapshot = None
+        if snapshot is not None:
+            c.snapshot = snapshot
         else:
             c.send_problem = why[:500]
         for fork in s.scalars(
@@ -163,7 +167,9 @@ def sent(s: Session, worker: str, reports: Any, now: datetime) -> None:
                 fork.waits_on = max(0, fork.waits_on - 1)
                 woken = woken or fork.waits_on == 0
                 continue
-            reason = f"from_checkpoint: {words(c.job_id, c.step)} could not be sent: {why}"
+            reason = (
+                f"from_checkpoint: {checkpoint_words(c.job_id, c.step)} could not be sent: {why}"
+            )
             enter(fork, Event.UNMET, now, reason[:1000])
             settle_dependents(s, fork.id, JobStatus.FAILED, now)
     s.flush()
@@ -171,8 +177,8 @@ def sent(s: Session, worker: str, reports: Any, now: datetime) -> None:
         notify_claimers(s)
 
 
-def source(s: Session, job_id: int) -> dict[str, Any] | None:
-    """What a claim of fork ``job_id`` carries (ddpq.messages.ForkSource), or None."""
+def source(s: Session, job_id: int) -> ForkSource | None:
+    """What a claim of fork ``job_id`` carries, or None."""
     row = s.execute(
         select(Checkpoint.job_id, Checkpoint.step, Checkpoint.snapshot, Checkpoint.path)
         .add_columns(Checkpoint.kind)
@@ -182,13 +188,9 @@ def source(s: Session, job_id: int) -> dict[str, Any] | None:
     if row is None:
         return None
     name = row.path.rstrip("/").rsplit("/", 1)[-1]
-    return {
-        "job_id": row.job_id,
-        "step": row.step,
-        "snapshot": row.snapshot,
-        "name": name,
-        "kind": row.kind,
-    }
+    return ForkSource(
+        job_id=row.job_id, step=row.step, snapshot=row.snapshot, name=name, kind=row.kind
+    )
 
 
 def waiting(s: Session, job_ids: list[int]) -> dict[int, tuple[int, int, str | None]]:

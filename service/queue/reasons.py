@@ -16,7 +16,7 @@ from datetime import datetime
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from ddpq.rules import UNSCHEDULABLE
+from ddpq.rules import UNSCHEDULABLE, checkpoint_words
 from service.db import Policy
 from service.models import Job, utcnow
 from service.queue import deps, forks, quotas, rules
@@ -149,7 +149,7 @@ def _waiting_words(job: Job, view: _View) -> str | None:
     said = []
     if fork is not None:
         src, step, worker = fork
-        said.append(f"{forks.words(src, step)} to be sent by worker {worker}")
+        said.append(f"{checkpoint_words(src, step)} to be sent by worker {worker}")
     if unmet or fork is None:
         named = (
             ", ".join(

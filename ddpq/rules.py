@@ -310,6 +310,39 @@ def params(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     return dict(found)
 
 
+# The steps at which a trial's sweep judges it (its early stopping's rungs): a spec's
+# ``rungs``, which its sweep sets and its ranks read in DDPQ_RUNGS. The reporter
+# (ddpq.train) sends a point that reaches one at once and asks for the judgment with it
+# (POST /jobs/{id}/metrics?judge=true): a pruned trial stops within that request, not at
+# the sweeps' next round and its worker's next heartbeat. The first MAX_RUNGS only; the
+# sweeps' rounds judge any later ones all the same.
+RUNGS_VAR = "DDPQ_RUNGS"
+MAX_RUNGS = 64
+
+
+def rungs_problem(rungs: object) -> str | None:
+    """Why ``rungs`` cannot be a job's rungs (steps, ascending), or None."""
+    if not isinstance(rungs, list) or len(rungs) > MAX_RUNGS:
+        return f"rungs are a list of at most {MAX_RUNGS} steps"
+    for i, step in enumerate(rungs):
+        if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_STEP:
+            return f"rungs[{i}]: a step is an integer from 0 to {MAX_STEP}"
+        if i and step <= rungs[i - 1]:
+            return f"rungs[{i}]: steps are in ascending order"
+    return None
+
+
+def rungs(environ: Mapping[str, str] | None = None) -> list[int]:
+    """The steps at which this trial's sweep judges it (DDPQ_RUNGS); [] in any other job,
+    or when the variable is not such a list (a judgment then waits for the sweeps' round)."""
+    text = (os.environ if environ is None else environ).get(RUNGS_VAR, "")
+    try:
+        found = [int(t) for t in text.split(",") if t]
+    except ValueError:
+        return []
+    return found if rungs_problem(found) is None else []
+
+
 # A job array (docs/experiments.md): Slurm's ``--array`` syntax without its ``%N`` (the
 # CLI turns that into the sweep's max_concurrent): "0-31", "0-15:4", "1,3,5-7". Each task
 # is a trial of a sweep whose one parameter is ``index``, and its ranks read the index in

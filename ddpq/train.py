@@ -24,7 +24,7 @@ loss does not synchronise the device on every step.
 
 Without ``DDPQ_URL`` (a plain ``torchrun`` run) nothing is sent: rank 0 prints a
 compact line to stderr for the first report, then at most one every
-PLAIN_INTERVAL_S and the last at exit, formatting nothing in between; checkpoints
+ddpq.plain.INTERVAL_S and the last at exit, formatting nothing in between; checkpoints
 go to ``DDPQ_CHECKPOINT_DIR`` or ``./checkpoints``, so the same script runs anywhere.
 
 Importing this module, and ``report``/``flush`` of Python numbers, need no torch (a plain
@@ -47,6 +47,7 @@ import logging
 import numbers
 import os
 import re
+import signal
 import stat
 import sys
 import threading
@@ -57,7 +58,14 @@ from typing import Any
 import httpx
 
 from ddpq.errors import ApiUnavailable, answer_error, no_answer
-from ddpq.rules import MAX_METRIC_ITEMS, metric_point_problem, params, total_steps_problem
+from ddpq.plain import Plain, to_float
+from ddpq.rules import (
+    MAX_METRIC_ITEMS,
+    metric_point_problem,
+    params,
+    rungs,
+    total_steps_problem,
+)
 from ddpq.tensorboard import EventWriter
 from ddpq.wire import Backoff, encode_number, tree_stamp
 
@@ -84,9 +92,6 @@ BATCH_BYTES = 256 * 1024
 # Points wait up to this long to be batched with later ones: a POST per step would
 # cost the API a core and rank 0 its GIL (measured by bench/overhead.py).
 SEND_INTERVAL_S = 1.0
-# Without ddpq (a bare torchrun), a line per this many seconds: readable, and the steps
-# between cost one clock read each.
-PLAIN_INTERVAL_S = 5.0
 EXIT_FLUSH_TIMEOUT_S = 30.0
 
 
@@ -118,6 +123,10 @@ class _Sender:
         # The first point goes without lingering: the job's progress bar and chart show
         # from its start, not a batch interval (or a batch of 1000) later.
         self._eager = True
+        # The steps at which this trial's sweep judges it (ddpq.rules.RUNGS_VAR): a point
+        # reaching the next one goes at once and asks for the judgment.
+        self._rungs = collections.deque(rungs())
+        self._judge_due = False
         self._thread = threading.Thread(target=self._run, name="ddpq-train-sender", daemon=True)
         self._thread.start()
 
@@ -129,7 +138,9 @@ class _Sender:
                 if self._dropped in (1, 1000) or self._dropped % 100_000 == 0:
                     log.warning("ddpq: metric buffer full, %d oldest points dropped", self._dropped)
             self._points.append(item)
-            if len(self._points) >= BATCH_ITEMS or self._eager:
+            if self._rungs and item["step"] >= self._rungs[0]:
+                self._judge_due = True
+            if len(self._points) >= BATCH_ITEMS or self._eager or self._judge_due:
                 self._cond.notify_all()
 
     def add_checkpoint(self, body: dict[str, Any]) -> None:
@@ -163,7 +174,7 @@ class _Sender:
                 len(self._points) < BATCH_ITEMS
                 and not self._checkpoints
                 and not (self._flushing and (self._points or self._unsent_drops()))
-                and not (self._eager and self._points)
+                and not ((self._eager or self._judge_due) and self._points)
                 and (left := deadline - time.monotonic()) > 0
             ):
                 self._cond.wait(left)
@@ -171,6 +182,7 @@ class _Sender:
             if n:
                 self._eager = False
             points = [self._points.popleft() for _ in range(n)]
+            self._judge_due = self._judge_due and bool(self._points)
             checkpoints = list(self._checkpoints)
             self._checkpoints.clear()
             self._in_flight = len(points) + len(checkpoints)
@@ -231,8 +243,11 @@ class _Sender:
         body: dict[str, Any] = {"items": items}
         if drops:
             body["dropped"] = drops
-        status = self._post("metrics", body)
+        judge = bool(self._rungs) and any(i["step"] >= self._rungs[0] for i in items)
+        status = self._post("metrics", body, judge)
         if status is None:
+            while judge and self._rungs and self._rungs[0] <= max(i["step"] for i in items):
+                self._rungs.popleft()
             if drops:
                 with self._cond:
                     self._dropped_sent += drops
@@ -262,10 +277,10 @@ class _Sender:
         for p in points:
             if p.get("tensorboard"):
                 continue
-            p["values"] = {k: _to_float(v) for k, v in p["values"].items()}
+            p["values"] = {k: to_float(v) for k, v in p["values"].items()}
             scalars = dict(p["values"])
             if p.get("epoch") is not None:
-                p["epoch"] = scalars["epoch"] = _to_float(p["epoch"])
+                p["epoch"] = scalars["epoch"] = to_float(p["epoch"])
             p["tensorboard"] = True
             if scalars:  # a point may carry only the job's total_steps
                 fresh.append((p["step"], scalars))
@@ -276,13 +291,14 @@ class _Sender:
             log.warning("ddpq: cannot write TensorBoard events (%s); no more are written", exc)
             self._tensorboard = None
 
-    def _post(self, what: str, body: dict[str, Any]) -> int | None:
+    def _post(self, what: str, body: dict[str, Any], judge: bool = False) -> int | None:
         """POST; None when stored, else the refusal's status (4xx, which a retry will
         not change: e.g. 409, a newer attempt took over). Raises ApiUnavailable
-        (ddpq.errors) on 5xx, 429 and connection errors."""
+        (ddpq.errors) on 5xx, 429 and connection errors. ``judge``: the points reach a
+        rung; the sweep's judgment comes back with them, and a pruned run is stopped."""
         path = f"/jobs/{self._job_id}/{what}"
         try:
-            r = self._client.post(path, json=body)
+            r = self._client.post(path, json=body, params={"judge": "true"} if judge else None)
         except httpx.HTTPError as exc:
             raise no_answer("POST", str(self._client.base_url).rstrip("/") + path, exc) from exc
         if r.status_code >= 400:
@@ -291,62 +307,30 @@ class _Sender:
                 raise error
             log.warning("ddpq: the API refused %s: %.600s", what, error)
             return r.status_code
+        if judge and (why := r.json().get("stop")):
+            _stop_run(str(why))
         return None
 
 
-def _to_float(value: Any) -> float:
-    if isinstance(value, numbers.Real):
-        return float(value)
-    item = getattr(value, "item", None)  # a one-element tensor or numpy scalar
-    if item is not None:
-        return float(item())
-    raise TypeError(f"metric values must be numbers or one-element tensors, not {type(value)!r}")
+def _stop_run(why: str) -> None:
+    """The sweep pruned this trial: end the program as the worker's cancel would, by
+    SIGTERM (a handler the program has saves what it must), but now, not at the worker's
+    next heartbeat; torchrun then stops the other ranks. The job ends cancelled, ``why``."""
+    print(f"ddpq: {why}: stopping", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _materialise(point: dict[str, Any]) -> dict[str, Any]:
-    values = {k: encode_number(_to_float(v)) for k, v in point["values"].items()}
+    values = {k: encode_number(to_float(v)) for k, v in point["values"].items()}
     out: dict[str, Any] = {"step": point["step"], "values": values}
     if point.get("epoch") is not None:
-        out["epoch"] = encode_number(_to_float(point["epoch"]))
+        out["epoch"] = encode_number(to_float(point["epoch"]))
     if point.get("total_steps") is not None:
         out["total_steps"] = point["total_steps"]
     return out
 
 
-class _Plain:
-    """Reports under a bare torchrun (no API to send to), on rank 0: a line on stderr
-    for the first, then at most one per PLAIN_INTERVAL_S, and the last one not shown
-    yet when the program exits. Between lines a report costs a clock read."""
-
-    def __init__(self) -> None:
-        self._next = 0.0
-        self._unshown: tuple[int, float | None, dict[str, Any]] | None = None
-        self._lock = threading.Lock()
-
-    def report(self, step: int, epoch: float | None, values: dict[str, Any]) -> None:
-        now = time.monotonic()
-        with self._lock:
-            if now < self._next:
-                self._unshown = (step, epoch, values)
-                return
-            if self._next == 0.0:
-                atexit.register(self._at_exit)
-            self._next = now + PLAIN_INTERVAL_S
-            self._unshown = None
-        _print_point(step, epoch, values)
-
-    def _at_exit(self) -> None:
-        if self._unshown is not None:
-            _print_point(*self._unshown)
-
-
-def _print_point(step: int, epoch: float | None, values: dict[str, Any]) -> None:
-    where = f"step {step}" + ("" if epoch is None else f" epoch {_to_float(epoch):g}")
-    shown = ", ".join(f"{k}={_to_float(v):.6g}" for k, v in values.items())
-    print(f"ddpq: {where}: {shown}", file=sys.stderr, flush=True)
-
-
-_plain = _Plain()
+_plain = Plain()
 _sender: _Sender | None = None
 _sender_lock = threading.Lock()
 
@@ -491,7 +475,7 @@ def _send_checkpoint(
     if epoch is not None:
         body["epoch"] = epoch
     if metrics:
-        body["metrics"] = {k: encode_number(_to_float(v)) for k, v in metrics.items()}
+        body["metrics"] = {k: encode_number(to_float(v)) for k, v in metrics.items()}
     sender.add_checkpoint(body)
 
 

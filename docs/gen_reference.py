@@ -63,6 +63,7 @@ JOB_ENV = [
     ("DDPQ_DEVICE", "`cpu` or `cuda`, as the worker resolved the spec's `device`"),
     ("DDPQ_RESUME_FROM", "the newest registered checkpoint, when there is one to resume from"),
     ("DDPQ_PARAMS", "its spec's `params` as JSON (a sweep's trial's; `ddpq.params()` reads it)"),
+    ("DDPQ_RUNGS", "its spec's `rungs`: the steps its sweep judges it at (`ddpq.report` asks)"),
     ("DDPQ_TENSORBOARD_DIR", "when the worker has one (above)"),
     # Their owner's caches on the worker (worker/caches.py), unless --cache-gb 0.
     ("TORCHINDUCTOR_CACHE_DIR", "inductor's cache (`torch.compile`), in its owner's caches"),

@@ -36,6 +36,7 @@ from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from ddpq.rules import MAX_RUNGS, MAX_STEP
 from service import code, jobs, queue, studies, sweepviews, users
 from service.db import Database
 from service.errors import Conflict, Forbidden, Invalid, NotFound, TooMany
@@ -68,11 +69,22 @@ def trial_spec(spec: SweepSpec, name: str, number: int, params: dict[str, Any]) 
     job["args"] = [fill(a, params) for a in job["args"]]
     job["env"] = {k: fill(v, params) for k, v in job["env"].items()}
     job["params"] = params
+    job["rungs"] = rungs_of(spec)
     job["name"] = f"{name}/{number}"[-200:]
     if spec.array is not None:  # a task: named and numbered by its index, as Slurm's are
         job["array_index"] = params["index"]
         job["name"] = f"{name}/{params['index']}"[-200:]
     return JobSpec.model_validate(job)
+
+
+def rungs_of(spec: SweepSpec) -> list[int]:
+    """The first steps (MAX_RUNGS) at which the sweep's early stopping judges a trial."""
+    found: list[int] = []
+    while len(found) < MAX_RUNGS and (at := studies.rung_step(spec, len(found))) is not None:
+        if at > MAX_STEP:
+            break
+        found.append(at)
+    return found
 
 
 # ---- what a round reads ------------------------------------------------------------------
@@ -279,6 +291,65 @@ def advance(db: Database, sweep_id: int) -> bool:
     made = _write(db, read, plan)
     if made and db.policy.preemption != "off":
         queue.preempt_sweep(db)  # room for the new trials, if they outrank and may
+    return True
+
+
+def _trial_of(job_id: int) -> Any:
+    return (
+        select(SweepTrial.sweep_id, SweepTrial.rungs, SweepTrial.state, Sweep.spec)
+        .join(Sweep, Sweep.id == SweepTrial.sweep_id)
+        .where(SweepTrial.job_id == job_id, Sweep.status == RUNNING)
+    )
+
+
+def judge(db: Database, job_id: int, step: int) -> str | None:
+    """A trial's reporter says it reached a rung at ``step`` (ddpq.rules.RUNGS_VAR): its
+    sweep's round now, not at the sweeper's next. Why the trial is to stop if it is
+    pruned (its reporter stops the program), else None. A no-op but for one indexed read
+    unless the job is an active trial of a running sweep that ``step`` takes to a rung
+    not yet recorded, so a job asking on every batch costs the API no round."""
+    with db.read() as s:
+        row = s.execute(_trial_of(job_id)).first()
+        if row is None or row.state != "active":
+            return None
+        try:
+            spec = SweepSpec.model_validate(row.spec)
+        except ValidationError:  # a rule tightened since: the round stops the sweep
+            return None
+        at = studies.rung_step(spec, len(row.rungs))
+        if at is None or step < at:
+            return None
+    for _ in range(2):  # a round of another process may have moved the sweep on first
+        if not _advanced(db, row.sweep_id):
+            return None
+        with db.read() as s:
+            now = s.execute(
+                select(SweepTrial.state, SweepTrial.reason, SweepTrial.rungs).where(
+                    SweepTrial.job_id == job_id
+                )
+            ).first()
+        if now is None or now.state == "pruned" or len(now.rungs) > len(row.rungs):
+            break
+    return now.reason if now is not None and now.state == "pruned" else None
+
+
+def trial_ended(db: Database, job_id: int) -> None:
+    """A job ended: if it is a trial, its sweep's round now (its place refilled, or the
+    sweep ended) rather than at the sweeper's next."""
+    with db.read() as s:
+        row = s.execute(_trial_of(job_id)).first()
+    if row is not None:
+        _advanced(db, row.sweep_id)
+
+
+def _advanced(db: Database, sweep_id: int) -> bool:
+    """``advance`` for a request that came for something else (its points or its end,
+    already committed): its trouble is logged, never its request's; False then."""
+    try:
+        advance(db, sweep_id)
+    except Exception:
+        log.exception("sweep %d: its round failed", sweep_id)
+        return False
     return True
 
 

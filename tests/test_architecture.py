@@ -100,8 +100,8 @@ def test_the_rooms_import_only_what_they_may() -> None:
     for name, deps in top.items():
         if name.startswith("ddpq"):
             assert not {d.split(".")[0] for d in deps} & {"service", "worker"}, (name, deps)
-    rank = {"ddpq.errors", "ddpq.rules", "ddpq.tensorboard", "ddpq.wire"}
-    for name in ("ddpq.train", "ddpq.wire", "ddpq.errors"):
+    rank = {"ddpq.errors", "ddpq.plain", "ddpq.rules", "ddpq.tensorboard", "ddpq.wire"}
+    for name in ("ddpq.train", "ddpq.plain", "ddpq.wire", "ddpq.errors"):
         assert anywhere[name] <= rank, anywhere[name]
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psycopg
 import pytest
 
 from tests.conftest import Server, launcher_env, start_server, stop_server, terminal, wait_for
@@ -192,6 +193,37 @@ def test_concurrent_claimers_take_each_job_exactly_once(server: Server) -> None:
     assert set(everything) == ids
     assert sum(1 for per in claimed if per) > 1  # the claimers really raced
     assert c.get("/jobs", params={"status": "queued"}).json()["items"] == []
+
+
+def test_a_claim_waits_out_a_transaction_holding_every_queued_row(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """A share refresh locks all of an owner's queued rows for its transaction: a claim
+    meeting only locked rows that fit waits for them rather than answer "no job" while
+    jobs wait (a worker told "none" idles until its next poll). Postgres only: SQLite
+    has no row locks, a writer there holds the whole database and every claim waits."""
+    server = start_server(pg_url, tmp_path / "api")
+    try:
+        register(server, "w", cpu_slots=8, gpus=[])
+        ids = {_submit(server, entrypoint="noop.py", device="cpu")["id"] for _ in range(3)}
+        holder = psycopg.connect(pg_url.replace("postgresql+psycopg://", "postgresql://", 1))
+        holder.execute("SELECT id FROM jobs WHERE status = 'queued' FOR UPDATE")
+        got: list[dict | None] = []
+        t = threading.Thread(target=lambda: got.append(_claim(server, "w", [])))
+        t.start()
+
+        def claim_waits_on_a_lock() -> bool:
+            q = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+            with psycopg.connect(holder.info.dsn, autocommit=True) as look:
+                return bool(look.execute(q).fetchone()[0])  # type: ignore[index]
+
+        wait_for(claim_waits_on_a_lock, 30, "the claim to wait on the held rows")
+        holder.commit()
+        holder.close()
+        t.join(timeout=30)
+        assert got and got[0] is not None and got[0]["job_id"] in ids
+    finally:
+        stop_server(server)
 
 
 def test_concurrent_requests_with_one_idempotency_key_make_one_job(server: Server) -> None:

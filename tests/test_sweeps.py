@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import random
 import re
 import textwrap
@@ -425,6 +426,58 @@ def test_asha_prunes_exactly_what_optuna_decides_and_stops_those_trials(api: Ser
     assert ranked == ["complete"] * len(survivors) + ["pruned"] * len(expected)
 
 
+def test_a_trial_reaching_a_rung_is_judged_in_its_own_report(api: Server) -> None:
+    """A trial's spec carries its rungs; points sent with ``judge`` that reach one are
+    judged in that request: the answer says to stop a trial the cut prunes (and its job
+    is being cancelled with the cut in words), and nothing for one that goes on, for
+    points short of the rung, or for a job of no sweep."""
+    user = api.client()
+    body = {
+        "name": "judged",
+        "job": {"entrypoint": "train.py"},
+        "space": {"lr": {"type": "categorical", "values": [0.1, 0.2, 0.3]}},
+        "method": "grid",
+        "metric": "loss",
+        "max_concurrent": 3,
+        "early_stopping": {"type": "asha", "min_steps": 100, "reduction_factor": 3},
+    }
+    r = user.post("/sweeps", json=body)
+    assert r.status_code == 201, r.text
+    sweep = r.json()
+    claims: list[dict[str, Any]] = []
+    while len(claims) < 3:
+        c = wait_for(lambda: claim(api, "judged", slots=16), 30, "a trial")
+        assert c["spec"]["name"].startswith("judged/"), c["spec"]  # no other test's job
+        claims.append(c)
+    first, second = sorted(claims, key=lambda c: c["job_id"])[:2]
+    assert first["spec"]["rungs"][:3] == [100, 300, 900]
+
+    def judged(c: dict[str, Any], step: int, loss: float) -> dict[str, Any]:
+        r = api.client(c["token"]).post(
+            f"/jobs/{c['job_id']}/metrics",
+            params={"judge": "true"},
+            json={"items": [{"step": step, "values": {"loss": loss}}]},
+        )
+        assert r.status_code == 202, r.text
+        out: dict[str, Any] = r.json()
+        return out
+
+    assert judged(second, 99, 5.0) == {"accepted": 1, "stop": None}  # short of the rung
+    assert judged(first, 100, 0.5)["stop"] is None  # the first at its rung goes on
+    assert len(trial(sweep_of(user, sweep["id"]), 0)["rungs"]) == 1  # recorded at once
+    stop = judged(second, 100, 0.9)["stop"]
+    assert stop == "pruned at step 100: loss 0.9, rung cut 0.5 (1 of 2 trials kept)"
+    job = user.get(f"/jobs/{second['job_id']}").json()
+    assert job["status"] == "cancelling"
+    assert job["reason"] == f"cancel requested by ddpq: {stop}; stopping its processes"
+    assert judged(second, 300, 0.1)["stop"] is None  # judged once: it is no trial now
+    plain = user.post("/jobs", json={"entrypoint": "train.py", "rungs": [1]}).json()
+    c = wait_for(lambda: claim(api, "judged-plain", slots=16), 30, "the plain job")
+    assert c["job_id"] == plain["id"]
+    assert judged(c, 5, 1.0)["stop"] is None
+    assert user.post(f"/sweeps/{sweep['id']}/cancel").status_code == 202
+
+
 def test_a_sweep_goes_on_across_an_api_restart_and_a_lost_worker(
     db_url: str, tmp_path: Path
 ) -> None:
@@ -575,5 +628,63 @@ def test_a_sweep_end_to_end_with_a_real_worker(
         )
         listed = run_ddpq("sweep", "ls", env=env)
         assert "e2e" in listed.stdout and "2/2" in listed.stdout, listed.stdout
+        _a_pruned_trial_stops_in_its_own_report(server, code, tmp_path / "signals")
     finally:
         stop_server(server)
+
+
+# Two trials at once: the good one reaches the rung (step 10) and ends at step 20, then
+# lets the bad one report; the bad one would run for hours unless stopped.
+PRUNED_PROGRAM = """
+import os
+import pathlib
+import time
+
+import ddpq
+
+lr = ddpq.params()["lr"]
+done = pathlib.Path(os.environ["SIGNALS"]) / "good-done"
+while lr > 0.5 and not done.exists():
+    time.sleep(0.01)
+for step in range(10**6):
+    ddpq.report(step, loss=lr)
+    if lr < 0.5 and step == 20:
+        break
+    time.sleep(0.01)
+ddpq.flush()
+done.touch()
+"""
+
+
+def _a_pruned_trial_stops_in_its_own_report(server: Server, code: Path, signals: Path) -> None:
+    """Under ASHA, the trial the cut prunes learns it from the answer to the report that
+    reached the rung and stops its program there (its log says so, which only its
+    reporter writes), not at its worker's next heartbeat; it ends cancelled, pruned."""
+    signals.mkdir()
+    (code / "pruned.py").write_text(PRUNED_PROGRAM)
+    (code / "pruned.yaml").write_text(
+        textwrap.dedent(
+            f"""
+            name: pruned
+            job: {{entrypoint: pruned.py, workdir: ., device: cpu, env: {{SIGNALS: {signals}}}}}
+            space: {{lr: [0.3, 0.9]}}
+            method: grid
+            metric: loss
+            max_concurrent: 2
+            early_stopping: {{type: asha, min_steps: 10, reduction_factor: 3}}
+            """
+        )
+    )
+    env = {"DDPQ_URL": server.url, "DDPQ_TOKEN": server.api_token}
+    submitted = run_ddpq("sweep", "submit", "pruned.yaml", "--json", env=env, cwd=code)
+    assert submitted.returncode == 0, submitted.stderr
+    user = server.client()
+    done = ended(user, json.loads(submitted.stdout)["id"])
+    assert done["status"] == "done", done
+    bad = next(t for t in done["trials"] if t["params"] == {"lr": 0.9})
+    assert bad["state"] == "pruned", bad
+    words = "pruned at step 10: loss 0.9, rung cut 0.3 (1 of 2 trials kept)"
+    job = user.get(f"/jobs/{bad['job_id']}").json()
+    assert job["status"] == "cancelled" and job["reason"] == f"cancelled by ddpq: {words}", job
+    log = user.get(f"/jobs/{bad['job_id']}/logs").text
+    assert f"ddpq: {words}: stopping" in log, log[-2000:]

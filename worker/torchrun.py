@@ -23,9 +23,11 @@ from ddpq.messages import ClaimedJob, GangReply
 from ddpq.rules import (
     ARRAY_VAR,
     PARAMS_VAR,
+    RUNGS_VAR,
     entrypoint_problem,
     env_problem,
     params_problem,
+    rungs_problem,
 )
 from worker import tee
 from worker.outcome import Outcome, stopped
@@ -226,6 +228,12 @@ def environment(environ: Mapping[str, str], claim: ClaimedJob, at: Placement) ->
         if not isinstance(index, int) or isinstance(index, bool) or index < 0:
             raise JobError(f"array_index: {index!r} is not an index")
         env[ARRAY_VAR] = str(index)
+    rungs = claim.spec.get("rungs")
+    if rungs:  # a trial's, whose sweep stops early: its reporter asks at each
+        problem = rungs_problem(rungs)
+        if problem:
+            raise JobError(problem)
+        env[RUNGS_VAR] = ",".join(map(str, rungs))
     # The one DDPQ_* setting of the worker's own that ranks get (others stay private):
     # where ddpq.train writes TensorBoard runs. Absolute, since ranks run in the
     # workspace, not in the worker's directory.

@@ -58,9 +58,12 @@ from typing import Any
 LAUNCH_ID_VAR = "DDPQ_LAUNCH_ID"
 PLACEHOLDER = "@" * 512
 # The modules imported before any fork: torch and what torchrun's agent and the usual
-# training program import (a job needing another module just imports it).
+# training program import (a job needing another module just imports it). torch._dynamo
+# too: every optimizer's first add_param_group imports it (torch._disable_dynamo), which
+# took a forked rank 1.1 s (sympy and all) of every job that trains (bench/sweep.py).
 WARM_MODULES = (
     "torch",
+    "torch._dynamo",
     "torch.nn",
     "torch.nn.functional",
     "torch.optim",

@@ -120,8 +120,9 @@ def _any_fits(worker_has_gpus: bool) -> Any:
 
 
 @functools.cache
-def _take(dialect: str, worker_has_gpus: bool, guarded: bool) -> Any:
-    """Mark the best queued job that fits running, in one statement, and return it."""
+def _take(dialect: str, worker_has_gpus: bool, guarded: bool, wait: bool = False) -> Any:
+    """Mark the best queued job that fits running, in one statement, and return it.
+    On Postgres the pick passes over rows other transactions hold, unless ``wait``."""
     pick = _fitting(worker_has_gpus)
     if guarded:  # a job starves (or a gang is picked): nothing behind it may start
         pick = pick.where(
@@ -129,7 +130,7 @@ def _take(dialect: str, worker_has_gpus: bool, guarded: bool) -> Any:
         )
     pick = pick.order_by(*ORDER).limit(1)
     if dialect == "postgresql":
-        pick = pick.with_for_update(skip_locked=True)
+        pick = pick.with_for_update(skip_locked=not wait)
     # A CPU job holds its ranks' CPU slots; a GPU job its GPUs (set after the pick).
     held_cpu = (
         case((j.device == "cpu", j.nproc_per_node), else_=0)
@@ -468,10 +469,20 @@ def _claim(
         probe.has_gpus, probe.cpu, probe.gpus = has_gpus, cap.free_cpu, len(cap.free_gpus)
         probe.general = head is None and not mine.gangs_queued
         row = conn.execute(_take(db.dialect, has_gpus, head is not None), params).first()
+        if row is None and db.dialect == "postgresql":
+            # SKIP LOCKED passed over every row that fits, or none fits. Rows are held by
+            # claims being made and also by a share refresh rewriting all of an owner's
+            # queued jobs: answering "none" then would idle a worker while jobs wait. So
+            # if any fits, wait for the locks once. This transaction holds no row yet
+            # (unless a gang's), so no lock cycle can pass through it.
+            fits = conn.execute(_any_fits(has_gpus), params).first() is not None
+            probe.general = probe.general and not fits
+            if fits and gang is None:
+                row = conn.execute(
+                    _take(db.dialect, has_gpus, head is not None, wait=True), params
+                ).first()
         if row is not None:
             return _start(conn, row, cap, token_hash, now, mine.quotas_set)
-        if probe.general and db.dialect == "postgresql":
-            probe.general = conn.execute(_any_fits(has_gpus), params).first() is None
         if gang is None:
             return None
         assert advertise_addr is not None and rdzv_port is not None

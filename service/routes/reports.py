@@ -9,7 +9,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from service import ingest, jobs, logs
+from service import ingest, jobs, logs, sweeps
 from service.auth import JobAttempt
 from service.db import Database
 from service.deps import DB, LOG_CHUNK_BODY, LOG_CHUNK_TOO_BIG, JobId, log_chunk
@@ -17,10 +17,10 @@ from service.errors import not_utf8_json, responses
 from service.models import Attempt
 from service.schemas import (
     MAX_WORLD_SIZE,
-    Accepted,
     CheckpointIn,
     CheckpointPublic,
     LogAppended,
+    MetricsAccepted,
     MetricsIn,
 )
 
@@ -58,7 +58,8 @@ _METRICS_BODY = {
 }
 
 
-def _ingest(db: Database, attempt: Attempt, raw: bytes) -> int:
+def _ingest(db: Database, attempt: Attempt, raw: bytes) -> tuple[int, int | None]:
+    """Store the body's points: how many items, and the newest step among them."""
     # Straight from JSON: a batch of 1000 items parsed by json.loads and validated as
     # Python objects (FastAPI's way) cost more than storing it (bench/api.py). The
     # shape ddpq.train sends is read without a model per item (ingest.parse_points);
@@ -75,20 +76,36 @@ def _ingest(db: Database, attempt: Attempt, raw: bytes) -> int:
                 errors = [not_utf8_json(bad)]
             raise RequestValidationError(errors) from None
         points = ingest.points_of(body)
-    return ingest.store_points(db, attempt, points)
+    return ingest.store_points(db, attempt, points), max(points.steps, default=None)
 
 
 @router.post(
     "/jobs/{job_id}/metrics",
     status_code=202,
-    response_model=Accepted,
+    response_model=MetricsAccepted,
     openapi_extra=_METRICS_BODY,
     responses=responses(FENCED),
 )
-async def report_metrics(job_id: JobId, request: Request, attempt: JobAttempt, db: DB) -> Accepted:
+async def report_metrics(
+    job_id: JobId,
+    request: Request,
+    attempt: JobAttempt,
+    db: DB,
+    judge: Annotated[
+        bool,
+        Query(
+            description="the points reach a rung of the job's sweep (its spec's `rungs`): "
+            "judge the trial now; the answer's `stop` says if it was pruned"
+        ),
+    ] = False,
+) -> MetricsAccepted:
     """Add metric points (at most 1000 items a request)."""
     raw = await request.body()
-    return Accepted(accepted=await run_in_threadpool(_ingest, db, attempt, raw))
+    accepted, newest = await run_in_threadpool(_ingest, db, attempt, raw)
+    stop = None
+    if judge and newest is not None:
+        stop = await run_in_threadpool(sweeps.judge, db, attempt.job_id, newest)
+    return MetricsAccepted(accepted=accepted, stop=stop)
 
 
 @router.post(

@@ -22,7 +22,7 @@ from ddpq.messages import (
     HeldAttempt,
     WorkerRegistered,
 )
-from service import caches, checkpoints, jobs, logs, outputs, queue, secrets
+from service import caches, checkpoints, jobs, logs, outputs, queue, secrets, sweeps
 from service.auth import WorkerAuth, mint_job_token
 from service.config import Settings
 from service.db import Database
@@ -37,6 +37,7 @@ from service.deps import (
     log_chunk,
 )
 from service.errors import responses
+from service.models import TERMINAL
 from service.schemas import (
     ClaimRequest,
     FinishRequest,
@@ -343,7 +344,10 @@ class FinishBody(FinishRequest):
 async def finish_attempt(job_id: JobId, body: FinishBody, db: DB) -> JobPublic:
     """Report how an attempt ended (after its processes are gone)."""
     # Claimers are woken as it commits: its worker's own, or everyone's (states.end).
-    return await run_in_threadpool(jobs.finish_attempt, db, job_id, body.worker, body)
+    job = await run_in_threadpool(jobs.finish_attempt, db, job_id, body.worker, body)
+    if job.spec.params and job.status in TERMINAL:  # a trial's: its sweep goes on now
+        await run_in_threadpool(sweeps.trial_ended, db, job_id)
+    return job
 
 
 @router.get("/outputs/limits", response_model=OutputsLimits)

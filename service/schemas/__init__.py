@@ -58,6 +58,7 @@ from service.schemas.common import (
     ErrorItem,
     Label,
     LogAppended,
+    MetricsAccepted,
     Strict,
     StrictPosInt,
 )
@@ -249,6 +250,7 @@ __all__ = [
     "MetricName",
     "MetricValue",
     "MetricValueIn",
+    "MetricsAccepted",
     "MetricsIn",
     "MetricsPublic",
     "MissingReply",

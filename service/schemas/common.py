@@ -77,6 +77,13 @@ class Accepted(BaseModel):
     accepted: int
 
 
+class MetricsAccepted(Accepted):
+    # Why the job is to stop, when its sweep pruned it on this request's points (asked
+    # with ``judge``): its reporter stops the program; the job is being cancelled with
+    # this reason. None otherwise.
+    stop: str | None = None
+
+
 class LogAppended(BaseModel):
     next_offset: int
 

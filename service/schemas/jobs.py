@@ -24,6 +24,7 @@ from ddpq.rules import (
     entrypoint_problem,
     env_problem,
     params_problem,
+    rungs_problem,
     secret_name_problem,
 )
 from service.models import AttemptOutcome, CheckpointKind, CheckpointState, JobStatus
@@ -166,6 +167,10 @@ class JobSpec(Strict):
     # The checkpoint its ranks start from, another job's, however that job ended
     # (service.queue.forks: sent through the API from the worker that holds it).
     from_checkpoint: ForkFrom | None = None
+    # The steps at which its sweep judges it (ddpq.rules.rungs_problem has the rule): set
+    # by the sweep for a trial with early stopping; its reporter asks for each judgment
+    # as it reaches the step. On any other job it changes nothing.
+    rungs: list[Annotated[int, Field(strict=True)]] = []
 
     @field_validator("recipe")
     @classmethod
@@ -204,6 +209,14 @@ class JobSpec(Strict):
                 raise ValueError(problem)
         if len(set(v)) != len(v):
             raise ValueError("a secret is named twice")
+        return v
+
+    @field_validator("rungs")
+    @classmethod
+    def _rungs(cls, v: list[int]) -> list[int]:
+        problem = rungs_problem(v)
+        if problem:
+            raise ValueError(problem)
         return v
 
     @field_validator("params")
@@ -266,6 +279,7 @@ class JobSpecPublic(BaseModel):
     after: list[DependencyPublic] = []
     array_index: int | None = None
     from_checkpoint: ForkFromPublic | None = None
+    rungs: list[int] = []
 
 
 FileBytes = Annotated[int, Field(strict=True, ge=0, le=INT64_MAX)]

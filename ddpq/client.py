@@ -411,6 +411,21 @@ class Client:
         items: list[dict[str, Any]] = self._json("GET", "/usage")["items"]
         return items
 
+    def queue(self, user: str | None = None, limit: int = 100, offset: int = 0) -> dict[str, Any]:
+        """GET /queue: the queued jobs in the order the claims try them, with estimates."""
+        params: dict[str, Any] = {"limit": limit, "offset": offset}
+        if user is not None:
+            params["user"] = user
+        page: dict[str, Any] = self._json("GET", "/queue", params=params)
+        return page
+
+    def accounting(self, **query: Any) -> dict[str, Any]:
+        """One page of GET /accounting (since, until, per, user, status, worker, sweep,
+        limit, cursor; None values left out): its rows, next_cursor and the totals."""
+        params = {k: v for k, v in query.items() if v is not None}
+        page: dict[str, Any] = self._json("GET", "/accounting", params=params)
+        return page
+
     def audit(self, limit: int = 100, cursor: str | None = None) -> dict[str, Any]:
         """A page of the audit trail (admins), newest first: ``{"items": [{"id", "at",
         "actor", "action", "target", "detail"}], "next_cursor"}``."""

@@ -29,8 +29,8 @@ from service.bodies import BodyLimit, LingeringClose, body_limits
 from service.config import Settings
 from service.db import Database
 from service.errors import DomainError, Invalid, not_utf8_json
+from service.routes import box, code, jobs, meta, reports, secrets, sweeps, ui, users, workers
 from service.routes import caches as caches_routes
-from service.routes import code, jobs, meta, reports, secrets, sweeps, ui, users, workers
 from service.schemas import Error
 from service.secrets import Keyring
 from service.telemetry import RequestMetrics, Telemetry
@@ -120,6 +120,7 @@ def create_app(
     app.include_router(secrets.job_router)
     app.include_router(caches_routes.router)
     app.include_router(sweeps.router)
+    app.include_router(box.router)
     app.include_router(telemetry.router)
     app.include_router(ui.router)  # the dashboard's open static shell; its data needs the token
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, larger=body_limits(settings))

@@ -19,6 +19,7 @@ from typing import Any
 import typer
 
 from ddpq.cli import (  # noqa: F401
+    box,
     cache,
     checkpoints,
     code,
@@ -42,10 +43,10 @@ from ddpq.errors import DdpqError
 ORDER = [
     "serve", "worker", "up",
     "login", "logout", "whoami", "secrets",
-    "submit", "resubmit", "status", "ls", "cancel", "code", "outputs", "logs", "watch",
+    "submit", "resubmit", "status", "ls", "queue", "cancel", "code", "outputs", "logs", "watch",
     "checkpoints", "cache", "sweep", "compare",
     "workers", "recipes",
-    "users", "audit", "usage", "quota",
+    "users", "audit", "usage", "acct", "quota",
     "slurm-node",  # hidden: what the Slurm bridge starts on each node
 ]  # fmt: skip
 

@@ -181,6 +181,13 @@ def list_jobs(
     cursor: Annotated[
         str | None, typer.Option(help="continue after this (next_cursor of --json)")
     ] = None,
+    sort: Annotated[
+        str,
+        typer.Option(
+            help="newest (first) or position: the queued ones listed in the order the claims "
+            "try them, then the rest newest first (`ddpq queue` shows the whole queue)"
+        ),
+    ] = "newest",
     as_json: JsonOpt = False,
 ) -> None:
     """List jobs, newest first.
@@ -189,9 +196,13 @@ def list_jobs(
     """
     if mine and user:
         _fail("give --mine or --user NAME, not both", EXIT_USAGE)
+    if sort not in ("newest", "position"):
+        _fail(f"--sort {sort!r}: newest or position", EXIT_USAGE)
     statuses = [x.strip() for s in status or [] for x in s.split(",") if x.strip()]
     with _client() as c:
         items, next_cursor = _find_jobs(c, statuses, name, limit, cursor, user, mine)
+        if sort == "position":  # stable: the rest stay newest first
+            items.sort(key=lambda j: j.get("queue_position") or float("inf"))
         if as_json:
             _print_json({"items": items, "next_cursor": next_cursor})
             return

@@ -16,6 +16,8 @@
 Other modules import this package and call what it re-exports below.
 """
 
+from service.queue import plan
+from service.queue.books import capacities
 from service.queue.books import overview as workers_overview
 from service.queue.claim import Claim, NothingFits, Probe, claim_next_job
 from service.queue.deps import check as dependencies_unmet
@@ -56,7 +58,8 @@ from service.queue.rules import (
     lock_owner,
     notify_claimers,
 )
-from service.queue.shares import count_running
+from service.queue.shares import count_running, decayed_usage, share_to_gpu_s
+from service.queue.shares import held as attempt_holds
 from service.queue.shares import overview as usage_overview
 from service.queue.shares import sweep as count_usage
 
@@ -73,10 +76,13 @@ __all__ = [
     "as_utc",
     "ask_checkpoint",
     "at_or_ahead",
+    "attempt_holds",
+    "capacities",
     "checkpoints_sent",
     "claim_next_job",
     "count_running",
     "count_usage",
+    "decayed_usage",
     "dependencies_of",
     "dependencies_unmet",
     "end_attempt",
@@ -95,6 +101,7 @@ __all__ = [
     "nodes_of",
     "notify_claimers",
     "pending_reasons",
+    "plan",
     "preempt_sweep",
     "queued_count",
     "record_dependencies",
@@ -105,6 +112,7 @@ __all__ = [
     "register_worker",
     "release_worker",
     "requeued",
+    "share_to_gpu_s",
     "unschedulable",
     "usage_and_limits",
     "usage_overview",

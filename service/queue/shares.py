@@ -273,6 +273,13 @@ def count_running(s: Session, now: datetime) -> int:
     return len(added)
 
 
+def share_to_gpu_s(s: Session, now: datetime) -> float:
+    """What a queued job's share is multiplied by to read as its owner's usage now, in
+    GPU-equivalent seconds (decayed)."""
+    t0 = s.execute(select(FairshareEpoch.t0).where(FairshareEpoch.id == 1)).scalar()
+    return 1.0 if t0 is None else 1.0 / _scale(now, t0, policy_of(s).fairshare_half_life_s)
+
+
 def decayed_usage(s: Session, now: datetime) -> dict[str, float]:
     """Every user's fair-share usage now, in GPU-equivalent seconds (decayed)."""
     rows = s.execute(select(UserUsage.owner, UserUsage.usage)).all()

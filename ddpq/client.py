@@ -261,6 +261,21 @@ class Client:
         result: dict[str, Any] = self._json("POST", f"/jobs/{job_id}/cancel")
         return result
 
+    def hold(self, job_id: int) -> dict[str, Any]:
+        """Hold a queued job back until it is released."""
+        result: dict[str, Any] = self._json("POST", f"/jobs/{job_id}/hold")
+        return result
+
+    def release(self, job_id: int) -> dict[str, Any]:
+        result: dict[str, Any] = self._json("POST", f"/jobs/{job_id}/release")
+        return result
+
+    def change(self, job_id: int, **fields: Any) -> dict[str, Any]:
+        """Change a queued or held job: priority, timeout_s (0: none), world_size."""
+        body = {k: v for k, v in fields.items() if v is not None}
+        result: dict[str, Any] = self._json("PATCH", f"/jobs/{job_id}", json=body)
+        return result
+
     # ---- sweeps (docs/experiments.md) ----------------------------------------------------
 
     def submit_sweep(self, spec: dict[str, Any]) -> dict[str, Any]:

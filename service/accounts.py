@@ -75,12 +75,12 @@ def deactivate(
         # The jobs in the lock order: by ascending id (service.jobs._get).
         owned = s.scalars(
             select(Job)
-            .where(Job.owner == name, Job.status.in_([JobStatus.QUEUED, *ACTIVE]))
+            .where(Job.owner == name, Job.status.in_([JobStatus.QUEUED, JobStatus.HELD, *ACTIVE]))
             .order_by(Job.id)
             .with_for_update()
         ).all()
         for job in owned:
-            queued = job.status == JobStatus.QUEUED
+            queued = job.status in (JobStatus.QUEUED, JobStatus.HELD)
             if choice == "keep" or (choice == "cancel-queued" and not queued):
                 closed.kept.append(job.id)
             elif choice == "transfer":

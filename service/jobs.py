@@ -185,6 +185,17 @@ def _get(s: Session, job_id: int, lock: bool = False) -> Job:
     return job
 
 
+def lock(s: Session, job_id: int) -> Job:
+    """The job's row, locked for a move (``_get`` says the lock order); NotFound if none."""
+    return _get(s, job_id, lock=True)
+
+
+def public(s: Session, job: Job) -> JobPublic:
+    """A job as the API shows it, read in the caller's transaction."""
+    s.flush()
+    return _publics(s, [job])[0]
+
+
 def get_job(db: Database, job_id: int) -> JobPublic:
     with db.read() as s:
         row = s.connection().execute(_JOB_ROW, {"job_id": job_id}).first()

@@ -34,6 +34,7 @@ class JobStatus(enum.StrEnum):
     SUCCEEDED = "succeeded"  # the program exited 0
     FAILED = "failed"  # the program failed, timed out, or its attempts ran out
     CANCELLED = "cancelled"  # cancelled, and no process of it is left
+    HELD = "held"  # queued but held back (ddpq hold) until released: no claim takes it
 
 
 # How an attempt stands or ended: running, succeeded, failed, cancelled, lost (its worker
@@ -144,6 +145,8 @@ class Job(Base):
     # Who cancelled it, as its reason names them: "bob", "alice (admin): bob's account was
     # closed" (service.jobs.cancel_job); its final reason once its worker confirms.
     cancelled_by: Mapped[str | None] = mapped_column(String(300))
+    # While held: who held it (a member releases only their own holds; an admin, any).
+    held_by: Mapped[str | None] = mapped_column(String(64))
     # While queued: how many of its dependencies (service.deptables.JobDep) are unmet,
     # and 1 more while the checkpoint it forks from is not yet sent (service.forks).
     waits_on: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
@@ -167,14 +170,12 @@ class Job(Base):
     log_dropped_at: Mapped[datetime | None]
 
     __table_args__ = (
-        # A user's jobs, newest first (ddpq ls --mine/--user, the dashboard's "mine"), of
-        # any state or of one, and what each user holds (quotas): ranges of the index,
-        # never a walk of every job. Without the id, a year of jobs (bench/history.py)
+        # A user's jobs, newest first, of any state or of one, and what each user holds
+        # (quotas): ranges of the index. Without the id, a year of jobs (bench/history.py)
         # made a user of few jobs cost a scan of all of them (3 s for a million).
         Index("ix_jobs_owner_id", "owner", "id"),
         Index("ix_jobs_owner_status_id", "owner", "status", "id"),
-        # What runs on a worker and the CPU slots it holds: the claim's books, read
-        # from the index alone.
+        # What runs on a worker and the CPU slots it holds: the claim's books, index-only.
         Index("ix_jobs_worker_status", "worker", "status", "held_cpu_slots"),
         # Jobs of one state, newest first (ls --status): a range, not a sort of them all.
         Index("ix_jobs_status_id", "status", "id"),

@@ -240,7 +240,8 @@ def _plan(read: _Read) -> _Plan:
     active = sum(
         1
         for t in read.trials
-        if not t.ended and not (t.number in stopping and t.status == JobStatus.QUEUED)
+        if not t.ended
+        and not (t.number in stopping and t.status in (JobStatus.QUEUED, JobStatus.HELD))
     )
     room = min(spec.max_concurrent - active, spec.limit - read.made, MAX_NEW_PER_ROUND)
     numbers = list(range(read.made, read.made + max(room, 0)))

@@ -332,7 +332,7 @@ def _clamp_priorities(s: Session, owner: str) -> list[int]:
     locks are taken (_reflag): this waits for rows others hold."""
     members = select(User.name).where(User.role == UserRole.MEMBER)
     q = update(Job).where(
-        Job.status.in_([JobStatus.QUEUED, JobStatus.RUNNING, JobStatus.CANCELLING]),
+        Job.status.in_([JobStatus.QUEUED, JobStatus.HELD, JobStatus.RUNNING, JobStatus.CANCELLING]),
         Job.owner.in_(members),
         Job.priority > _CAP,
     )

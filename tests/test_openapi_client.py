@@ -38,6 +38,11 @@ OPERATIONS = {
     ("get", "/jobs"): ("jobs", "list_jobs"),
     ("get", "/jobs/{job_id}"): ("jobs", "get_job"),
     ("post", "/jobs/{job_id}/cancel"): ("jobs", "cancel_job"),
+    ("post", "/jobs/{job_id}/hold"): ("jobs", "hold_job"),
+    ("post", "/jobs/{job_id}/release"): ("jobs", "release_job"),
+    ("patch", "/jobs/{job_id}"): ("jobs", "change_job"),
+    ("get", "/accounting"): ("box", "get_accounting"),
+    ("get", "/queue"): ("box", "get_queue"),
     ("get", "/jobs/{job_id}/metrics"): ("jobs", "get_job_metrics"),
     ("get", "/jobs/{job_id}/attempts"): ("jobs", "list_job_attempts"),
     ("get", "/jobs/{job_id}/gpus"): ("jobs", "get_job_gpus"),
@@ -140,7 +145,7 @@ def test_every_operation_has_a_short_stable_id_and_typed_answers(server: Server)
     job = schemas["JobPublic"]["properties"]
     assert job["status"] == {"$ref": "#/components/schemas/JobStatus"}
     assert schemas["JobStatus"]["enum"] == [
-        "queued", "running", "cancelling", "succeeded", "failed", "cancelled",
+        "queued", "running", "cancelling", "succeeded", "failed", "cancelled", "held",
     ]  # fmt: skip
     assert job["spec"] == {"$ref": "#/components/schemas/JobSpecPublic"}
     # Every field of a stored spec is in every answer, typed as the spec sent.

@@ -43,7 +43,8 @@ from ddpq.errors import DdpqError
 ORDER = [
     "serve", "worker", "up",
     "login", "logout", "whoami", "secrets",
-    "submit", "resubmit", "status", "ls", "queue", "cancel", "code", "outputs", "logs", "watch",
+    "submit", "resubmit", "status", "ls", "queue", "cancel", "hold", "release", "update",
+    "code", "outputs", "logs", "watch",
     "checkpoints", "cache", "sweep", "compare",
     "workers", "recipes",
     "users", "audit", "usage", "acct", "quota",

@@ -29,7 +29,7 @@ _UNITS = {"m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 # The columns of a row, as CSV writes them (the table shows a few of them, in words).
 CSV_COLUMNS = [
     "job_id", "attempt", "name", "user", "state", "exit_code", "device", "world_size",
-    "workers", "sweep", "created_at", "started_at", "ended_at", "queued_s", "elapsed_s",
+    "workers", "sweep", "created_at", "started_at", "finished_at", "queued_s", "elapsed_s",
     "gpu_hours", "cpu_slot_hours", "attempts", "preemptions", "reason",
 ]  # fmt: skip
 MAX_PAGES = 10_000  # of 1000 rows: the whole window, however large, bounded

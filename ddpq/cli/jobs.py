@@ -265,3 +265,55 @@ def cancel(job_id: int, as_json: JsonOpt = False) -> None:
         _print_json(job)
     else:
         _say(f"job {job['id']} {job['status']}")
+
+
+@client_command()
+def hold(job_id: int, as_json: JsonOpt = False) -> None:
+    """Hold a queued job back: no worker takes it until `ddpq release`. It keeps its id
+    and its place in the queue (and counts against your queued limit)."""
+    with _client() as c:
+        job = c.hold(job_id)
+    if as_json:
+        _print_json(job)
+    else:
+        _say(f"job {job['id']} {job['status']}")
+
+
+@client_command()
+def release(job_id: int, as_json: JsonOpt = False) -> None:
+    """Release a held job: it waits again, in its place."""
+    with _client() as c:
+        job = c.release(job_id)
+    if as_json:
+        _print_json(job)
+    else:
+        _say(f"job {job['id']} {job['status']}")
+
+
+@client_command()
+def update(
+    job_id: int,
+    priority: Annotated[
+        int | None, typer.Option(help="its new priority (a member: up to their cap)")
+    ] = None,
+    time_limit: Annotated[
+        int | None, typer.Option("--time-limit", help="seconds it may run (0: no limit)")
+    ] = None,
+    world_size: Annotated[int | None, typer.Option(help="its new number of ranks")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Change a queued or held job: its priority, time limit or world size. It keeps
+    its id; a new priority moves it in the queue (`ddpq queue`)."""
+    if priority is None and time_limit is None and world_size is None:
+        _fail("give --priority, --time-limit or --world-size", EXIT_USAGE)
+    with _client() as c:
+        job = c.change(job_id, priority=priority, timeout_s=time_limit, world_size=world_size)
+    if as_json:
+        _print_json(job)
+        return
+    spec = job["spec"]
+    limit = spec.get("timeout_s")
+    _say(
+        f"job {job['id']} {job['status']}: priority {spec.get('priority', 0)}, time limit "
+        f"{f'{limit} s' if limit else 'none'}, world size {spec.get('world_size')}"
+    )

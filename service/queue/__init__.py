@@ -62,6 +62,7 @@ from service.queue.shares import count_running, decayed_usage, share_to_gpu_s
 from service.queue.shares import held as attempt_holds
 from service.queue.shares import overview as usage_overview
 from service.queue.shares import sweep as count_usage
+from service.queue.shares import usage_of as share_of
 
 __all__ = [
     "DEFAULT_QUOTA",
@@ -112,6 +113,7 @@ __all__ = [
     "register_worker",
     "release_worker",
     "requeued",
+    "share_of",
     "share_to_gpu_s",
     "unschedulable",
     "usage_and_limits",

@@ -160,7 +160,9 @@ def holdings(s: Executor, owner: str) -> tuple[int, int]:
 def queued(s: Executor, owner: str) -> int:
     return int(
         s.execute(
-            select(func.count()).select_from(jobs).where(j.owner == owner, j.status == "queued")
+            select(func.count())
+            .select_from(jobs)
+            .where(j.owner == owner, j.status.in_(("queued", "held")))  # held: queued too
         ).scalar()
         or 0
     )

@@ -57,7 +57,7 @@ from service.queue import deps, quotas, shares
 from service.queue.rules import Logic, attempts, j, nodes, notify_claimers
 from service.wakeup import Wake
 
-Q, R, C = JobStatus.QUEUED, JobStatus.RUNNING, JobStatus.CANCELLING
+Q, R, C, H = JobStatus.QUEUED, JobStatus.RUNNING, JobStatus.CANCELLING, JobStatus.HELD
 S, F, X = JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED
 
 
@@ -73,6 +73,8 @@ class Event(enum.StrEnum):
     LOSE_LAST = "lose last"  # its worker was lost and that was its last attempt
     STOP = "stop"  # its processes stopped after a cancel
     UNMET = "unmet"  # a job it waits for ended so that it never starts (service.queue.deps)
+    HOLD = "hold"  # its owner (or an admin) holds it back: no claim takes it
+    RELEASE = "release"  # the hold is lifted: it waits again, in its place
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,10 @@ MOVES: tuple[Move, ...] = (
     Move(Q, Event.START, R, says="an attempt starts, with its token; holds its slots"),
     Move(Q, Event.CANCEL, X, says="cancelled before it started"),
     Move(Q, Event.UNMET, F, says="a job it waits for ended another way: it never starts"),
+    Move(Q, Event.HOLD, H, says="held back: no claim takes it"),
+    Move(H, Event.RELEASE, Q, says="in its place again (priority, usage, id)"),
+    Move(H, Event.CANCEL, X, says="cancelled before it started"),
+    Move(H, Event.UNMET, F, says="a job it waits for ended another way: it never starts"),
     Move(R, Event.CANCEL, C, says="its worker stops the processes"),
     Move(C, Event.CANCEL, C, says="asked again: nothing more to do"),
     Move(R, Event.SUCCEED, S, ends="succeeded"),
@@ -185,7 +191,7 @@ def settle_dependents(s: Session, job_id: int, status: str, now: datetime) -> No
         for dep, waiting in deps.waiting_for(s, done):
             met = deps.verdict(how, dep.when)
             s.delete(dep)
-            if waiting.status != JobStatus.QUEUED:
+            if waiting.status not in (JobStatus.QUEUED, JobStatus.HELD):
                 continue  # cancelled meanwhile: nothing waits
             if met:
                 waiting.waits_on = max(0, waiting.waits_on - 1)

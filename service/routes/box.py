@@ -1,4 +1,5 @@
-"""The box at a glance: accounting over any window, and the queue in order."""
+"""The box at a glance: accounting over any window, the queue in order, and holding,
+releasing and changing a queued job."""
 
 from __future__ import annotations
 
@@ -8,14 +9,15 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query
 from fastapi.concurrency import run_in_threadpool
 
-from service import accounting, queueview
-from service.auth import UserAuth
-from service.deps import DB, cursor_of, states_of
-from service.errors import Invalid
+from service import accounting, holds, queueview
+from service.auth import CurrentUser, UserAuth
+from service.deps import DB, JobId, cursor_of, states_of
+from service.errors import Invalid, responses
 from service.models import JobStatus, utcnow
+from service.schemas import JobChange, JobPublic
 from service.schemas.accounting import AccountingPublic, QueuePublic
 
-router = APIRouter(dependencies=[UserAuth], tags=["box"])
+router = APIRouter(dependencies=[UserAuth])
 
 # A window asked without its start: the 30 days before its end.
 DEFAULT_WINDOW = timedelta(days=30)
@@ -26,7 +28,7 @@ def _aware(t: datetime) -> datetime:
     return t if t.tzinfo is not None else t.replace(tzinfo=UTC)
 
 
-@router.get("/accounting", response_model=AccountingPublic)
+@router.get("/accounting", tags=["box"], response_model=AccountingPublic)
 async def get_accounting(
     db: DB,
     since: Annotated[
@@ -77,7 +79,7 @@ async def get_accounting(
     return await run_in_threadpool(accounting.report, db, q)
 
 
-@router.get("/queue", response_model=QueuePublic)
+@router.get("/queue", tags=["box"], response_model=QueuePublic)
 async def get_queue(
     db: DB,
     user: Annotated[
@@ -90,3 +92,48 @@ async def get_queue(
     place, priority, its owner's recent usage, why it is ahead of the next, what it
     waits for, and when it would start if every job ran to its time limit."""
     return await run_in_threadpool(queueview.view, db, limit, offset, user)
+
+
+# ---- hold, release, change ------------------------------------------------------------
+
+_MINE = {
+    404: "no such job",
+    403: "another member's job (a member holds, releases and changes only their own), or "
+    "a hold an admin placed",
+}
+
+
+@router.post(
+    "/jobs/{job_id}/hold",
+    tags=["jobs"],
+    response_model=JobPublic,
+    responses=responses({**_MINE, 409: "the job is not queued"}),
+)
+async def hold_job(job_id: JobId, db: DB, me: CurrentUser) -> JobPublic:
+    """Hold a queued job back (`ddpq hold`): no worker takes it until it is released; it
+    keeps its id and its place, and counts against its owner's queued limit."""
+    return await run_in_threadpool(holds.hold, db, job_id, me)
+
+
+@router.post(
+    "/jobs/{job_id}/release",
+    tags=["jobs"],
+    response_model=JobPublic,
+    responses=responses({**_MINE, 409: "the job is not held"}),
+)
+async def release_job(job_id: JobId, db: DB, me: CurrentUser) -> JobPublic:
+    """Release a held job (`ddpq release`): it waits again in its place."""
+    return await run_in_threadpool(holds.release, db, job_id, me)
+
+
+@router.patch(
+    "/jobs/{job_id}",
+    tags=["jobs"],
+    response_model=JobPublic,
+    responses=responses({**_MINE, 409: "the job is neither queued nor held"}),
+)
+async def change_job(job_id: JobId, body: JobChange, db: DB, me: CurrentUser) -> JobPublic:
+    """Change a queued or held job (`ddpq update`): its priority (a member within their
+    cap), time limit (0: none) or world size. It keeps its id; a new priority moves it."""
+    change = holds.Change(body.priority, body.timeout_s, body.world_size)
+    return await run_in_threadpool(holds.update, db, job_id, me, change)

@@ -30,7 +30,7 @@ class AccountingRow(BaseModel):
     created_at: datetime
     # per=job: its first attempt's start, and when it ended; per=attempt: the attempt's.
     started_at: datetime | None
-    ended_at: datetime | None
+    finished_at: datetime | None
     # per=job: seconds from its submit to its first start (to the window's end, or its
     # end, if it never started); per=attempt: None.
     queued_s: float | None

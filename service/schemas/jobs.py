@@ -393,3 +393,18 @@ class AttemptPublic(BaseModel):
 
 class AttemptsPublic(BaseModel):
     items: list[AttemptPublic]
+
+
+class JobChange(Strict):
+    """PATCH /jobs/{id}: what to change of a queued or held job (service.holds). A field
+    left out stays as it is; ``timeout_s`` 0 lifts the time limit."""
+
+    priority: Annotated[int | None, Field(strict=True, ge=-1_000_000, le=1_000_000)] = None
+    timeout_s: Annotated[int | None, Field(strict=True, ge=0, le=365 * 24 * 3600)] = None
+    world_size: Annotated[int | None, Field(strict=True, ge=1, le=MAX_WORLD_SIZE)] = None
+
+    @model_validator(mode="after")
+    def _something(self) -> JobChange:
+        if self.priority is None and self.timeout_s is None and self.world_size is None:
+            raise ValueError("give at least one of priority, timeout_s and world_size")
+        return self

@@ -11,7 +11,7 @@ export const TERMINAL = new Set(["succeeded", "failed", "cancelled"]);
 // A job's states, and a sweep's (running, done, cancelled) and its trials' (active,
 // complete, pruned, failed, cancelled): each has its colour in style.css.
 const STATES = new Set([
-  "queued", "running", "cancelling", "succeeded", "failed", "cancelled",
+  "queued", "held", "running", "cancelling", "succeeded", "failed", "cancelled",
   "active", "complete", "pruned", "done",
 ]);
 

@@ -275,6 +275,11 @@ def fetched(call: Callable[[], T], what: str, stop: threading.Event, failed: str
     return result
 
 
+# How long a job's next attempt waits for an earlier one on this worker to end (its
+# processes killed after the grace, its outputs sent) before writing a new directory.
+EARLIER_ATTEMPT_WAIT_S = 120.0
+
+
 class Workdirs:
     """The jobs' working directories on this worker, and when each may go."""
 
@@ -288,7 +293,7 @@ class Workdirs:
         self.cache = BlobCache(data_dir / "code-cache", cache_bytes)
         self.keep_s = keep_s
         self._lock = threading.Lock()
-        self._jobs: dict[int, threading.Lock] = {}
+        self._jobs: dict[int, threading.Condition] = {}
         # job id -> its directory, as this process made it and its last attempt left it.
         # Nothing on disk is trusted to say it.
         self._made: dict[int, _Made] = {}
@@ -302,15 +307,20 @@ class Workdirs:
         wrote for an earlier attempt if it is as that attempt left it and holds the
         snapshot's code, else a new one written now."""
         with self._lock:
-            one = self._jobs.setdefault(job_id, threading.Lock())
+            one = self._jobs.setdefault(job_id, threading.Condition())
             self._ended.pop(job_id, None)
         with one:
             made = self._made.get(job_id)
+            # An earlier attempt still being stopped here (lost to the service, or
+            # replaced, while its processes run): its end seals the directory for this one.
+            if made is not None and made.running:
+                one.wait_for(lambda: not made.running, timeout=EARLIER_ATTEMPT_WAIT_S)
             why = None
             if made is not None and made.snapshot_id == snapshot_id:
                 why = made.changed()
                 if why is None:
                     made.sealed = None  # this attempt's now: sealed again as it ends
+                    made.running = True
                     return made.path, Written(0, 0, 0, 0.0, reused=True)
                 log.warning("job %s: its directory %s %s: written afresh", job_id, made.path, why)
             if made is not None:
@@ -320,7 +330,9 @@ class Workdirs:
             written = write_tree(raw, self.cache, dest, fetch)
             written.why_fresh = why
             # Checked by write_tree: kept to check the directory again on a retry.
-            self._made[job_id] = _Made(dest, snapshot_id, [Entry.of(item) for item in raw])
+            self._made[job_id] = _Made(
+                dest, snapshot_id, [Entry.of(item) for item in raw], running=True
+            )
             return dest, written
 
     def attempt_ended(self, job_id: int) -> None:
@@ -334,6 +346,9 @@ class Workdirs:
             made = self._made.get(job_id)
             if made is not None and _is_real_dir(made.path):
                 made.sealed = seal(made.path)
+            if made is not None:
+                made.running = False
+                one.notify_all()
 
     def fetch(
         self, api: WorkerAPI, job_id: int, snapshot_id: str, stop: threading.Event
@@ -380,7 +395,7 @@ class Workdirs:
             due = [j for j, t in self._ended.items() if now - t >= self.keep_s and j not in running]
         for job_id in due:
             with self._lock:
-                one = self._jobs.setdefault(job_id, threading.Lock())
+                one = self._jobs.setdefault(job_id, threading.Condition())
             with one:
                 for j, path in self._on_disk():
                     if j == job_id:
@@ -401,6 +416,7 @@ class _Made:
     snapshot_id: str
     entries: list[Entry]
     sealed: str | None = None
+    running: bool = False  # an attempt runs in it (prepared, not ended yet)
 
     def changed(self) -> str | None:
         """Why this directory may not be reused, or None."""

@@ -336,7 +336,8 @@ def keep(
 
 
 def where(root: Path, lim: Limits) -> str:
-    """The job log's line on where its directory is and when it goes."""
+    """The job log's line on where its directory is and when it goes. True whether or
+    not the job goes on (an attempt preempted or retried is no end of it)."""
     newest = (
         f", and for as long as the job is one of its owner's {lim.keep_newest} newest "
         "ended jobs (DDPQ_WORKDIR_KEEP_NEWEST)"
@@ -344,8 +345,9 @@ def where(root: Path, lim: Limits) -> str:
         else ""
     )
     return (
-        f"[ddpq] its directory {root} stays on this worker (closed to other jobs) for "
-        f"{duration(lim.retention_s)} after the job ends (DDPQ_WORKDIR_RETENTION){newest}\n"
+        f"[ddpq] its directory {root} stays on this worker (closed to other jobs): a later "
+        "attempt of the job here goes on in it, and once the job has ended it stays "
+        f"{duration(lim.retention_s)} (DDPQ_WORKDIR_RETENTION){newest}\n"
     )
 
 

@@ -151,3 +151,11 @@ def test_accounting_adds_up_the_attempts_and_filters_them(server: Server) -> Non
     )
     bad = run_ddpq("acct", "--since", "last tuesday", env=env)
     assert bad.returncode == 2 and "--since" in bad.stderr
+    # Usage with its units, and fair share's turns: alice's CPU slots weigh less than
+    # bob's GPUs, so her jobs go first among equals.
+    usage = run_ddpq("usage", env=env)
+    assert "GPU-HOURS 7D" in usage.stdout and "FAIR-SHARE USAGE (GPU-S)" in usage.stdout
+    turns = run_ddpq("share", env=env)
+    assert turns.returncode == 0, turns.stderr
+    assert "usage decays by half every 24 h" in turns.stdout
+    assert turns.stdout.index("alice") < turns.stdout.index("bob"), turns.stdout

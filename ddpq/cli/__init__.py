@@ -47,7 +47,7 @@ ORDER = [
     "code", "outputs", "logs", "watch",
     "checkpoints", "cache", "sweep", "compare",
     "workers", "recipes",
-    "users", "audit", "usage", "acct", "quota",
+    "users", "audit", "usage", "share", "acct", "quota",
     "slurm-node",  # hidden: what the Slurm bridge starts on each node
 ]  # fmt: skip
 

@@ -312,14 +312,58 @@ def usage(as_json: JsonOpt = False) -> None:
             u["user"],
             str(u["running"]),
             str(u["queued"]),
-            f"{u['gpu_hours_1d']:.1f}",
-            f"{u['gpu_hours_7d']:.1f}",
-            f"{u['cpu_slot_hours_7d']:.1f}",
-            f"{u['usage_gpu_s'] / 3600:.2f}",
+            f"{u['gpu_hours_1d']:.2f}",
+            f"{u['gpu_hours_7d']:.2f}",
+            f"{u['cpu_slot_hours_7d']:.2f}",
+            f"{u['usage_gpu_s']:.1f}",
         ]
         for u in items
     ]
-    header = ["USER", "RUNNING", "QUEUED", "GPU-H 1D", "GPU-H 7D", "CPU-H 7D", "SHARE USAGE"]
+    header = ["USER", "RUNNING", "QUEUED", "GPU-HOURS 1D", "GPU-HOURS 7D", "CPU-SLOT-HOURS 7D",
+              "FAIR-SHARE USAGE (GPU-S)"]  # fmt: skip
+    _print_table(_fit_table(header, rows, caps={"USER": 24}))
+    _say(
+        _text(
+            "GPU-hours and CPU-slot-hours: what each user's attempts held, for how long; "
+            "fair-share usage: GPU-equivalent seconds, decayed (`ddpq share` ranks it)",
+            style="dim",
+        )
+    )
+
+
+@client_command()
+def share(as_json: JsonOpt = False) -> None:
+    """Fair share (Slurm's sshare): each user's recent usage, in GPU-equivalent seconds
+    decayed by the half-life, their part of everyone's, and their turn among jobs of one
+    priority (the least used first); what the queue's order goes by (`ddpq queue`)."""
+    with _client() as c:
+        items = c.usage()
+        rules = c.queue(limit=1)["scheduling"]
+    total = sum(u["usage_gpu_s"] for u in items) or 1.0
+    ranked = sorted(items, key=lambda u: (u["usage_gpu_s"], u["user"]))
+    if as_json:
+        _print_json({"scheduling": rules, "items": ranked})
+        return
+    half = rules["fairshare_half_life_s"]
+    _say(
+        _text(
+            f"usage decays by half every {half / 3600:g} h; a CPU slot counts "
+            f"{rules['cpu_slot_weight']:g} GPU; preemption {rules['preemption']}",
+            style="dim",
+        )
+    )
+    rows = [
+        [
+            str(i + 1),
+            u["user"],
+            f"{u['usage_gpu_s']:.1f}",
+            f"{100 * u['usage_gpu_s'] / total:.1f} %",
+            str(u["running"]),
+            str(u["queued"]),
+        ]
+        for i, u in enumerate(ranked)
+    ]
+    header = ["TURN", "USER", "USAGE (GPU-S)", "OF ALL", "RUNNING", "QUEUED"]
     _print_table(_fit_table(header, rows, caps={"USER": 24}))
 
 

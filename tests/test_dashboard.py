@@ -47,6 +47,7 @@ STATIC = [
     "scatter.js",
     "sweeps.js",
     "compare.js",
+    "box.js",
     "style.css",
     "favicon.svg",
     "index.html",

@@ -24,6 +24,7 @@ import {
   statusBadge,
   when,
 } from "./common.js";
+import { auditView, queueView, usageView, workersView } from "./box.js";
 import { compareView } from "./compare.js";
 import { BEHIND_REFRESH_MS, MetricHistory, chartNote, historyPoints } from "./history.js";
 import { renderGpus } from "./gpus.js";
@@ -509,10 +510,14 @@ function jobView(id) {
 // ---- routing ---------------------------------------------------------------------------
 
 let leave = () => {};
-const VIEWS = ["jobs-view", "job-view", "sweeps-view", "sweep-view", "compare-view"];
+const VIEWS = [
+  "jobs-view", "job-view", "sweeps-view", "sweep-view", "compare-view",
+  "queue-view", "workers-view", "usage-view", "audit-view",
+];
 
 // #/jobs/N a job, #/sweeps the sweeps, #/sweeps/N a sweep, #/compare?jobs=1,2 a
-// comparison of jobs; anything else the jobs table.
+// comparison of jobs, #/queue, #/workers, #/usage, #/audit the box (box.js); anything
+// else the jobs table.
 function route() {
   leave();
   for (const id of VIEWS) $(id).hidden = true;
@@ -522,6 +527,10 @@ function route() {
   else if (/^#\/sweeps\/?$/.test(hash)) leave = sweepsView();
   else if ((m = hash.match(/^#\/sweeps\/(\d{1,18})$/))) leave = sweepView(Number(m[1]));
   else if ((m = hash.match(/^#\/compare(?:\?(.*))?$/))) leave = compareView(m[1] || "");
+  else if (/^#\/queue\/?$/.test(hash)) leave = queueView();
+  else if (/^#\/workers\/?$/.test(hash)) leave = workersView();
+  else if (/^#\/usage\/?$/.test(hash)) leave = usageView();
+  else if (/^#\/audit\/?$/.test(hash)) leave = auditView();
   else leave = jobsView();
 }
 

@@ -16,11 +16,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import and_, case, func, or_, select
+from sqlalchemy import Text, and_, bindparam, case, cast, func, or_, select
 
-from service import queue
 from service.db import Database
-from service.models import Attempt, Job, utcnow
+from service.models import Attempt, Job, UTCDateTime, utcnow
 from service.schemas.accounting import AccountingPublic, AccountingRow, AccountingTotal
 from service.sweeptables import SweepTrial
 
@@ -73,66 +72,71 @@ def _in_window(q: Query) -> Any:
     return or_(and_(Job.created_at >= q.since, Job.created_at < q.until), ran)
 
 
-@dataclass
-class _Use:
-    """What one attempt ran and held inside the window."""
+def _use(dialect: str) -> tuple[Any, Any, Any]:
+    """SQL: an attempt's seconds run inside the window (bound ``since`` and ``end``: the
+    window's end, or now if sooner), and the GPUs and CPU slots it held
+    (service.queue.shares.held, in SQL: a claim gives a GPU job one GPU a rank)."""
+    since = bindparam("since", type_=UTCDateTime)
+    end = bindparam("end", type_=UTCDateTime)
+    seconds: Any
+    if dialect == "postgresql":
+        last = func.least(func.coalesce(Attempt.ended_at, end), end)
+        seconds = func.extract("epoch", last - func.greatest(Attempt.started_at, since))
+    else:  # SQLite: the same, on its datetimes as text (one format, so min/max compare)
+        last = func.min(func.coalesce(Attempt.ended_at, end), end)
+        span = func.julianday(last) - func.julianday(func.max(Attempt.started_at, since))
+        seconds = span * 86400.0
+    seconds = case((seconds > 0, seconds), else_=0.0)
+    has_gpus = and_(Attempt.gpus.is_not(None), cast(Attempt.gpus, Text).not_in(("[]", "null")))
+    ranks = Job.nproc_per_node * Job.nnodes
+    on_gpus = or_(Job.device == "cuda", has_gpus)
+    return seconds, case((on_gpus, ranks), else_=0), case((on_gpus, 0), else_=ranks)
 
-    seconds: float
-    gpu_hours: float
-    cpu_slot_hours: float
+
+def _params(q: Query, now: datetime) -> dict[str, Any]:
+    return {"since": q.since, "end": min(q.until, now)}
 
 
-def _use(row: Any, q: Query, now: datetime) -> _Use:
-    end = min(row.ended_at or now, q.until, now)
-    seconds = max(0.0, (end - max(row.started_at, q.since)).total_seconds())
-    gpus, cpu = queue.attempt_holds(row.device, row.gpus, row.nproc_per_node, row.nnodes)
-    return _Use(seconds, gpus * seconds / 3600, cpu * seconds / 3600)
-
-
-_ATTEMPT_COLUMNS = (
-    Attempt.id,
-    Attempt.job_id,
-    Attempt.number,
-    Attempt.worker,
-    Attempt.started_at,
-    Attempt.ended_at,
-    Attempt.outcome,
-    Attempt.reason,
-    Attempt.exit_code,
-    Attempt.gpus,
-    Job.owner,
-    Job.name,
-    Job.device,
-    Job.nproc_per_node,
-    Job.nnodes,
-    Job.created_at,
-)
+def _sums(dialect: str) -> list[Any]:
+    """SQL aggregates over attempts: how many, seconds, GPU-hours, CPU-slot-hours,
+    preempted."""
+    seconds, gpus, cpus = _use(dialect)
+    return [
+        func.count(Attempt.id),
+        func.coalesce(func.sum(seconds), 0.0),
+        func.coalesce(func.sum(seconds * gpus), 0.0) / 3600.0,
+        func.coalesce(func.sum(seconds * cpus), 0.0) / 3600.0,
+        func.coalesce(func.sum(case((Attempt.reason.like(PREEMPTED), 1), else_=0)), 0),
+    ]
 
 
 def report(db: Database, q: Query) -> AccountingPublic:
-    """The window's rows (a page of them) and every user's totals."""
+    """The window's rows (a page of them) and every user's totals, added up by the
+    database: a month of a busy year's attempts is never read row by row."""
     now = utcnow()
+    params = _params(q, now)
     with db.read() as s:
-        attempts = list(s.execute(
-            select(*_ATTEMPT_COLUMNS).join(Job, Job.id == Attempt.job_id)
+        sums = s.execute(
+            select(Job.owner, *_sums(db.dialect))
+            .join(Job, Job.id == Attempt.job_id)
             .where(*_ran_in(q), *_jobs_of(q))
-            .order_by(Attempt.id)
-        ))  # fmt: skip
+            .group_by(Job.owner),
+            params,
+        ).all()
         counted = s.execute(
             select(Job.owner, func.count()).where(_in_window(q), *_jobs_of(q)).group_by(Job.owner)
         ).all()
         if q.per == "attempt":
-            items, more = _attempt_rows(s, q, attempts, now)
+            items, more = _attempt_rows(s, db.dialect, q, params)
         else:
-            items, more = _job_rows(s, q, attempts, now)
-    uses = [(a, _use(a, q, now)) for a in attempts]
+            items, more = _job_rows(s, db.dialect, q, params, now)
     return AccountingPublic(
         since=q.since,
         until=q.until,
         per=q.per,  # type: ignore[arg-type]
         items=items,
         next_cursor=more,
-        totals=_totals(uses, {owner: int(n) for owner, n in counted}),
+        totals=_totals(sums, {owner: int(n) for owner, n in counted}),
     )
 
 
@@ -146,7 +150,7 @@ def _sweeps_of(s: Any, job_ids: list[int]) -> dict[int, int]:
 
 
 def _job_rows(
-    s: Any, q: Query, attempts: list[Any], now: datetime
+    s: Any, dialect: str, q: Query, params: dict[str, Any], now: datetime
 ) -> tuple[list[AccountingRow], str | None]:
     page = list(
         s.scalars(
@@ -159,9 +163,18 @@ def _job_rows(
     more = str(page[q.limit - 1].id) if len(page) > q.limit else None
     page = page[: q.limit]
     ids = [job.id for job in page]
-    # Of all its attempts, in or out of the window: its first start, how many, preempted.
-    whole: dict[int, Any] = {}
+    ran: dict[int, Any] = {}  # what its attempts ran in the window
+    whole: dict[int, Any] = {}  # of all its attempts: its first start, how many, preempted
+    workers: dict[int, set[str]] = defaultdict(set)
     if ids:
+        for row in s.execute(
+            select(Attempt.job_id, *_sums(dialect))
+            .where(Attempt.job_id.in_(ids), *_ran_in(q))
+            .join(Job, Job.id == Attempt.job_id)
+            .group_by(Attempt.job_id),
+            params,
+        ):
+            ran[int(row[0])] = row
         preempted = func.sum(case((Attempt.reason.like(PREEMPTED), 1), else_=0))
         for row in s.execute(
             select(Attempt.job_id, func.min(Attempt.started_at), func.count(), preempted)
@@ -169,14 +182,14 @@ def _job_rows(
             .group_by(Attempt.job_id)
         ):
             whole[int(row[0])] = row
-    ran: dict[int, list[Any]] = defaultdict(list)
-    for a in attempts:
-        ran[a.job_id].append(a)
+        for job_id, worker in s.execute(
+            select(Attempt.job_id, Attempt.worker).where(Attempt.job_id.in_(ids), *_ran_in(q))
+        ):
+            workers[int(job_id)].add(worker)
     sweeps = _sweeps_of(s, ids)
     items = []
     for job in page:
-        mine = ran.get(job.id, [])
-        uses = [_use(a, q, now) for a in mine]
+        _, _, seconds, gpu_h, cpu_h, _ = ran.get(job.id, (None, 0, 0.0, 0.0, 0.0, 0))
         first, count, preemptions = (None, 0, 0)
         if job.id in whole:
             _, first, count, preemptions = whole[job.id]
@@ -192,15 +205,15 @@ def _job_rows(
                 exit_code=job.exit_code,
                 device=job.device,
                 world_size=job.nproc_per_node * job.nnodes,
-                workers=sorted({a.worker for a in mine}),
+                workers=sorted(workers.get(job.id, ())),
                 sweep=sweeps.get(job.id),
                 created_at=job.created_at,
                 started_at=first,
                 finished_at=job.finished_at,
                 queued_s=max(0.0, (waited_until - job.created_at).total_seconds()),
-                elapsed_s=sum(u.seconds for u in uses),
-                gpu_hours=sum(u.gpu_hours for u in uses),
-                cpu_slot_hours=sum(u.cpu_slot_hours for u in uses),
+                elapsed_s=float(seconds),
+                gpu_hours=float(gpu_h),
+                cpu_slot_hours=float(cpu_h),
                 attempts=int(count),
                 preemptions=int(preemptions or 0),
             )
@@ -209,15 +222,29 @@ def _job_rows(
 
 
 def _attempt_rows(
-    s: Any, q: Query, attempts: list[Any], now: datetime
+    s: Any, dialect: str, q: Query, params: dict[str, Any]
 ) -> tuple[list[AccountingRow], str | None]:
-    page = [a for a in attempts if a.id > (q.cursor or 0)][: q.limit + 1]
+    seconds, gpus, cpus = _use(dialect)
+    page = list(
+        s.execute(
+            select(
+                Attempt.id, Attempt.job_id, Attempt.number, Attempt.worker, Attempt.started_at,
+                Attempt.ended_at, Attempt.outcome, Attempt.reason, Attempt.exit_code, Job.owner,
+                Job.name, Job.device, Job.nproc_per_node, Job.nnodes, Job.created_at,
+                seconds.label("seconds"), gpus.label("gpus_held"), cpus.label("cpus_held"),
+            )
+            .join(Job, Job.id == Attempt.job_id)
+            .where(*_ran_in(q), *_jobs_of(q), Attempt.id > (q.cursor or 0))
+            .order_by(Attempt.id)
+            .limit(q.limit + 1),
+            params,
+        )
+    )  # fmt: skip
     more = str(page[q.limit - 1].id) if len(page) > q.limit else None
     page = page[: q.limit]
     sweeps = _sweeps_of(s, sorted({a.job_id for a in page}))
     items = []
     for a in page:
-        use = _use(a, q, now)
         items.append(
             AccountingRow(
                 job_id=a.job_id,
@@ -235,9 +262,9 @@ def _attempt_rows(
                 started_at=a.started_at,
                 finished_at=a.ended_at,
                 queued_s=None,
-                elapsed_s=use.seconds,
-                gpu_hours=use.gpu_hours,
-                cpu_slot_hours=use.cpu_slot_hours,
+                elapsed_s=float(a.seconds),
+                gpu_hours=float(a.seconds) * a.gpus_held / 3600,
+                cpu_slot_hours=float(a.seconds) * a.cpus_held / 3600,
                 attempts=1,
                 preemptions=int((a.reason or "").startswith(PREEMPTED[:-1])),
             )
@@ -245,36 +272,30 @@ def _attempt_rows(
     return items, more
 
 
-def _totals(uses: list[tuple[Any, _Use]], jobs: dict[str | None, int]) -> list[AccountingTotal]:
+def _totals(sums: Any, jobs: dict[str | None, int]) -> list[AccountingTotal]:
     """Per user, most GPU-hours (then CPU-slot-hours) first, then everyone's."""
-    per: dict[str | None, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    for a, use in uses:
-        t = per[a.owner]
-        t["attempts"] += 1
-        t["elapsed_s"] += use.seconds
-        t["gpu_hours"] += use.gpu_hours
-        t["cpu_slot_hours"] += use.cpu_slot_hours
-        t["preemptions"] += int((a.reason or "").startswith(PREEMPTED[:-1]))
+    per = {
+        owner: (int(n), float(sec), float(g), float(c), int(p)) for owner, n, sec, g, c, p in sums
+    }
     for owner in jobs:  # a user with jobs in the window but no attempt there
-        per.setdefault(owner, defaultdict(float))
-    everyone: dict[str, float] = defaultdict(float)
-    out = []
-    for owner, t in per.items():
-        for k, v in t.items():
-            everyone[k] += v
-        out.append(_total(owner, jobs.get(owner, 0), t))
+        per.setdefault(owner, (0, 0.0, 0.0, 0.0, 0))
+    out = [
+        AccountingTotal(
+            user=owner, jobs=jobs.get(owner, 0), attempts=n, elapsed_s=sec, gpu_hours=g,
+            cpu_slot_hours=c, preemptions=p,
+        )
+        for owner, (n, sec, g, c, p) in per.items()
+    ]  # fmt: skip
     out.sort(key=lambda t: (-t.gpu_hours, -t.cpu_slot_hours, t.user or ""))
-    out.append(_total(None, sum(jobs.values()), everyone))
-    return out
-
-
-def _total(user: str | None, jobs: int, t: dict[str, float]) -> AccountingTotal:
-    return AccountingTotal(
-        user=user,
-        jobs=jobs,
-        attempts=int(t.get("attempts", 0)),
-        elapsed_s=t.get("elapsed_s", 0.0),
-        gpu_hours=t.get("gpu_hours", 0.0),
-        cpu_slot_hours=t.get("cpu_slot_hours", 0.0),
-        preemptions=int(t.get("preemptions", 0)),
+    out.append(
+        AccountingTotal(
+            user=None,
+            jobs=sum(jobs.values()),
+            attempts=sum(t.attempts for t in out),
+            elapsed_s=sum(t.elapsed_s for t in out),
+            gpu_hours=sum(t.gpu_hours for t in out),
+            cpu_slot_hours=sum(t.cpu_slot_hours for t in out),
+            preemptions=sum(t.preemptions for t in out),
+        )
     )
+    return out

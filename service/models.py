@@ -188,13 +188,12 @@ class Job(Base):
         Index("ix_jobs_finished_at", "finished_at"),
         # The forks of a checkpoint, released (or failed) once it is sent (service.forks).
         Index("ix_jobs_fork_checkpoint_id", "fork_checkpoint_id"),
+        Index("ix_jobs_created_at", "created_at"),  # accounting: submitted in a window
     )
 
 
-# The claim takes queued jobs in (priority desc, share asc, id asc) order (fair share:
-# service.queue.rules.ORDER). The index must have that mixed order itself: an
-# all-ascending one makes the database sort every queued job of equal priority on
-# every claim.
+# The claim takes queued jobs in (priority desc, share asc, id asc) order (rules.ORDER):
+# the index has that mixed order, or the database sorts every queued job on each claim.
 Index("ix_jobs_status_priority_share_id", Job.status, Job.priority.desc(), Job.share, Job.id)
 
 # What the retention sweep has still to do (service.retention): ended jobs not yet gone
@@ -319,7 +318,10 @@ class Attempt(Base):
     # ship their output with the job token (a Slurm attempt's ranks; worker.slurmnode).
     node_log_bytes: Mapped[dict[str, Any] | None]
 
-    __table_args__ = (UniqueConstraint("job_id", "number", name="uq_attempts_job_number"),)
+    __table_args__ = (
+        UniqueConstraint("job_id", "number", name="uq_attempts_job_number"),
+        Index("ix_attempts_ended_at", "ended_at"),  # accounting: what ran in a window
+    )
 
 
 class JobNode(Base):

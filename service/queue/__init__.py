@@ -59,7 +59,6 @@ from service.queue.rules import (
     notify_claimers,
 )
 from service.queue.shares import count_running, decayed_usage, share_to_gpu_s
-from service.queue.shares import held as attempt_holds
 from service.queue.shares import overview as usage_overview
 from service.queue.shares import sweep as count_usage
 from service.queue.shares import usage_of as share_of
@@ -77,7 +76,6 @@ __all__ = [
     "as_utc",
     "ask_checkpoint",
     "at_or_ahead",
-    "attempt_holds",
     "capacities",
     "checkpoints_sent",
     "claim_next_job",

@@ -65,12 +65,17 @@ export function queueView() {
   });
 }
 
+const ACCT_EVERY_MS = 30_000; // a month of attempts added up: not on every poll
+
 export function usageView() {
+  let acct = null;
+  let acctAt = 0;
   return view("usage-view", "usage", async (gone) => {
-    const [usage, acct] = await Promise.all([
-      api("/usage"),
-      api("/accounting?limit=1"),
-    ]);
+    const usage = await api("/usage");
+    if (Date.now() - acctAt > ACCT_EVERY_MS) {
+      acct = await api("/accounting?limit=1");
+      acctAt = Date.now();
+    }
     if (gone()) return;
     const total = usage.items.reduce((n, u) => n + u.usage_gpu_s, 0) || 1;
     const ranked = [...usage.items].sort((a, b) => a.usage_gpu_s - b.usage_gpu_s || a.user.localeCompare(b.user));

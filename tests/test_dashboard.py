@@ -314,6 +314,12 @@ def test_dashboard_follows_a_job_and_cancels_it(sqlite_server: Server) -> None:
             page.uncheck('#metric-list input[value="lr"]')
             page.uncheck("#log-scale")
             expect(chart.locator("svg")).to_have_attribute("aria-label", re.compile(r"^loss: "))
+            # Smoothed (an EMA, as the comparison's), then raw again.
+            page.locator("#smoothing").fill("0.8")
+            expect(page.locator("#smoothing-value")).to_have_text("0.80")
+            expect(chart).to_have_attribute("data-smoothing", "0.8")
+            page.locator("#smoothing").fill("0")
+            expect(chart).to_have_attribute("data-smoothing", "0")
             expect(page.locator("#log")).to_contain_text("[rank0] step 2 loss")
             expect(page.locator("#log")).to_contain_text("<b>not html</b>")
             expect(page.locator("#checkpoints tbody")).to_contain_text("step3.pt")

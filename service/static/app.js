@@ -307,7 +307,9 @@ function jobView(id) {
       points: history.series.get(name) || [],
     }));
     const empty = history.names().length ? "pick a series to draw" : "no metrics reported yet";
-    chart.setData(series, { logY: $("log-scale").checked, empty });
+    const smoothing = Number($("smoothing").value);
+    $("smoothing-value").textContent = smoothing.toFixed(2);
+    chart.setData(series, { logY: $("log-scale").checked, empty, smoothing });
     const latest = [];
     let first = Infinity;
     let last = -Infinity;
@@ -493,6 +495,7 @@ function jobView(id) {
   $("cancel").addEventListener("click", onCancel);
   $("metric-list").addEventListener("change", onPick);
   $("log-scale").addEventListener("change", onMetric);
+  $("smoothing").addEventListener("input", onMetric);
   $("log").addEventListener("scroll", onScroll);
   const stopPolling = poll(refresh);
   return () => {
@@ -503,6 +506,7 @@ function jobView(id) {
     $("cancel").removeEventListener("click", onCancel);
     $("metric-list").removeEventListener("change", onPick);
     $("log-scale").removeEventListener("change", onMetric);
+    $("smoothing").removeEventListener("input", onMetric);
     $("log").removeEventListener("scroll", onScroll);
   };
 }

@@ -52,7 +52,9 @@ def test_the_box_pages_show_the_queue_workers_usage_and_audit(sqlite_server: Ser
         expect(worker).to_contain_text(f"job {running} (admin)")
         expect(worker).to_contain_text("0/1")
 
+        assert admin.put("/quotas/alice", json={"max_gpus": 2}).status_code == 200
         page.click("#nav-usage")
+        expect(page.locator('#quotas tr[data-user="alice"]')).to_contain_text("2")
         expect(page.locator('#acct tr[data-user="(everyone)"]')).to_be_visible()
         expect(page.locator('#usage tr[data-user="admin"]')).to_be_visible()
 

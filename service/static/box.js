@@ -1,8 +1,8 @@
 // The box at a glance: #/queue the queued jobs in the order the claims try them, with
 // their estimated starts (GET /queue); #/usage who used the hosts (GET /usage), fair
-// share's turns and the last 30 days' accounting per user (GET /accounting); #/workers
-// the hosts, their GPUs and who holds each (GET /workers); #/audit who did what (GET
-// /audit, admins only). Each polls while shown.
+// share's turns, the quotas (GET /quotas) and the last 30 days' accounting per user
+// (GET /accounting); #/workers the hosts, their GPUs and who holds each (GET /workers);
+// #/audit who did what (GET /audit, admins only). Each polls while shown.
 
 import { $, age, api, el, fillTable, poll, statusBadge } from "./common.js";
 
@@ -71,7 +71,7 @@ export function usageView() {
   let acct = null;
   let acctAt = 0;
   return view("usage-view", "usage", async (gone) => {
-    const usage = await api("/usage");
+    const [usage, quotas] = await Promise.all([api("/usage"), api("/quotas")]);
     if (Date.now() - acctAt > ACCT_EVERY_MS) {
       acct = await api("/accounting?limit=1");
       acctAt = Date.now();
@@ -93,6 +93,21 @@ export function usageView() {
           el("td", { class: "num" }, hours(u.cpu_slot_hours_7d)),
           el("td", { class: "num" }, u.usage_gpu_s.toFixed(1)),
           el("td", { class: "num" }, `${((100 * u.usage_gpu_s) / total).toFixed(1)} %`),
+        ),
+      ),
+    );
+    const limit = (v) => (v == null ? "no limit" : v);
+    fillTable(
+      "quotas",
+      quotas.items.map((q) =>
+        el(
+          "tr",
+          { "data-user": q.user },
+          el("td", { class: "owner" }, q.user === "*" ? "* (everyone's default)" : q.user),
+          el("td", { class: "num" }, limit(q.max_gpus)),
+          el("td", { class: "num" }, limit(q.max_running)),
+          el("td", { class: "num" }, limit(q.max_queued)),
+          el("td", { class: "num" }, q.max_priority ?? "0 (default)"),
         ),
       ),
     );

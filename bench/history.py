@@ -20,7 +20,9 @@ Then a `ddpq serve` on each, side by side, and the same requests to each, altern
   (`--user`, and `--mine`, the same query), a status, a user of few jobs;
 - GET /jobs/{id}; the downsampled metrics of the 1,000,000-point series as the
   dashboard asks for them (max_points=1000); the claim (a job submitted, a registered
-  worker claims it, then finishes it).
+  worker claims it, then finishes it);
+- GET /accounting (`ddpq acct`) over the last 30 days and over the year, per job and per
+  attempt (goal: p95 <= 50 ms on Postgres with 1,000,000 ended jobs).
 
 Goal: each within 2x of its cost on the empty database (p50).
 
@@ -661,7 +663,19 @@ def ask(
         return timed(c, "GET", f"/jobs/{job}")
     if kind == "metrics":
         return timed(c, "GET", f"/jobs/{big}/metrics", params={"name": "loss", "max_points": 1000})
+    if kind in ACCOUNTING:
+        return timed(c, "GET", "/accounting", params=ACCOUNTING[kind])
     return timed(c, "GET", "/jobs", params=QUERIES[kind])
+
+
+# Accounting (GET /accounting, `ddpq acct`) over a month and over the whole year, a row
+# per job and per attempt, one user's: a page of 100 and every user's totals each time.
+ACCOUNTING: dict[str, dict[str, str | int]] = {
+    "acct 30d": {"limit": 100},
+    "acct 30d --per attempt": {"limit": 100, "per": "attempt"},
+    "acct 30d --user": {"limit": 100, "user": "u007"},
+    "acct a year": {"limit": 100, "since": "2000-01-01T00:00:00"},
+}
 
 
 QUERIES: dict[str, dict[str, str | int]] = {
@@ -677,7 +691,7 @@ QUERIES: dict[str, dict[str, str | int]] = {
     # pg_trgm could be created a trigram index serves it (migration 0026).
     "ls --name (one match)": {"limit": 50, "name": "long-run"},
 }
-KINDS = [*QUERIES, "job", "metrics", "claim"]
+KINDS = [*QUERIES, "job", "metrics", "claim", *ACCOUNTING]
 
 
 def measure(store: Store, full: str, empty: str, rounds: int, kinds: list[str]) -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Text, and_, bindparam, case, cast, func, or_, select
+from sqlalchemy import Text, and_, bindparam, case, cast, func, or_, select, union
 
 from service.db import Database
 from service.models import Attempt, Job, UTCDateTime, utcnow
@@ -64,12 +64,18 @@ def _jobs_of(q: Query) -> list[Any]:
     return where
 
 
-def _in_window(q: Query) -> Any:
-    """SQL: jobs submitted in the window or that ran in it (asked for a worker: ran on it)."""
-    ran = Job.id.in_(select(Attempt.job_id).where(*_ran_in(q)))
+def _in_window(q: Query, counting: bool = False) -> Any:
+    """SQL: jobs submitted in the window or that ran in it (asked for a worker: ran on it).
+    ``counting``: as a union of two index ranges (jobs.created_at, attempts.ended_at),
+    which counts them in half the time of the OR; a page's walk by id is faster on the
+    OR (bench/history.py)."""
+    ran = select(Attempt.job_id).where(*_ran_in(q))
     if q.worker is not None:
-        return ran
-    return or_(and_(Job.created_at >= q.since, Job.created_at < q.until), ran)
+        return Job.id.in_(ran)
+    if counting:
+        made = select(Job.id).where(Job.created_at >= q.since, Job.created_at < q.until)
+        return Job.id.in_(union(made, ran))
+    return or_(and_(Job.created_at >= q.since, Job.created_at < q.until), Job.id.in_(ran))
 
 
 def _use(dialect: str) -> tuple[Any, Any, Any]:
@@ -124,7 +130,9 @@ def report(db: Database, q: Query) -> AccountingPublic:
             params,
         ).all()
         counted = s.execute(
-            select(Job.owner, func.count()).where(_in_window(q), *_jobs_of(q)).group_by(Job.owner)
+            select(Job.owner, func.count())
+            .where(_in_window(q, counting=True), *_jobs_of(q))
+            .group_by(Job.owner)
         ).all()
         if q.per == "attempt":
             items, more = _attempt_rows(s, db.dialect, q, params)

@@ -218,6 +218,7 @@ class Server:
     log_path: Path
     clients: list[httpx.Client] = field(default_factory=list)
     registered: set[str] = field(default_factory=set)  # worker names tests registered by hand
+    shared: bool = False  # one server for a module's tests (module_server): workers of their own
 
     def client(self, token: str | None = "user") -> httpx.Client:
         headers = {}
@@ -288,6 +289,53 @@ def server(db_url: str, tmp_path: Path) -> Iterator[Server]:
     stop_server(s)
 
 
+def module_server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, **env: str
+) -> Iterator[Server]:
+    """One `ddpq serve` on a database of its own (``request.param``: "sqlite" or
+    "postgres"), for a module's tests that need nothing else of a server (its start is
+    most of such a test's time): each test uses jobs and workers of its own (start_worker
+    names them apart). A module defines it as its ``server``::
+
+        @pytest.fixture(scope="module", params=["sqlite", "postgres"])
+        def server(request, tmp_path_factory):
+            yield from module_server(request, tmp_path_factory)
+    """
+    where = tmp_path_factory.mktemp("server")
+    url = f"sqlite:///{where / 'ddpq.db'}"
+    name = f"ddpq_t_{uuid.uuid4().hex[:12]}"
+    if request.param == "postgres":
+        template = request.getfixturevalue("pg_template")
+        with _pg_admin() as conn:
+            conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template}"')
+        url = _pg_url(name)
+    s = start_server(url, where / "api", **env)
+    s.shared = True
+    try:
+        yield s
+    finally:
+        stop_server(s)
+        if request.param == "postgres":
+            with _pg_admin() as conn:
+                conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+def module_api(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    """One server per database for the module that asks for it (module_server)."""
+    yield from module_server(request, tmp_path_factory)
+
+
+@pytest.fixture
+def api(module_api: Server) -> Iterator[Server]:
+    """The module's shared server, with no job of another test's active (its_turn)."""
+    from tests.helpers import its_turn  # here: tests.helpers imports this module
+
+    yield from its_turn(module_api)
+
+
 @dataclass
 class Worker:
     name: str
@@ -351,7 +399,8 @@ def start_worker(tmp_path: Path) -> Iterator[Callable[..., Worker]]:
         env: dict[str, str] | None = None,
     ) -> Worker:
         """A `ddpq worker` for ``server``; ``gpus=None`` lets it find its GPUs (NVML)."""
-        name = name or f"w{len(workers)}"
+        # On a server shared by a module's tests, a name no other test's worker had.
+        name = name or f"w{len(workers)}" + (f"-{uuid.uuid4().hex[:8]}" if server.shared else "")
         base = tmp_path / f"worker-{name}"
         workspace = base / "workspace"
         workspace.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,7 @@ import io
 import json
 import threading
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +82,41 @@ def finish(
     assert r.status_code == 200, r.text
     result: dict[str, Any] = r.json()
     return result
+
+
+def settle_all(server: Server) -> None:
+    """End every job left active on ``server`` (a module's shared one, after a test): a
+    queued one cancelled, a running one cancelled and its cancel confirmed as its worker
+    would. The next test then finds no job of another's to claim, nor one that changes
+    under it (a hand-driven worker never heartbeats: its attempts would be lost)."""
+    c, w = server.client(), server.client("worker")
+    for status in ("queued", "running", "cancelling"):
+        for job in c.get("/jobs", params={"status": status, "limit": 500}).json()["items"]:
+            if job["status"] in ("queued", "running"):
+                r = c.post(f"/jobs/{job['id']}/cancel")
+                assert r.status_code == 202, r.text
+                job = r.json()
+            if job["status"] == "cancelling":
+                r = w.post(
+                    f"/workers/jobs/{job['id']}/finish",
+                    json={
+                        "worker": job["worker"],
+                        "attempt": job["attempt"],
+                        "outcome": "cancelled",
+                    },
+                )
+                assert r.status_code == 200, r.text
+            status_now = c.get(f"/jobs/{job['id']}").json()["status"]
+            assert status_now in ("succeeded", "failed", "cancelled"), (job, status_now)
+
+
+def its_turn(server: Server) -> Iterator[Server]:
+    """One test's turn on a module's shared server (conftest.module_server): `hand`
+    registers afresh (``register``), and what the test leaves active is ended after it
+    (``settle_all``). A module's function-scoped fixture yields from it."""
+    server.registered.clear()
+    yield server
+    settle_all(server)
 
 
 def send_log(

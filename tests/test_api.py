@@ -1,4 +1,9 @@
-"""The API against a real `ddpq serve` on SQLite and on Postgres: input rules, tokens, reports."""
+"""The API against a real `ddpq serve` on SQLite and on Postgres: input rules, tokens, reports.
+
+A test that looks at one job of its own (its claim, its reports, its logs) runs on the
+module's server of its database (``api``: every job a test leaves active is ended after
+it, helpers.its_turn); one that looks at every job, every worker, a queue position or a
+reason (which other tests' workers would change) has a server of its own (``server``)."""
 
 from __future__ import annotations
 
@@ -305,9 +310,9 @@ def test_user_routes_demand_the_user_token(server: Server) -> None:
     assert httpx.get(f"{server.url}/healthz").json() == {"status": "ok", "database": "ok"}
 
 
-def test_worker_routes_demand_the_worker_token(server: Server) -> None:
+def test_worker_routes_demand_the_worker_token(api: Server) -> None:
     for token in (None, "user", "garbage-token-1234"):
-        c = server.client(token)
+        c = api.client(token)
         r = c.post(
             "/workers/register",
             json={
@@ -325,39 +330,33 @@ def test_worker_routes_demand_the_worker_token(server: Server) -> None:
         assert r.status_code in (401, 403), r.text
 
 
-def test_reports_demand_this_jobs_live_token(server: Server) -> None:
-    a = submit_and_claim(server)
-    b = submit_and_claim(server)
+def test_reports_demand_this_jobs_live_token(api: Server) -> None:
+    a = submit_and_claim(api)
+    b = submit_and_claim(api)
     points = {"items": [{"step": 1, "values": {"loss": 1.0}}]}
-    assert server.client(None).post(f"/jobs/{a['job_id']}/metrics", json=points).status_code == 401
-    assert (
-        server.client("user").post(f"/jobs/{a['job_id']}/metrics", json=points).status_code == 403
-    )
-    assert (
-        server.client("worker").post(f"/jobs/{a['job_id']}/metrics", json=points).status_code == 403
-    )
-    r = server.client(b["token"]).post(f"/jobs/{a['job_id']}/metrics", json=points)
+    assert api.client(None).post(f"/jobs/{a['job_id']}/metrics", json=points).status_code == 401
+    assert api.client("user").post(f"/jobs/{a['job_id']}/metrics", json=points).status_code == 403
+    assert api.client("worker").post(f"/jobs/{a['job_id']}/metrics", json=points).status_code == 403
+    r = api.client(b["token"]).post(f"/jobs/{a['job_id']}/metrics", json=points)
     assert r.status_code == 403 and "another job" in r.text
     ck = {"path": f"/ckpt/job-{a['job_id']}/x.pt", "step": 1}
     assert (
-        server.client(b["token"]).post(f"/jobs/{a['job_id']}/checkpoints", json=ck).status_code
-        == 403
+        api.client(b["token"]).post(f"/jobs/{a['job_id']}/checkpoints", json=ck).status_code == 403
     )
-    user = server.client()
+    user = api.client()
     assert user.get(f"/jobs/{a['job_id']}/metrics").json()["items"] == []
     assert user.get(f"/jobs/{a['job_id']}/checkpoints").json()["items"] == []
     # Once the attempt has ended its token is worthless.
-    finish(server, a)
+    finish(api, a)
     assert (
-        server.client(a["token"]).post(f"/jobs/{a['job_id']}/metrics", json=points).status_code
-        == 403
+        api.client(a["token"]).post(f"/jobs/{a['job_id']}/metrics", json=points).status_code == 403
     )
     assert user.get(f"/jobs/{a['job_id']}/metrics").json()["items"] == []
 
 
-def test_metrics_keep_one_point_per_step_and_non_finite_values(server: Server) -> None:
-    claim = submit_and_claim(server)
-    rank0 = server.client(claim["token"])
+def test_metrics_keep_one_point_per_step_and_non_finite_values(api: Server) -> None:
+    claim = submit_and_claim(api)
+    rank0 = api.client(claim["token"])
     jid = claim["job_id"]
     r = rank0.post(
         f"/jobs/{jid}/metrics",
@@ -379,7 +378,7 @@ def test_metrics_keep_one_point_per_step_and_non_finite_values(server: Server) -
         },
     )
     assert r.status_code == 202, r.text
-    user = server.client()
+    user = api.client()
     items = user.get(f"/jobs/{jid}/metrics").json()["items"]
     assert [i["step"] for i in items] == [1, 2, 3, 4, 5, 6]
     assert items[4]["values"] == {"loss": 0.2, "lr": 0.1}
@@ -412,10 +411,10 @@ def test_metrics_keep_one_point_per_step_and_non_finite_values(server: Server) -
     assert math.isclose(items[0]["values"]["loss"], 1.0)
 
 
-def test_total_steps_is_the_jobs_never_a_series(server: Server) -> None:
-    claim = submit_and_claim(server)
-    rank0 = server.client(claim["token"])
-    user = server.client()
+def test_total_steps_is_the_jobs_never_a_series(api: Server) -> None:
+    claim = submit_and_claim(api)
+    rank0 = api.client(claim["token"])
+    user = api.client()
     jid = claim["job_id"]
 
     def post(*items: dict[str, Any]) -> httpx.Response:
@@ -470,29 +469,29 @@ def test_total_steps_is_the_jobs_never_a_series(server: Server) -> None:
     assert job()["total_steps"] == 150
 
     # A new attempt (the job handed back, claimed again) keeps the total until it sends its own.
-    r = server.client("worker").post(
+    r = api.client("worker").post(
         f"/workers/jobs/{jid}/finish", json={"worker": "hand", "attempt": 1, "outcome": "requeue"}
     )
     assert r.status_code == 200 and r.json()["status"] == "queued"
     assert r.json()["total_steps"] == 150
-    r = server.client("worker").post(
+    r = api.client("worker").post(
         "/workers/claim", json={"name": "hand", "free_cpu_slots": 8, "free_gpus": [], "wait_s": 5}
     )
     assert r.status_code == 200 and r.json()["attempt"] == 2, r.text
     assert job()["attempt"] == 2 and job()["total_steps"] == 150
-    again = server.client(r.json()["token"])
+    again = api.client(r.json()["token"])
     r = again.post(f"/jobs/{jid}/metrics", json={"items": [{"step": 5, "total_steps": 200}]})
     assert r.status_code == 202 and job()["total_steps"] == 200
     # The OpenAPI document shows the field on the point and on the Job.
-    spec = httpx.get(f"{server.url}/openapi.json").json()
+    spec = httpx.get(f"{api.url}/openapi.json").json()
     assert "total_steps" in spec["components"]["schemas"]["JobPublic"]["properties"]
     body = spec["paths"]["/jobs/{job_id}/metrics"]["post"]["requestBody"]
     assert "total_steps" in json.dumps(body)
 
 
-def test_checkpoint_paths_must_stay_in_the_jobs_directory(server: Server) -> None:
-    claim = submit_and_claim(server)
-    rank0 = server.client(claim["token"])
+def test_checkpoint_paths_must_stay_in_the_jobs_directory(api: Server) -> None:
+    claim = submit_and_claim(api)
+    rank0 = api.client(claim["token"])
     jid = claim["job_id"]
     root = claim["checkpoint_dir"]
     assert root == f"/ckpt/job-{jid}"
@@ -504,19 +503,18 @@ def test_checkpoint_paths_must_stay_in_the_jobs_directory(server: Server) -> Non
         json={"path": f"{root}/step-1.pt", "step": 1, "epoch": 0, "metrics": {"loss": 0.5}},
     )
     assert r.status_code == 201, r.text
-    items = server.client().get(f"/jobs/{jid}/checkpoints").json()["items"]
+    items = api.client().get(f"/jobs/{jid}/checkpoints").json()["items"]
     assert [(c["path"], c["step"], c["attempt"], c["metrics"]) for c in items] == [
         (f"{root}/step-1.pt", 1, 1, {"loss": 0.5})
     ]
     assert (
-        server.client().get(f"/jobs/{jid}").json()["latest_checkpoint"]["path"]
-        == f"{root}/step-1.pt"
+        api.client().get(f"/jobs/{jid}").json()["latest_checkpoint"]["path"] == f"{root}/step-1.pt"
     )
 
 
-def test_worker_log_chunks_are_stored_once_in_order(server: Server) -> None:
-    claim = submit_and_claim(server)
-    w = server.client("worker")
+def test_worker_log_chunks_are_stored_once_in_order(api: Server) -> None:
+    claim = submit_and_claim(api)
+    w = api.client("worker")
     jid, n = claim["job_id"], claim["attempt"]
 
     def send(offset: int, data: bytes) -> httpx.Response:
@@ -530,18 +528,18 @@ def test_worker_log_chunks_are_stored_once_in_order(server: Server) -> None:
     assert send(0, b"hello\n").json()["next_offset"] == 6  # a resend is stored once
     assert send(6, b"world\n").json()["next_offset"] == 12
     assert send(20, b"gap\n").status_code == 409
-    log = server.client().get(f"/jobs/{jid}/logs").text
+    log = api.client().get(f"/jobs/{jid}/logs").text
     assert log == "hello\nworld\n"
-    finish(server, claim)
+    finish(api, claim)
     # After finish the attempt is over; a newer attempt's chunks would be the only ones taken.
-    assert server.client().get(f"/jobs/{jid}/logs").text == log
+    assert api.client().get(f"/jobs/{jid}/logs").text == log
 
 
-def test_finish_is_idempotent_and_moves_the_job_on(server: Server) -> None:
-    claim = submit_and_claim(server)
-    job = finish(server, claim, exit_code=3)
+def test_finish_is_idempotent_and_moves_the_job_on(api: Server) -> None:
+    claim = submit_and_claim(api)
+    job = finish(api, claim, exit_code=3)
     assert job["status"] == "failed" and job["exit_code"] == 3 and "code 3" in job["reason"]
-    assert finish(server, claim, exit_code=3)["status"] == "failed"
+    assert finish(api, claim, exit_code=3)["status"] == "failed"
 
 
 def test_claim_respects_free_slots_and_priority(server: Server) -> None:
@@ -606,10 +604,10 @@ REFUSED_METRICS: list[tuple[bytes, tuple[Any, ...], str]] = [
 ]
 
 
-def test_metric_reports_refused_name_the_field_and_store_nothing(server: Server) -> None:
-    claim = submit_and_claim(server)
-    rank0 = server.client(claim["token"])
-    user = server.client()
+def test_metric_reports_refused_name_the_field_and_store_nothing(api: Server) -> None:
+    claim = submit_and_claim(api)
+    rank0 = api.client(claim["token"])
+    user = api.client()
     jid = claim["job_id"]
     good = {"items": [{"step": 1000, "epoch": 1, "values": {"loss": 0.5}}], "dropped": 2}
     assert rank0.post(f"/jobs/{jid}/metrics", json=good).status_code == 202

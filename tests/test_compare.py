@@ -2,8 +2,9 @@
 metrics are reported with each job's token, as rank 0 does): a row per job with the
 metric's last and best value and step, its points and a trial's params, a sparkline per
 job and the dashboard's URL of the comparison; --metric, --json; a job that does not
-exist and jobs that share no metric refused in words. The pure parts (the default
-metric, a resumed attempt's points, the sparkline) without a server."""
+exist and jobs that share no metric refused in words (one server per database for the
+module: each test compares jobs of its own). The pure parts (the default metric, a
+resumed attempt's points, the sparkline) without a server."""
 
 from __future__ import annotations
 
@@ -17,12 +18,12 @@ from tests.conftest import Server, run_ddpq
 from tests.helpers import finish, register, report
 
 
-def _run(server: Server, **spec: Any) -> dict[str, Any]:
+def _run(api: Server, **spec: Any) -> dict[str, Any]:
     """A job submitted with ``spec`` and claimed by the hand worker (its claim)."""
-    register(server, "hand")
-    r = server.client().post("/jobs", json={"entrypoint": "train.py", **spec})
+    register(api, "hand")
+    r = api.client().post("/jobs", json={"entrypoint": "train.py", **spec})
     assert r.status_code == 201, r.text
-    c = server.client("worker").post(
+    c = api.client("worker").post(
         "/workers/claim",
         json={"name": "hand", "free_cpu_slots": 8, "free_gpus": [], "wait_s": 5},
     )
@@ -31,31 +32,31 @@ def _run(server: Server, **spec: Any) -> dict[str, Any]:
     return claim
 
 
-def _env(server: Server) -> dict[str, str]:
-    return {"DDPQ_URL": server.url, "DDPQ_TOKEN": server.api_token}
+def _env(api: Server) -> dict[str, str]:
+    return {"DDPQ_URL": api.url, "DDPQ_TOKEN": api.api_token}
 
 
 def test_compare_shows_each_jobs_metric_its_sparkline_and_the_dashboards_url(
-    server: Server,
+    api: Server,
 ) -> None:
-    a = _run(server, name="base")
-    b = _run(server, name="wide", params={"lr": 0.01, "act": "gelu"})
+    a = _run(api, name="base")
+    b = _run(api, name="wide", params={"lr": 0.01, "act": "gelu"})
     # a: loss falling to 0.5 at step 20 (its best the last), accuracy rising.
     report(
-        server,
+        api,
         a,
         [{"step": s, "values": {"loss": 10 / s, "accuracy": s / 20}} for s in range(1, 21)],
     )
     # b: loss at its lowest (0.25) at step 8, then rising again; no accuracy.
     report(
-        server,
+        api,
         b,
         [{"step": s, "values": {"loss": 0.25 + abs(s - 8) / 10}} for s in range(2, 13, 2)],
     )
-    finish(server, a)
+    finish(api, a)
     ids = f"{a['job_id']},{b['job_id']}"
 
-    shown = run_ddpq("compare", str(a["job_id"]), str(b["job_id"]), env=_env(server))
+    shown = run_ddpq("compare", str(a["job_id"]), str(b["job_id"]), env=_env(api))
     assert shown.returncode == 0, shown.stderr
     lines = shown.stdout.splitlines()
     assert re.match(
@@ -74,17 +75,17 @@ def test_compare_shows_each_jobs_metric_its_sparkline_and_the_dashboards_url(
     assert sparks[a["job_id"]][0] == "█" and sparks[a["job_id"]][-1] == "▁", sparks
     assert len(sparks[a["job_id"]]) == 20 and len(sparks[b["job_id"]]) == 6, sparks
     assert sparks[b["job_id"]][3] == "▁" and sparks[b["job_id"]][0] > "▁", sparks
-    assert lines[-1] == f"loss on one chart: {server.url}/#/compare?jobs={ids}"
+    assert lines[-1] == f"loss on one chart: {api.url}/#/compare?jobs={ids}"
 
     # --metric: one that only a has; accuracy's best is its highest. --json for scripts.
     got = run_ddpq(
         "compare", str(a["job_id"]), str(b["job_id"]), "--metric", "accuracy", "--json",
-        env=_env(server),
+        env=_env(api),
     )  # fmt: skip
     assert got.returncode == 0, got.stderr
     body = json.loads(got.stdout)
     assert body["metric"] == "accuracy" and body["best"] == "max"
-    assert body["url"] == f"{server.url}/#/compare?jobs={ids}"
+    assert body["url"] == f"{api.url}/#/compare?jobs={ids}"
     first, second = body["jobs"]
     assert first["id"] == a["job_id"] and first["status"] == "succeeded"
     assert first["last"] == {"step": 20, "value": 1.0}
@@ -95,20 +96,20 @@ def test_compare_shows_each_jobs_metric_its_sparkline_and_the_dashboards_url(
     # --best overrides what the name suggests.
     low = run_ddpq(
         "compare", str(a["job_id"]), "--metric", "accuracy", "--best", "min", "--json",
-        env=_env(server),
+        env=_env(api),
     )  # fmt: skip
     assert json.loads(low.stdout)["jobs"][0]["best"] == {"step": 1, "value": 0.05}
-    finish(server, b)
+    finish(api, b)
 
 
 def test_compare_refuses_a_missing_job_and_says_when_jobs_share_no_metric(
-    server: Server,
+    api: Server,
 ) -> None:
-    a = _run(server, name="a")
-    b = _run(server, name="b")
-    report(server, a, [{"step": 1, "values": {"loss": 1.0}}])
-    report(server, b, [{"step": 1, "values": {"reward": 3.0}}])
-    env = _env(server)
+    a = _run(api, name="a")
+    b = _run(api, name="b")
+    report(api, a, [{"step": 1, "values": {"loss": 1.0}}])
+    report(api, b, [{"step": 1, "values": {"reward": 3.0}}])
+    env = _env(api)
 
     missing = run_ddpq("compare", str(a["job_id"]), "999999", env=env)
     assert missing.returncode == 2, (missing.stdout, missing.stderr)
@@ -128,8 +129,8 @@ def test_compare_refuses_a_missing_job_and_says_when_jobs_share_no_metric(
     one = run_ddpq("compare", str(a["job_id"]), str(b["job_id"]), "--metric", "reward", env=env)
     assert one.returncode == 0, one.stderr
     assert "(no points)" in one.stdout
-    finish(server, a)
-    finish(server, b)
+    finish(api, a)
+    finish(api, b)
 
 
 def test_the_default_metric_is_the_first_shared_one_loss_first() -> None:

@@ -1,19 +1,30 @@
-"""The whole path with real processes: ddpq serve, ddpq worker, torchrun (gloo, CPU)."""
+"""The whole path with real processes: ddpq serve, ddpq worker, torchrun (gloo, CPU).
+
+One `ddpq serve` per database for the module (module_server): each test runs its jobs on
+a worker of its own, and looks only at those jobs."""
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import Server, launcher_env, terminal, wait_for
+from tests.conftest import Server, launcher_env, module_server, terminal, wait_for
 from worker import trace
 from worker.procs import find_by_launch_id
 
 pytestmark = pytest.mark.torchrun
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+def server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    yield from module_server(request, tmp_path_factory)
 
 
 def test_toy_regression_runs_to_success_and_reports_one_series(

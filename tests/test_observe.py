@@ -1,5 +1,7 @@
 """Watching a job: the log (cap, offsets, follow), downsampled metrics, the events stream,
-the attempts. The worker protocol is driven by hand (tests.helpers): no torchrun needed."""
+the attempts. The worker protocol is driven by hand (tests.helpers): no torchrun needed.
+A test that watches a job of its own runs on the module's server of its database (``api``,
+helpers.its_turn); the log cap's and the stopping API's have a server of their own."""
 
 from __future__ import annotations
 
@@ -148,15 +150,15 @@ def _points(n: int, name: str, start: int = 0) -> list[dict[str, Any]]:
     return [{"step": s, "values": {name: 10.0 - s / 1000}} for s in range(start, start + n)]
 
 
-def test_downsampling_ranks_nan_above_infinity(server: Server) -> None:
+def test_downsampling_ranks_nan_above_infinity(api: Server) -> None:
     # As the README says: NaN ranks above every number, Infinity included, so a bucket
     # holding both shows its NaN (it came back as [1, "Infinity"], losing the NaN).
-    claim = submit_and_claim(server)
+    claim = submit_and_claim(api)
     values: list[Any] = [1, "Infinity", "NaN", 2, 1.5]
-    report(server, claim, [{"step": i + 1, "values": {"x": v}} for i, v in enumerate(values)])
-    r = server.client().get(f"/jobs/{claim['job_id']}/metrics", params={"max_points": 2})
+    report(api, claim, [{"step": i + 1, "values": {"x": v}} for i, v in enumerate(values)])
+    r = api.client().get(f"/jobs/{claim['job_id']}/metrics", params={"max_points": 2})
     assert [i["values"]["x"] for i in r.json()["items"]] == [1.0, "NaN"]
-    r = server.client().get(f"/jobs/{claim['job_id']}/metrics", params={"max_points": 4})
+    r = api.client().get(f"/jobs/{claim['job_id']}/metrics", params={"max_points": 4})
     assert [(i["step"], i["values"]["x"]) for i in r.json()["items"]] == [
         (1, 1.0),
         (3, "NaN"),
@@ -164,16 +166,16 @@ def test_downsampling_ranks_nan_above_infinity(server: Server) -> None:
     ]
 
 
-def test_downsampling_keeps_minima_maxima_and_the_last_point(server: Server) -> None:
-    claim = submit_and_claim(server)
+def test_downsampling_keeps_minima_maxima_and_the_last_point(api: Server) -> None:
+    claim = submit_and_claim(api)
     jid = claim["job_id"]
     loss = _points(3000, "loss")
     loss[1234]["values"]["loss"] = 99.0  # a spike
     loss[2222]["values"]["loss"] = -5.0  # the minimum
     loss[500]["values"]["loss"] = "NaN"  # a divergence
-    report(server, claim, loss)
-    report(server, claim, [{"step": s * 10, "values": {"acc": s / 300}} for s in range(300)])
-    user = server.client()
+    report(api, claim, loss)
+    report(api, claim, [{"step": s * 10, "values": {"acc": s / 300}} for s in range(300)])
+    user = api.client()
 
     def series(params: dict[str, Any], name: str) -> dict[int, Any]:
         r = user.get(f"/jobs/{jid}/metrics", params=params)
@@ -223,7 +225,7 @@ def test_downsampling_keeps_minima_maxima_and_the_last_point(server: Server) -> 
     # Steps past 2**53 (exact as floats no more) take the per-bucket path on Postgres too.
     big = [{"step": 2**60 + i * 1000, "values": {"big": float(i % 7)}} for i in range(100)]
     big[42]["values"]["big"] = 100.0
-    report(server, claim, big)
+    report(api, claim, big)
     got = series({"max_points": 10, "name": "big"}, "big")
     assert len(got) <= 10 and got[2**60 + 42_000] == 100.0 and 2**60 + 99_000 in got
     said = counts({"max_points": 10, "name": "big"})
@@ -232,7 +234,7 @@ def test_downsampling_keeps_minima_maxima_and_the_last_point(server: Server) -> 
     top = 2**63 - 1
     edge = [{"step": top - 97 * i, "values": {"edge": float(i)}} for i in range(100)]
     edge.append({"step": 0, "values": {"edge": -1.0}})
-    report(server, claim, edge)
+    report(api, claim, edge)
     got = series({"max_points": 8, "name": "edge"}, "edge")
     assert len(got) <= 8 and got[top] == 0.0 and got[0] == -1.0 and got[top - 97 * 99] == 99.0
     # The full answer keeps its shape.
@@ -277,31 +279,31 @@ def _kinds(events: list[dict[str, Any]]) -> list[str]:
     return [e["event"] for e in events]
 
 
-def test_events_stream_status_and_points_resume_without_duplicates(server: Server) -> None:
-    claim = submit_and_claim(server)
+def test_events_stream_status_and_points_resume_without_duplicates(api: Server) -> None:
+    claim = submit_and_claim(api)
     jid = claim["job_id"]
-    report(server, claim, _points(5, "loss"))  # before the stream: not sent
+    report(api, claim, _points(5, "loss"))  # before the stream: not sent
     first: list[dict[str, Any]] = []
-    _sse(server, jid, first)
+    _sse(api, jid, first)
     wait_for(lambda: first, 20, "the first event")
     assert first[0]["event"] == "job" and first[0]["data"]["status"] == "running"
-    report(server, claim, _points(3, "loss", start=5))
+    report(api, claim, _points(3, "loss", start=5))
     wait_for(lambda: "metrics" in _kinds(first), 20, "a metrics event")
     m = next(e for e in first if e["event"] == "metrics")
     assert [i["step"] for i in m["data"]["items"]] == [5, 6, 7]
     seen = m["id"]
 
     # Reconnect with Last-Event-ID after more happened: only what is new.
-    report(server, claim, _points(2, "loss", start=8))
+    report(api, claim, _points(2, "loss", start=8))
     again: list[dict[str, Any]] = []
-    _sse(server, jid, again, headers={"Last-Event-ID": seen})
+    _sse(api, jid, again, headers={"Last-Event-ID": seen})
     wait_for(lambda: "metrics" in _kinds(again), 20, "the missed points")
     assert _kinds(again)[0] == "metrics"  # the job did not change: not sent again
     assert [i["step"] for i in again[0]["data"]["items"]] == [8, 9]
 
     # The end: the job's new status, then end, then the stream closes.
-    done = _sse(server, jid, replay := [], params={"since": "0"})
-    finish(server, claim)
+    done = _sse(api, jid, replay := [], params={"since": "0"})
+    finish(api, claim)
     for events in (first, again, replay):
         wait_for(lambda ev=events: "end" in _kinds(ev), 20, "the end event")  # type: ignore[misc]
     done.join(20)
@@ -315,7 +317,7 @@ def test_events_stream_status_and_points_resume_without_duplicates(server: Serve
     ids = [e["id"] for e in first]
     assert len(set(ids)) >= 2 and all(re.fullmatch(r"\d+-[0-9a-f]{8}", i) for i in ids)
 
-    user = server.client()
+    user = api.client()
     for params, headers, loc in (
         ({"since": "abc"}, {}, ["query", "since"]),
         ({}, {"Last-Event-ID": "1-xyz"}, ["header", "Last-Event-ID"]),
@@ -325,11 +327,11 @@ def test_events_stream_status_and_points_resume_without_duplicates(server: Serve
     assert user.get("/jobs/999999/events").status_code == 404
 
 
-def test_attempts_auth_and_openapi(server: Server) -> None:
-    claim = submit_and_claim(server)
+def test_attempts_auth_and_openapi(api: Server) -> None:
+    claim = submit_and_claim(api)
     jid = claim["job_id"]
-    finish(server, claim, exit_code=3)
-    user = server.client()
+    finish(api, claim, exit_code=3)
+    user = api.client()
     items = user.get(f"/jobs/{jid}/attempts").json()["items"]
     assert len(items) == 1
     a = items[0]
@@ -339,9 +341,9 @@ def test_attempts_auth_and_openapi(server: Server) -> None:
     assert user.get("/jobs/999999/attempts").status_code == 404
 
     # A worker hands a job back mid-line; the next attempt's output starts a new line.
-    again = submit_and_claim(server)
-    send_log(server, again, 0, b"[rank0]: half a li")
-    w = server.client("worker")
+    again = submit_and_claim(api)
+    send_log(api, again, 0, b"[rank0]: half a li")
+    w = api.client("worker")
     r = w.post(
         f"/workers/jobs/{again['job_id']}/finish",
         json={"worker": "hand", "attempt": 1, "outcome": "requeue"},
@@ -351,7 +353,7 @@ def test_attempts_auth_and_openapi(server: Server) -> None:
         "/workers/claim", json={"name": "hand", "free_cpu_slots": 8, "free_gpus": [], "wait_s": 5}
     )
     assert r.status_code == 200 and r.json()["attempt"] == 2
-    send_log(server, r.json(), 0, b"[ddpq] attempt 2\n")
+    send_log(api, r.json(), 0, b"[ddpq] attempt 2\n")
     log = user.get(f"/jobs/{again['job_id']}/logs").content
     assert log == b"[rank0]: half a li\n[ddpq] attempt 2\n"
     items = user.get(f"/jobs/{again['job_id']}/attempts").json()["items"]
@@ -360,10 +362,10 @@ def test_attempts_auth_and_openapi(server: Server) -> None:
 
     for path in ("attempts", "events", "logs?follow=true", "metrics?max_points=10"):
         for token, status in ((None, 401), ("worker", 403), (claim["token"], 403)):
-            r = server.client(token).get(f"/jobs/{jid}/{path}")
+            r = api.client(token).get(f"/jobs/{jid}/{path}")
             assert r.status_code == status, (path, token)
 
-    spec = httpx.get(f"{server.url}/openapi.json").json()["paths"]
+    spec = httpx.get(f"{api.url}/openapi.json").json()["paths"]
     assert (
         "text/event-stream" in spec["/jobs/{job_id}/events"]["get"]["responses"]["200"]["content"]
     )
@@ -373,7 +375,7 @@ def test_attempts_auth_and_openapi(server: Server) -> None:
     metrics = spec["/jobs/{job_id}/metrics"]["get"]
     assert {p["name"] for p in metrics["parameters"]} >= {"name", "since_step", "max_points"}
     # The answer says per series what it holds and shows (service.schemas.SeriesCount).
-    schemas = httpx.get(f"{server.url}/openapi.json").json()["components"]["schemas"]
+    schemas = httpx.get(f"{api.url}/openapi.json").json()["components"]["schemas"]
     assert "MetricsPublic" in json.dumps(metrics["responses"]["200"])
     assert "series" in schemas["MetricsPublic"]["properties"]
     assert "series" not in schemas["MetricsPublic"].get("required", [])  # older answers lack it

@@ -11,13 +11,14 @@ the job's row under a lock, about half the cancel-versus-finish rounds left the 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.conftest import Server
+from tests.conftest import Server, module_server
 from tests.helpers import register, together
 
 ROUNDS = 30
@@ -36,11 +37,13 @@ def _both(
 
 
 class Rig:
-    """A server, a hand-driven worker `hand` with 2 CPU slots, and warm clients."""
+    """A server, a hand-driven worker `hand` with 2 CPU slots, and warm clients. The
+    server is the module's (one per database): `hand` is a name of this test's own."""
 
     def __init__(self, server: Server) -> None:
         self.server = server
-        register(server, "hand", cpu_slots=2)
+        self.hand = f"hand-{uuid.uuid4().hex[:8]}"
+        register(server, self.hand, cpu_slots=2)
         self.user = server.client()
         self.user2 = server.client()
         self.worker = server.client("worker")
@@ -53,10 +56,10 @@ class Rig:
         assert r.status_code == 201, r.text
         return int(r.json()["id"])
 
-    def claim(self, client: httpx.Client | None = None, name: str = "hand") -> httpx.Response:
+    def claim(self, client: httpx.Client | None = None, name: str | None = None) -> httpx.Response:
         return (client or self.worker).post(
             "/workers/claim",
-            json={"name": name, "free_cpu_slots": 2, "free_gpus": [], "wait_s": 0},
+            json={"name": name or self.hand, "free_cpu_slots": 2, "free_gpus": [], "wait_s": 0},
         )
 
     def running(self) -> dict[str, Any]:
@@ -70,7 +73,7 @@ class Rig:
     def finish(self, claim: dict[str, Any], exit_code: int = 0) -> httpx.Response:
         return self.worker2.post(
             f"/workers/jobs/{claim['job_id']}/finish",
-            json={"worker": "hand", "attempt": claim["attempt"], "exit_code": exit_code},
+            json={"worker": self.hand, "attempt": claim["attempt"], "exit_code": exit_code},
         )
 
     def cancel(self, job_id: int, client: httpx.Client | None = None) -> httpx.Response:
@@ -81,7 +84,7 @@ class Rig:
         return self.worker2.post(
             "/workers/register",
             json={
-                "name": "hand",
+                "name": self.hand,
                 "hostname": "h",
                 "cpu_slots": 2,
                 "gpus": [],
@@ -113,7 +116,7 @@ class Rig:
                 assert self.cancel(job_id).status_code == 202
             r = self.worker.post(
                 f"/workers/jobs/{job_id}/finish",
-                json={"worker": "hand", "attempt": job["attempt"], "outcome": "cancelled"},
+                json={"worker": self.hand, "attempt": job["attempt"], "outcome": "cancelled"},
             )
             assert r.status_code == 200, r.text
         job = self.job(job_id)
@@ -121,10 +124,19 @@ class Rig:
         assert job["finished_at"] is not None, job
         for a in self.attempts(job_id):
             assert a["finished_at"] is not None, (job, a)
-        [hand] = [w for w in self.user.get("/workers").json()["items"] if w["name"] == "hand"]
+        [hand] = [w for w in self.user.get("/workers").json()["items"] if w["name"] == self.hand]
         assert hand["free_cpu_slots"] == 2, (job, hand)
         assert hand["running"] == [], hand
         return job
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+def server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    """One server per database for the module: every round of every race settles its job
+    (Rig.settle), so each test starts on a queue with nothing in it."""
+    yield from module_server(request, tmp_path_factory)
 
 
 @pytest.fixture
@@ -231,7 +243,7 @@ def test_two_claims_never_share_a_job(rig: Rig) -> None:
         assert won[0].json()["job_id"] == job_id
         job = rig.job(job_id)
         assert len(rig.attempts(job_id)) == 1
-        winner = "hand" if a.status_code == 200 else "other"
+        winner = rig.hand if a.status_code == 200 else "other"
         assert job["worker"] == winner, job
         r = rig.worker.post(
             f"/workers/jobs/{job_id}/finish",

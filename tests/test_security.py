@@ -1,7 +1,11 @@
 """Nobody gets in, and no input breaks it (issue 7): tokens on every route, input
 limits, what a job spec may ask of a worker, checkpoints that never run code, and
 the refusal to serve an open job launcher. Against a real `ddpq serve` on SQLite
-and Postgres where the database matters."""
+and Postgres where the database matters.
+
+A test that looks only at what it made (its job, its upload) runs on the module's server
+of its database (``api``: what a test leaves active is ended after it,
+helpers.its_turn); one that looks at every job has a server of its own (``server``)."""
 
 from __future__ import annotations
 
@@ -225,13 +229,13 @@ def test_the_413_always_arrives_even_when_the_client_closes(server: Server) -> N
 
 
 def test_an_early_answer_always_arrives_while_the_client_is_still_sending(
-    server: Server,
+    api: Server,
 ) -> None:
     """A wrong token is answered before the body is read (a code upload's 4 MiB, within its
     limit); answering and closing then reset the connection under the client, which saw
     `Connection reset by peer` instead of the 401. The rest of the body is read first:
     40 rounds, declared and chunked, every one gets its 401."""
-    host, port = server.url.removeprefix("http://").split(":")
+    host, port = api.url.removeprefix("http://").split(":")
     big = os.urandom(4 * 1024 * 1024)
     digest = hashlib.sha256(big).hexdigest()
     headers = {
@@ -253,18 +257,18 @@ def test_an_early_answer_always_arrives_while_the_client_is_still_sending(
             r.read()
         finally:
             conn.close()
-    missing = server.client().post("/code/missing", json={"digests": [digest]}).json()
+    missing = api.client().post("/code/missing", json={"digests": [digest]}).json()
     assert missing["missing"] == [digest], "nothing was stored"
 
 
-def test_metrics_limits_non_finite_values_and_unicode_names(server: Server) -> None:
-    claim = submit_and_claim(server)
+def test_metrics_limits_non_finite_values_and_unicode_names(api: Server) -> None:
+    claim = submit_and_claim(api)
     jid = claim["job_id"]
-    rank0 = server.client(claim["token"])
+    rank0 = api.client(claim["token"])
     names = {"損失": 1.5, "λ/ε": "NaN", "acc 🎯": "Infinity", "grad-norm": "-Infinity"}
     r = rank0.post(f"/jobs/{jid}/metrics", json={"items": [{"step": 1, "values": names}]})
     assert r.status_code == 202, r.text
-    user = server.client()
+    user = api.client()
     for path in (f"/jobs/{jid}/metrics", f"/jobs/{jid}"):
         raw = user.get(path).content
         json.loads(raw, parse_constant=lambda c: pytest.fail(f"{c} in {path}"))  # strict JSON
@@ -561,11 +565,11 @@ def test_every_torch_load_in_the_project_is_weights_only() -> None:
 
 
 def test_checkpoint_registration_stays_in_the_job_directory_and_serves_no_file(
-    server: Server, tmp_path: Path
+    api: Server, tmp_path: Path
 ) -> None:
-    claim = submit_and_claim(server)
+    claim = submit_and_claim(api)
     jid, root = claim["job_id"], claim["checkpoint_dir"]
-    rank0 = server.client(claim["token"])
+    rank0 = api.client(claim["token"])
     for bad in (
         f"{root}/../job-{jid + 1}/x.pt",
         f"{root}/./../../etc/passwd",
@@ -578,7 +582,7 @@ def test_checkpoint_registration_stays_in_the_job_directory_and_serves_no_file(
         assert r.status_code == 422, (bad, r.text)
     r = rank0.post(f"/jobs/{jid}/checkpoints", json={"path": f"{root}/a.pt", "step": 1})
     assert r.status_code == 201
-    answer = server.client().get(f"/jobs/{jid}/checkpoints").json()
+    answer = api.client().get(f"/jobs/{jid}/checkpoints").json()
     # What a checkpoint is, where it stands (retention), never its file's contents (once
     # sent for a fork or a download, the id of the snapshot that holds them: read as any
     # job's outputs are, by the team, docs/sharing.md).

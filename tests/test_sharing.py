@@ -74,7 +74,7 @@ def test_three_users_against_one_worker_get_slots_in_fair_share_order(
         shown = run_ddpq("usage", env={"DDPQ_URL": server.url, "DDPQ_TOKEN": server.api_token})
         assert shown.returncode == 0, shown.stderr
         assert shown.stdout.split()[:7] == [
-            "USER", "RUNNING", "QUEUED", "GPU-H", "1D", "GPU-H", "7D",
+            "USER", "RUNNING", "QUEUED", "GPU-HOURS", "1D", "GPU-HOURS", "7D",
         ] and "carol" in shown.stdout, shown.stdout  # fmt: skip
     finally:
         stop_server(server)

@@ -15,7 +15,6 @@ import json
 import random
 import re
 import textwrap
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +27,7 @@ from service.schemas import SweepSpec
 from service.users import Principal
 from tests.conftest import (
     Server,
-    _pg_admin,
-    _pg_url,
+    module_server,
     run_ddpq,
     start_server,
     stop_server,
@@ -46,20 +44,7 @@ SLOT = {"free_gpus": [], "wait_s": 0}
 def api(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
     """One API per database for the tests that need nothing else of it (a server start
     is most of a test's time): each uses workers and users of its own."""
-    where = tmp_path_factory.mktemp("sweeps")
-    url = f"sqlite:///{where / 'ddpq.db'}"
-    name = f"ddpq_t_{uuid.uuid4().hex[:12]}"
-    if request.param == "postgres":
-        template = request.getfixturevalue("pg_template")
-        with _pg_admin() as conn:
-            conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template}"')
-        url = _pg_url(name)
-    server = start_server(url, where / "api", **FAST)
-    yield server
-    stop_server(server)
-    if request.param == "postgres":
-        with _pg_admin() as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    yield from module_server(request, tmp_path_factory, **FAST)
 
 
 def claim(server: Server, worker: str, slots: int = 8) -> dict[str, Any] | None:

@@ -1,4 +1,7 @@
-"""ddpq.train from a real process against a real API."""
+"""ddpq.train from a real process against a real API.
+
+A test that reports to a job of its own runs on the module's server of its database
+(``api``, helpers.its_turn); one that stops or restarts the API has a server of its own."""
 
 from __future__ import annotations
 
@@ -9,7 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Server, _child_env, start_server, stop_process, stop_server, wait_for
+from tests.conftest import (
+    Server,
+    _child_env,
+    start_server,
+    stop_process,
+    stop_server,
+    wait_for,
+)
 from tests.helpers import submit_and_claim
 
 REPORTER = r"""
@@ -96,16 +106,16 @@ print("flushed", flush=True)
 """
 
 
-def test_one_bad_point_never_drops_good_ones(server: Server, tmp_path: Path) -> None:
+def test_one_bad_point_never_drops_good_ones(api: Server, tmp_path: Path) -> None:
     # It used to: 50 steps, report(-1, ...), 50 more stored 0 of 100, and flush() said True.
-    claim = submit_and_claim(server)
+    claim = submit_and_claim(api)
     out = tmp_path / "out"
-    proc = _reporter(server, claim, ONE_BAD_POINT, out)
+    proc = _reporter(api, claim, ONE_BAD_POINT, out)
     assert proc.wait(timeout=120) == 0, out.read_text()
     said = out.read_text()
     assert "refused: report(): step must be between 0 and 2**63 - 1, not -1" in said, said
     assert "refused: report(): a metric name has printable characters only" in said, said
-    user = server.client()
+    user = api.client()
     items = user.get(f"/jobs/{claim['job_id']}/metrics").json()["items"]
     assert [i["step"] for i in items] == list(range(1, 101))
     assert user.get(f"/jobs/{claim['job_id']}").json()["metrics_dropped"] == 1
@@ -131,11 +141,11 @@ print("flushed", flush=True)
 
 
 def test_total_steps_is_sent_as_the_jobs_and_checked_where_it_is_made(
-    server: Server, tmp_path: Path
+    api: Server, tmp_path: Path
 ) -> None:
-    claim = submit_and_claim(server)
+    claim = submit_and_claim(api)
     out = tmp_path / "out"
-    proc = _reporter(server, claim, TOTAL_STEPS, out)
+    proc = _reporter(api, claim, TOTAL_STEPS, out)
     assert proc.wait(timeout=120) == 0, out.read_text()
     refused = [line for line in out.read_text().splitlines() if line.startswith("refused:")]
     assert refused == [
@@ -149,7 +159,7 @@ def test_total_steps_is_sent_as_the_jobs_and_checked_where_it_is_made(
         "refused: ValueError report(): a point needs at least one metric, e.g. "
         "report(step, loss=...)",
     ]
-    user = server.client()
+    user = api.client()
     job = user.get(f"/jobs/{claim['job_id']}").json()
     assert job["total_steps"] == 400 and job["metrics_dropped"] == 0
     assert job["latest_metrics"]["values"] == {"loss": 0.1}
@@ -289,12 +299,12 @@ print("flushed", flush=True)
 """
 
 
-def test_the_first_point_is_sent_at_once(server: Server, tmp_path: Path) -> None:
-    claim = submit_and_claim(server)
+def test_the_first_point_is_sent_at_once(api: Server, tmp_path: Path) -> None:
+    claim = submit_and_claim(api)
     out, go = tmp_path / "out", tmp_path / "go"
-    proc = _reporter(server, claim, FIRST_AT_ONCE, out, str(go))
+    proc = _reporter(api, claim, FIRST_AT_ONCE, out, str(go))
     try:
-        user = server.client()
+        user = api.client()
 
         def stored() -> list[int]:
             items = user.get(f"/jobs/{claim['job_id']}/metrics").json()["items"]

@@ -31,9 +31,13 @@ PER_RUN_ENV = {
     "TORCHELASTIC_RESTART_COUNT",
 }  # fmt: skip
 PER_RUN = {"random", "torch_seed", "argv", "fds"}
-# ...and what the warm launcher changes: modules already imported (a superset), the
-# string hash seed, shared by one attempt's ranks.
-WARM_ONLY_MODULE_PREFIXES = ("torch", "worker", "ddpq", "numpy", "multiprocessing")
+# ...and what the warm launcher changes: modules already imported (a superset: torch's,
+# and what torch._dynamo brings, sympy, mpmath and triton, which every optimizer imports
+# on its first step: worker.zygote.WARM_MODULES), the string hash seed, shared by one
+# attempt's ranks.
+WARM_ONLY_MODULE_PREFIXES = (
+    "torch", "worker", "ddpq", "numpy", "multiprocessing", "sympy", "mpmath", "triton",
+)  # fmt: skip
 
 
 def _probe(server: Server, worker: Any, launcher: str, out: Path, *args: str) -> dict[str, Any]:

@@ -86,8 +86,9 @@ def test_accounting_adds_up_the_attempts_and_filters_them(server: Server) -> Non
     assert rb["gpu_hours"] == pytest.approx(2 * _seconds(ran_b) / 3600, abs=1e-6)
     assert (rb["attempts"], rb["state"], rb["exit_code"]) == (2, "failed", 3)
     first_b = min(start for start, _ in ran_b)
+    # To 10 ms: one run in about 15 saw 1.2 ms between this and the attempts' own stamps.
     assert rb["queued_s"] == pytest.approx(
-        (first_b - _t(b.json()["created_at"])).total_seconds(), abs=1e-3
+        (first_b - _t(b.json()["created_at"])).total_seconds(), abs=1e-2
     )
     assert rq["elapsed_s"] == 0 and rq["attempts"] == 0 and rq["started_at"] is None
     totals = {t["user"]: t for t in whole["totals"]}

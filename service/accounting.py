@@ -78,10 +78,15 @@ def _in_window(q: Query, counting: bool = False) -> Any:
     return or_(and_(Job.created_at >= q.since, Job.created_at < q.until), Job.id.in_(ran))
 
 
+# SQL: 1 for an attempt handed back for another job (queue.leases), else 0.
+_PREEMPTED = case((Attempt.reason.like(PREEMPTED), 1), else_=0)
+
+
 def _use(dialect: str) -> tuple[Any, Any, Any]:
     """SQL: an attempt's seconds run inside the window (bound ``since`` and ``end``: the
-    window's end, or now if sooner), and the GPUs and CPU slots it held
-    (service.queue.shares.held, in SQL: a claim gives a GPU job one GPU a rank)."""
+    window's end, or now if sooner), and the GPU-hours and CPU-slot-hours it held for
+    them (what it holds: service.queue.shares.held, in SQL: a claim gives a GPU job one
+    GPU a rank). The one place each figure is computed, for rows and totals alike."""
     since = bindparam("since", type_=UTCDateTime)
     end = bindparam("end", type_=UTCDateTime)
     seconds: Any
@@ -96,7 +101,8 @@ def _use(dialect: str) -> tuple[Any, Any, Any]:
     has_gpus = and_(Attempt.gpus.is_not(None), cast(Attempt.gpus, Text).not_in(("[]", "null")))
     ranks = Job.nproc_per_node * Job.nnodes
     on_gpus = or_(Job.device == "cuda", has_gpus)
-    return seconds, case((on_gpus, ranks), else_=0), case((on_gpus, 0), else_=ranks)
+    gpus, cpus = case((on_gpus, ranks), else_=0), case((on_gpus, 0), else_=ranks)
+    return seconds, seconds * gpus / 3600.0, seconds * cpus / 3600.0
 
 
 def _params(q: Query, now: datetime) -> dict[str, Any]:
@@ -106,13 +112,10 @@ def _params(q: Query, now: datetime) -> dict[str, Any]:
 def _sums(dialect: str) -> list[Any]:
     """SQL aggregates over attempts: how many, seconds, GPU-hours, CPU-slot-hours,
     preempted."""
-    seconds, gpus, cpus = _use(dialect)
     return [
         func.count(Attempt.id),
-        func.coalesce(func.sum(seconds), 0.0),
-        func.coalesce(func.sum(seconds * gpus), 0.0) / 3600.0,
-        func.coalesce(func.sum(seconds * cpus), 0.0) / 3600.0,
-        func.coalesce(func.sum(case((Attempt.reason.like(PREEMPTED), 1), else_=0)), 0),
+        *(func.coalesce(func.sum(figure), 0.0) for figure in _use(dialect)),
+        func.coalesce(func.sum(_PREEMPTED), 0),
     ]
 
 
@@ -183,9 +186,8 @@ def _job_rows(
             params,
         ):
             ran[int(row[0])] = row
-        preempted = func.sum(case((Attempt.reason.like(PREEMPTED), 1), else_=0))
         for row in s.execute(
-            select(Attempt.job_id, func.min(Attempt.started_at), func.count(), preempted)
+            select(Attempt.job_id, func.min(Attempt.started_at), func.count(), func.sum(_PREEMPTED))
             .where(Attempt.job_id.in_(ids))
             .group_by(Attempt.job_id)
         ):
@@ -232,14 +234,15 @@ def _job_rows(
 def _attempt_rows(
     s: Any, dialect: str, q: Query, params: dict[str, Any]
 ) -> tuple[list[AccountingRow], str | None]:
-    seconds, gpus, cpus = _use(dialect)
+    seconds, gpu_hours, cpu_hours = _use(dialect)
     page = list(
         s.execute(
             select(
                 Attempt.id, Attempt.job_id, Attempt.number, Attempt.worker, Attempt.started_at,
                 Attempt.ended_at, Attempt.outcome, Attempt.reason, Attempt.exit_code, Job.owner,
                 Job.name, Job.device, Job.nproc_per_node, Job.nnodes, Job.created_at,
-                seconds.label("seconds"), gpus.label("gpus_held"), cpus.label("cpus_held"),
+                seconds.label("seconds"), gpu_hours.label("gpu_hours"),
+                cpu_hours.label("cpu_hours"), _PREEMPTED.label("preempted"),
             )
             .join(Job, Job.id == Attempt.job_id)
             .where(*_ran_in(q), *_jobs_of(q), Attempt.id > (q.cursor or 0))
@@ -271,10 +274,10 @@ def _attempt_rows(
                 finished_at=a.ended_at,
                 queued_s=None,
                 elapsed_s=float(a.seconds),
-                gpu_hours=float(a.seconds) * a.gpus_held / 3600,
-                cpu_slot_hours=float(a.seconds) * a.cpus_held / 3600,
+                gpu_hours=float(a.gpu_hours),
+                cpu_slot_hours=float(a.cpu_hours),
                 attempts=1,
-                preemptions=int((a.reason or "").startswith(PREEMPTED[:-1])),
+                preemptions=int(a.preempted),
             )
         )
     return items, more

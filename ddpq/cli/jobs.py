@@ -256,15 +256,20 @@ def _attempt(job: dict[str, Any], handed_back: int) -> str:
     return f"{job['attempt']}{back}/{job['spec'].get('max_attempts', '?')}"
 
 
+def _moved(job: dict[str, Any], as_json: bool) -> None:
+    """What cancel, hold and release print: the job, or its id and new status."""
+    if as_json:
+        _print_json(job)
+    else:
+        _say(f"job {job['id']} {job['status']}")
+
+
 @client_command()
 def cancel(job_id: int, as_json: JsonOpt = False) -> None:
     """Cancel a job."""
     with _client() as c:
         job = c.cancel(job_id)
-    if as_json:
-        _print_json(job)
-    else:
-        _say(f"job {job['id']} {job['status']}")
+    _moved(job, as_json)
 
 
 @client_command()
@@ -273,10 +278,7 @@ def hold(job_id: int, as_json: JsonOpt = False) -> None:
     and its place in the queue (and counts against your queued limit)."""
     with _client() as c:
         job = c.hold(job_id)
-    if as_json:
-        _print_json(job)
-    else:
-        _say(f"job {job['id']} {job['status']}")
+    _moved(job, as_json)
 
 
 @client_command()
@@ -284,10 +286,7 @@ def release(job_id: int, as_json: JsonOpt = False) -> None:
     """Release a held job: it waits again, in its place."""
     with _client() as c:
         job = c.release(job_id)
-    if as_json:
-        _print_json(job)
-    else:
-        _say(f"job {job['id']} {job['status']}")
+    _moved(job, as_json)
 
 
 @client_command()

@@ -41,18 +41,10 @@ def _refuse(db: Database, by: Principal, action: str, job_id: int, why: str) -> 
     return Forbidden(why)
 
 
-def _whose(job: Job, by: Principal, action: str) -> str | None:
-    """Why ``by`` may not ``action`` ``job``, or None."""
-    if by.admin or job.owner == by.name:
-        return None
-    whose = f"{job.owner}'s" if job.owner else "from before users existed"
-    return f"job {job.id} is {whose}: only its owner or an admin may {action} it"
-
-
 def hold(db: Database, job_id: int, by: Principal) -> JobPublic:
     with db.write() as s:
         job = jobs.lock(s, job_id)
-        refused = _whose(job, by, "hold")
+        refused = jobs.not_theirs(job, by, "hold")
         if refused is None:
             who = f"{by.name} (admin)" if by.admin and job.owner != by.name else by.name
             states.enter(job, Event.HOLD, utcnow(), f"held by {who}: `ddpq release {job.id}`")
@@ -66,7 +58,7 @@ def hold(db: Database, job_id: int, by: Principal) -> JobPublic:
 def release(db: Database, job_id: int, by: Principal) -> JobPublic:
     with db.write() as s:
         job = jobs.lock(s, job_id)
-        refused = _whose(job, by, "release")
+        refused = jobs.not_theirs(job, by, "release")
         if refused is None and not by.admin and job.held_by not in (None, by.name):
             refused = (
                 f"job {job.id} was held by {job.held_by}: only they or an admin may release it"
@@ -87,7 +79,7 @@ def release(db: Database, job_id: int, by: Principal) -> JobPublic:
 def update(db: Database, job_id: int, by: Principal, change: Change) -> JobPublic:
     with db.write() as s:
         job = jobs.lock(s, job_id)
-        refused = _whose(job, by, "change")
+        refused = jobs.not_theirs(job, by, "change")
         if refused is None:
             if job.status not in (JobStatus.QUEUED, JobStatus.HELD):
                 raise Conflict(

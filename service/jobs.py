@@ -443,12 +443,9 @@ def cancel_job(db: Database, job_id: int, by: Principal | None = None) -> JobPub
     refused: Forbidden | None = None
     with db.write() as s:
         job = _get(s, job_id, lock=True)
-        if by is not None and not by.admin and job.owner != by.name:
-            whose = f"{job.owner}'s" if job.owner else "from before users existed"
-            refused = Forbidden(
-                f"job {job_id} is {whose}: only its owner or an admin may cancel it "
-                f"({by.name} is a member)"
-            )
+        why = not_theirs(job, by, "cancel") if by is not None else None
+        if why is not None:
+            refused = Forbidden(why)
         else:
             cancel(s, job, by, now)
             s.flush()
@@ -456,6 +453,18 @@ def cancel_job(db: Database, job_id: int, by: Principal | None = None) -> JobPub
     # Audited in a transaction of its own: the refusal changes nothing else.
     users.audit_refused(db, by.name if by else None, "cancel", f"job {job_id}", str(refused))
     raise refused
+
+
+def not_theirs(job: Job, by: Principal, action: str) -> str | None:
+    """Why ``by`` may not ``action`` ``job`` (a member acts on their own jobs only; an
+    admin on any), or None."""
+    if by.admin or job.owner == by.name:
+        return None
+    whose = f"{job.owner}'s" if job.owner else "from before users existed"
+    return (
+        f"job {job.id} is {whose}: only its owner or an admin may {action} it "
+        f"({by.name} is a member)"
+    )
 
 
 def cancel_locked(s: Session, job_id: int, why: str, by: Principal | None = None) -> bool:

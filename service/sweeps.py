@@ -36,7 +36,7 @@ from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from ddpq.rules import MAX_RUNGS, MAX_STEP
+from ddpq.rules import MAX_RUNGS
 from service import code, jobs, queue, studies, sweepviews, users
 from service.db import Database
 from service.errors import Conflict, Forbidden, Invalid, NotFound, TooMany
@@ -79,10 +79,8 @@ def trial_spec(spec: SweepSpec, name: str, number: int, params: dict[str, Any]) 
 
 def rungs_of(spec: SweepSpec) -> list[int]:
     """The first steps (MAX_RUNGS) at which the sweep's early stopping judges a trial."""
-    found: list[int] = []
+    found: list[int] = []  # rung_step ends them before a step past MAX_STEP
     while len(found) < MAX_RUNGS and (at := studies.rung_step(spec, len(found))) is not None:
-        if at > MAX_STEP:
-            break
         found.append(at)
     return found
 

@@ -32,6 +32,41 @@ def test_the_kernel_s_records_name_the_pids_its_oom_killer_killed() -> None:
     assert oom.killed_in([b"garbage", b"6,5,1,-;Killed process 9 (x)\n"]) == set()
 
 
+def test_a_cgroup_s_oom_kill_count_is_read_on_v1_and_v2(tmp_path: Path) -> None:
+    proc = tmp_path / "cgroup"
+    v1 = tmp_path / "memory" / "box" / "w"
+    v1.mkdir(parents=True)
+    (v1 / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 3\n")
+    proc.write_text("9:name=systemd:/\n4:memory:/box/w\n0::/\n")
+    assert oom.cgroup_oom_kills(str(tmp_path), str(proc)) == 3
+    # A container's mount shows its own cgroup at the mount's root, not under its path.
+    proc.write_text("4:memory:/elsewhere/x\n")
+    (tmp_path / "memory" / "memory.oom_control").write_text("oom_kill 7\n")
+    assert oom.cgroup_oom_kills(str(tmp_path), str(proc)) == 7
+    v2 = tmp_path / "unified" / "user.slice"
+    v2.mkdir(parents=True)
+    (v2 / "memory.events").write_text("low 0\nhigh 0\nmax 2\noom 1\noom_kill 1\n")
+    proc.write_text("0::/user.slice\n")
+    assert oom.cgroup_oom_kills(str(tmp_path), str(proc)) == 1
+    proc.write_text("0::/nowhere\n")
+    assert oom.cgroup_oom_kills(str(tmp_path / "none"), str(proc)) is None
+    assert oom.cgroup_oom_kills(str(tmp_path), str(tmp_path / "no-proc-file")) is None
+
+
+def test_where_the_kernel_s_log_is_unreadable_the_cgroup_s_count_decides(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(oom, "_oom_kills", lambda since_s: None)
+    monkeypatch.setattr(oom, "cgroup_oom_kills", lambda: 5)
+    assert oom.killed_for_memory([4242], 1.0, kills_before=4) is True
+    assert oom.killed_for_memory([4242], 1.0, kills_before=5) is False  # a person's kill -9
+    assert oom.killed_for_memory([4242], 1.0, kills_before=None) is None
+    monkeypatch.setattr(oom, "cgroup_oom_kills", lambda: None)
+    assert oom.killed_for_memory([4242], 1.0, kills_before=4) is None  # still a question
+    monkeypatch.setattr(oom, "_oom_kills", lambda since_s: {4242})
+    assert oom.killed_for_memory([4242], 1.0, kills_before=None) is True  # the log first
+
+
 def test_the_reason_says_what_the_worker_found() -> None:
     assert exit_words(137, True) == (
         "killed by SIGKILL: out of memory (the kernel's OOM killer), exit code 137"

@@ -466,6 +466,21 @@ def _end_to_end(
 # ---- the worker's pure parts ----------------------------------------------------------------
 
 
+def test_the_worker_s_own_directories_never_reach_a_job_and_accelerate_distributes_on_cpu() -> None:
+    at = torchrun.Placement("http://api", "/ckpt/job-12", "DDPQ_LAUNCH_ID", "w@x/12/3")
+    worker_env = {
+        "XDG_CONFIG_HOME": "/home/w/.config", "XDG_RUNTIME_DIR": "/run/user/1000",
+        "XDG_CACHE_HOME": "/home/w/.cache", "PATH": "/bin",
+    }  # fmt: skip
+    cpu = torchrun.environment(worker_env, _claim_of(spec={}, device="cpu"), at)
+    assert not [k for k in cpu if k.startswith("XDG_")]  # the worker's login lives there
+    # Without it accelerate runs each CPU rank alone (DistributedType.NO), silently.
+    assert cpu["ACCELERATE_USE_CPU"] == "1"
+    assert "ACCELERATE_USE_CPU" not in torchrun.environment(worker_env, _claim_of(spec={}), at)
+    said = _claim_of(spec={"env": {"ACCELERATE_USE_CPU": "0"}}, device="cpu")
+    assert torchrun.environment(worker_env, said, at)["ACCELERATE_USE_CPU"] == "0"
+
+
 def test_the_ranks_get_the_secrets_and_nothing_of_ddpqs_is_replaced() -> None:
     claim = _claim_of(spec={"env": {"A": "1"}, "secrets": ["WANDB_API_KEY", "HF_TOKEN"]})
     claim = claim.model_copy(update={"secrets": {"WANDB_API_KEY": "w", "HF_TOKEN": "h"}})

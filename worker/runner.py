@@ -371,6 +371,7 @@ class JobRunner:
         )
         self.trace.mark("spawned")
         spawned = time.monotonic()  # worker.oom reads the kernel's records since then
+        oom_kills = oom.cgroup_oom_kills()  # and, where it cannot, the cgroup's count
         timeout_s = self.claim.spec.get("timeout_s")
         deadline = None if not timeout_s else time.monotonic() + timeout_s
         # Woken by the exit or a stop request, at once: a poll here would add its
@@ -400,7 +401,7 @@ class JobRunner:
         failed = torchrun.first_failure(tail) if result.outcome == "exited" else None
         if failed is not None and failed.exitcode == -signal.SIGKILL and failed.pid:
             # Was it the OOM killer? The kernel's log says, where the worker may read it.
-            result.oom = oom.killed_for_memory([failed.pid], spawned)
+            result.oom = oom.killed_for_memory([failed.pid], spawned, oom_kills)
         return result
 
     def _first_line_marked(self, write: Callable[[bytes], None]) -> Callable[[bytes], None]:

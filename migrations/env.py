@@ -6,6 +6,7 @@ from alembic import context
 from sqlalchemy import create_engine, pool, text
 
 import service.deptables
+import service.rolluptables
 import service.sweeptables  # noqa: F401  (its tables are Base's too)
 from service.models import Base
 

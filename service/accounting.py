@@ -1,12 +1,16 @@
 """Accounting: what jobs and their attempts held, and for how long, over a window (Slurm's
 ``sacct``; GET /accounting, ``ddpq acct``).
 
-A job is in a window if it was submitted in it or one of its attempts ran in it. What is
+A job is in a window if it was in ddpq's hands in it: submitted before the window's end,
+and not ended before its start (queued, held or running in it, or ended in it), as
+sacct selects jobs in any state during its window; an attempt, if it ran in it. What is
 counted is the time its attempts ran inside the window, and what each held for that
 time (service.queue.shares.held: its GPUs, else its ranks' CPU slots), so the rows of
 consecutive windows (a month, then the next) add up to the whole. An attempt still
-running counts up to now. The totals are over every row the query matches, not only
-the page shown: one read of the window's attempts, added up here.
+running counts up to now. Rows come newest first, a page at a time. The totals are over
+every row the query matches, not only the page shown: from the hourly rollup
+(service.rollup) for a window asked for by user only, and otherwise added up by the
+database from the rows themselves.
 """
 
 from __future__ import annotations
@@ -16,14 +20,13 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Text, and_, bindparam, case, cast, func, or_, select, union
+from sqlalchemy import Float, Integer, Text, and_, bindparam, case, cast, func, or_, select, tuple_
 
+from service import rollup
 from service.db import Database
 from service.models import Attempt, Job, UTCDateTime, utcnow
 from service.schemas.accounting import AccountingPublic, AccountingRow, AccountingTotal
 from service.sweeptables import SweepTrial
-
-PREEMPTED = "preempted by%"  # an attempt handed back for another job (queue.leases)
 
 
 @dataclass(frozen=True)
@@ -64,22 +67,15 @@ def _jobs_of(q: Query) -> list[Any]:
     return where
 
 
-def _in_window(q: Query, counting: bool = False) -> Any:
-    """SQL: jobs submitted in the window or that ran in it (asked for a worker: ran on it).
-    ``counting``: as a union of two index ranges (jobs.created_at, attempts.ended_at),
-    which counts them in half the time of the OR; a page's walk by id is faster on the
-    OR (bench/history.py)."""
-    ran = select(Attempt.job_id).where(*_ran_in(q))
+def _in_window(q: Query) -> Any:
+    """SQL: jobs in ddpq's hands in the window (asked for a worker: that ran on it there)."""
     if q.worker is not None:
-        return Job.id.in_(ran)
-    if counting:
-        made = select(Job.id).where(Job.created_at >= q.since, Job.created_at < q.until)
-        return Job.id.in_(union(made, ran))
-    return or_(and_(Job.created_at >= q.since, Job.created_at < q.until), Job.id.in_(ran))
+        return Job.id.in_(select(Attempt.job_id).where(*_ran_in(q)))
+    return and_(Job.created_at < q.until, or_(Job.finished_at.is_(None), Job.finished_at > q.since))
 
 
 # SQL: 1 for an attempt handed back for another job (queue.leases), else 0.
-_PREEMPTED = case((Attempt.reason.like(PREEMPTED), 1), else_=0)
+_PREEMPTED = case((Attempt.reason.like(rollup.PREEMPTED), 1), else_=0)
 
 
 def _use(dialect: str) -> tuple[Any, Any, Any]:
@@ -95,14 +91,26 @@ def _use(dialect: str) -> tuple[Any, Any, Any]:
         seconds = func.extract("epoch", last - func.greatest(Attempt.started_at, since))
     else:  # SQLite: the same, on its datetimes as text (one format, so min/max compare)
         last = func.min(func.coalesce(Attempt.ended_at, end), end)
-        span = func.julianday(last) - func.julianday(func.max(Attempt.started_at, since))
-        seconds = span * 86400.0
+        seconds = _sqlite_seconds(func.max(Attempt.started_at, since), last)
     seconds = case((seconds > 0, seconds), else_=0.0)
     has_gpus = and_(Attempt.gpus.is_not(None), cast(Attempt.gpus, Text).not_in(("[]", "null")))
     ranks = Job.nproc_per_node * Job.nnodes
-    on_gpus = or_(Job.device == "cuda", has_gpus)
-    gpus, cpus = case((on_gpus, ranks), else_=0), case((on_gpus, 0), else_=ranks)
+    gpus = case(
+        (has_gpus, func.json_array_length(Attempt.gpus) * Job.nnodes),
+        (Job.device == "cuda", ranks),
+        else_=0,
+    )
+    cpus = case((or_(has_gpus, Job.device == "cuda"), 0), else_=ranks)
     return seconds, seconds * gpus / 3600.0, seconds * cpus / 3600.0
+
+
+def _sqlite_seconds(a: Any, b: Any) -> Any:
+    """SQL: seconds from ``a`` to ``b``, SQLite datetimes as text ('2026-11-29
+    12:00:00.123456'), to the microsecond as Python and Postgres count them (the
+    rollup's hours and a row's own must agree): whole seconds from strftime('%s'), the
+    fraction from the text. julianday() was off by up to half a millisecond."""
+    whole = cast(func.strftime("%s", b), Integer) - cast(func.strftime("%s", a), Integer)
+    return whole + (cast(func.substr(b, 20), Float) - cast(func.substr(a, 20), Float))
 
 
 def _params(q: Query, now: datetime) -> dict[str, Any]:
@@ -120,23 +128,17 @@ def _sums(dialect: str) -> list[Any]:
 
 
 def report(db: Database, q: Query) -> AccountingPublic:
-    """The window's rows (a page of them) and every user's totals, added up by the
-    database: a month of a busy year's attempts is never read row by row."""
+    """The window's rows (a page of them) and every user's totals: a month of a busy
+    year's attempts is never read row by row for them."""
     now = utcnow()
     params = _params(q, now)
     with db.read() as s:
-        sums = s.execute(
-            select(Job.owner, *_sums(db.dialect))
-            .join(Job, Job.id == Attempt.job_id)
-            .where(*_ran_in(q), *_jobs_of(q))
-            .group_by(Job.owner),
-            params,
-        ).all()
-        counted = s.execute(
-            select(Job.owner, func.count())
-            .where(_in_window(q, counting=True), *_jobs_of(q))
-            .group_by(Job.owner)
-        ).all()
+        rollup.snapshot(s)
+        if q.states or q.worker is not None or q.sweep is not None:
+            per = _counted(s, db.dialect, q, params)
+        else:  # by user or no one: what the rollup adds up
+            found = rollup.totals(s, q.since, params["end"], q.user)
+            per = {owner or None: f for owner, f in found.items()}
         if q.per == "attempt":
             items, more = _attempt_rows(s, db.dialect, q, params)
         else:
@@ -147,8 +149,31 @@ def report(db: Database, q: Query) -> AccountingPublic:
         per=q.per,  # type: ignore[arg-type]
         items=items,
         next_cursor=more,
-        totals=_totals(sums, {owner: int(n) for owner, n in counted}),
+        totals=_totals(per),
     )
+
+
+def _counted(
+    s: Any, dialect: str, q: Query, params: dict[str, Any]
+) -> dict[str | None, rollup.Figures]:
+    """Every user's totals under a filter the rollup does not keep (a state, a worker, a
+    sweep), added up by the database from the rows themselves."""
+    per: dict[str | None, rollup.Figures] = defaultdict(rollup.Figures)
+    sums = s.execute(
+        select(Job.owner, *_sums(dialect))
+        .join(Job, Job.id == Attempt.job_id)
+        .where(*_ran_in(q), *_jobs_of(q))
+        .group_by(Job.owner),
+        params,
+    )
+    for owner, n, seconds, gpu_h, cpu_h, preempted in sums:
+        f = per[owner]
+        f.attempts, f.seconds, f.preempted = int(n), float(seconds), int(preempted)
+        f.gpu_s, f.cpu_s = float(gpu_h) * 3600.0, float(cpu_h) * 3600.0
+    jobs = select(Job.owner, func.count()).where(_in_window(q), *_jobs_of(q))
+    for owner, n in s.execute(jobs.group_by(Job.owner)):
+        per[owner].jobs = int(n)
+    return per
 
 
 def _sweeps_of(s: Any, job_ids: list[int]) -> dict[int, int]:
@@ -163,11 +188,15 @@ def _sweeps_of(s: Any, job_ids: list[int]) -> dict[int, int]:
 def _job_rows(
     s: Any, dialect: str, q: Query, params: dict[str, Any], now: datetime
 ) -> tuple[list[AccountingRow], str | None]:
+    after: list[Any] = []  # the page before's last job, newest first
+    if q.cursor is not None:
+        at = select(Job.created_at).where(Job.id == q.cursor).scalar_subquery()
+        after = [tuple_(Job.created_at, Job.id) < tuple_(at, q.cursor)]
     page = list(
         s.scalars(
             select(Job)
-            .where(_in_window(q), *_jobs_of(q), Job.id > (q.cursor or 0))
-            .order_by(Job.id)
+            .where(_in_window(q), *_jobs_of(q), *after)
+            .order_by(Job.created_at.desc(), Job.id.desc())
             .limit(q.limit + 1)
         )
     )
@@ -235,6 +264,10 @@ def _attempt_rows(
     s: Any, dialect: str, q: Query, params: dict[str, Any]
 ) -> tuple[list[AccountingRow], str | None]:
     seconds, gpu_hours, cpu_hours = _use(dialect)
+    after: list[Any] = []  # the page before's last attempt, newest first
+    if q.cursor is not None:
+        at = select(Attempt.started_at).where(Attempt.id == q.cursor).scalar_subquery()
+        after = [tuple_(Attempt.started_at, Attempt.id) < tuple_(at, q.cursor)]
     page = list(
         s.execute(
             select(
@@ -245,8 +278,8 @@ def _attempt_rows(
                 cpu_hours.label("cpu_hours"), _PREEMPTED.label("preempted"),
             )
             .join(Job, Job.id == Attempt.job_id)
-            .where(*_ran_in(q), *_jobs_of(q), Attempt.id > (q.cursor or 0))
-            .order_by(Attempt.id)
+            .where(*_ran_in(q), *_jobs_of(q), *after)
+            .order_by(Attempt.started_at.desc(), Attempt.id.desc())
             .limit(q.limit + 1),
             params,
         )
@@ -283,25 +316,22 @@ def _attempt_rows(
     return items, more
 
 
-def _totals(sums: Any, jobs: dict[str | None, int]) -> list[AccountingTotal]:
+def _totals(per: dict[str | None, rollup.Figures]) -> list[AccountingTotal]:
     """Per user, most GPU-hours (then CPU-slot-hours) first, then everyone's."""
-    per = {
-        owner: (int(n), float(sec), float(g), float(c), int(p)) for owner, n, sec, g, c, p in sums
-    }
-    for owner in jobs:  # a user with jobs in the window but no attempt there
-        per.setdefault(owner, (0, 0.0, 0.0, 0.0, 0))
     out = [
         AccountingTotal(
-            user=owner, jobs=jobs.get(owner, 0), attempts=n, elapsed_s=sec, gpu_hours=g,
-            cpu_slot_hours=c, preemptions=p,
+            user=owner, jobs=f.jobs, attempts=f.attempts, elapsed_s=f.seconds,
+            gpu_hours=f.gpu_s / 3600.0, cpu_slot_hours=f.cpu_s / 3600.0,
+            preemptions=f.preempted,
         )
-        for owner, (n, sec, g, c, p) in per.items()
+        for owner, f in per.items()
+        if f.jobs or f.attempts
     ]  # fmt: skip
     out.sort(key=lambda t: (-t.gpu_hours, -t.cpu_slot_hours, t.user or ""))
     out.append(
         AccountingTotal(
             user=None,
-            jobs=sum(jobs.values()),
+            jobs=sum(t.jobs for t in out),
             attempts=sum(t.attempts for t in out),
             elapsed_s=sum(t.elapsed_s for t in out),
             gpu_hours=sum(t.gpu_hours for t in out),

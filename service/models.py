@@ -89,14 +89,13 @@ class Job(Base):
     name: Mapped[str | None] = mapped_column(String(200))
     status: Mapped[str] = mapped_column(String(16))
     spec: Mapped[dict[str, Any]]
-    # Copies of spec fields the queue filters and orders on.
     priority: Mapped[int] = mapped_column(Integer, default=0)
     nnodes: Mapped[int] = mapped_column(Integer, default=1)
     nproc_per_node: Mapped[int] = mapped_column(Integer)
     device: Mapped[str] = mapped_column(String(8))
     max_attempts: Mapped[int] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
-    # When it last entered the queue (submitted or requeued): how long it has waited.
+    # When it last entered the queue (submitted or requeued).
     queued_at: Mapped[datetime | None]
     # A retried job waits out its backoff: no claim takes it before this time.
     not_before: Mapped[datetime | None]
@@ -109,7 +108,7 @@ class Job(Base):
     reason: Mapped[str | None] = mapped_column(Text)
     worker: Mapped[str | None] = mapped_column(String(200))
     gpus: Mapped[list[int] | None]
-    # CPU slots an active CPU job holds on its worker (0 for GPU jobs): the claim sums these.
+    # CPU slots an active CPU job holds on its worker (0 for GPU jobs).
     held_cpu_slots: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     latest_metrics: Mapped[dict[str, Any] | None]
     # Metric points its ranks reported that were never stored (schemas.MetricsIn.dropped).
@@ -168,6 +167,8 @@ class Job(Base):
     metrics_swept_at: Mapped[datetime | None]
     metrics_thinned: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     log_dropped_at: Mapped[datetime | None]
+    # Ended and added to accounting's hourly rollup (service.rollup).
+    rolled: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
     __table_args__ = (
         # A user's jobs, newest first, of any state or of one, and what each user holds
@@ -307,16 +308,15 @@ class Attempt(Base):
     exit_code: Mapped[int | None] = mapped_column(Integer)
     # Bytes of this attempt's own output stored so far (the worker's resend check).
     log_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
-    # An AttemptOutcome.
-    outcome: Mapped[str] = mapped_column(String(16), default="running")
+    outcome: Mapped[str] = mapped_column(String(16), default="running")  # AttemptOutcome
     # Why it ended as it did, in words (the job's reason keeps only the latest).
     reason: Mapped[str | None] = mapped_column(Text)
-    # The id another scheduler gave this attempt (a Slurm bridge's Slurm job id): what a
-    # restarted bridge re-adopts, and what users see next to the job.
+    # Another scheduler's id for it (Slurm's job id): what a restarted bridge re-adopts.
     external_id: Mapped[str | None] = mapped_column(String(64))
-    # Bytes stored so far of each node's own stream, by node rank, for the nodes that
-    # ship their output with the job token (a Slurm attempt's ranks; worker.slurmnode).
+    # Bytes stored of each node's own stream, by node rank (a Slurm attempt's ranks).
     node_log_bytes: Mapped[dict[str, Any] | None]
+    # Ended and added to accounting's hourly rollup (service.rollup).
+    rolled: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
     __table_args__ = (
         UniqueConstraint("job_id", "number", name="uq_attempts_job_number"),

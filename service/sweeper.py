@@ -1,8 +1,8 @@
 """The background work of every API process, beside the requests it serves: the
-sweeper's rounds (expired leases and gangs, fair-share usage, preemption, code
-collection, history retention, sweeps' decisions), which process takes them (SweepTurn),
-and on Postgres the LISTEN that wakes this process's claimers for work another process
-queued. The app (service.app) starts both in its lifespan."""
+sweeper's rounds (expired leases and gangs, fair-share usage, preemption, accounting's
+rollup, code collection, history retention, sweeps' decisions), which process takes
+them (SweepTurn), and on Postgres the LISTEN that wakes this process's claimers for work
+another process queued. The app (service.app) starts both in its lifespan."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from fastapi import FastAPI
 from fastapi.concurrency import run_in_threadpool
 
 from service import code as code_store
-from service import outputs, queue, retention, sweeps
+from service import outputs, queue, retention, rollup, sweeps
 from service.config import Settings
 from service.db import Database, Policy, libpq_conninfo
 from service.schemas import OutputsLimits
@@ -46,6 +46,11 @@ def _retention_every(policy: Policy) -> float:
     )
     periods = [p for p in every if p is not None]
     return min([RETENTION_IDLE_S, *(max(p / 4, 1.0) for p in periods)])
+
+
+# A round of accounting's rollup (service.rollup) works for at most this long: after an
+# upgrade, a year of history is added a few thousand attempts a transaction, round by round.
+ROLLUP_BUDGET_S = 0.5
 
 
 # The advisory lock whose holder sweeps (SweepTurn): "ddsw" in ASCII. Not "ddpq", the
@@ -200,6 +205,10 @@ async def _sweep_once(app: FastAPI, code_swept: float, code_every: float) -> flo
         await run_in_threadpool(queue.preempt_sweep, db)  # wakes the claimers if it marks
     except Exception:
         log.exception("usage or preemption sweep failed")
+    try:  # accounting: what ended since, added to its hours (a backlog, a batch a round)
+        await run_in_threadpool(rollup.roll, db, ROLLUP_BUDGET_S)
+    except Exception:
+        log.exception("accounting rollup failed")
     return code_swept
 
 

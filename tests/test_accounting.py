@@ -109,10 +109,10 @@ def test_accounting_adds_up_the_attempts_and_filters_them(server: Server) -> Non
     # A row per attempt, and each filter.
     attempts = alice.get("/accounting", params={"since": start, "per": "attempt"}).json()
     seen = [(r["job_id"], r["attempt"], r["state"]) for r in attempts["items"]]
-    assert seen == [
-        (a.json()["id"], 1, "succeeded"),
-        (b.json()["id"], 1, "requeued"),
+    assert seen == [  # newest first, as `ddpq ls`
         (b.json()["id"], 2, "failed"),
+        (b.json()["id"], 1, "requeued"),
+        (a.json()["id"], 1, "succeeded"),
     ]
 
     def ids(**query: Any) -> set[int]:
@@ -123,10 +123,13 @@ def test_accounting_adds_up_the_attempts_and_filters_them(server: Server) -> Non
     assert ids(user="bob") == {b.json()["id"]}
     assert ids(status="queued") == {queued.json()["id"]}
     assert ids(worker="gpu") == {b.json()["id"]}
-    assert ids(limit=1) == {a.json()["id"]}
+    assert ids(limit=1) == {queued.json()["id"]}  # newest first
     page = alice.get("/accounting", params={"since": start, "limit": 1}).json()
     rest = ids(limit=5, cursor=page["next_cursor"])
-    assert rest == {b.json()["id"], queued.json()["id"]}
+    assert rest == {a.json()["id"], b.json()["id"]}
+    second = alice.get("/accounting", params={"since": start, "per": "attempt", "limit": 2})
+    last = ids(per="attempt", limit=5, cursor=second.json()["next_cursor"])
+    assert last == {a.json()["id"]}
     assert page["totals"] == whole["totals"]  # over every row, not the page
 
     for query, field in (

@@ -13,6 +13,7 @@ from sqlalchemy import create_engine, insert, select, update
 from sqlalchemy.orm import Session
 
 import service.deptables
+import service.rolluptables
 import service.sweeptables  # noqa: F401  (the sweeps' tables are Base's too)
 from service.db import alembic_config, upgrade
 from service.models import Base, Job, MetricPoint

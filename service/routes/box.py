@@ -58,9 +58,11 @@ async def get_accounting(
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     cursor: Annotated[str | None, Query(max_length=40)] = None,
 ) -> AccountingPublic:
-    """What each job (or attempt) ran and held in a window: elapsed, queued time, GPU-
-    and CPU-slot-hours inside the window, exit and reason, attempts and preemptions; and
-    each user's totals over every matching row (``ddpq acct``)."""
+    """What each job (or attempt) ran and held in a window, newest first: elapsed,
+    queued time, GPU- and CPU-slot-hours inside the window, exit and reason, attempts
+    and preemptions; and each user's totals over every matching row (``ddpq acct``). A
+    job is in the window if it was in ddpq's hands in it (submitted before its end, not
+    ended before its start); an attempt, if it ran in it."""
     end = _aware(until) if until is not None else utcnow()
     start = _aware(since) if since is not None else end - DEFAULT_WINDOW
     if start >= end:

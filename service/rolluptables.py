@@ -1,0 +1,70 @@
+"""Accounting's hourly rollup (service.rollup owns what is written to it), on
+service.models' Base: a module of its own because service/models.py is at the line
+limit. Whatever reads Base.metadata whole (the migrations' environment,
+tests/test_schema.py) imports this module too."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import Float, Index, Integer, String, false
+from sqlalchemy.orm import Mapped, mapped_column
+
+from service.models import Attempt, Base, Job
+
+
+class UsageHour(Base):
+    """One owner's ended attempts and jobs, added up per hour of UTC (Slurm's slurmdbd
+    keeps such rollups per hour, day and month): what a window of whole hours holds is a
+    sum of these rows, however many jobs ran in it. Only rows whose ``rolled`` is set are
+    in it; service.rollup says how a window's edges and the rest are added."""
+
+    __tablename__ = "usage_hours"
+
+    hour: Mapped[datetime] = mapped_column(primary_key=True)  # its start, on the hour
+    owner: Mapped[str] = mapped_column(String(64), primary_key=True)  # "": no one's
+    # Time the attempts ran inside the hour, and as GPU- and CPU-slot-seconds.
+    seconds: Mapped[float] = mapped_column(Float, default=0.0)
+    gpu_s: Mapped[float] = mapped_column(Float, default=0.0)
+    cpu_s: Mapped[float] = mapped_column(Float, default=0.0)
+    # Attempts running as the hour began (started before it, ended after), what they held,
+    # and how many of them were handed back for another job: a window's edge inside this
+    # hour is counted from these and the few attempts that started or ended in it.
+    alive: Mapped[int] = mapped_column(Integer, default=0)
+    alive_gpus: Mapped[int] = mapped_column(Integer, default=0)
+    alive_cpus: Mapped[int] = mapped_column(Integer, default=0)
+    alive_preempted: Mapped[int] = mapped_column(Integer, default=0)
+    # Attempts that started in the hour, and how many of them were handed back.
+    started: Mapped[int] = mapped_column(Integer, default=0)
+    started_preempted: Mapped[int] = mapped_column(Integer, default=0)
+    # Jobs in ddpq's hands as the hour began (submitted before it, ended after), and jobs
+    # submitted in it.
+    jobs_alive: Mapped[int] = mapped_column(Integer, default=0)
+    jobs_made: Mapped[int] = mapped_column(Integer, default=0)
+
+
+class UsageDay(Base):
+    """The same sums by day of UTC (what the hours of a day add up to): a month of many
+    users is 30 rows each, not 720. Only what adds up is here; what was running as a day
+    began is its first hour's row."""
+
+    __tablename__ = "usage_days"
+
+    day: Mapped[datetime] = mapped_column(primary_key=True)  # its start, at midnight UTC
+    owner: Mapped[str] = mapped_column(String(64), primary_key=True)
+    seconds: Mapped[float] = mapped_column(Float, default=0.0)
+    gpu_s: Mapped[float] = mapped_column(Float, default=0.0)
+    cpu_s: Mapped[float] = mapped_column(Float, default=0.0)
+    started: Mapped[int] = mapped_column(Integer, default=0)
+    started_preempted: Mapped[int] = mapped_column(Integer, default=0)
+    jobs_made: Mapped[int] = mapped_column(Integer, default=0)
+
+
+# What the rollup has still to add (its `rolled` unset): running attempts and active jobs,
+# and those ended since its last round. Partial: a year of rolled history is not in it.
+for _table, _model in (("jobs", Job), ("attempts", Attempt)):
+    _due = _model.rolled == false()
+    Index(f"ix_{_table}_unrolled", _model.id, postgresql_where=_due, sqlite_where=_due)
+# The attempts that started in a window's edge hour (service.rollup) and a page of a
+# window's attempts, newest first (service.accounting).
+Index("ix_attempts_started_at", Attempt.started_at)

@@ -144,10 +144,14 @@ def worker_round(
 # ---- people ----------------------------------------------------------------------------
 
 
-def _whose(me: Principal, user: str | None, verb: str) -> str | None:
-    """The user whose caches ``me`` may ``verb`` (None: everyone's, an admin's listing)."""
+def _whose(db: Database, me: Principal, user: str | None, verb: str) -> str | None:
+    """The user whose caches ``me`` may ``verb`` (None: everyone's, an admin's listing);
+    another member's is refused, and audited as every refusal of a known user is."""
     if user is not None and user != me.name and not me.admin:
-        raise Forbidden(f"{me.name} is a member: a member {verb} only their own caches")
+        why = f"{me.name} is a member: a member {verb} only their own caches"
+        action = "cache.list" if verb == "lists" else "cache.clear"
+        users.audit_refused(db, me.name, action, f"caches of {user}", why)
+        raise Forbidden(why)
     return user
 
 
@@ -166,7 +170,7 @@ def public(row: Any, clearing: bool) -> dict[str, Any]:
 def listing(db: Database, me: Principal, user: str | None, worker: str | None) -> list[Any]:
     """Each cache as its worker last reported it, by user then worker: ``user``'s (a
     member: their own; an admin without ``user``: everyone's), on ``worker`` if named."""
-    owner = _whose(me, user, "lists")
+    owner = _whose(db, me, user, "lists")
     if owner is None and not me.admin:
         owner = me.name
     clearing = (
@@ -188,7 +192,7 @@ def clear(
 ) -> list[Any]:
     """Ask each worker that holds a cache of ``user`` (``me`` when None), or ``worker``
     alone, to clear it; the caches asked for (none when no worker reported one)."""
-    owner = _whose(me, user, "clears") or me.name
+    owner = _whose(db, me, user, "clears") or me.name
     with db.write() as s:
         if worker is not None and s.get(Worker, worker) is None:
             raise Invalid(("body", "worker"), f"no worker {worker} is registered")

@@ -77,18 +77,23 @@ def release(db: Database, job_id: int, by: Principal) -> JobPublic:
 
 
 def update(db: Database, job_id: int, by: Principal, change: Change) -> JobPublic:
-    with db.write() as s:
-        job = jobs.lock(s, job_id)
-        refused = jobs.not_theirs(job, by, "change")
-        if refused is None:
-            if job.status not in (JobStatus.QUEUED, JobStatus.HELD):
-                raise Conflict(
-                    f"job {job.id} is {job.status}: only a queued or held job may be changed"
-                )
-            done = _apply(s, job, by, change)
-            users.audit(s, by.name, "update", f"job {job.id}", done)
-            queue.notify_claimers(s)  # its place (priority) or its fit (size) moved
-            return jobs.public(s, job)
+    try:
+        with db.write() as s:
+            job = jobs.lock(s, job_id)
+            refused = jobs.not_theirs(job, by, "change")
+            if refused is None:
+                if job.status not in (JobStatus.QUEUED, JobStatus.HELD):
+                    raise Conflict(
+                        f"job {job.id} is {job.status}: only a queued or held job may be changed"
+                    )
+                done = _apply(s, job, by, change)
+                users.audit(s, by.name, "update", f"job {job.id}", done)
+                queue.notify_claimers(s)  # its place (priority) or its fit (size) moved
+                return jobs.public(s, job)
+    except Forbidden as over:
+        # A priority over the member's cap (jobs.within_priority_cap): the change was
+        # rolled back whole, and the refusal is audited as every other one is.
+        refused = over.detail
     raise _refuse(db, by, "update", job_id, refused)
 
 

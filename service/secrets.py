@@ -137,10 +137,13 @@ def put(db: Database, keys: Keyring, me: Principal, name: str, value: str) -> di
 
 def listing(db: Database, me: Principal, user: str | None) -> list[dict[str, Any]]:
     """``user``'s secrets (``me``'s when None), names and times only: anyone's for an
-    admin, only one's own for a member."""
+    admin, only one's own for a member (refused, and audited: a member probing another's
+    secrets is what an admin reads the trail for)."""
     owner = user or me.name
     if owner != me.name and not me.admin:
-        raise Forbidden(f"{me.name} is a member: a member lists only their own secrets")
+        why = f"{me.name} is a member: a member lists only their own secrets"
+        users.audit_refused(db, me.name, "secret.list", f"secrets of {owner}", why)
+        raise Forbidden(why)
     with db.read() as s:
         rows = s.scalars(select(Secret).where(Secret.owner == owner).order_by(Secret.name))
         return [_public(r) for r in rows]

@@ -12,6 +12,7 @@ those tests are skipped, unless DDPQ_REQUIRE_SLURM=1 (set by .ci/run).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import secrets
 import shutil
@@ -289,6 +290,28 @@ def server(db_url: str, tmp_path: Path) -> Iterator[Server]:
     stop_server(s)
 
 
+@contextlib.contextmanager
+def module_database(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, Path]]:
+    """A database of a module's own (``request.param``: "sqlite" or "postgres"), and a
+    directory beside it: the URL for the servers a module starts on it (module_server)."""
+    where = tmp_path_factory.mktemp("server")
+    url = f"sqlite:///{where / 'ddpq.db'}"
+    name = f"ddpq_t_{uuid.uuid4().hex[:12]}"
+    if request.param == "postgres":
+        template = request.getfixturevalue("pg_template")
+        with _pg_admin() as conn:
+            conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template}"')
+        url = _pg_url(name)
+    try:
+        yield url, where
+    finally:
+        if request.param == "postgres":
+            with _pg_admin() as conn:
+                conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
 def module_server(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, **env: str
 ) -> Iterator[Server]:
@@ -301,23 +324,13 @@ def module_server(
         def server(request, tmp_path_factory):
             yield from module_server(request, tmp_path_factory)
     """
-    where = tmp_path_factory.mktemp("server")
-    url = f"sqlite:///{where / 'ddpq.db'}"
-    name = f"ddpq_t_{uuid.uuid4().hex[:12]}"
-    if request.param == "postgres":
-        template = request.getfixturevalue("pg_template")
-        with _pg_admin() as conn:
-            conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template}"')
-        url = _pg_url(name)
-    s = start_server(url, where / "api", **env)
-    s.shared = True
-    try:
-        yield s
-    finally:
-        stop_server(s)
-        if request.param == "postgres":
-            with _pg_admin() as conn:
-                conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with module_database(request, tmp_path_factory) as (url, where):
+        s = start_server(url, where / "api", **env)
+        s.shared = True
+        try:
+            yield s
+        finally:
+            stop_server(s)
 
 
 @pytest.fixture(scope="module", params=["sqlite", "postgres"])

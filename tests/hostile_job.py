@@ -62,7 +62,16 @@ def victim(signal: Path) -> None:
     Path("out.txt").write_text("the victim's output\n")
     ckpt = Path(os.environ["DDPQ_CHECKPOINT_DIR"])
     (ckpt / "victim.bin").write_bytes(b"the victim's weights\n")
-    say(f"VICTIM ready uid={os.getuid()} magic={ddpqtestpkg.MAGIC} cwd={Path.cwd()}")
+    # Its owner's secret reached it (so an attacker that finds none found none that was
+    # there): its digest, for the test to compare; and where to look for it, for the
+    # attacker (readable by any uid, whatever the umask).
+    secret = os.environ.get("VICTIM_SECRET", "").encode()
+    (signal / "victim-pid").write_text(str(os.getpid()))
+    (signal / "victim-pid").chmod(0o644)
+    say(
+        f"VICTIM ready uid={os.getuid()} magic={ddpqtestpkg.MAGIC} cwd={Path.cwd()} "
+        f"secret_sha256={hashlib.sha256(secret).hexdigest() if secret else None}"
+    )
     deadline = time.monotonic() + 120
     while not (signal / "attacker-done").exists() and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -190,12 +199,21 @@ def attack(plan: dict) -> None:  # type: ignore[type-arg]
         raise PermissionError(13, "no process of the victim's was readable")
 
     def secret() -> str:
-        # The victim's owner's secret (their WANDB key, say) in its ranks' environment:
-        for env in _environs():
-            if "VICTIM_SECRET" in env:
-                seen = hashlib.sha256(env["VICTIM_SECRET"].encode()).hexdigest()[:12]
-                return f"read the victim's secret (sha256 {seen})"
-        raise PermissionError(13, "no process holding the victim's secret was readable")
+        # The victim's owner's secret (their WANDB key, say) in its ranks' environment,
+        # read from the victim's own process first, so that a refusal is the kernel's
+        # refusal of that very read (a warm launcher's rank shows the warm process's
+        # start, where no secret ever was), then from any process this uid may read.
+        pid = (Path(plan["signal"]) / "victim-pid").read_text().strip()
+        try:
+            env = _environ(pid)
+        except OSError as exc:
+            raise type(exc)(exc.errno, f"reading the victim's environ: {exc.strerror}") from exc
+        found = env.get("VICTIM_SECRET") or next(
+            (e["VICTIM_SECRET"] for e in _environs() if "VICTIM_SECRET" in e), None
+        )
+        if found is None:
+            raise PermissionError(13, "no process holding the victim's secret was readable")
+        return f"read the victim's secret (sha256 {hashlib.sha256(found.encode()).hexdigest()})"
 
     def victim_dir() -> str:
         found = [p for p in (data_dir / "jobs").iterdir() if p.name.startswith(f"job-{victim_id}-")]

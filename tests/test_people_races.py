@@ -178,25 +178,48 @@ def test_claims_under_a_running_limit_never_fail_nor_pass_it(api: Server) -> Non
 
 
 def _people(api: Server) -> dict[str, Any]:
-    """What an admin route could change, as an admin sees it (refusals are audited, so
-    the audit trail is compared without them)."""
+    """What an admin route or another member's action could change, as an admin sees it
+    (refusals are audited, so the audit trail is compared without them)."""
     admin = api.client()
     audit = admin.get("/audit", params={"limit": 500}).json()["items"]
     return {
         "users": admin.get("/users").json(),
         "quotas": admin.get("/quotas").json(),
         "jobs": admin.get("/jobs", params={"limit": 500}).json()["items"],
+        "sweeps": admin.get("/sweeps").json()["items"],
+        "secrets": {
+            who: admin.get("/secrets", params={"user": who}).json()["items"]
+            for who in ("bob", "mallory")
+        },
         "audit": [e for e in audit if not e["action"].startswith("refused.")],
     }
 
 
+SWEEP = {
+    "job": {"entrypoint": "train.py"},
+    "space": {"n": {"type": "int", "low": 1, "high": 9}},
+    "metric": "loss",
+    "max_trials": 1,
+    "max_concurrent": 1,
+}
+
+
 def test_a_member_and_a_worker_find_nothing_to_break(api: Server) -> None:
-    """The red team of issue 41, on each set-up: every admin route as a member and as a
-    worker; another member's job; a priority above the cap; the member's refusals in the
-    audit trail, and nothing changed."""
+    """The red team, on each set-up: every admin route as a member and as a worker;
+    everything one member might try on another's things (cancel, hold, release and change
+    a job, cancel a sweep, list, set and delete a secret, list and clear caches); a
+    priority above the cap; the member's refusals in the audit trail, and nothing changed."""
     mallory, bob = add(api, "mallory"), add(api, "bob")
-    bobs = api.client(bob).post("/jobs", json=JOB).json()["id"]
+    his = api.client(bob)
+    bobs = his.post("/jobs", json=JOB).json()["id"]
+    held = his.post("/jobs", json=JOB).json()["id"]
+    assert his.post(f"/jobs/{held}/hold").status_code == 200, "his own hold, his to lift"
+    assert his.put("/secrets/BOB_KEY", json={"value": "bob's own"}).status_code == 200
+    r = his.post("/sweeps", json=SWEEP)
+    assert r.status_code == 201, r.text
+    sweep = r.json()["id"]
     member, worker = warm(api, mallory, 1)[0], api.client("worker")
+    mine = member.post("/jobs", json=JOB).json()["id"]
     before = _people(api)
     doc = httpx.get(f"{api.url}/openapi.json").json()
     tried = 0
@@ -211,12 +234,52 @@ def test_a_member_and_a_worker_find_nothing_to_break(api: Server) -> None:
                 assert r.status_code == 403, (method, path, who, r.text)
             tried += 1
     assert tried >= 8, "every admin route the document lists"
-    r = member.post(f"/jobs/{bobs}/cancel")
-    assert r.status_code == 403 and "bob's" in r.json()["detail"]
+
+    # Another member's things: each refused with 403 naming whose it is (every member
+    # sees every job and sweep, so nothing is hidden behind a 404), and audited.
+    theirs = [
+        ("POST", f"/jobs/{bobs}/cancel", None, "refused.cancel", f"job {bobs}"),
+        ("POST", f"/jobs/{bobs}/hold", None, "refused.hold", f"job {bobs}"),
+        ("POST", f"/jobs/{held}/release", None, "refused.release", f"job {held}"),
+        ("PATCH", f"/jobs/{bobs}", {"priority": -5}, "refused.update", f"job {bobs}"),
+        ("PATCH", f"/jobs/{bobs}", {"timeout_s": 1}, "refused.update", f"job {bobs}"),
+        ("POST", f"/sweeps/{sweep}/cancel", None, "refused.cancel", f"sweep {sweep}"),
+        ("GET", "/secrets?user=bob", None, "refused.secret.list", "secrets of bob"),
+        ("GET", "/caches?user=bob", None, "refused.cache.list", "caches of bob"),
+        ("POST", "/caches/clear", {"user": "bob"}, "refused.cache.clear", "caches of bob"),
+    ]
+    for method, url, body, _, _ in theirs:
+        r = member.request(method, url, json=body)
+        assert r.status_code == 403, (method, url, r.text)
+        assert "bob's" in r.json()["detail"] or "their own" in r.json()["detail"], r.text
+        # The worker token is no user's: refused at the gate, before any of this.
+        r = worker.request(method, url, json=body)
+        assert r.status_code == 403, (method, url, "worker", r.text)
+    # A secret is always the token's user's: no route takes another user's name to set
+    # or delete one, so bob's name is only ever looked up among mallory's (404: hers has
+    # no such secret, which says nothing of bob's).
+    for url in ("/secrets/BOB_KEY", "/secrets/BOB_KEY?user=bob"):
+        r = member.delete(url)
+        assert r.status_code == 404 and "mallory has no secret" in r.text, r.text
+    # A priority over her cap (0), for a new job or her own queued one.
     r = member.post("/jobs", json={**JOB, "priority": 1_000_000})
     assert r.status_code == 403 and "cap of 0" in r.json()["detail"]
+    r = member.patch(f"/jobs/{mine}", json={"priority": 5, "timeout_s": 60})
+    assert r.status_code == 403 and "cap of 0" in r.json()["detail"], r.text
     assert _people(api) == before, "a refused request changed something"
     audit = api.client().get("/audit", params={"limit": 500}).json()["items"]
     refused = [e for e in audit if e["action"].startswith("refused.")]
     assert {e["actor"] for e in refused} == {"mallory"}, refused
-    assert len(refused) == tried + 2, [(e["action"], e["target"]) for e in refused]
+    assert len(refused) == tried + len(theirs) + 2, [(e["action"], e["target"]) for e in refused]
+    seen = [(e["action"], e["target"]) for e in refused]
+    for _, url, _, action, target in theirs:
+        assert (action, target) in seen, (url, seen)
+    assert ("refused.submit", "job") in seen and ("refused.update", f"job {mine}") in seen
+
+    # A set with bob's name in the query sets mallory's own (the query is not read):
+    # bob's stays as it was.
+    r = member.put("/secrets/BOB_KEY?user=bob", json={"value": "mallory's"})
+    assert r.status_code == 200 and r.json()["owner"] == "mallory", r.text
+    after = _people(api)["secrets"]
+    assert after["bob"] == before["secrets"]["bob"], after
+    assert [s["name"] for s in after["mallory"]] == ["BOB_KEY"], after

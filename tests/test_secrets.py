@@ -117,8 +117,9 @@ def test_members_keep_their_own_admins_list_names_and_the_audit_names_names_only
     assert replaced["created_at"] == created["created_at"] <= replaced["updated_at"]
     assert [s["name"] for s in secrets.listing(db, BOB, None)] == ["HF_TOKEN"]
     assert secrets.listing(db, ALICE, None) == []
-    with pytest.raises(Forbidden):
+    with pytest.raises(Forbidden) as refused:
         secrets.listing(db, ALICE, "bob")
+    refused_why = refused.value.detail
     assert [s["name"] for s in secrets.listing(db, ADMIN, "bob")] == ["HF_TOKEN"]
     with pytest.raises(NotFound):
         secrets.remove(db, ALICE, "HF_TOKEN")  # alice has none of that name
@@ -149,6 +150,8 @@ def test_members_keep_their_own_admins_list_names_and_the_audit_names_names_only
     assert audit == [
         ("bob", "secret.set", "secret HF_TOKEN", None),
         ("bob", "secret.set", "secret HF_TOKEN", None),
+        # A member asking for another's names is refused, and the trail says who tried.
+        ("alice", "refused.secret.list", "secrets of bob", {"why": refused_why}),
         ("bob", "secret.set", "secret SECOND", None),
         ("bob", "secret.set", "secret SECOND", None),
         ("bob", "secret.delete", "secret SECOND", None),

@@ -252,6 +252,56 @@ def test_a_job_that_outranks_running_ones_takes_only_the_slots_it_needs(
         stop_server(server)
 
 
+def test_preemption_goes_no_further_than_the_priority_cap(db_url: str, tmp_path: Path) -> None:
+    """Alice's job at priority 10 (her cap then) waits held while Bob's priority-5 job
+    takes the one slot; an admin lowers her cap to 2, which lowers her job. Released, it
+    outranks nothing and Bob's job is not asked back; nor may she raise it past the cap.
+    Once an admin raises the cap and she raises her job again, it preempts Bob's."""
+    server = start_server(
+        db_url, tmp_path / "api", DDPQ_PREEMPTION="priority", DDPQ_PREEMPT_MIN_RUN_S="0"
+    )
+    try:
+        register(server, "one", cpu_slots=1)
+        admin = server.client()
+        bob = server.client(admin.post("/users", json={"name": "bob"}).json()["token"])
+        alice = server.client(admin.post("/users", json={"name": "alice"}).json()["token"])
+        grant(admin, "bob", 5)
+        grant(admin, "alice", 10)
+        hers = alice.post("/jobs", json={**JOB, "priority": 10}).json()["id"]
+        assert alice.post(f"/jobs/{hers}/hold").status_code == 200
+        his = bob.post("/jobs", json={**JOB, "priority": 5}).json()["id"]
+        running = claim_on(server, "one", cpu=1)
+        assert running["job_id"] == his
+
+        grant(admin, "alice", 2)
+        job = alice.get(f"/jobs/{hers}").json()
+        assert (job["priority"], job["spec"]["priority"]) == (2, 10), job
+        assert alice.post(f"/jobs/{hers}/release").status_code == 200
+        # A submit runs a preemption pass before it answers (the sweeper's waits a
+        # lease after the API starts): her job, first in the queue, is looked at and
+        # outranks nothing (2 < 5). The nudge itself outranks no one either.
+        nudge = {**JOB, "priority": -10}
+        assert admin.post("/jobs", json=nudge).status_code == 201
+        assert heartbeat(server, "one", [running])["preempt"] == []
+        reason = alice.get(f"/jobs/{hers}").json()["reason"] or ""
+        assert "preempt" not in reason, reason
+        assert _preempts(admin) == []
+        over = alice.patch(f"/jobs/{hers}", json={"priority": 10})
+        assert over.status_code == 403 and "cap of 2" in over.text, over.text
+
+        grant(admin, "alice", 10)
+        assert alice.get(f"/jobs/{hers}").json()["priority"] == 2, "a raised cap raises nothing"
+        raised = alice.patch(f"/jobs/{hers}", json={"priority": 10})
+        assert raised.status_code == 200, raised.text
+        assert admin.post("/jobs", json=nudge).status_code == 201
+        asked = heartbeat(server, "one", [running])["preempt"]
+        said = f"preempted by job {hers} (alice, priority 10)"
+        assert [(p["job_id"], p["reason"]) for p in asked] == [(his, said)], asked
+        assert [e["target"] for e in _preempts(admin)] == [f"job {his}"]
+    finally:
+        stop_server(server)
+
+
 @pytest.mark.parametrize(
     "env",
     [{"DDPQ_PREEMPTION": "priority", "DDPQ_PREEMPT_MIN_RUN_S": "3600"}, {}],

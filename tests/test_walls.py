@@ -236,6 +236,14 @@ def assert_walls_held(seen: dict[str, Any], uids: range) -> None:
         "victim-checkpoints", "worker-code",
     }, seen["attacker_log"]  # fmt: skip
     assert seen["secret"] not in seen["attacker_log"]
+    # The victim held its owner's secret, and the kernel refused the attacker's read of
+    # the victim's environment itself: not a search that came back empty.
+    digest = hashlib.sha256(seen["secret"].encode()).hexdigest()
+    assert f"secret_sha256={digest}" in seen["victim_log"], seen["victim_log"]
+    assert digest not in seen["attacker_log"], seen["attacker_log"]
+    assert tried["secret"] == (
+        "denied PermissionError: reading the victim's environ: Permission denied"
+    ), tried
     assert "hijacked=[]" in seen["checked_log"], "the worker ran a job's module as its own"
     refused = {what: result for what, result in tried.items() if result.startswith("denied")}
     # 1. the content cache, 2. the shared environment, 3. the jobs' directory
@@ -338,6 +346,9 @@ def test_unwalled_jobs_cannot_change_what_later_jobs_run(api: Server, host_dir: 
     ):  # fmt: skip
         assert tried[what].startswith("done"), (what, seen["attacker_log"])
     assert tried["token"] == "done posted as the victim: 202", tried
+    digest = hashlib.sha256(seen["secret"].encode()).hexdigest()
+    assert f"secret_sha256={digest}" in seen["victim_log"], seen["victim_log"]
+    assert tried["secret"] == f"done read the victim's secret (sha256 {digest})", tried
     assert any(m["step"] == 999 for m in seen["victim_metrics"]), seen["victim_metrics"]
     assert (
         "VICTIM tampered out=\"the attacker's output\\n\" extra=['planted.bin']"

@@ -1,15 +1,18 @@
 """The frameworks' programs through ddpq against a bare torchrun (issue 42).
 
 Each example of examples/frameworks/ (Lightning, accelerate, ignite, a Hugging Face
-Trainer; a tiny regression, 3 epochs, world size 2, gloo on CPU, with ddpq's integration:
-metrics reported, checkpoints registered) runs under a bare ``torchrun --standalone``
-and as a job with the warm launcher (``launcher: warm``, the default: ranks forked from
-a process that has imported torch), in turn, ROUNDS rounds after one warm-up of each.
+Trainer, a torch.compile'd model; a tiny regression, 3 epochs, world size 2, gloo on CPU,
+with ddpq's integration or its own calls: metrics reported, checkpoints registered) runs
+under a bare ``torchrun --standalone`` and as a job with the warm launcher (``launcher:
+warm``, the default: ranks forked from a process that has imported torch), in turn, ROUNDS
+rounds after one warm-up of each. The warm-up also fills inductor's caches for the compiled
+program: the bare run's (``/tmp/torchinductor_$USER``) and the user's on the worker, so
+both sides' rounds compile nothing (round 0's lines give the cold figures).
 The figure is the wall time, from the start of torchrun to its end against from
 POST /jobs to the job's finished_at; one row per framework: the medians and their ratio
 (ddpq / bare; the issue's goal: at most 0.8).
 
-    .venv/bin/python bench/frameworks.py [--rounds 3] [--frameworks lightning,ignite]
+    .venv/bin/python bench/frameworks.py [--rounds 3] [--frameworks lightning,compile]
         [--backend sqlite|postgres]
 """
 
@@ -33,6 +36,7 @@ PROGRAMS = {
     "accelerate": "train_accelerate.py",
     "ignite": "train_ignite.py",
     "transformers": "train_transformers.py",
+    "compile": "train_compile.py",
 }
 
 

@@ -1,5 +1,10 @@
 """What a rank can see of how it was started (tests/test_warm.py runs it under both
-launchers and compares): ``launcher_probe.py OUT_DIR [EXIT_CODE]``."""
+launchers and compares): ``launcher_probe.py OUT_DIR [EXIT_CODE] [--compile]``.
+
+With ``--compile``, also what torch.compile does in the rank: the compilers' settings as
+the rank sees them (a warm process imported them long before the job), a DDP step of a
+compiled module (its loss and gradient, to the bit), and whether its compiled graph came
+from the job owner's cache (the worker's TORCHINDUCTOR_CACHE_DIR) or was compiled here."""
 
 import json
 import logging
@@ -12,7 +17,8 @@ import threading
 import torch
 import torch.distributed as dist
 
-out = sys.argv[1]
+args = [a for a in sys.argv[1:] if a != "--compile"]
+out = args[0]
 rank = os.environ["RANK"]
 seen = {
     "argv": sys.argv,
@@ -45,10 +51,52 @@ seen = {
     "uid": os.getuid(),
     "umask": os.umask(0o022),
 }
+
+
+def compiled_step() -> tuple[dict, dict]:
+    """What a compiled DDP step gives, and how its graph was had (cache hits and misses)."""
+    import torch._dynamo.config
+    import torch._functorch.config
+    import torch._inductor.config
+    from torch._dynamo.utils import counters
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def shown(value: object) -> str:
+        # A set's order is the string hash seed's, which differs from rank to rank.
+        is_set = isinstance(value, (set, frozenset))
+        return repr(sorted(value, key=repr)) if is_set else repr(value)
+
+    # Settings many of which torch reads from the environment as it imports the module.
+    config = {
+        f"{name}.{key}": shown(value)
+        for name, module in (
+            ("dynamo", torch._dynamo.config),
+            ("inductor", torch._inductor.config),
+            ("functorch", torch._functorch.config),
+        )
+        for key, value in sorted(module.get_config_copy().items())
+    }
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 1)
+    model = DDP(torch.compile(net, dynamic=False))  # as examples/frameworks/train_compile.py
+    loss = model(torch.arange(32.0).reshape(8, 4) / 32).pow(2).mean()
+    loss.backward()
+    result = {
+        "config": config,
+        "loss": loss.item().hex(),
+        "grad": [g.hex() for g in net.weight.grad.flatten().tolist()],
+        "graphs": counters["stats"]["unique_graphs"],
+    }
+    cache = {k: counters["aot_autograd"][f"autograd_cache_{k}"] for k in ("hit", "miss")}
+    return result, cache
+
+
 dist.init_process_group("gloo")
+if "--compile" in sys.argv:
+    seen["compiled"], seen["compile_cache"] = compiled_step()
 dist.barrier()
 with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
     json.dump(seen, f)
 dist.destroy_process_group()
-if len(sys.argv) > 2 and rank == "1":
-    sys.exit(int(sys.argv[2]))
+if len(args) > 1 and rank == "1":
+    sys.exit(int(args[1]))

@@ -1,12 +1,13 @@
 """The frameworks people train with, under ddpq (issue 42; docs/frameworks.md).
 
 Each example of examples/frameworks/ (Lightning, accelerate, ignite, a Hugging Face
-Trainer: a tiny regression built in the program, 2 ranks, gloo on CPU) runs once under a
-bare torchrun and once as a job under each launcher. The job's first attempt ends with
-exit 137 right after its first checkpoint is registered (tests/framework_driver.py
---crash-once); the job, max_attempts 2, must succeed on its retry, resumed from the
-framework's own checkpoint (``DDPQ_RESUME_FROM``, handed to the framework by the
-integration), with the bare run's final loss to the last bit, its metrics in
+Trainer, a torch.compile'd model saved with ddpq.save_checkpoint: a tiny regression built
+in the program, 2 ranks, gloo on CPU) runs once under a bare torchrun and once as a job
+under each launcher. The job's first attempt ends with exit 137 right after its first
+checkpoint is registered (tests/framework_driver.py --crash-once); the job, max_attempts
+2, must succeed on its retry, resumed from the framework's own checkpoint
+(``DDPQ_RESUME_FROM``, handed to the framework by the integration, or loaded by
+ddpq.load_checkpoint), with the bare run's final loss to the last bit, its metrics in
 ``GET /jobs/{id}`` at the last step with the total steps, and its checkpoints registered
 (files or directories, as the framework writes them), those keep_last lets go deleted by
 the worker.
@@ -54,7 +55,7 @@ JOB_TIMEOUT_S = 240
 class Framework:
     program: str
     kind: str  # how it writes a checkpoint: a file or a directory
-    under: str  # where, under the job's checkpoint directory
+    under: str  # where, under the job's checkpoint directory ("": right in it)
 
 
 FRAMEWORKS = {
@@ -62,6 +63,8 @@ FRAMEWORKS = {
     "accelerate": Framework("train_accelerate.py", "dir", "accelerate/checkpoints"),
     "ignite": Framework("train_ignite.py", "file", "ignite"),
     "transformers": Framework("train_transformers.py", "dir", "transformers"),
+    # ddpq.save_checkpoint's files, step-<n>.pt, right in the job's checkpoint directory
+    "compile": Framework("train_compile.py", "file", ""),
 }
 
 
@@ -168,7 +171,7 @@ def test_a_framework_job_reports_registers_and_resumes_after_a_kill(
     # Resumed from the framework's checkpoint of the first attempt (step 8): the worker
     # said so, and the retry reported no step at or below it again.
     top = bed.checkpoints / f"job-{jid}"
-    first = f"{top}/{fw.under}/"
+    first = f"{top / fw.under}/"
     assert f"[ddpq] resuming from {first}" in log, log[-6000:]
     points = user.get(f"/jobs/{jid}/metrics").json()["items"]
     again = [p["step"] for p in points if p["attempt"] == 2]

@@ -300,7 +300,13 @@ def test_only_metrics_are_reported_and_a_bad_point_is_said_not_raised(
 
 
 def test_the_docs_show_the_programs_the_tests_run() -> None:
+    from tests.test_frameworks import FRAMEWORKS
+
     page = (REPO / "docs" / "frameworks.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", page, flags=re.S)
-    for program in sorted((REPO / "examples" / "frameworks").glob("train_*.py")):
+    programs = sorted((REPO / "examples" / "frameworks").glob("train_*.py"))
+    # The examples are the programs tests/test_frameworks.py runs, torch.compile's among them.
+    assert {p.name for p in programs} == {fw.program for fw in FRAMEWORKS.values()}
+    assert "train_compile.py" in {p.name for p in programs}
+    for program in programs:
         assert program.read_text() in blocks, f"docs/frameworks.md lacks {program.name} as it is"

@@ -30,7 +30,9 @@ PER_RUN_ENV = {
     "DDPQ_JOB_TOKEN", "DDPQ_LAUNCH_ID", "DDPQ_CHECKPOINT_DIR", "TMPDIR",
     "TORCHELASTIC_RESTART_COUNT",
 }  # fmt: skip
-PER_RUN = {"random", "torch_seed", "argv", "fds"}
+# compile_cache: whether the compiled graph was in the owner's cache, which the first of
+# the two jobs fills.
+PER_RUN = {"random", "torch_seed", "argv", "fds", "compile_cache"}
 # ...and what the warm launcher changes: modules already imported (a superset: torch's,
 # and what torch._dynamo brings, sympy, mpmath and triton, which every optimizer imports
 # on its first step: worker.zygote.WARM_MODULES), the string hash seed, shared by one
@@ -40,7 +42,9 @@ WARM_ONLY_MODULE_PREFIXES = (
 )  # fmt: skip
 
 
-def _probe(server: Server, worker: Any, launcher: str, out: Path, *args: str) -> dict[str, Any]:
+def _probe(
+    server: Server, worker: Any, launcher: str, out: Path, *args: str, timeout: float = 120
+) -> dict[str, Any]:
     out.mkdir()
     c = server.client()
     job = c.post(
@@ -52,19 +56,14 @@ def _probe(server: Server, worker: Any, launcher: str, out: Path, *args: str) ->
             "launcher": launcher,
         },
     ).json()
-    final = terminal(c, job["id"])
+    final = terminal(c, job["id"], timeout=timeout)
     final["log"] = c.get(f"/jobs/{job['id']}/logs").text
     final["ranks"] = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     return final
 
 
-def test_a_rank_sees_what_it_sees_under_torchrun(
-    server: Server, start_worker, tmp_path: Path
-) -> None:
-    worker = start_worker(server)
-    shutil.copy(PROBE, worker.workspace / "probe.py")
-    cold = _probe(server, worker, "torchrun", tmp_path / "cold")
-    warm = _probe(server, worker, "warm", tmp_path / "warm")
+def _alike(cold: dict[str, Any], warm: dict[str, Any], tmp_path: Path) -> None:
+    """The probe's ranks under the two launchers see the same, but for what may differ."""
     assert cold["status"] == warm["status"] == "succeeded", (cold["log"], warm["log"])
     assert "launcher: torchrun, not warm" not in warm["log"]
     for rank, (c, w) in enumerate(zip(cold["ranks"], warm["ranks"], strict=True)):
@@ -87,6 +86,38 @@ def test_a_rank_sees_what_it_sees_under_torchrun(
     assert cold["ranks"][0]["random"] != cold["ranks"][1]["random"]
     for key in ("random", "torch_seed"):
         assert warm["ranks"][0][key] != warm["ranks"][1][key], key
+
+
+def test_a_rank_sees_what_it_sees_under_torchrun(
+    server: Server, start_worker, tmp_path: Path
+) -> None:
+    worker = start_worker(server)
+    shutil.copy(PROBE, worker.workspace / "probe.py")
+    cold = _probe(server, worker, "torchrun", tmp_path / "cold")
+    warm = _probe(server, worker, "warm", tmp_path / "warm")
+    _alike(cold, warm, tmp_path)
+
+
+# One backend: what is compared is the ranks', not the service's (a cold compile costs
+# about 20 s of the first job here, the C++ headers' most of it).
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_a_compiled_step_sees_what_it_sees_under_torchrun(
+    server: Server, start_worker, tmp_path: Path
+) -> None:
+    """The probe with a torch.compile'd DDP step: the compilers' settings as the rank sees
+    them (a warm process imported them, in its own working directory, before the job),
+    the step's loss and gradient to the bit. The warm side first: its forked ranks compile
+    into their owner's empty cache on the worker, and the later cold job's first compiled
+    step is warm, that cache's graph."""
+    worker = start_worker(server)
+    shutil.copy(PROBE, worker.workspace / "probe.py")
+    warm = _probe(server, worker, "warm", tmp_path / "warm", "--compile", timeout=240)
+    cold = _probe(server, worker, "torchrun", tmp_path / "cold", "--compile", timeout=240)
+    _alike(cold, warm, tmp_path)  # "compiled" among what is compared
+    for w, c in zip(warm["ranks"], cold["ranks"], strict=True):
+        assert w["compiled"]["graphs"] == 1, w["compiled"]
+        assert w["compile_cache"] == {"hit": 0, "miss": 1}, w["compile_cache"]
+        assert c["compile_cache"] == {"hit": 1, "miss": 0}, c["compile_cache"]
 
 
 def test_a_failing_rank_ends_the_job_as_under_torchrun(
@@ -139,6 +170,12 @@ def test_which_launcher() -> None:
     assert choose({"launcher": "torchrun"}, "warm") == ("torchrun", None)
     launcher, why = choose({"launcher": "warm", "env": {"OMP_NUM_THREADS": "4"}}, "torchrun")
     assert launcher == "torchrun" and why and "OMP_NUM_THREADS" in why
+    # The compiler's settings are read into its config as the warm process imports it;
+    # where its caches are is read when first used, so a job may set that and stay warm.
+    compiled = {"launcher": "warm", "env": {"TORCHINDUCTOR_FREEZING": "1"}}
+    assert choose(compiled, "warm")[0] == "torchrun"
+    assert choose({"env": {"TORCHDYNAMO_VERBOSE": "1"}}, "warm")[0] == "torchrun"
+    assert choose({"env": {"TORCHINDUCTOR_CACHE_DIR": "/data/c"}}, "warm") == ("warm", None)
     # A warm process never holds what is the job's or ddpq's own.
     env = {"PATH": "/bin", "DDPQ_JOB_TOKEN": "ddpqj_x", "MY": "1", "TMPDIR": "/tmp/j"}
     z = zygote_env(env, {"env": {"MY": "1"}}, 2)

@@ -43,10 +43,13 @@ START_TIMEOUT_S = 120.0  # a zygote's own import of torch, on a loaded host
 IDLE_AFTER_S = 60.0
 DIR_PREFIX = "ddpq-warm-"
 # Variables of a job's own env that a warm process would have read before the job: the
-# interpreter's, the C libraries' thread pools and allocators, torch's, the locale.
+# interpreter's, the C libraries' thread pools and allocators, torch's, its compiler's
+# (torch._dynamo and inductor read theirs into their configs as the warm process imports
+# them: TORCHINDUCTOR_FREEZING set by a job was ignored), the locale. Not where the
+# caches are (CACHE_VARS): read when a program first uses them.
 READ_AT_START = (
     "PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "TORCH_", "PYTORCH_", "LD_",
-    "MALLOC_", "LC_", "LANG",
+    "MALLOC_", "LC_", "LANG", "TORCHINDUCTOR_", "TORCHDYNAMO_", "TRITON_",
 )  # fmt: skip
 # What the ranks' environment has that differs from one attempt to the next (never in a
 # warm process's: ddpq's own, the job's scratch and identity, its GPUs).
@@ -66,7 +69,8 @@ def choose(spec: Mapping[str, Any], default: str) -> tuple[str, str | None]:
     asked = str(spec.get("launcher") or default)
     if asked != "warm":
         return "torchrun", None
-    read = sorted(k for k in _own_names(spec) if k.startswith(READ_AT_START))
+    own = _own_names(spec)
+    read = sorted(k for k in own if k.startswith(READ_AT_START) and k not in CACHE_VARS)
     if read:
         return "torchrun", f"its env sets {', '.join(read)[:200]}, read as the interpreter starts"
     return "warm", None

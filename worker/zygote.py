@@ -353,6 +353,7 @@ def _rank(request: dict[str, Any], fds: list[int]) -> None:
         os.environ.update(request["env"])
         _exec_dispositions()
         _reseed()
+        _compiler_paths()
         from worker import entry
 
         sys.argv = [entry.__file__, *request["args"]]
@@ -395,6 +396,21 @@ def _reseed() -> None:
     if numpy_random is not None:
         with contextlib.suppress(Exception):
             numpy_random.seed()
+
+
+def _compiler_paths() -> None:
+    """The paths torch's compiler settles from the working directory as its config modules
+    are imported (this process's, not the job's, which the rank's import would have
+    seen), settled again: where inductor's debug traces and the minifier's repros go
+    (``./torch_compile_debug``) and inductor's XPU CUTLASS directory. The expressions are
+    torch's own (torch/_dynamo/config.py, torch/_inductor/config.py)."""
+    dynamo: Any = sys.modules.get("torch._dynamo.config")
+    if dynamo is not None and hasattr(dynamo, "default_debug_dir_root"):
+        dynamo.debug_dir_root = dynamo.default_debug_dir_root()
+    inductor = sys.modules.get("torch._inductor.config")
+    xpu = getattr(inductor, "xpu", None)
+    if xpu is not None and hasattr(xpu, "cutlass_dir"):
+        xpu.cutlass_dir = os.path.realpath(os.environ.get("TORCHINDUCTOR_CUTLASS_DIR", ""))
 
 
 class ForkedRank:

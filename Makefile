@@ -87,10 +87,10 @@ test-walls: venv
 test-long: venv
 	$(BIN)/pytest -n 3 --dist worksteal -m 'long and not launchers and not slurm and not gpu'
 
-# The frameworks people train with (issue 42): a Lightning, accelerate, ignite and Hugging
-# Face Trainer program (examples/frameworks/) as jobs under both launchers, each killed once
-# after its first checkpoint and resumed, against a bare torchrun (tests/test_frameworks.py:
-# about 4 minutes here, one server and worker for them all, one at a time on 2 cores). Its
+# The frameworks people train with: a Lightning, accelerate, ignite, Hugging Face Trainer
+# and torch.compile program (examples/frameworks/) as jobs under both launchers, each killed
+# once after its first checkpoint and resumed, against a bare torchrun (tests/test_frameworks.py:
+# about 5-6 minutes here, one server and worker for them all, one at a time on 2 cores). Its
 # own target, which CI runs after `make test`.
 test-frameworks: venv
 	$(BIN)/pytest -m frameworks

@@ -22,7 +22,9 @@ Then a `ddpq serve` on each, side by side, and the same requests to each, altern
   dashboard asks for them (max_points=1000); the claim (a job submitted, a registered
   worker claims it, then finishes it);
 - GET /accounting (`ddpq acct`) over the last 30 days and over the year, per job and per
-  attempt (goal: p95 <= 50 ms on Postgres with 1,000,000 ended jobs).
+  attempt, and GET /queue (`ddpq queue`) with --queued jobs waiting (10,000 by default,
+  submitted through the API by 20 users and the admin; kept in a kept database) (goal:
+  p95 <= 50 ms on Postgres with 1,000,000 ended jobs).
 
 Goal: each within 2x of its cost on the empty database (p50).
 
@@ -36,7 +38,7 @@ ended longer ago go, each user's newest kept); the figures stay per 1,000 jobs t
 finished, purged ones included.
 
     PYTHONPATH=$PWD .venv/bin/python bench/history.py [--backend postgres|sqlite]
-        [--jobs 1000000] [--points 100000000] [--rounds 200] [--keep NAME]
+        [--jobs 1000000] [--points 100000000] [--rounds 200] [--queued 10000] [--keep NAME]
         [--retention [--job-retention 180d]] [--vacuum-full] [--dir DIR]
 
 --keep NAME builds into databases NAME_full and NAME_empty and leaves them (a later run
@@ -665,6 +667,8 @@ def ask(
         return timed(c, "GET", f"/jobs/{big}/metrics", params={"name": "loss", "max_points": 1000})
     if kind in ACCOUNTING:
         return timed(c, "GET", "/accounting", params=ACCOUNTING[kind])
+    if kind in QUEUE:
+        return timed(c, "GET", "/queue", params=QUEUE[kind])
     return timed(c, "GET", "/jobs", params=QUERIES[kind])
 
 
@@ -676,6 +680,42 @@ ACCOUNTING: dict[str, dict[str, str | int]] = {
     "acct 30d --user": {"limit": 100, "user": "u007"},
     "acct a year": {"limit": 100, "since": "2000-01-01T00:00:00"},
 }
+
+
+# The queue in order (GET /queue, `ddpq queue`) with QUEUED jobs waiting (--queued):
+# its first page and one further in, each with its reasons and estimated starts.
+QUEUE: dict[str, dict[str, str | int]] = {
+    "queue": {"limit": 100},
+    "queue --offset 5000": {"limit": 100, "offset": 5000},
+}
+QUEUE_USERS = 20
+
+
+def fill_queue(store: Store, name: str, api: Api, admin: httpx.Client, queued: int) -> None:
+    """``queued`` jobs waiting, submitted through the API by QUEUE_USERS users (their
+    fair-share standing, their sizes varied), the admin's at priorities of their own;
+    those a kept database has already stay."""
+    have = store.one(name, "SELECT count(*) FROM jobs WHERE status = 'queued'")[0]
+    if have >= queued:
+        return
+    t0 = time.monotonic()
+    users = []
+    for k in range(QUEUE_USERS):
+        user = f"q{k:02d}"
+        r = admin.post("/users", json={"name": user})
+        if r.status_code == 409:
+            r = admin.post(f"/users/{user}/rotate")
+        r.raise_for_status()
+        users.append(api.client_with(r.json()["token"]))
+    for n in range(queued - have):
+        body = {"entrypoint": "noop.py", "device": "cpu", "world_size": 1 + n % 4}
+        if n % 10 == 0:
+            admin.post("/jobs", json={**body, "priority": n % 7}).raise_for_status()
+        else:
+            users[n % QUEUE_USERS].post("/jobs", json=body).raise_for_status()
+    for c in users:
+        c.close()
+    print(f"  {name}: {queued - have:,} jobs queued in {time.monotonic() - t0:.0f} s")
 
 
 QUERIES: dict[str, dict[str, str | int]] = {
@@ -691,10 +731,12 @@ QUERIES: dict[str, dict[str, str | int]] = {
     # pg_trgm could be created a trigram index serves it (migration 0026).
     "ls --name (one match)": {"limit": 50, "name": "long-run"},
 }
-KINDS = [*QUERIES, "job", "metrics", "claim", *ACCOUNTING]
+KINDS = [*QUERIES, "job", "metrics", "claim", *ACCOUNTING, *QUEUE]
 
 
-def measure(store: Store, full: str, empty: str, rounds: int, kinds: list[str]) -> None:
+def measure(
+    store: Store, full: str, empty: str, rounds: int, kinds: list[str], queued: int = 0
+) -> None:
     with contextlib.ExitStack() as stack:
         # No retention sweep while measuring: on the full database it would be going
         # over a year of jobs meanwhile (its own cost is measured with --retention).
@@ -723,6 +765,8 @@ def measure(store: Store, full: str, empty: str, rounds: int, kinds: list[str]) 
                 stack.enter_context(api.client("worker")),
             )
             njobs[label] = store.one(name, "SELECT max(id) FROM jobs")[0]
+            if queued and any(kind in QUEUE for kind in kinds):
+                fill_queue(store, name, api, clients[label][0], queued)
         print(
             f"\n{'request':32} {'full p50/p95 ms':>18} {'empty p50/p95 ms':>18}   ratio p50 (p95)"
         )
@@ -830,6 +874,9 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=1_000_000)
     ap.add_argument("--points", type=int, default=100_000_000)
     ap.add_argument("--rounds", type=int, default=200)
+    ap.add_argument(
+        "--queued", type=int, default=10_000, help="jobs waiting for the queue's requests"
+    )
     ap.add_argument("--keep", metavar="NAME", help=f"build into {PREFIX}NAME_full/_empty and keep")
     ap.add_argument("--drop", metavar="NAME", help="drop the databases --keep NAME made, and exit")
     ap.add_argument("--only", nargs="*", choices=KINDS, help="measure only these")
@@ -848,7 +895,7 @@ def main() -> None:
         return
     with databases(store, args.keep, args.jobs, args.points) as (full, empty):
         if not args.build_only:
-            measure(store, full, empty, args.rounds, args.only or KINDS)
+            measure(store, full, empty, args.rounds, args.only or KINDS, args.queued)
         if args.retention:
             jobs = store.one(full, "SELECT count(*) FROM jobs")[0]
             retention(store, full, jobs, args.vacuum_full, args.job_retention)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 from datetime import datetime
+from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -75,6 +76,18 @@ def test_the_queue_is_in_the_order_the_claims_take(
     shown = queueview.view(db, 1000, 0, None)
     order = [q.job_id for q in shown.items]
     assert [q.position for q in shown.items] == list(range(1, len(order) + 1))
+
+    # A page, and one user's, are the whole queue's rows: the same places, the same next.
+    def rows(view: Any) -> list[dict[str, Any]]:  # less what decays with each call's now
+        return [
+            q.model_dump(exclude={"estimated_start", "estimate", "usage_gpu_s"}) for q in view.items
+        ]
+
+    whole = rows(shown)
+    assert rows(queueview.view(db, 2, 1, None)) == whole[1:3]
+    bobs = [q for q in whole if q["user"] == "bob"]
+    assert rows(queueview.view(db, 2, 1, "bob")) == bobs[1:3]
+    assert queueview.view(db, 1, 0, "bob").total == len(bobs)
     taken = []
     while (c := _claim(db, "big", 0)) is not None:
         taken.append(c.job_id)

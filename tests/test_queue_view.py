@@ -213,6 +213,14 @@ def test_the_queue_through_the_api_and_the_cli(server: Server) -> None:
     assert page["scheduling"]["preemption"] == "off"
     only = admin.get("/queue", params={"user": "nobody"}).json()
     assert only["items"] == [] and only["total"] == 0
+    # Room for b.py on a second worker: it waits for its turn, and says what placed it.
+    register(server, "q2", cpu_slots=4)
+    turn = admin.get(f"/jobs/{low.json()['id']}").json()["reason"]
+    owner = low.json()["owner"]
+    assert turn == (
+        "waiting for its turn: 1 job(s) ahead in the queue "
+        f"(by priority, then fair share: {owner}'s recent usage 0.0 GPU-s)"
+    )
     assert admin.get("/queue", params={"limit": 0}).status_code == 422
 
     env = {"DDPQ_URL": server.url, "DDPQ_TOKEN": server.api_token}

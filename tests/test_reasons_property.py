@@ -266,6 +266,11 @@ def _agree_all(db: Database, workers: list[WorkerState], ids: list[int], order: 
     claim takes a job (the first that could take it would, if no claim before it
     took one: a claim taken first may put the owner at a limit)."""
     reasons = {i: jobs.get_job(db, i).reason or "" for i in ids}
+    for i, reason in reasons.items():  # a turn's words name what placed the job: fair share
+        if reason.startswith("waiting for its turn"):
+            owner = jobs.get_job(db, i).owner
+            said = f"by priority, then fair share: {owner}'s recent usage"
+            assert (said in reason) == (owner is not None), reason
     live = [i for i, w in enumerate(workers) if w.alive]
     order.shuffle(live)  # type: ignore[attr-defined]
     taken = set()

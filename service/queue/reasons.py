@@ -22,6 +22,7 @@ from service.models import Job, utcnow
 from service.queue import deps, forks, quotas, rules
 from service.queue.books import Partition, Shape, summary, totals
 from service.queue.rules import FORMING, j, jn, policy_of
+from service.queue.shares import share_to_gpu_s
 
 
 def _total(cap: Shape, unit: str) -> int:
@@ -138,6 +139,8 @@ class _View:
     waiting: dict[int, list[tuple[int, str]]] = field(default_factory=dict)
     # A fork's checkpoint not yet sent: (its job, its step, the worker asked).
     forking: dict[int, tuple[int, int, str | None]] = field(default_factory=dict)
+    # What a queued job's share reads as in GPU-seconds now (shares.share_to_gpu_s).
+    to_gpu_s: float = 1.0
 
 
 def _waiting_words(job: Job, view: _View) -> str | None:
@@ -207,6 +210,8 @@ def reasons_on(
     waits = [job.id for job in jobs if getattr(job, "waits_on", 0)]
     view.waiting = deps.unmet_of(s, waits)
     view.forking = forks.waiting(s, waits)
+    if any(job.owner is not None for job in jobs):
+        view.to_gpu_s = share_to_gpu_s(s, view.now)
     return {
         job.id: _gang_reason(job, held.get(job.id, 0), view)
         if job.nnodes > 1
@@ -253,6 +258,15 @@ def _could_run(cap: Shape, job: Job) -> bool:
     return unit is not None and _total(cap, unit) >= job.nproc_per_node
 
 
+def _order(job: Job, view: _View) -> str:
+    """What places a job among those ahead: its priority, then its owner's usage (fair
+    share), in words (GET /queue says which factor put each ahead of the next)."""
+    if job.owner is None:
+        return ""
+    used = (job.share or 0.0) * view.to_gpu_s
+    return f" (by priority, then fair share: {job.owner}'s recent usage {used:.1f} GPU-s)"
+
+
 def _reason(job: Job, ahead: int, view: _View) -> str:
     """A single-node job's reason: what it waits for, by the claim's own rules."""
     first = (
@@ -289,7 +303,7 @@ def _reason(job: Job, ahead: int, view: _View) -> str:
         fits_now = fits_now or _free(cap, unit) >= job.nproc_per_node
     if fits_now:
         if ahead:
-            return f"waiting for its turn: {ahead} job(s) ahead in the queue"
+            return f"waiting for its turn: {ahead} job(s) ahead in the queue" + _order(job, view)
         return "waiting for a worker to claim it"
     if job.preempting_on is not None and job.id in view.handing_back:
         n = view.handing_back[job.id]

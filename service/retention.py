@@ -49,6 +49,7 @@ from sqlalchemy import (
     Row,
     case,
     delete,
+    exists,
     select,
     text,
     true,
@@ -274,6 +275,13 @@ def _drop_audit(db: Database, cutoff: datetime, deadline: float, out: Swept) -> 
 _CHILDREN: tuple[type[Any], ...] = (MetricPoint, GpuSample, Checkpoint, JobNode, Attempt)
 
 
+# Added to accounting's rollup (service.rollup), the job and each of its attempts: a
+# purge never takes what the month's totals have still to count.
+_ROLLED = Job.rolled.is_(True) & ~exists().where(
+    Attempt.job_id == Job.id, Attempt.rolled.is_(False)
+)
+
+
 def _purgeable(cutoff: datetime, outputs: OutputsLimits) -> ColumnElement[bool]:
     return (
         Job.finished_at.is_not(None)
@@ -281,6 +289,7 @@ def _purgeable(cutoff: datetime, outputs: OutputsLimits) -> ColumnElement[bool]:
         & Job.status.in_(TERMINAL)
         & expired(outputs)
         & settled()
+        & _ROLLED
     )
 
 

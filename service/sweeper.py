@@ -188,6 +188,11 @@ async def _sweep_once(app: FastAPI, code_swept: float, code_every: float) -> flo
             log.warning("gangs timed out for jobs %s", released)
     except Exception:
         log.exception("gang sweep failed")
+    try:  # accounting: what ended since, added to its hours (a backlog, a batch a round;
+        # before the lease's wait: it needs no heartbeat, and the purge waits for it)
+        await run_in_threadpool(rollup.roll, db, ROLLUP_BUDGET_S)
+    except Exception:
+        log.exception("accounting rollup failed")
     # Heartbeats could not arrive while this process was down or the database was
     # unreachable, whichever query noticed it: leases expire only once the database
     # has answered for a full lease since it last recovered (service.db.Health).
@@ -205,10 +210,6 @@ async def _sweep_once(app: FastAPI, code_swept: float, code_every: float) -> flo
         await run_in_threadpool(queue.preempt_sweep, db)  # wakes the claimers if it marks
     except Exception:
         log.exception("usage or preemption sweep failed")
-    try:  # accounting: what ended since, added to its hours (a backlog, a batch a round)
-        await run_in_threadpool(rollup.roll, db, ROLLUP_BUDGET_S)
-    except Exception:
-        log.exception("accounting rollup failed")
     return code_swept
 
 

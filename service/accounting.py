@@ -109,7 +109,11 @@ def _sqlite_seconds(a: Any, b: Any) -> Any:
     12:00:00.123456'), to the microsecond as Python and Postgres count them (the
     rollup's hours and a row's own must agree): whole seconds from strftime('%s'), the
     fraction from the text. julianday() was off by up to half a millisecond."""
-    whole = cast(func.strftime("%s", b), Integer) - cast(func.strftime("%s", a), Integer)
+    # strftime of the text without its fraction: SQLite rounds a fraction to milliseconds
+    # first, and .9996 s made a whole second more.
+    whole = cast(func.strftime("%s", func.substr(b, 1, 19)), Integer) - cast(
+        func.strftime("%s", func.substr(a, 1, 19)), Integer
+    )
     return whole + (cast(func.substr(b, 20), Float) - cast(func.substr(a, 20), Float))
 
 

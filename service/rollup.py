@@ -179,6 +179,14 @@ def _roll_batch(s: Session, batch: int) -> int:
 def roll(db: Database, budget_s: float = 1.0, batch: int = BATCH) -> int:
     """Add what ended since the last round (the sweeper's turn holder, each round): a
     transaction per batch, for at most ``budget_s``; how many attempts and jobs."""
+    with db.read() as s:  # an idle API's round: two index lookups, no write lock taken
+        due = [Attempt.rolled == false(), Attempt.ended_at.is_not(None)]
+        ended = [Job.rolled == false(), Job.finished_at.is_not(None)]
+        if (
+            s.execute(select(Attempt.id).where(*due).limit(1)).first() is None
+            and s.execute(select(Job.id).where(*ended).limit(1)).first() is None
+        ):
+            return 0
     done, deadline = 0, time.monotonic() + budget_s
     while True:
         with db.write() as s:

@@ -10,6 +10,7 @@ the jobs they run (it is decided for every queued job shown and on every submit)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -139,8 +140,10 @@ class _View:
     waiting: dict[int, list[tuple[int, str]]] = field(default_factory=dict)
     # A fork's checkpoint not yet sent: (its job, its step, the worker asked).
     forking: dict[int, tuple[int, int, str | None]] = field(default_factory=dict)
-    # What a queued job's share reads as in GPU-seconds now (shares.share_to_gpu_s).
-    to_gpu_s: float = 1.0
+    # What a queued job's share reads as in GPU-seconds now (shares.share_to_gpu_s),
+    # read the first time a reason says it: a submit's own reason mostly never does.
+    scale: Callable[[], float] = float  # float() is 0.0: no usage before it is read
+    to_gpu_s: float | None = None
 
 
 def _waiting_words(job: Job, view: _View) -> str | None:
@@ -210,8 +213,7 @@ def reasons_on(
     waits = [job.id for job in jobs if getattr(job, "waits_on", 0)]
     view.waiting = deps.unmet_of(s, waits)
     view.forking = forks.waiting(s, waits)
-    if any(job.owner is not None for job in jobs):
-        view.to_gpu_s = share_to_gpu_s(s, view.now)
+    view.scale = lambda: share_to_gpu_s(s, view.now)
     return {
         job.id: _gang_reason(job, held.get(job.id, 0), view)
         if job.nnodes > 1
@@ -263,6 +265,8 @@ def _order(job: Job, view: _View) -> str:
     share), in words (GET /queue says which factor put each ahead of the next)."""
     if job.owner is None:
         return ""
+    if view.to_gpu_s is None:
+        view.to_gpu_s = view.scale()
     used = (job.share or 0.0) * view.to_gpu_s
     return f" (by priority, then fair share: {job.owner}'s recent usage {used:.1f} GPU-s)"
 

@@ -46,10 +46,7 @@ class Query:
 
 def _ran_in(q: Query) -> list[Any]:
     """SQL: attempts that ran in the window (on the worker asked for)."""
-    where = [
-        Attempt.started_at < q.until,
-        or_(Attempt.ended_at.is_(None), Attempt.ended_at > q.since),
-    ]
+    where = rollup.ran_in(q.since, q.until)
     if q.worker is not None:
         where.append(Attempt.worker == q.worker)
     return where
@@ -71,7 +68,7 @@ def _in_window(q: Query) -> Any:
     """SQL: jobs in ddpq's hands in the window (asked for a worker: that ran on it there)."""
     if q.worker is not None:
         return Job.id.in_(select(Attempt.job_id).where(*_ran_in(q)))
-    return and_(Job.created_at < q.until, or_(Job.finished_at.is_(None), Job.finished_at > q.since))
+    return rollup.alive_in(q.since, q.until)
 
 
 # SQL: 1 for an attempt handed back for another job (queue.leases), else 0.

@@ -123,19 +123,39 @@ _RAN_COLUMNS = (
 )  # fmt: skip
 
 
+# What a roll adds: ended attempts and jobs not yet rolled (ranges of the partial indexes).
+_ATTEMPTS_DUE = (Attempt.rolled == false(), Attempt.ended_at.is_not(None))
+_JOBS_DUE = (Job.rolled == false(), Job.finished_at.is_not(None))
+
+
+def ran_in(since: datetime, until: datetime) -> list[Any]:
+    """SQL: attempts that ran in [since, until) (started before its end, not ended
+    before its start): the one rule, for the rollup's rows and service.accounting's."""
+    return [
+        Attempt.started_at < until,
+        or_(Attempt.ended_at.is_(None), Attempt.ended_at > since),
+    ]
+
+
+def alive_in(since: datetime, until: datetime) -> Any:
+    """SQL: jobs in ddpq's hands in [since, until) (submitted before its end, not ended
+    before its start), likewise."""
+    return and_(Job.created_at < until, or_(Job.finished_at.is_(None), Job.finished_at > since))
+
+
 def _roll_batch(s: Session, batch: int) -> int:
     """Add up to ``batch`` ended attempts and as many ended jobs; how many."""
     attempts = s.execute(
         select(*_RAN_COLUMNS)
         .join(Job, Job.id == Attempt.job_id)
-        .where(Attempt.rolled == false(), Attempt.ended_at.is_not(None))
+        .where(*_ATTEMPTS_DUE)
         .order_by(Attempt.id)  # a range of ix_attempts_unrolled, in one lock order
         .limit(batch)
         .with_for_update(of=Attempt, skip_locked=True)
     ).all()
     jobs = s.execute(
         select(Job.id, Job.owner, Job.created_at, Job.finished_at)
-        .where(Job.rolled == false(), Job.finished_at.is_not(None))
+        .where(*_JOBS_DUE)
         .order_by(Job.id)
         .limit(batch)
         .with_for_update(skip_locked=True)
@@ -180,11 +200,9 @@ def roll(db: Database, budget_s: float = 1.0, batch: int = BATCH) -> int:
     """Add what ended since the last round (the sweeper's turn holder, each round): a
     transaction per batch, for at most ``budget_s``; how many attempts and jobs."""
     with db.read() as s:  # an idle API's round: two index lookups, no write lock taken
-        due = [Attempt.rolled == false(), Attempt.ended_at.is_not(None)]
-        ended = [Job.rolled == false(), Job.finished_at.is_not(None)]
         if (
-            s.execute(select(Attempt.id).where(*due).limit(1)).first() is None
-            and s.execute(select(Job.id).where(*ended).limit(1)).first() is None
+            s.execute(select(Attempt.id).where(*_ATTEMPTS_DUE).limit(1)).first() is None
+            and s.execute(select(Job.id).where(*_JOBS_DUE).limit(1)).first() is None
         ):
             return 0
     done, deadline = 0, time.monotonic() + budget_s
@@ -369,8 +387,7 @@ def _unrolled(
     ran = (
         select(*_RAN_COLUMNS)
         .join(Job, Job.id == Attempt.job_id)
-        .where(Attempt.rolled == false(), Attempt.started_at < until, *_owned(Job.owner, user))
-        .where(or_(Attempt.ended_at.is_(None), Attempt.ended_at > since))
+        .where(Attempt.rolled == false(), *ran_in(since, until), *_owned(Job.owner, user))
     )
     for row in s.execute(ran):
         r = _ran(row)
@@ -380,8 +397,7 @@ def _unrolled(
         f.preempted += r.preempted
     jobs = (
         select(Job.owner, func.count())
-        .where(Job.rolled == false(), Job.created_at < until, *_owned(Job.owner, user))
-        .where(or_(Job.finished_at.is_(None), Job.finished_at > since))
+        .where(Job.rolled == false(), alive_in(since, until), *_owned(Job.owner, user))
         .group_by(Job.owner)
     )
     for owner, n in s.execute(jobs):

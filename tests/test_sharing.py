@@ -201,6 +201,22 @@ def heartbeat(server: Server, worker: str, running: list[dict[str, Any]]) -> dic
     return out
 
 
+def _preempting(db_url: str, tmp_path: Path) -> Server:
+    """A server that preempts by priority, at once."""
+    return start_server(
+        db_url, tmp_path / "api", DDPQ_PREEMPTION="priority", DDPQ_PREEMPT_MIN_RUN_S="0"
+    )
+
+
+def _bob_and_alice(server: Server, worker: str, slots: int) -> tuple[Any, Any, Any]:
+    """A worker of ``slots`` CPU slots, and the admin's, bob's and alice's clients."""
+    register(server, worker, cpu_slots=slots)
+    admin = server.client()
+    bob = server.client(admin.post("/users", json={"name": "bob"}).json()["token"])
+    alice = server.client(admin.post("/users", json={"name": "alice"}).json()["token"])
+    return admin, bob, alice
+
+
 def test_a_job_that_outranks_running_ones_takes_only_the_slots_it_needs(
     db_url: str, tmp_path: Path
 ) -> None:
@@ -208,14 +224,9 @@ def test_a_job_that_outranks_running_ones_takes_only_the_slots_it_needs(
     at priority 10. Exactly two of Bob's (the lowest ranked: here the newest) are asked
     back through the worker's heartbeat, with the reason; handed back, they are queued
     again without counting a failure, and Alice's job is the next the worker takes."""
-    server = start_server(
-        db_url, tmp_path / "api", DDPQ_PREEMPTION="priority", DDPQ_PREEMPT_MIN_RUN_S="0"
-    )
+    server = _preempting(db_url, tmp_path)
     try:
-        register(server, "three", cpu_slots=3)
-        admin = server.client()
-        bob = server.client(admin.post("/users", json={"name": "bob"}).json()["token"])
-        alice = server.client(admin.post("/users", json={"name": "alice"}).json()["token"])
+        admin, bob, alice = _bob_and_alice(server, "three", 3)
         grant(admin, "alice")
         ran = []
         for _ in range(3):
@@ -257,14 +268,9 @@ def test_preemption_goes_no_further_than_the_priority_cap(db_url: str, tmp_path:
     takes the one slot; an admin lowers her cap to 2, which lowers her job. Released, it
     outranks nothing and Bob's job is not asked back; nor may she raise it past the cap.
     Once an admin raises the cap and she raises her job again, it preempts Bob's."""
-    server = start_server(
-        db_url, tmp_path / "api", DDPQ_PREEMPTION="priority", DDPQ_PREEMPT_MIN_RUN_S="0"
-    )
+    server = _preempting(db_url, tmp_path)
     try:
-        register(server, "one", cpu_slots=1)
-        admin = server.client()
-        bob = server.client(admin.post("/users", json={"name": "bob"}).json()["token"])
-        alice = server.client(admin.post("/users", json={"name": "alice"}).json()["token"])
+        admin, bob, alice = _bob_and_alice(server, "one", 1)
         grant(admin, "bob", 5)
         grant(admin, "alice", 10)
         hers = alice.post("/jobs", json={**JOB, "priority": 10}).json()["id"]

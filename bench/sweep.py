@@ -16,10 +16,13 @@ a rung at the last step could prune a trial that has just finished).
 1. ddpq (a real ``ddpq serve``, SQLite unless ``--backend postgres``, and ``ddpq worker``
    with 2 CPU slots and the warm launcher; the code pushed once, a warm-up job first):
    the grid as a sweep (method grid, every trial to its end), then the same grid with
-   ``early_stopping: {type: asha}``. Printed: each one's best loss (of trials that ran
+   ``early_stopping: {type: asha, mode: pause}`` (``--mode stop``: Optuna's rule, a
+   trial stopped for good at its cut). Printed: each one's best loss (of trials that ran
    to the end), whether ASHA's is within 2 % of the grid's, and the trial-steps ASHA
    spent / the grid's (goal <= 0.35), counted from the step each trial's job last
-   reported (``latest_metrics``), so the steps a pruned trial ran past its cut count.
+   reported (``latest_metrics``), so the steps a pruned trial ran past its cut count; a
+   paused trial resumes from the checkpoint it saved where it stopped (the count of
+   those without one, whose steps would run twice, is printed: 0).
 2. Ray Tune (``--ray DIR``: a venv's bin/ with ``ray[tune]`` that imports this venv's
    torch; bench/sweep_ray.py runs in it): the same points in the same order
    (``tune.grid_search``), ``ASHAScheduler(time_attr="step", grace_period=min_steps,
@@ -89,6 +92,10 @@ class Trial:
     cut_at: int | None = None  # ddpq: the step it was pruned at
     cut_lag_s: float | None = None  # ddpq: from that step's report to its job's end
     attempts: int = 1  # ddpq: its job's attempts (a lost or stopped attempt runs again)
+    # ddpq: the checkpoints its attempts saved as they stopped (bench/sweep_train.py saves
+    # one at the step it stops at, and stops right after it): one per attempt that did
+    # not end the trial, or the next attempt ran some steps again.
+    saved: int = 0
 
 
 @dataclass
@@ -184,6 +191,7 @@ def sweep_spec(
     if asha:
         spec["early_stopping"] = {
             "type": "asha",
+            "mode": args.mode,
             "min_steps": args.min_steps,
             "reduction_factor": RF,
         }
@@ -218,6 +226,8 @@ def run_ddpq(
             (latest.get("values") or {}).get("loss"),
             attempts=int(job.get("attempt") or 1),
         )
+        if trial.attempts > 1:
+            trial.saved = len(c.checkpoints(t["job_id"]))
         if t["state"] == "pruned":
             trial.cut_at = t["step"]
             points = c.metrics(t["job_id"], name="loss", since_step=t["step"])
@@ -298,12 +308,19 @@ def ddpq_asha_notes(run: Run, args: argparse.Namespace) -> None:
     trials."""
     again = [t for t in run.trials if t.attempts > 1]
     if again:
+        paused = sum(t.attempts - 1 for t in again)
+        rerun = [t for t in again if t.saved < t.attempts - (t.state == "complete")]
         show(
-            f"  {run.who}: {len(again)} trial(s) ran more than one attempt (steps counted "
-            f"from the last): {', '.join(f'lr {t.lr:g} width {t.width}' for t in again)}"
+            f"  {run.who}: {len(again)} trial(s) ran {paused} more attempt(s), each from the "
+            f"checkpoint its last saved at the step it stopped: {len(rerun)} without one "
+            "(steps run twice, not counted)"
+            + "".join(f"; lr {t.lr:g} width {t.width}" for t in rerun)
         )
     pruned = [t for t in run.trials if t.cut_at is not None]
-    if pruned:
+    if pruned and args.mode == "pause":
+        # A paused trial's job ends (cancelled) only when the sweep does: no lag to show.
+        show(f"  ddpq: {len(pruned)} trials paused at their cuts and never promoted")
+    elif pruned:
         past = sum(t.step - (t.cut_at or 0) for t in pruned)
         lags = [t.cut_lag_s for t in pruned if t.cut_lag_s is not None]
         lag = f", {statistics.median(lags):.1f} s median from the cut step's report" if lags else ""
@@ -317,7 +334,7 @@ def ddpq_asha_notes(run: Run, args: argparse.Namespace) -> None:
             f"  ddpq: had each cut stopped its trial at once: {instant} trial-steps "
             f"({instant / (args.steps * len(run.trials)):.3f} of the grid's)"
         )
-    if run.gaps:
+    if run.gaps and args.mode == "stop":
         show(
             f"  ddpq: a trial's end to the next trial's creation: median "
             f"{statistics.median(run.gaps):.1f} s (max {max(run.gaps):.1f} s); submit to "
@@ -339,6 +356,12 @@ def main() -> None:
     ap.add_argument("--no-grid", action="store_true", help="skip the full grid on ddpq")
     ap.add_argument("--round-s", type=float, help="diagnostic: the API's sweeper round")
     ap.add_argument("--quick", action="store_true", help="3 x 2 points, 600 steps")
+    ap.add_argument(
+        "--mode",
+        choices=["pause", "stop"],
+        default="pause",
+        help="ddpq's ASHA: pause and promote (default), or stop for good (Optuna's)",
+    )
     args = ap.parse_args()
     lrs = [float(x) for x in args.lrs.split(",")]
     widths = [int(x) for x in args.widths.split(",")]

@@ -9,6 +9,11 @@ configuration's losses are the same in every run. Every ``every`` steps it repor
 held-out mean squared error as ``loss``: what the sweep ranks and early stopping cuts on.
 Too small a learning rate learns slowly, a large one fast; a wider net costs more a step.
 
+Stopped (SIGTERM: a sweep pausing or pruning it, a preemption), it saves a checkpoint at
+the step it stopped at (the net, the optimizer's momentum, the batch generator) and
+exits 0; started with one, it resumes from it, so a trial paused at a rung and promoted
+runs each step once and reports the losses an uninterrupted run would.
+
 Run by ddpq (one rank under torchrun: ``--lr 0.01 --width 64 --steps 4800``, reporting
 through ``ddpq.report``) and imported by bench/sweep_ray.py (``train`` with a callback
 that calls Ray Tune's ``tune.report``): the same training either way.
@@ -18,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import signal
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -45,10 +52,17 @@ def student(width: int) -> nn.Module:
 
 
 def train(
-    lr: float, width: int, steps: int, every: int, report: Callable[[int, float], bool]
+    lr: float,
+    width: int,
+    steps: int,
+    every: int,
+    report: Callable[[int, float], bool],
+    resume: dict[str, Any] | None = None,
+    save: Callable[[dict[str, Any]], None] | None = None,
 ) -> float:
     """Train ``steps`` steps, calling ``report(step, held-out loss)`` every ``every``
-    steps and at the last; stops early when it returns False. The last loss reported."""
+    steps and at the last; stops early when it returns False, handing ``save`` the
+    state to resume from (``resume``). The last loss reported."""
     torch.set_num_threads(1)  # trials run side by side, a core each
     torch.manual_seed(0)  # the same initial weights for every lr of a width
     x, y = data(TRAIN_POINTS, seed=1)
@@ -57,8 +71,13 @@ def train(
     opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
     mse = nn.functional.mse_loss
     batches = torch.Generator().manual_seed(3)
-    loss = math.nan
-    for step in range(1, steps + 1):
+    loss, first = math.nan, 1
+    if resume is not None:
+        net.load_state_dict(resume["net"])
+        opt.load_state_dict(resume["opt"])
+        batches.set_state(resume["batches"])
+        loss, first = resume["loss"], resume["step"] + 1
+    for step in range(first, steps + 1):
         idx = torch.randint(0, TRAIN_POINTS, (BATCH,), generator=batches)
         opt.zero_grad(set_to_none=True)
         mse(net(x[idx]), y[idx]).backward()
@@ -69,6 +88,9 @@ def train(
             if not math.isfinite(loss):
                 loss = DIVERGED
             if not report(step, loss):
+                if save is not None:
+                    state = {"net": net.state_dict(), "opt": opt.state_dict()}
+                    save({**state, "batches": batches.get_state(), "step": step, "loss": loss})
                 break
     return loss
 
@@ -82,11 +104,19 @@ def main() -> None:
     args = ap.parse_args()
     import ddpq  # here, not above: Ray's side imports train() without ddpq
 
+    stopped: list[int] = []
+    # ddpq stops a trial it pauses or prunes with SIGTERM, inside the report of its rung.
+    signal.signal(signal.SIGTERM, lambda signum, frame: stopped.append(signum))
+
     def report(step: int, loss: float) -> bool:
         ddpq.report(step, loss=loss, total_steps=args.steps)
-        return True  # a pruned trial is stopped by ddpq: its job is cancelled
+        return not stopped
 
-    train(args.lr, args.width, args.steps, args.every, report)
+    def save(state: dict[str, Any]) -> None:
+        ddpq.save_checkpoint(state, step=state["step"])
+
+    resume = ddpq.load_checkpoint()
+    train(args.lr, args.width, args.steps, args.every, report, resume, save)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@
 Only rank 0 (``RANK`` unset or 0) reports and checkpoints; on other ranks these
 calls return at once. None of them is collective. ``report`` checks the point
 where it is called (a bad step or name raises ValueError there, never taking good
-points down with it) and never blocks a training step: it appends to a bounded
+points down with it) and blocks no training step (but a sweep's trial's, at each of its
+few rungs: JUDGE_WAIT_S): it appends to a bounded
 buffer that a daemon thread sends (the first point at once, so that a progress bar
 and chart show from the start; then in batches cut by count and by bytes), retrying
 with backoff while the API is unreachable. A batch the API refuses is split until
@@ -93,6 +94,11 @@ BATCH_BYTES = 256 * 1024
 # cost the API a core and rank 0 its GIL (measured by bench/overhead.py).
 SEND_INTERVAL_S = 1.0
 EXIT_FLUSH_TIMEOUT_S = 30.0
+# A trial's point that reaches a rung of its sweep waits, in report(), for the judgment
+# (a request of milliseconds): a pruned or paused trial runs no step past its rung, and a
+# paused one saves its checkpoint at the rung. An API that does not answer holds it this
+# long at most; the sweep's own round judges it then.
+JUDGE_WAIT_S = 30.0
 
 
 def is_master() -> bool:
@@ -127,10 +133,12 @@ class _Sender:
         # reaching the next one goes at once and asks for the judgment.
         self._rungs = collections.deque(rungs())
         self._judge_due = False
+        self._judged = -1  # the highest step a judgment was answered for
         self._thread = threading.Thread(target=self._run, name="ddpq-train-sender", daemon=True)
         self._thread.start()
 
-    def add_point(self, item: dict[str, Any]) -> None:
+    def add_point(self, item: dict[str, Any]) -> bool:
+        """Queue ``item``; whether it reaches a rung (its judgment is then awaited)."""
         with self._cond:
             if len(self._points) >= MAX_BUFFERED_POINTS:
                 self._points.popleft()
@@ -138,10 +146,19 @@ class _Sender:
                 if self._dropped in (1, 1000) or self._dropped % 100_000 == 0:
                     log.warning("ddpq: metric buffer full, %d oldest points dropped", self._dropped)
             self._points.append(item)
-            if self._rungs and item["step"] >= self._rungs[0]:
-                self._judge_due = True
+            judged = bool(self._rungs) and item["step"] >= self._rungs[0] > self._judged
+            self._judge_due = self._judge_due or judged
             if len(self._points) >= BATCH_ITEMS or self._eager or self._judge_due:
                 self._cond.notify_all()
+            return judged
+
+    def await_judgment(self, step: int, timeout: float) -> None:
+        """Wait until the judgment of a point at ``step`` is answered (a stop answered
+        has signalled this process by then), or ``timeout`` runs out."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._judged < step and (left := deadline - time.monotonic()) > 0:
+                self._cond.wait(min(left, 0.1))
 
     def add_checkpoint(self, body: dict[str, Any]) -> None:
         with self._cond:
@@ -245,6 +262,10 @@ class _Sender:
             body["dropped"] = drops
         judge = bool(self._rungs) and any(i["step"] >= self._rungs[0] for i in items)
         status = self._post("metrics", body, judge)
+        if judge:  # answered (or refused for good): what waits in report() goes on
+            with self._cond:
+                self._judged = max(self._judged, *(i["step"] for i in items))
+                self._cond.notify_all()
         if status is None:
             while judge and self._rungs and self._rungs[0] <= max(i["step"] for i in items):
                 self._rungs.popleft()
@@ -410,7 +431,8 @@ def report(
     point = {"step": step, "epoch": epoch, "values": {k: _detach(v) for k, v in values.items()}}
     if total_steps is not None:
         point["total_steps"] = total_steps
-    sender.add_point(point)
+    if sender.add_point(point):
+        sender.await_judgment(step, JUDGE_WAIT_S)
 
 
 def checkpoint_dir() -> Path:

@@ -64,16 +64,45 @@ def release(db: Database, job_id: int, by: Principal) -> JobPublic:
                 f"job {job.id} was held by {job.held_by}: only they or an admin may release it"
             )
         if refused is None:
-            now = utcnow()
-            states.enter(job, Event.RELEASE, now, None)
-            job.held_by = None
-            job.queued_at = now  # the starvation guard counts its wait from here
-            job.share = queue.share_of(s, job.owner, now)  # its owner's usage now
-            queue.refresh_quota_flags(s, job.owner)  # it counts against their limits again
+            _release(s, job)
             users.audit(s, by.name, "release", f"job {job.id}")
-            queue.notify_claimers(s)
             return jobs.public(s, job)
     raise _refuse(db, by, "release", job_id, refused)
+
+
+def _release(s: Session, job: Job) -> None:
+    now = utcnow()
+    states.enter(job, Event.RELEASE, now, None)
+    job.held_by = None
+    job.queued_at = now  # the starvation guard counts its wait from here
+    job.share = queue.share_of(s, job.owner, now)  # its owner's usage now
+    queue.refresh_quota_flags(s, job.owner)  # it counts against their limits again
+    queue.notify_claimers(s)
+
+
+# ---- a sweep's trials (service.sweeps: ASHA's pause mode) ---------------------------------
+
+
+def pause_locked(s: Session, job_id: int, why: str) -> bool:
+    """Ask running job ``job_id`` (its row locked here, in the caller's transaction) to
+    pause: its ranks stop (its reporter at once, its worker at its next heartbeat), and
+    its attempt ends held (queue.leases.end_attempt), its checkpoint kept. False if it is
+    not running (a trial that ended, or is being cancelled, meanwhile)."""
+    job = jobs.lock(s, job_id)
+    if job.status != JobStatus.RUNNING:
+        return False
+    job.pausing = why
+    return True
+
+
+def promote_locked(s: Session, job_id: int) -> bool:
+    """Release a paused trial's job (locked here) so that it resumes from its checkpoint.
+    False if it is not held (its owner released or cancelled it meanwhile)."""
+    job = jobs.lock(s, job_id)
+    if job.status != JobStatus.HELD:
+        return False
+    _release(s, job)
+    return True
 
 
 def update(db: Database, job_id: int, by: Principal, change: Change) -> JobPublic:

@@ -487,7 +487,10 @@ def cancel(s: Session, job: Job, by: Principal | None, now: Any, why: str | None
     who = canceller(by, job.owner)
     cancelled_by = f"{who}: {why}" if why else who
     if move.target == JobStatus.CANCELLED:
-        reason = f"cancelled by {who} before it started" + (f": {why}" if why else "")
+        # Not running: queued or held, which a job that ran may be again (a retry, a
+        # trial its sweep paused).
+        when = "before it started" if job.attempt == 0 else f"while {job.status}"
+        reason = f"cancelled by {who} {when}" + (f": {why}" if why else "")
     else:  # its worker stops the processes; the reason it ends with: queue.leases
         reason = f"cancel requested by {cancelled_by}; stopping its processes"
     users.audit(

@@ -141,11 +141,13 @@ class Job(Base):
     preempted_by: Mapped[int | None] = mapped_column(BigInteger)
     preempting_on: Mapped[str | None] = mapped_column(String(200))
     preempting_since: Mapped[datetime | None]
-    # Who cancelled it, as its reason names them: "bob", "alice (admin): bob's account was
-    # closed" (service.jobs.cancel_job); its final reason once its worker confirms.
+    # Who cancelled it, as its reason names them ("alice (admin): bob's account was
+    # closed", service.jobs.cancel_job); its final reason once its worker confirms.
     cancelled_by: Mapped[str | None] = mapped_column(String(300))
     # While held: who held it (a member releases only their own holds; an admin, any).
     held_by: Mapped[str | None] = mapped_column(String(64))
+    # While running: why its sweep paused it (service.sweeps): held once its attempt ends.
+    pausing: Mapped[str | None] = mapped_column(Text)
     # While queued: how many of its dependencies (service.deptables.JobDep) are unmet,
     # and 1 more while the checkpoint it forks from is not yet sent (service.forks).
     waits_on: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
@@ -167,8 +169,7 @@ class Job(Base):
     metrics_swept_at: Mapped[datetime | None]
     metrics_thinned: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     log_dropped_at: Mapped[datetime | None]
-    # Ended and added to accounting's hourly rollup (service.rollup).
-    rolled: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    rolled: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())  # rollup
 
     __table_args__ = (
         # A user's jobs, newest first, of any state or of one, and what each user holds
@@ -182,8 +183,7 @@ class Job(Base):
         Index("ix_jobs_status_id", "status", "id"),
         # The oldest queued job (the starvation guard's cheap first look).
         Index("ix_jobs_status_queued_at", "status", "queued_at"),
-        # Queued multi-node jobs: the claim looks for them apart from the single-node
-        # ones, and must not scan the whole queue to find that there are none.
+        # Queued multi-node jobs, looked for apart (never a scan to find there are none).
         Index("ix_jobs_status_nnodes", "status", "nnodes"),
         # The job purge (service.retention): ended jobs, oldest first, a range of it.
         Index("ix_jobs_finished_at", "finished_at"),
@@ -315,8 +315,7 @@ class Attempt(Base):
     external_id: Mapped[str | None] = mapped_column(String(64))
     # Bytes stored of each node's own stream, by node rank (a Slurm attempt's ranks).
     node_log_bytes: Mapped[dict[str, Any] | None]
-    # Ended and added to accounting's hourly rollup (service.rollup).
-    rolled: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    rolled: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())  # rollup
 
     __table_args__ = (
         UniqueConstraint("job_id", "number", name="uq_attempts_job_number"),

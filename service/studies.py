@@ -197,7 +197,7 @@ def _frozen(spec: SweepSpec, r: Record, with_params: bool, told: bool) -> Any:
     state, value = states.RUNNING, None
     if r.state == "complete" and told:
         state, value = states.COMPLETE, r.value
-    elif r.state == "pruned":
+    elif r.state in ("pruned", "paused"):
         # Optuna gives a pruned trial its last reported value (TPE weighs it by it).
         last = r.rungs[-1][1] if r.rungs else None
         state, value = states.PRUNED, last

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import secrets
-from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -37,20 +36,29 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from ddpq.rules import MAX_RUNGS
-from service import code, jobs, queue, studies, sweepviews, users
+from service import asha, code, holds, jobs, queue, studies, sweepviews, users
 from service.db import Database
 from service.errors import Conflict, Forbidden, Invalid, NotFound, TooMany
-from service.models import TERMINAL, Job, JobStatus, MetricPoint, User, utcnow
+from service.models import Job, MetricPoint, User, utcnow
 from service.schemas import JobSpec, SweepPublic, SweepSpec, fill
 from service.schemas.sweeps import MAX_SEED
+from service.sweepplan import (
+    LIVE,
+    MAX_NEW_PER_ROUND,
+    Plan,
+    SweepRead,
+    Told,
+    TrialRead,
+    decide,
+    ended_words,
+    tell,
+)
 from service.sweeptables import Sweep, SweepTrial
 from service.users import Principal
 
 log = logging.getLogger("ddpq.service")
 
 RUNNING, DONE, CANCELLED = "running", "done", "cancelled"
-# Trials one round makes at most (the rest the next): a transaction stays short.
-MAX_NEW_PER_ROUND = 32
 # Points of a trial's metric one round reads past its next rung (the rest, the next).
 MAX_POINTS_READ = 10_000
 
@@ -88,59 +96,32 @@ def rungs_of(spec: SweepSpec) -> list[int]:
 # ---- what a round reads ------------------------------------------------------------------
 
 
-@dataclass
-class _Trial:
-    number: int
-    job_id: int | None
-    params: dict[str, Any]
-    state: str
-    value: float | None
-    rungs: list[tuple[int, float | None]]
-    status: str | None  # its job's (None: purged)
-    reason: str | None
-    latest_step: int | None
-
-    @property
-    def ended(self) -> bool:
-        return self.status is None or self.status in TERMINAL
-
-
-@dataclass
-class _Read:
-    id: int
-    owner: str
-    version: int
-    seed: int
-    made: int
-    spec: SweepSpec
-    trials: list[_Trial]
-    events: list[studies.Event] = field(default_factory=list)
-    # Of each ended trial the sweep has not told yet: its metric's last (step, value).
-    finals: dict[int, tuple[int, float | None] | None] = field(default_factory=dict)
-
-
-def _read(s: Session, sweep: Sweep) -> _Read:
+def _read(s: Session, sweep: Sweep) -> SweepRead:
     spec = sweepviews.spec_of(sweep)
     rows = s.execute(
-        select(SweepTrial, Job.status, Job.reason, Job.latest_metrics)
+        select(SweepTrial, Job.status, Job.reason, Job.latest_metrics, Job.pausing)
         .outerjoin(Job, Job.id == SweepTrial.job_id)
         .where(SweepTrial.sweep_id == sweep.id)
         .order_by(SweepTrial.number)
     ).all()
     trials = []
-    for t, status, reason, latest in rows:
+    for t, status, reason, latest, pausing in rows:
         rungs = [(int(step), value) for step, value in t.rungs]
         latest_step = latest.get("step") if latest else None
         trials.append(
-            _Trial(
-                t.number, t.job_id, t.params, t.state, t.value, rungs, status, reason, latest_step
+            TrialRead(
+                t.number, t.job_id, t.params, t.state, t.value, rungs, status, reason,
+                latest_step, pausing is not None,
             )
-        )
-    read = _Read(sweep.id, sweep.owner, sweep.version, sweep.seed, sweep.trials_made, spec, trials)
+        )  # fmt: skip
+    read = SweepRead(
+        sweep.id, sweep.owner, sweep.version, sweep.seed, sweep.trials_made, spec, trials
+    )
     for t in trials:
-        if t.state != "active" or t.job_id is None:
+        if t.state not in LIVE or t.job_id is None:
             continue
-        _read_rungs(s, read, t)
+        if t.state == "active":
+            _read_rungs(s, read, t)
         if t.ended and spec.metric is not None:
             last = s.execute(
                 select(MetricPoint.step, MetricPoint.value)
@@ -152,7 +133,7 @@ def _read(s: Session, sweep: Sweep) -> _Read:
     return read
 
 
-def _read_rungs(s: Session, read: _Read, t: _Trial) -> None:
+def _read_rungs(s: Session, read: SweepRead, t: TrialRead) -> None:
     """The rungs ``t`` reached past those recorded (studies.rungs_from), as events."""
     at = studies.rung_step(read.spec, len(t.rungs))
     if at is None or t.latest_step is None or t.latest_step < at:
@@ -170,87 +151,6 @@ def _read_rungs(s: Session, read: _Read, t: _Trial) -> None:
     found = [(int(p.step), p.value, p.time) for p in points]
     for k, step, value, when in studies.rungs_from(read.spec, len(t.rungs), found):
         read.events.append(studies.Event(t.number, k, step, value, when))
-
-
-# ---- what a round decides ------------------------------------------------------------------
-
-
-@dataclass
-class _Told:
-    state: str
-    value: float | None
-    step: int | None
-    reason: str | None
-
-
-@dataclass
-class _Plan:
-    rungs: dict[int, list[tuple[int, float | None]]] = field(default_factory=dict)
-    told: dict[int, _Told] = field(default_factory=dict)
-    prunes: list[studies.Prune] = field(default_factory=list)
-    new: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
-    done: bool = False
-    best: studies.Record | None = None
-
-    @property
-    def empty(self) -> bool:
-        return not (self.rungs or self.told or self.prunes or self.new or self.done)
-
-
-def _tell(metric: str | None, t: _Trial, final: tuple[int, float | None] | None) -> _Told:
-    """How an ended trial ended, for the sweep (and the study: complete, or failed)."""
-    if t.status == JobStatus.SUCCEEDED:
-        if metric is None:  # a sweep without a metric (an array): its job's success
-            return _Told("complete", None, None, None)
-        if final is None:
-            return _Told("failed", None, None, f"it succeeded without reporting {metric}")
-        step, value = final
-        if value is None:
-            return _Told("failed", None, step, f"its last {metric} (step {step}) was NaN")
-        return _Told("complete", value, step, None)
-    if t.status is None:
-        return _Told("failed", None, None, "its job was purged before the sweep saw it end")
-    state = "cancelled" if t.status == JobStatus.CANCELLED else "failed"
-    return _Told(state, None, None, None)  # why: its job's reason
-
-
-def _plan(read: _Read) -> _Plan:
-    spec = read.spec
-    plan = _Plan()
-    records = {
-        t.number: studies.Record(t.number, t.params, t.state, t.value, list(t.rungs), t.ended)
-        for t in read.trials
-    }
-    plan.rungs, plan.prunes = studies.replay(spec, list(records.values()), read.events)
-    for number, rungs in plan.rungs.items():
-        records[number].rungs = rungs
-    for t in read.trials:
-        if t.state == "active" and t.ended:
-            told = _tell(spec.metric, t, read.finals.get(t.number))
-            plan.told[t.number] = told
-            records[t.number].state, records[t.number].value = told.state, told.value
-    for p in plan.prunes:
-        records[p.number].state, records[p.number].value = "pruned", p.value
-    by_number = {t.number: t for t in read.trials}
-    stopping = {p.number for p in plan.prunes}
-    # Queued or running: what max_concurrent bounds (a pruned trial counts until its
-    # worker has stopped it, one still queued not at all: its cancel is at once).
-    active = sum(
-        1
-        for t in read.trials
-        if not t.ended
-        and not (t.number in stopping and t.status in (JobStatus.QUEUED, JobStatus.HELD))
-    )
-    room = min(spec.max_concurrent - active, spec.limit - read.made, MAX_NEW_PER_ROUND)
-    numbers = list(range(read.made, read.made + max(room, 0)))
-    plan.new = list(
-        zip(numbers, studies.ask(spec, read.seed, list(records.values()), numbers), strict=True)
-    )
-    plan.best = studies.best(spec, list(records.values()))
-    # Done once it may make no more and every trial has ended and been told.
-    running = any(not by_number[n].ended or r.state == "active" for n, r in records.items())
-    plan.done = read.made >= spec.limit and not running
-    return plan
 
 
 # ---- the round -------------------------------------------------------------------------------
@@ -284,7 +184,7 @@ def advance(db: Database, sweep_id: int) -> bool:
         except ValidationError as exc:  # a rule tightened since its submit
             why = str(exc.errors()[0].get("msg", exc))[:300]
             return _stop(db, sweep_id, sweep.version, f"its spec is refused now: {why}")
-    plan = _plan(read)
+    plan = decide(read)
     if plan.empty:
         return False
     made = _write(db, read, plan)
@@ -327,9 +227,12 @@ def judge(db: Database, job_id: int, step: int) -> str | None:
                     SweepTrial.job_id == job_id
                 )
             ).first()
-        if now is None or now.state == "pruned" or len(now.rungs) > len(row.rungs):
+        if now is None or now.state in _STOPS or len(now.rungs) > len(row.rungs):
             break
-    return now.reason if now is not None and now.state == "pruned" else None
+    return now.reason if now is not None and now.state in _STOPS else None
+
+
+_STOPS = ("pruned", asha.PAUSED)  # what a judgment answers with ``stop``
 
 
 def trial_ended(db: Database, job_id: int) -> None:
@@ -373,7 +276,7 @@ def _locked(s: Session, sweep_id: int) -> Sweep | None:
     ).first()
 
 
-def _write(db: Database, read: _Read, plan: _Plan) -> int:
+def _write(db: Database, read: SweepRead, plan: Plan) -> int:
     """Apply ``plan`` if the sweep is still the one read; how many trials it made."""
     now = utcnow()
     with db.write() as s:
@@ -388,20 +291,46 @@ def _write(db: Database, read: _Read, plan: _Plan) -> int:
             rows[number].rungs = [[step, value] for step, value in rungs]
         for number, told in plan.told.items():
             _record(rows[number], told, now)
-        for p in sorted(plan.prunes, key=lambda p: rows[p.number].job_id or 0):
-            row = rows[p.number]
-            # Its job, locked: a trial that ended meanwhile is told next round instead.
-            if row.job_id is not None and jobs.cancel_locked(s, row.job_id, p.words):
-                _record(row, _Told("pruned", p.value, p.step, p.words), now)
+        _stop_and_pause(s, rows, plan, now)
         if plan.best is not None:
             sweep.best_trial, sweep.best_value = plan.best.number, plan.best.value
         made = _make(s, sweep, read.spec, plan.new, _admin(s, sweep.owner))
         if plan.done:
-            _end(sweep, DONE, _ended_words(read, plan), now)
+            _end(sweep, DONE, ended_words(read, plan), now)
     return made
 
 
-def _record(row: SweepTrial, told: _Told, now: datetime) -> None:
+def _stop_and_pause(s: Session, rows: dict[int, SweepTrial], plan: Plan, now: datetime) -> None:
+    """The trials ``plan`` stops, pauses, promotes and resumes, their jobs locked in id
+    order (a trial whose job moved on meanwhile is decided again next round). A
+    promotion releases its job last: a release may take the owner's lock."""
+    acts: list[tuple[int, str, Any]] = [
+        *((n, "resume", None) for n in plan.resumed),
+        *((p.number, "prune", p) for p in (*plan.prunes, *plan.unpromoted)),
+        *((q.number, "pause", q) for q in plan.pauses),
+        *((n, "promote", None) for n in plan.promote),
+    ]
+    acts.sort(key=lambda a: rows[a[0]].job_id or 0)
+    for number, _, _ in acts:
+        if (job_id := rows[number].job_id) is not None:
+            jobs.lock(s, job_id)
+    for number, act, why in acts:
+        row, job_id = rows[number], rows[number].job_id
+        if act == "resume":
+            _record(row, Told("active", None, None, None), None)
+        elif job_id is None:
+            continue
+        elif act == "prune" and jobs.cancel_locked(s, job_id, why.words):
+            _record(row, Told("pruned", why.value, why.step, why.words), now)
+        elif act == "pause" and holds.pause_locked(s, job_id, why.words):
+            _record(row, Told(asha.PAUSED, why.value, why.step, why.words), None)
+    for number in plan.promote:
+        job_id = rows[number].job_id
+        if job_id is not None and holds.promote_locked(s, job_id):
+            _record(rows[number], Told("active", None, None, None), None)
+
+
+def _record(row: SweepTrial, told: Told, now: datetime | None) -> None:
     row.state, row.value, row.step, row.reason = told.state, told.value, told.step, told.reason
     row.finished_at = now
 
@@ -461,24 +390,6 @@ def _make(
 
 def _end(sweep: Sweep, status: str, reason: str, now: datetime) -> None:
     sweep.status, sweep.reason, sweep.finished_at = status, reason, now
-
-
-def _ended_words(read: _Read, plan: _Plan) -> str:
-    spec = read.spec
-    states: dict[str, int] = {}
-    for t in read.trials:
-        state = plan.told[t.number].state if t.number in plan.told else t.state
-        states[state] = states.get(state, 0) + 1
-    tally = ", ".join(f"{n} {state}" for state, n in sorted(states.items()))
-    if spec.metric is None:
-        return f"every trial ended ({tally})"
-    if plan.best is None:
-        return f"every trial ended ({tally}); none completed with a value of {spec.metric}"
-    job = next((t.job_id for t in read.trials if t.number == plan.best.number), None)
-    return (
-        f"every trial ended ({tally}); best: trial {plan.best.number} (job {job}), "
-        f"{spec.metric} {plan.best.value:.6g}"
-    )
 
 
 # ---- what people ask -----------------------------------------------------------------------
@@ -555,15 +466,15 @@ def cancel(db: Database, sweep_id: int, by: Principal) -> SweepPublic:
                 for t in s.scalars(select(SweepTrial).where(SweepTrial.sweep_id == sweep_id))
             }
             for t in sorted(read.trials, key=lambda t: t.job_id or 0):
-                if t.state != "active":
+                if t.state not in LIVE:
                     continue
                 if t.ended:  # told now: the sweep has no more rounds
-                    _record(rows[t.number], _tell(spec.metric, t, read.finals.get(t.number)), now)
+                    _record(rows[t.number], tell(spec.metric, t, read.finals.get(t.number)), now)
                 elif t.job_id is not None:
                     jobs.cancel_locked(s, t.job_id, f"its sweep {sweep_id} was cancelled", by)
                     _record(
                         rows[t.number],
-                        _Told("cancelled", None, None, f"cancelled with its sweep by {who}"),
+                        Told("cancelled", None, None, f"cancelled with its sweep by {who}"),
                         now,
                     )
             records = [studies.Record(r.number, r.params, r.state, r.value) for r in rows.values()]

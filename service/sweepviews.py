@@ -88,14 +88,15 @@ def _number(v: Any) -> float:
 
 
 def ranked(spec: SweepSpecPublic, trials: list[TrialPublic]) -> list[TrialPublic]:
-    """Complete trials by their value (rank 1 the best), then pruned ones by how far they
-    went and their value there, then active ones by their latest value, then the rest."""
+    """Complete trials by their value (rank 1 the best), then pruned (and paused) ones by
+    how far they went and their value there, then active ones by their latest value, then
+    the rest."""
     sign = 1.0 if spec.direction == "minimize" else -1.0
 
     def key(t: TrialPublic) -> tuple[Any, ...]:
         if t.state == "complete":
             return (0, sign * _number(t.value), t.number)
-        if t.state == "pruned":
+        if t.state in ("pruned", "paused"):
             return (1, -len(t.rungs), sign * _number(t.value), t.number)
         if t.state == "active":
             return (2, sign * _number(t.latest), t.number)
@@ -108,6 +109,9 @@ def ranked(spec: SweepSpecPublic, trials: list[TrialPublic]) -> list[TrialPublic
             rank += 1
             t.rank = rank
     return out
+
+
+_STOPPED = ("complete", "pruned", "paused")  # a value and step of their own
 
 
 def _counts(states: Iterable[tuple[str, int]]) -> TrialCounts:
@@ -223,8 +227,8 @@ def export(db: Database, sweep_id: int, fmt: str) -> tuple[bytes, str]:
             "job": t.job_id,
             "state": t.state,
             "status": t.status,
-            column: t.value if t.state in ("complete", "pruned") else t.latest,
-            "step": t.step if t.state in ("complete", "pruned") else t.latest_step,
+            column: t.value if t.state in _STOPPED else t.latest,
+            "step": t.step if t.state in _STOPPED else t.latest_step,
             **{f"param.{n}": t.params.get(n) for n in names},
             "reason": t.reason,
         }

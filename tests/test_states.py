@@ -68,8 +68,10 @@ def test_the_table_keeps_the_invariants_the_service_relies_on() -> None:
         assert leaves == (m.ends is not None), m
         # Only an attempt that failed or was lost counts against max_attempts.
         assert m.counted == (m.ends in ("failed", "lost") and m.source == JobStatus.RUNNING), m
-        # A requeue holds nothing: the move says so, and _set clears the slots.
-        assert m.requeues == (m.target == JobStatus.QUEUED and m.source in ACTIVE), m
+        # A requeue holds nothing: the move says so, and _set clears the slots (a pause,
+        # to held, is one too).
+        waits = m.target in (JobStatus.QUEUED, JobStatus.HELD)
+        assert m.requeues == (waits and m.source in ACTIVE), m
     reached = {m.target for m in MOVES}
     assert reached == set(JobStatus), "every status is reachable"
     assert all(any(m.event == e for m in MOVES) for e in Event), "every event moves something"

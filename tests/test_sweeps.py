@@ -405,8 +405,8 @@ def test_asha_prunes_exactly_what_optuna_decides_and_stops_those_trials(api: Ser
     done = ended(user, sweep["id"])
     survivors = {n: values[n][2] for n in range(9) if n not in expected}
     assert done["best"]["number"] == min(survivors, key=lambda n: survivors[n])
-    assert done["counts"] == {"active": 0, "complete": len(survivors), "pruned": len(expected),
-                              "failed": 0, "cancelled": 0}  # fmt: skip
+    assert done["counts"] == {"active": 0, "paused": 0, "complete": len(survivors),
+                              "pruned": len(expected), "failed": 0, "cancelled": 0}  # fmt: skip
     ranked = [t["state"] for t in done["trials"]]
     assert ranked == ["complete"] * len(survivors) + ["pruned"] * len(expected)
 
@@ -461,6 +461,101 @@ def test_a_trial_reaching_a_rung_is_judged_in_its_own_report(api: Server) -> Non
     assert c["job_id"] == plain["id"]
     assert judged(c, 5, 1.0)["stop"] is None
     assert user.post(f"/sweeps/{sweep['id']}/cancel").status_code == 202
+
+
+def test_asha_pause_mode_holds_a_paused_trial_and_resumes_it_from_its_checkpoint(
+    api: Server,
+) -> None:
+    """ASHA's pause mode through the worker protocol: a trial short of its rung's best
+    third is told to stop in its own report; its worker is asked to hand it back; however
+    it then ends (its own exit 0, a signal) its job is held, uncounted, with the words,
+    and the trial paused. When a third trial makes the first one of its rung's best, that
+    one is promoted before any other: its job is queued again, and its next attempt is
+    offered its checkpoint. Once no trial runs and none can be made, the best of what is
+    left goes on and the rest are pruned, their held jobs cancelled."""
+    user = api.client()
+    body = {
+        "name": "paused",
+        "job": {"entrypoint": "train.py"},
+        "space": {"lr": {"type": "categorical", "values": [0.1, 0.2, 0.3]}},
+        "method": "grid",
+        "metric": "loss",
+        "max_concurrent": 3,
+        "early_stopping": {
+            "type": "asha", "mode": "pause", "min_steps": 100, "reduction_factor": 3
+        },
+    }  # fmt: skip
+    sweep = user.post("/sweeps", json=body).json()
+    assert sweep["spec"]["early_stopping"]["mode"] == "pause"
+    claims: dict[int, dict[str, Any]] = {}
+    while len(claims) < 3:
+        c = wait_for(lambda: claim(api, "pauser", slots=16), 30, "a trial")
+        assert c["spec"]["name"].startswith("paused/"), c["spec"]
+        claims[int(c["spec"]["name"].rsplit("/", 1)[1])] = c
+
+    def judged(c: dict[str, Any], step: int, loss: float) -> str | None:
+        r = api.client(c["token"]).post(
+            f"/jobs/{c['job_id']}/metrics",
+            params={"judge": "true"},
+            json={"items": [{"step": step, "values": {"loss": loss}}]},
+        )
+        assert r.status_code == 202, r.text
+        stop: str | None = r.json()["stop"]
+        return stop
+
+    def job(c: dict[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = user.get(f"/jobs/{c['job_id']}").json()
+        return out
+
+    first = judged(claims[0], 100, 0.5)
+    assert first == (
+        "paused at step 100: loss 0.5, the first 1 at rung 0 (step 100): none goes on "
+        "before 3 have reached it; resumes if it is promoted"
+    )
+    assert job(claims[0])["status"] == "running"  # until its processes are gone
+    told = heartbeat(api, "pauser", list(claims.values()))
+    assert (
+        told["preempt"] == [{"job_id": claims[0]["job_id"], "attempt": 1, "reason": first}]
+        and told["cancel"] == []
+    )
+    r = api.client(claims[0]["token"]).post(
+        f"/jobs/{claims[0]['job_id']}/checkpoints",
+        json={"path": f"{claims[0]['checkpoint_dir']}/step-100.pt", "step": 100},
+    )
+    assert r.status_code == 201, r.text
+    held = finish(api, claims[0], "pauser")  # its SIGTERM handler saved, then exit 0
+    assert (held["status"], held["reason"]) == ("held", first)
+    # Its attempt handed back, not failed: no attempt of max_attempts spent.
+    attempts = user.get(f"/jobs/{claims[0]['job_id']}/attempts").json()["items"]
+    assert [(a["outcome"], a["reason"]) for a in attempts] == [("requeued", first)]
+    assert judged(claims[1], 100, 0.9) is not None
+    held = finish(api, claims[1], "pauser", exit_code=143)  # or killed by the signal
+    assert held["status"] == "held"
+    s = sweep_of(user, sweep["id"])
+    assert [trial(s, n)["state"] for n in range(3)] == ["paused", "paused", "active"]
+    assert s["counts"]["paused"] == 2
+    # The third makes trial 0 the best of three: 0 is promoted, 2 pauses.
+    third = judged(claims[2], 100, 0.7)
+    assert third is not None and "rung cut 0.5 (the best 1 of 3 trials at rung 0 go on)" in third
+    assert job(claims[0])["status"] == "queued"
+    assert trial(sweep_of(user, sweep["id"]), 0)["state"] == "active"
+    again = wait_for(lambda: claim(api, "pauser", slots=16), 30, "trial 0 again")
+    assert (again["job_id"], again["attempt"]) == (claims[0]["job_id"], 2)
+    assert again["resume_from"] == [f"{claims[0]['checkpoint_dir']}/step-100.pt"]
+    assert finish(api, claims[2], "pauser")["status"] == "held"
+    # Trial 0 runs on past its rung to its end (no rung at step 150).
+    assert judged(again, 150, 0.3) is None
+    assert finish(api, again, "pauser")["status"] == "succeeded"
+    done = ended(user, sweep["id"])
+    assert done["status"] == "done" and done["best"]["number"] == 0
+    assert done["counts"] | {} == {"active": 0, "paused": 0, "complete": 1, "pruned": 2,
+                                   "failed": 0, "cancelled": 0}  # fmt: skip
+    for n, loss in ((1, "0.9"), (2, "0.7")):
+        words = trial(done, n)["reason"]
+        assert words.startswith(f"pruned at step 100: loss {loss}, paused and never among")
+        cancelled = job(claims[n])
+        assert cancelled["status"] == "cancelled"
+        assert cancelled["reason"] == f"cancelled by ddpq while held: {words}"
 
 
 def test_a_sweep_goes_on_across_an_api_restart_and_a_lost_worker(
@@ -614,6 +709,7 @@ def test_a_sweep_end_to_end_with_a_real_worker(
         listed = run_ddpq("sweep", "ls", env=env)
         assert "e2e" in listed.stdout and "2/2" in listed.stdout, listed.stdout
         _a_pruned_trial_stops_in_its_own_report(server, code, tmp_path / "signals")
+        _paused_trials_resume_where_they_stopped(server, code, tmp_path / "signals")
     finally:
         stop_server(server)
 
@@ -673,3 +769,68 @@ def _a_pruned_trial_stops_in_its_own_report(server: Server, code: Path, signals:
     assert job["status"] == "cancelled" and job["reason"] == f"cancelled by ddpq: {words}", job
     log = user.get(f"/jobs/{bad['job_id']}/logs").text
     assert f"ddpq: {words}: stopping" in log, log[-2000:]
+
+
+# Stopped (SIGTERM), it saves where it stopped; started, it resumes from it. Each step it
+# runs is written down, so the test sees that none ran twice.
+PAUSED_PROGRAM = """
+import os
+import pathlib
+import signal
+
+import ddpq
+
+lr = ddpq.params()["lr"]
+stopped = []
+signal.signal(signal.SIGTERM, lambda *_: stopped.append(1))
+state = ddpq.load_checkpoint()
+ran = pathlib.Path(os.environ["SIGNALS"]) / f"ran-{lr}"
+for step in range((state["step"] if state else 0) + 1, 41):
+    with ran.open("a") as f:
+        f.write(f"{step}\\n")
+    ddpq.report(step, loss=lr + 1 / step)
+    if stopped:
+        ddpq.save_checkpoint({"step": step}, step=step)
+        break
+ddpq.flush()
+"""
+
+
+def _paused_trials_resume_where_they_stopped(server: Server, code: Path, signals: Path) -> None:
+    """ASHA's pause mode with a real worker, one trial at a time: the first two pause at
+    the rung (step 10) in the report that reaches it, saving there; the third makes the
+    first the best, which resumes from step 10, pauses alone at step 30, and, the sweep
+    having made all its trials, goes on to its end. No step runs twice, nothing of a
+    paused trial runs past its rung, and the other two end pruned."""
+    (code / "paused.py").write_text(PAUSED_PROGRAM)
+    (code / "paused.yaml").write_text(
+        textwrap.dedent(
+            f"""
+            name: paused
+            job: {{entrypoint: paused.py, workdir: ., device: cpu, env: {{SIGNALS: {signals}}}}}
+            space: {{lr: [0.1, 0.2, 0.3]}}
+            method: grid
+            metric: loss
+            max_concurrent: 1
+            early_stopping: {{type: asha, mode: pause, min_steps: 10, reduction_factor: 3}}
+            """
+        )
+    )
+    env = {"DDPQ_URL": server.url, "DDPQ_TOKEN": server.api_token}
+    submitted = run_ddpq("sweep", "submit", "paused.yaml", "--json", env=env, cwd=code)
+    assert submitted.returncode == 0, submitted.stderr
+    user = server.client()
+    done = ended(user, json.loads(submitted.stdout)["id"])
+    assert done["status"] == "done" and done["best"]["params"] == {"lr": 0.1}, done
+    assert [t["state"] for t in done["trials"]] == ["complete", "pruned", "pruned"]
+    ran = {lr: (signals / f"ran-{lr}").read_text().split() for lr in (0.1, 0.2, 0.3)}
+    assert ran[0.1] == [str(s) for s in range(1, 41)]
+    assert ran[0.2] == ran[0.3] == [str(s) for s in range(1, 11)]
+    best = done["best"]["job_id"]
+    attempts = user.get(f"/jobs/{best}/attempts").json()["items"]
+    assert [a["outcome"] for a in attempts] == ["requeued", "requeued", "succeeded"]
+    log = user.get(f"/jobs/{best}/logs").text
+    assert "ddpq: paused at step 10: loss 0.2, the first 1 at rung 0" in log, log[-2000:]
+    assert "resuming from" in log and "step-000000010.pt" in log, log[-2000:]
+    points = user.get(f"/jobs/{best}/metrics", params={"name": "loss"}).json()
+    assert [p["step"] for p in points["items"]] == list(range(1, 41))

@@ -44,14 +44,17 @@ def stopped(why: str, timeout_s: Any, code: int | None = None, words: str | None
     return Outcome(code, "requeue", words or "worker shut down")
 
 
-def stop_words(why: str | None, timeout_s: Any) -> str:
-    """Why the worker stopped an attempt, as the log's last line says it."""
+def stop_words(why: str | None, timeout_s: Any, words: str | None = None) -> str:
+    """Why the worker stopped an attempt, as the log's last line says it (``words``: the
+    service's, for a hand-back: a sweep pausing its trial says so)."""
     if why == "cancelled":
         return "cancelled by user"
     if why == "timeout":
         return f"timeout after {timeout_s} s"
     if why == "shutdown":
         return "the worker is shutting down; the job goes back to the queue"
+    if why == "preempted" and words and words.startswith("paused"):
+        return f"{words}: held until its sweep promotes it, then resumes from its checkpoint"
     if why == "preempted":
         return "preempted: the job goes back to the queue and resumes from its last checkpoint"
     return "no longer this worker's to run"

@@ -393,7 +393,7 @@ class JobRunner:
         if self.stopping_since is not None:
             took = time.monotonic() - self.stopping_since
             how = "SIGKILL" if code == 128 + signal.SIGKILL else "SIGTERM"
-            words = stop_words(self.stop_reason, timeout_s)
+            words = stop_words(self.stop_reason, timeout_s, self.stop_words)
             shipper.write(
                 f"[ddpq] {words}: stopped the ranks with {how} in {took:.1f} s\n".encode()
             )

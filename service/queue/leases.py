@@ -201,6 +201,11 @@ def end_attempt(s: Session, job: Job, worker: str, report: FinishRequest, policy
         ending = lost(job.status, job.attempt, job.failures, job.max_attempts, words)
     else:
         ending = reported(job, report, where, worker, policy, now)
+    if job.pausing is not None and job.status == JobStatus.RUNNING:
+        # Its sweep paused it (service.sweeps): however its processes ended after that
+        # (its own SIGTERM handler's exit 0, a signal, its worker's hand-back), it waits
+        # held with its checkpoint, uncounted, until the sweep promotes it.
+        ending = Ending(Event.PAUSE, job.pausing, {"held_by": job.owner})
     reason = ending.reason
     requeues = states.move(job.id, job.status, ending.event).target == JobStatus.QUEUED
     if job.preempted_by is not None and requeues:  # handed back: its reason says for whom
@@ -336,8 +341,9 @@ def record_heartbeat(
 
     Returns (cancel, abandon, preempt): attempts a user cancelled, attempts that are no
     longer this worker's to run (lost and requeued, or ended), which the worker stops;
-    and attempts it is to hand back for a job that outranks them (service.queue.preempt),
-    with why. Raises NameTaken when another process has taken the name over.
+    and attempts it is to hand back for a job that outranks them (service.queue.preempt)
+    or because their sweep paused them (service.sweeps), with why. Raises NameTaken
+    when another process has taken the name over.
     """
     now = utcnow()
     elsewhere = elsewhere or {}
@@ -383,7 +389,7 @@ def record_heartbeat(
             # nobody's system metric.
             mine = {k: v for k, v in gpu_samples.items() if k in set(beat.live)}
             gpus.store(s, worker, now, gpu_sample_s, mine)
-        handback = [(j, n, preempt.words(s, by)) for j, n, by in beat.preempt]
+        handback = [(j, n, preempt.words(s, by)) for j, n, by in beat.preempt] + beat.pause
     return beat.cancel, beat.abandon, handback
 
 
@@ -430,12 +436,13 @@ class _Beat:
     cancel: list[tuple[int, int]]
     abandon: list[tuple[int, int]]
     preempt: list[tuple[int, int, int]] = field(default_factory=list)  # job, attempt, for
+    pause: list[tuple[int, int, str]] = field(default_factory=list)  # job, attempt, why
 
 
 # The job rows of the attempts a heartbeat names, built once.
-_NAMED_JOBS = select(j.id, j.attempt, j.status, j.worker, j.nnodes, j.preempted_by).where(
-    j.id.in_(bindparam("ids", expanding=True))
-)
+_NAMED_JOBS = select(
+    j.id, j.attempt, j.status, j.worker, j.nnodes, j.preempted_by, j.pausing
+).where(j.id.in_(bindparam("ids", expanding=True)))
 
 
 def _sort_out(s: Session, worker: str, running: list[tuple[int, int]]) -> _Beat:
@@ -468,6 +475,8 @@ def _sort_out(s: Session, worker: str, running: list[tuple[int, int]]) -> _Beat:
         beat.live.append((job_id, number))
         if job.status == JobStatus.CANCELLING:
             beat.cancel.append((job_id, number))
+        elif job.pausing is not None and job.status == JobStatus.RUNNING:
+            beat.pause.append((job_id, number, job.pausing))
         elif job.preempted_by is not None and job.status == JobStatus.RUNNING:
             beat.preempt.append((job_id, number, job.preempted_by))
     return beat

@@ -74,6 +74,7 @@ class Event(enum.StrEnum):
     STOP = "stop"  # its processes stopped after a cancel
     UNMET = "unmet"  # a job it waits for ended so that it never starts (service.queue.deps)
     HOLD = "hold"  # its owner (or an admin) holds it back: no claim takes it
+    PAUSE = "pause"  # its sweep paused it at a rung: held, its checkpoint kept, uncounted
     RELEASE = "release"  # the hold is lifted: it waits again, in its place
 
 
@@ -90,8 +91,9 @@ class Move:
 
     @property
     def requeues(self) -> bool:
-        """It takes a running job back to the queue, holding nothing."""
-        return self.target == JobStatus.QUEUED and self.ends is not None
+        """It takes a running job back to wait, holding nothing: to the queue, or held (a
+        trial its sweep paused, service.sweeps)."""
+        return self.target in (JobStatus.QUEUED, JobStatus.HELD) and self.ends is not None
 
 
 MOVES: tuple[Move, ...] = (
@@ -109,6 +111,7 @@ MOVES: tuple[Move, ...] = (
     Move(R, Event.FAIL, F, ends="failed", counted=True),
     Move(R, Event.RETRY, Q, ends="failed", counted=True, says="after a backoff"),
     Move(R, Event.HAND_BACK, Q, ends="requeued", says="not counted"),
+    Move(R, Event.PAUSE, H, ends="requeued", says="until its sweep promotes it; not counted"),
     Move(R, Event.LOSE, Q, ends="lost", counted=True),
     Move(R, Event.LOSE_LAST, F, ends="lost", counted=True),
     Move(C, Event.LOSE, X, ends="lost"),
@@ -235,6 +238,7 @@ def end(
     _set(job, m, now, reason, columns)
     job.exit_code = exit_code
     job.preempted_by = None  # a hand-back asked of it is done, or moot
+    job.pausing = None  # and so is a pause
     _end_attempt(attempt, ends, now, exit_code, job.reason)
     s.flush()
     lifted = quotas.refresh(s, job.owner, locked=locked)  # what its owner holds shrank

@@ -37,7 +37,7 @@ from service.deps import (
     log_chunk,
 )
 from service.errors import responses
-from service.models import TERMINAL
+from service.models import TERMINAL, JobStatus
 from service.schemas import (
     ClaimRequest,
     FinishRequest,
@@ -345,7 +345,8 @@ async def finish_attempt(job_id: JobId, body: FinishBody, db: DB) -> JobPublic:
     """Report how an attempt ended (after its processes are gone)."""
     # Claimers are woken as it commits: its worker's own, or everyone's (states.end).
     job = await run_in_threadpool(jobs.finish_attempt, db, job_id, body.worker, body)
-    if job.spec.params and job.status in TERMINAL:  # a trial's: its sweep goes on now
+    if job.spec.params and (job.status in TERMINAL or job.status == JobStatus.HELD):
+        # A trial's that ended, or paused (held): its sweep goes on now.
         await run_in_threadpool(sweeps.trial_ended, db, job_id)
     return job
 

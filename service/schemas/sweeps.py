@@ -115,12 +115,21 @@ Param = Annotated[
 
 
 class AshaStopping(Strict):
-    """Asynchronous successive halving (Optuna's SuccessiveHalvingPruner): rung k at step
-    min_steps * reduction_factor ** (min_early_stopping_rate + k); a trial reaching a rung
-    goes on only if its metric there is in the best 1/reduction_factor of the trials that
-    reached it so far."""
+    """Asynchronous successive halving: rung k at step
+    min_steps * reduction_factor ** (min_early_stopping_rate + k).
+
+    ``mode: stop`` (Optuna's SuccessiveHalvingPruner): a trial reaching a rung goes on
+    only if its metric there is in the best 1/reduction_factor of the trials that reached
+    it so far, and stops for good otherwise. ``mode: pause`` (ASHA as its paper and
+    Determined run it): a trial reaching a rung goes on only if it is among the best
+    floor(n/reduction_factor) of the n trials there that have not gone on yet; otherwise
+    it pauses, held with its checkpoint, and resumes from it when later trials make it one
+    of those (promoted before any new trial starts); paused trials never promoted end
+    pruned with the sweep. No step runs twice, for a program that saves a checkpoint when
+    it is stopped (SIGTERM) and loads it when it starts."""
 
     type: Literal["asha"]
+    mode: Literal["stop", "pause"] = "stop"
     min_steps: Annotated[int, Field(strict=True, ge=1, le=2**62)]
     reduction_factor: Annotated[int, Field(strict=True, ge=2, le=100)] = 3
     min_early_stopping_rate: Annotated[int, Field(strict=True, ge=0, le=60)] = 0
@@ -301,6 +310,7 @@ class ParamPublic(BaseModel):
 
 class EarlyStoppingPublic(BaseModel):
     type: Literal["asha", "median"]
+    mode: Literal["stop", "pause"] | None = None
     min_steps: int | None = None
     reduction_factor: int | None = None
     min_early_stopping_rate: int | None = None
@@ -336,7 +346,7 @@ class RungPublic(BaseModel):
     value: MetricValue
 
 
-TrialState = Literal["active", "complete", "pruned", "failed", "cancelled"]
+TrialState = Literal["active", "paused", "complete", "pruned", "failed", "cancelled"]
 
 
 class TrialPublic(BaseModel):
@@ -344,8 +354,9 @@ class TrialPublic(BaseModel):
     # Its job (None once the job was purged), the job's status and reason.
     job_id: int | None
     status: str | None
-    # Where the sweep has it: active (its job waits or runs), complete (it ended with a
-    # value), pruned (early stopping stopped it), failed (no value), cancelled.
+    # Where the sweep has it: active (its job waits or runs), paused (at a rung, its job
+    # held until promoted: ASHA's pause mode), complete (it ended with a value), pruned
+    # (early stopping stopped it), failed (no value), cancelled.
     state: TrialState
     # 1 for the best complete trial, 2 for the next...; None for the others.
     rank: int | None = None
@@ -369,6 +380,7 @@ class TrialCounts(BaseModel):
     """A sweep's trials by state."""
 
     active: int = 0
+    paused: int = 0
     complete: int = 0
     pruned: int = 0
     failed: int = 0

@@ -9,10 +9,10 @@ export const TOKEN_KEY = "ddpq.token";
 export const POLL_MS = 2000;
 export const TERMINAL = new Set(["succeeded", "failed", "cancelled"]);
 // A job's states, and a sweep's (running, done, cancelled) and its trials' (active,
-// complete, pruned, failed, cancelled): each has its colour in style.css.
+// paused, complete, pruned, failed, cancelled): each has its colour in style.css.
 const STATES = new Set([
   "queued", "held", "running", "cancelling", "succeeded", "failed", "cancelled",
-  "active", "complete", "pruned", "done",
+  "active", "paused", "complete", "pruned", "done",
 ]);
 
 export const $ = (id) => document.getElementById(id);

@@ -83,7 +83,7 @@ function stopping(es) {
 }
 
 function counts(c) {
-  const parts = ["active", "complete", "pruned", "failed", "cancelled"]
+  const parts = ["active", "paused", "complete", "pruned", "failed", "cancelled"]
     .filter((k) => c[k])
     .map((k) => `${c[k]} ${k}`);
   return parts.join(", ");
@@ -265,8 +265,8 @@ export function sweepView(id) {
         name: `trial ${t.number} (job ${t.job_id})`,
         key: t.number,
         colour: t.number % COLOURS,
-        // A pruned trial's curve is dashed: it stopped at a rung, not at its end.
-        cls: t.state === "pruned" ? "dashed" : t.state === "active" ? "live" : null,
+        // A pruned (or paused) trial's curve is dashed: it stopped at a rung, not at its end.
+        cls: { pruned: "dashed", paused: "dashed", active: "live" }[t.state] ?? null,
         points: st.curves.get(t.number).points,
       }));
     chart.setData(series, { logY: $("sweep-log").checked, empty: `no ${metric} reported yet` });

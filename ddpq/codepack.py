@@ -103,7 +103,7 @@ class Pushed:
     left_out: list[LeftOut] = field(default_factory=list)
     named: list[tuple[str, str]] = field(default_factory=list)  # (source, what stays home)
     # Files that look like checkpoints (CHECKPOINT_LIKE), with their sizes: a program
-    # that resumes from a file in its directory resumes from these (issue 30).
+    # that resumes from a file in its directory resumes from these (docs/outputs.md).
     checkpoints: list[tuple[str, int]] = field(default_factory=list)
 
 

@@ -21,7 +21,7 @@ class LingeringClose:
     up to ``DRAIN_BYTES`` or ``DRAIN_S``, before the answer goes out (nginx's "lingering
     close"). A server that answers and closes while the client is still sending makes the
     kernel reset the connection, and the client sees `Connection reset by peer` instead of
-    the answer: issue 30 saw it for 27 of 40 POSTs of 2 MiB that got a 413, and a wrong
+    the answer: a test saw it for 27 of 40 POSTs of 2 MiB that got a 413, and a wrong
     token's 401 on a code upload lost the same way. It sits outside the token gate, so
     every early answer (401, 413, 404) arrives. A client that waits for `100 Continue`
     and was never asked for its body has sent nothing: it is answered at once."""

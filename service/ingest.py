@@ -373,7 +373,7 @@ def store_points(db: Database, attempt: Attempt, points: Points) -> int:
         latest = job.latest_metrics
         if latest is None or step > latest["step"]:
             # Each series keeps its latest value: a step that reports only val_* values
-            # leaves the job's latest loss in place (issue 30: `ddpq ls` showed no LOSS).
+            # leaves the job's latest loss in place (else `ddpq ls` showed no LOSS).
             job.latest_metrics = {
                 "step": step,
                 "epoch": metric_out(epoch) if epoch is not None else None,

@@ -1,4 +1,4 @@
-"""Users' secrets (issue 41): the one owner of how a value is kept, who may touch it, and
+"""Users' secrets (docs/security.md): the one owner of how a value is kept, who may touch it, and
 the one way it leaves the API.
 
 A secret is a user's named value (a WANDB_API_KEY) that a job of theirs names in its spec

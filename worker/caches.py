@@ -1,4 +1,4 @@
-"""Each user's caches on this worker (issue 42): what inductor and Triton compiled, what
+"""Each user's caches on this worker (docs/jobs.md): what inductor and Triton compiled, what
 Hugging Face's and torch hub's downloads fetched, matplotlib's config, kept across that
 user's jobs here instead of starting empty in every attempt's fresh HOME.
 

@@ -5,7 +5,8 @@ ARGS`` (``-m MODULE ARGS`` for a recipe), which runs the program as ``__main__``
 Why: with torch 2.14.1 a gloo worker thread may still be destroying a finished collective
 when the interpreter finalizes; taking the GIL then ends that thread with pthread_exit, whose
 unwinding through a noexcept destructor calls std::terminate ("terminate called without an
-active exception", SIGABRT), in 1 to 2 runs of 10 of a correct 2-rank program (issue 31).
+active exception", SIGABRT), in 1 to 2 runs of 10 of a correct 2-rank program
+(tests/test_entry_rounds.py).
 So once the program has finished (returned, ``sys.exit``, or an uncaught exception) this
 does what the interpreter does before it finalizes, in its order: wait for the non-daemon
 threads (``threading._shutdown``), run the ``atexit`` callbacks (``weakref.finalize`` among

@@ -23,7 +23,7 @@ the worker's (the worker token), and another process of its user must not read i
 Walled, it sets no_new_privs before it starts the child: nothing the job runs, a
 set-uid file it made among them, gains a privilege by exec.
 
-With ``--warm=SOCKET`` instead of ``--`` (issue 34), the child is not exec'd: a warm
+With ``--warm=SOCKET`` instead of ``--`` (the warm launcher), the child is not exec'd: a warm
 process (worker.zygote) forks it, and this process holds it as it holds a Popen
 (worker.zygote.WarmChild), the rest as above.
 """

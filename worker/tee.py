@@ -239,7 +239,8 @@ def _error_file_message(failure: object) -> str | None:
 
 
 # A rank that dies by one of these after its program finished crashed on the way out (the
-# abort of issue 31); by another (torchrun's SIGTERM once a rank failed), it was stopped.
+# teardown abort worker.entry avoids); by another (torchrun's SIGTERM once a rank
+# failed), it was stopped.
 CRASH_SIGNALS = frozenset({signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGILL})
 # worker.torchrun.outcome reads the success's words after this (FINISHED_LINE).
 AFTER_FINISH = "the program finished; "

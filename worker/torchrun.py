@@ -33,7 +33,8 @@ from worker import tee
 from worker.outcome import Outcome, stopped
 
 # How a rank starts: the program through worker.entry, which ends the process once the
-# program has finished, before torch can abort in the interpreter's teardown (issue 31).
+# program has finished, before torch can abort in the interpreter's teardown
+# (tests/test_entry_rounds.py).
 RANK_ENTRY = ("-u", "-P", "-m", "worker.entry")
 MONITOR_INTERVAL_S = 0.1  # torchrun's check of its ranks; the default 5 s delays every exit
 

@@ -1,4 +1,4 @@
-"""The warm launcher's process (issue 34): ``python -u -P -m worker.zygote SOCKET PARENT``.
+"""The warm launcher's process (docs/training.md): ``python -u -P -m worker.zygote SOCKET PARENT``.
 
 A process with torch imported that forks each attempt's torchrun instead of the worker
 exec'ing a cold one: a trivial 2-rank torchrun spends almost all of its 3.7-4.1 s in

@@ -251,7 +251,7 @@ def _attempt(job: dict[str, Any], handed_back: int) -> str:
     """ATTEMPT: the attempt's number (as `ddpq status` and the log number it) over
     max_attempts. max_attempts counts failures, and an attempt handed back is none: a
     bare `2/3` after a hand-back would read as one failure counted, so the hand-backs
-    are named, `2 (1 handed back)/3` (issue 30)."""
+    are named, `2 (1 handed back)/3`."""
     back = f" ({handed_back} handed back)" if handed_back else ""
     return f"{job['attempt']}{back}/{job['spec'].get('max_attempts', '?')}"
 

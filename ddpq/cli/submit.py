@@ -263,7 +263,7 @@ def _warn(message: str) -> None:
 
 
 def _checkpoint_words(found: list[tuple[str, int]]) -> str:
-    """The warning for checkpoint-like files sent with the code (issue 30: a stale local
+    """The warning for checkpoint-like files sent with the code (a stale local
     snapshot.pt went with the next submit, and the job silently "resumed" from it)."""
     named = ", ".join(f"{path} ({human_bytes(size)})" for path, size in found[:5])
     more = f" and {len(found) - 5} more" if len(found) > 5 else ""
@@ -517,7 +517,7 @@ def _resume_from(c: Client, old: dict[str, Any]) -> tuple[str | None, str, int |
 
 def _rerun_words(c: Client, old: dict[str, Any]) -> str:
     """Which snapshot a resubmit reruns, and, when run in the job's own directory (it
-    holds the entrypoint), whether the files here differ from it (issue 30: an edited
+    holds the entrypoint), whether the files here differ from it (an edited
     train.py was not what ran, and nothing said so)."""
     snap = old.get("code")
     if not snap:

@@ -149,7 +149,7 @@ class JobSpec(Strict):
     # saved with keep=True and the one a resume would use (service.checkpoints).
     keep_last: Annotated[int | None, Field(strict=True, ge=0, le=MAX_KEEP_LAST)] = None
     # How the worker starts the ranks: a cold torchrun, or forked from a warm process with
-    # torch imported (issue 34; what differs is in docs/training.md). None: the worker's
+    # torch imported (what differs is in docs/training.md). None: the worker's
     # default (its DDPQ_LAUNCHER).
     launcher: Literal["torchrun", "warm"] | None = None
     # The names of its owner's secrets (PUT /secrets/{name}) its ranks get as environment

@@ -186,6 +186,13 @@ def list_sweeps(
     _print_table(_fit_table(headers, rows, caps={"NAME": 24, "OWNER": 16, "BEST": 40}))
 
 
+def _stopping(stop: dict[str, Any] | None) -> str:
+    """The early stopping's type, and its mode when it pauses trials (ASHA's pause mode)."""
+    if not stop:
+        return "none"
+    return f"{stop['type']} (pause)" if stop.get("mode") == "pause" else str(stop["type"])
+
+
 def _value(t: dict[str, Any]) -> tuple[str, str]:
     """A trial's metric and its step: its final (or pruned) value, else its latest."""
     if t["value"] is not None:
@@ -216,7 +223,7 @@ def status(sweep_id: SweepId, as_json: JsonOpt = False) -> None:
         ("reason", sweep["reason"] or ""),
         ("method", f"{_method(s)} (seed {sweep['seed']})"),
         ("metric", sweep_aim(s)[2:]),
-        ("early stopping", stop["type"] if stop else "none"),
+        ("early stopping", _stopping(stop)),
         (
             "trials",
             f"{sweep['trials_made']} of {sweep['max_trials']}, {s['max_concurrent']} at once",

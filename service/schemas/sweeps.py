@@ -129,11 +129,11 @@ class AshaStopping(Strict):
     it is stopped (SIGTERM) and loads it when it starts."""
 
     type: Literal["asha"]
-    mode: Literal["stop", "pause"] = "stop"
     min_steps: Annotated[int, Field(strict=True, ge=1, le=2**62)]
     reduction_factor: Annotated[int, Field(strict=True, ge=2, le=100)] = 3
     min_early_stopping_rate: Annotated[int, Field(strict=True, ge=0, le=60)] = 0
     bootstrap_count: Count = 0
+    mode: Literal["stop", "pause"] = "stop"
 
 
 class MedianStopping(Strict):
@@ -310,11 +310,11 @@ class ParamPublic(BaseModel):
 
 class EarlyStoppingPublic(BaseModel):
     type: Literal["asha", "median"]
-    mode: Literal["stop", "pause"] | None = None
     min_steps: int | None = None
     reduction_factor: int | None = None
     min_early_stopping_rate: int | None = None
     bootstrap_count: int | None = None
+    mode: Literal["stop", "pause"] | None = None
     warmup_steps: int | None = None
     interval_steps: int | None = None
     startup_trials: int | None = None

@@ -51,9 +51,6 @@ from urllib.parse import urlsplit
 from ddpq.errors import ConfigError
 
 DEFAULT_URL = "http://127.0.0.1:8000"
-# `ddpq worker --cache-gb`: the cap of each user's caches on a worker (worker.caches),
-# here so that the CLI (which loads without the worker) and the worker share it.
-DEFAULT_CACHE_GB = 10.0
 CONFIG_FILE = "config.toml"
 # In DDPQ_DATA_DIR, written by a loopback `ddpq serve`/`ddpq up` (service/config.py): the
 # first admin's token it generated, and the URL a local client reaches that server at.

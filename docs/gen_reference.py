@@ -1,8 +1,10 @@
 """Writes the documentation's generated pages from the code, so they cannot drift from it.
 
 - ``docs/configuration.md``: the API's settings (``service.config.Settings``: each
-  field's env var, type, default and description), the worker's options that take an
-  environment variable, and the variables the CLI, the worker and a job's ranks read
+  field's env var, type, default and description), the worker's
+  (``worker.settings.WorkerSettings``: each field's flag, env var, type, default and
+  description), the other commands' options that take an environment variable, and the
+  variables the CLI, the worker and a job's ranks read
   (the lists below; tests/test_docs.py checks that the code reads each).
 - ``docs/rest.md``: every operation of the API's OpenAPI document (``service.app``),
   with its token, parameters, body and answers.
@@ -131,10 +133,11 @@ def configuration() -> str:
         "tokens are set, at least 16 characters with 8 distinct, and neither a well-known "
         "default nor an example's placeholder.\n"
     )
+    out.append(worker_settings())
     out.append("\n## Options that take a variable\n\n")
     out.append("Every option is in the [CLI reference](cli.md).\n\n")
     out.append("| variable | option | default |\n| --- | --- | --- |\n")
-    for command_name in ("worker", "up", "serve"):
+    for command_name in ("up", "serve"):
         for param in _command(command_name).params:
             envvar = getattr(param, "envvar", None)
             if not envvar:
@@ -159,14 +162,39 @@ def configuration() -> str:
     return "".join(out)
 
 
+def worker_settings() -> str:
+    """The worker's section: every field of ``worker.settings.WorkerSettings``, its
+    flag, variable, type, default and description."""
+    from worker import settings
+
+    out = ["\n## The worker: `ddpq worker`\n\n"]
+    out.append(
+        "From `worker.settings.WorkerSettings`: each setting is a flag of `ddpq worker` and "
+        "a variable; the flag wins. A bad value stops the worker at start (exit code 2), "
+        "naming both.\n\n"
+    )
+    out.append("| option | variable | type | default | what |\n| --- | --- | --- | --- | --- |\n")
+    for name, field in settings.WorkerSettings.model_fields.items():
+        var = settings.variable(name)
+        shown = settings.shown(name)
+        out.append(
+            f"| `{settings.flag(name)}` | {f'`{var}`' if var else 'none'} "
+            f"| {_cell(_type_name(field.annotation))} | {f'`{shown}`' if shown else 'unset'} "
+            f"| {_cell(field.description or '')} |\n"
+        )
+    return "".join(out)
+
+
 def _root_command() -> Any:
     import typer
 
     from ddpq.cli import _name_values, _ordered, app
+    from ddpq.cli.servers import describe_settings
 
     command = typer.main.get_command(app)
     _ordered(command)
     _name_values(command)
+    describe_settings(command.commands["worker"])  # as `ddpq worker --help` shows them
     return command
 
 

@@ -151,6 +151,7 @@ def job_runner(workspace: Path, spec: dict[str, Any]) -> Any:
     from ddpq.messages import ClaimedJob
     from worker.code import Workdirs
     from worker.runner import JobRunner, RunContext
+    from worker.settings import WorkerSettings
     from worker.venvs import Venvs
 
     ctx = RunContext(
@@ -161,7 +162,7 @@ def job_runner(workspace: Path, spec: dict[str, Any]) -> Any:
         data_dir=workspace,
         launch_prefix="test/",
         advertise_addr="127.0.0.1",
-        kill_grace_s=1.0,
+        settings=WorkerSettings(workspace=workspace, kill_grace_s=1.0),
         claimer_done=threading.Event(),
         workdirs=Workdirs(Path(tempfile.mkdtemp()), cache_bytes=10**6, keep_s=0),
         venvs=Venvs(Path(tempfile.mkdtemp()), max_envs=1),

@@ -2,8 +2,8 @@
 
 - The generated pages (configuration, CLI, REST: docs/gen_reference.py) are what the
   generator writes now, so a setting, flag or route changed without `make docs` fails.
-- Every ``DDPQ_*`` variable the README or a page names is a setting of the API or a
-  variable the code reads (a string in its source, a compose or deploy file).
+- Every ``DDPQ_*`` variable the README or a page names is a setting of the API or of a
+  worker, or a variable the code reads (a string in its source, a compose or deploy file).
 - Every ``ddpq COMMAND`` they name is a command of the CLI.
 - Every REST path they name is a path of the API's OpenAPI document.
 - The README stays a five-minute door: under 250 lines.
@@ -98,9 +98,12 @@ def _variables_in_python(path: Path) -> set[str]:
 @functools.cache
 def variables_the_code_reads() -> frozenset[str]:
     from service.config import Settings
+    from worker.settings import WorkerSettings, variable
 
     prefix = Settings.model_config.get("env_prefix", "")
     names = {f"{prefix}{field}".upper() for field in Settings.model_fields}
+    # The worker's settings read theirs as the API's do (worker/settings.py).
+    names |= {var for field in WorkerSettings.model_fields if (var := variable(field))}
     for directory in CODE_DIRS:
         for path in (ROOT / directory).rglob("*.py"):
             if path.name == "test_docs.py":

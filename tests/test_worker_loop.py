@@ -28,6 +28,7 @@ from ddpq.wire import Backoff
 from worker import slurm, torchrun
 from worker.loop import Loop, Room, Stop, finish, stops
 from worker.outcome import STOP_REASONS, Outcome, stopped
+from worker.settings import WorkerSettings
 
 # ---- the backoff -----------------------------------------------------------------------
 
@@ -182,16 +183,10 @@ class FakeAPI:
 
 def _loop(tmp_path: Path, executor: FakeExecutor) -> tuple[Loop, FakeAPI]:
     (tmp_path / "ws").mkdir(parents=True, exist_ok=True)
-    loop = Loop(
-        executor,
-        default_name="fake-host",
-        url="http://127.0.0.1:9/",
-        token="t",
-        name=None,
-        workspace=tmp_path / "ws",
-        data_dir=tmp_path / "data",
-        checkpoint_dir=None,
+    settings = WorkerSettings(
+        url="http://127.0.0.1:9/", workspace=tmp_path / "ws", data_dir=tmp_path / "data"
     )
+    loop = Loop(executor, settings, token="t", default_name="fake-host")
     api = FakeAPI()
     loop.api = api  # type: ignore[assignment]
     return loop, api
@@ -329,10 +324,12 @@ def test_an_ending_attempt_s_slots_go_into_the_claim_sent_while_its_end_is_repor
     from worker.agent import Agent
     from worker.runner import JobRunner
 
-    agent = Agent(
-        cpu_slots=4, gpus=[0, 1, 2, 3], url="http://127.0.0.1:9", token="t", name="w",
-        workspace=tmp_path / "ws", data_dir=tmp_path / "data", checkpoint_dir=None,
+    (tmp_path / "ws").mkdir()
+    settings = WorkerSettings(
+        cpu_slots=4, gpus=[0, 1, 2, 3], url="http://127.0.0.1:9", name="w",
+        workspace=tmp_path / "ws", data_dir=tmp_path / "data",
     )  # fmt: skip
+    agent = Agent(settings, token="t")
     claim = ClaimedJob(
         job_id=1, attempt=1, token="x", spec={}, device="cuda", nproc_per_node=2,
         gpus=[0, 1], checkpoint_dir="/c", resume_from=[],

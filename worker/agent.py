@@ -11,15 +11,15 @@ import socket
 import sys
 import threading
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any, Unpack
+from typing import Any
 
 from ddpq.messages import ClaimedJob, HeldAttempt
 from worker import procs, startcheck, warm
 from worker import walls as walls_
 from worker.gpuuse import GpuUseLog
-from worker.loop import Loop, Room, Settings
+from worker.loop import Loop, Room
 from worker.runner import JobRunner, RunContext
+from worker.settings import WorkerSettings
 from worker.walls import Walls
 
 log = logging.getLogger("ddpq.worker")
@@ -32,38 +32,35 @@ class Agent:
 
     def __init__(
         self,
+        settings: WorkerSettings,
         *,
-        cpu_slots: int,
-        gpus: list[int],
-        kill_grace_s: float = 10.0,
-        advertise_addr: str | None = None,
-        rdzv_ports: tuple[int, int] | None = None,
-        keep_workdirs_s: float = 0.0,
+        token: str,
+        identity: str | None = None,
         walls: Walls | None = None,
-        launcher: str = warm.DEFAULT_LAUNCHER,
-        trace_file: Path | None = None,
-        **settings: Unpack[Settings],
     ) -> None:
         self.walls = walls or Walls(None)
         self.loop = Loop(
             self,
+            settings,
+            token=token,
+            identity=identity,
             default_name=socket.gethostname(),
-            keep_workdirs_s=keep_workdirs_s,
             walls=self.walls,
-            **settings,
         )
         self.name = self.loop.name
         self.workspace = self.loop.workspace
         self.data_dir = self.loop.data_dir
         self.checkpoint_root = self.loop.checkpoint_root
         self.workdirs = self.loop.workdirs
-        self.cpu_slots = cpu_slots
-        self.gpus = sorted(set(gpus))
-        self.kill_grace_s = kill_grace_s
+        # Unset: what this host has (its cores, the GPUs NVML sees).
+        cpu_slots, gpus = settings.cpu_slots, settings.gpus
+        self.cpu_slots = default_cpu_slots() if cpu_slots is None else cpu_slots
+        self.gpus = sorted(set(detect_gpus() if gpus is None else gpus))
+        self.kill_grace_s = settings.kill_grace_s
         # Multi-node jobs: where the other nodes reach this host, and the ports its
-        # rendezvous stores may use (None: any free port).
-        self.advertise_addr = advertise_addr or default_advertise_addr()
-        self.rdzv_ports = rdzv_ports
+        # rendezvous stores may use.
+        self.advertise_addr = settings.advertise_addr or default_advertise_addr()
+        self.rdzv_ports = settings.rdzv_ports
         self.launch_prefix = procs.launch_prefix(self.name, self.data_dir)
         self._lock = threading.Lock()
         self._runners: dict[tuple[int, int], JobRunner] = {}
@@ -84,17 +81,15 @@ class Agent:
             data_dir=self.data_dir,
             launch_prefix=self.launch_prefix,
             advertise_addr=self.advertise_addr,
-            kill_grace_s=kill_grace_s,
+            settings=settings,
             claimer_done=self.loop.claimer_done,
             workdirs=self.workdirs,
             venvs=self.loop.venvs,
             walls=self.walls,
             caches=self.loop.caches,
             warm_pool=pool,
-            launcher=launcher,
-            trace_file=trace_file,
         )
-        if launcher == "warm":  # the default environment's, ready before the first job
+        if settings.launcher == "warm":  # the default environment's, ready before the first job
             pool.prestart(sys.executable, warm.default_zygote_env())
 
     # ---- slots ------------------------------------------------------------------
@@ -124,8 +119,7 @@ class Agent:
         """A port free on this host for a rendezvous store, not already offered to one
         of this worker's node-0 slots; None when the range is used up."""
         taken = {r.rdzv_port for r in self.running()}
-        candidates = range(self.rdzv_ports[0], self.rdzv_ports[1] + 1) if self.rdzv_ports else [0]
-        for port in candidates:
+        for port in range(self.rdzv_ports[0], self.rdzv_ports[1] + 1):
             if port in taken:
                 continue
             with socket.socket() as s:

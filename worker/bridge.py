@@ -23,16 +23,17 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Unpack
+from typing import Any
 
 from ddpq.errors import JobError, SlurmError, Stopped
 from ddpq.messages import ClaimedJob, HeldAttempt
 from ddpq.wire import Backoff
 from worker import slurm, warm
 from worker.logship import LogShipper
-from worker.loop import Loop, Room, Settings
+from worker.loop import Loop, Room
 from worker.outcome import Outcome, stopped
 from worker.prepare import prepared
+from worker.settings import WorkerSettings
 
 log = logging.getLogger("ddpq.worker")
 
@@ -85,28 +86,28 @@ class Bridge:
     detached = True
 
     def __init__(
-        self,
-        *,
-        partition: str,
-        account: str | None = None,
-        sbatch_args: tuple[str, ...] = (),
-        max_pending: int = 2,
-        poll_s: float = 2.0,
-        launcher: str = warm.DEFAULT_LAUNCHER,
-        **settings: Unpack[Settings],
+        self, settings: WorkerSettings, *, token: str, identity: str | None = None
     ) -> None:
-        self.loop = Loop(self, default_name=f"slurm-{partition}@{socket.gethostname()}", **settings)
+        partition = settings.partition
+        assert partition is not None  # WorkerSettings refuses a bridge without one
+        self.loop = Loop(
+            self,
+            settings,
+            token=token,
+            identity=identity,
+            default_name=f"slurm-{partition}@{socket.gethostname()}",
+        )
         self.name = self.loop.name
         self.api = self.loop.api
         self.partition = partition
-        self.max_pending = max_pending
-        self.poll_s = poll_s
+        self.max_pending = settings.max_pending
+        self.poll_s = settings.poll_s
         self.scripts = self.loop.data_dir / "slurm"
-        self.launcher = launcher  # for jobs whose spec names none (worker.warm)
+        self.launcher = settings.launcher  # for jobs whose spec names none (worker.warm)
         self.submission = slurm.Submission(
             partition=partition,
-            account=account,
-            extra=tuple(sbatch_args),
+            account=settings.account,
+            extra=tuple(settings.sbatch_arg),
             bridge=self.name,
             identity=self.api.identity,
             output_dir=str(self.scripts),

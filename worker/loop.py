@@ -19,10 +19,8 @@ import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, NotRequired, Protocol, TypedDict, Unpack
+from typing import Any, Protocol
 
-from ddpq.config import DEFAULT_CACHE_GB
 from ddpq.errors import ApiRefused, ApiUnavailable
 from ddpq.messages import ClaimedJob, HeartbeatReply, HeldAttempt
 from ddpq.wire import Backoff
@@ -32,8 +30,8 @@ from worker.caches import Caches
 from worker.checkpoints import Pruner
 from worker.code import Workdirs
 from worker.outcome import Outcome
-from worker.requirements import Policy
 from worker.sending import Sender
+from worker.settings import WorkerSettings
 from worker.venvs import Venvs
 from worker.walls import Walls
 
@@ -42,24 +40,6 @@ log = logging.getLogger("ddpq.worker")
 CLAIM_WAIT_S = 5.0  # also bounds how long a stop waits for an open claim
 CLAIM_HANDBACK_WAIT_S = 30.0
 MAX_KEPT = 10_000  # job directories a heartbeat asks about (the API's limit)
-DEFAULT_CODE_CACHE_BYTES = 10 * 1000**3
-DEFAULT_MAX_ENVS = 8
-
-
-class Settings(TypedDict):
-    """What ``ddpq worker`` gives every executor."""
-
-    url: str
-    token: str
-    name: str | None
-    workspace: Path
-    data_dir: Path
-    checkpoint_dir: Path | None
-    identity: NotRequired[str | None]
-    code_cache_bytes: NotRequired[int]
-    max_envs: NotRequired[int]
-    pip_policy: NotRequired[Policy | None]
-    cache_bytes: NotRequired[int]  # each user's caches (worker.caches); 0: none kept
 
 
 @dataclass(frozen=True)
@@ -182,36 +162,30 @@ class Loop:
     def __init__(
         self,
         executor: Executor,
+        settings: WorkerSettings,
         *,
+        token: str,
         default_name: str,
-        keep_workdirs_s: float = 0.0,
+        identity: str | None = None,
         walls: Walls | None = None,
-        **settings: Unpack[Settings],
     ) -> None:
         self.executor = executor
-        self.url = settings["url"].rstrip("/")
-        self.name = settings["name"] or default_name
-        self.workspace = settings["workspace"].resolve()
-        self.data_dir = settings["data_dir"].resolve()
-        checkpoint_dir = settings["checkpoint_dir"]
+        self.settings = settings
+        self.url = settings.url.rstrip("/")
+        self.name = settings.name or default_name
+        self.workspace = settings.workspace.resolve()
+        self.data_dir = settings.data_dir.resolve()
+        checkpoint_dir = settings.checkpoint_dir
         self.checkpoint_root = (checkpoint_dir or self.data_dir / "checkpoints").resolve()
         # Deletes the checkpoints the API lets go (keep_last, retention) under that root.
         self.pruner = Pruner(self.checkpoint_root)
-        token = settings["token"]
-        self.api = WorkerAPI(self.url, token, self.name, settings.get("identity"))
+        self.api = WorkerAPI(self.url, token, self.name, identity)
         # Sends the checkpoints forks elsewhere want (service.queue.forks) to the API.
         self.sender = Sender(self.checkpoint_root, self.api)
-        self.workdirs = Workdirs(
-            self.data_dir,
-            settings.get("code_cache_bytes", DEFAULT_CODE_CACHE_BYTES),
-            keep_workdirs_s,
-        )
-        max_envs = settings.get("max_envs", DEFAULT_MAX_ENVS)
-        policy = settings.get("pip_policy")
-        self.venvs = Venvs(self.data_dir / "venvs", max_envs, walls, policy)
+        self.workdirs = Workdirs(self.data_dir, settings.code_cache_bytes, settings.keep_workdirs_s)
+        self.venvs = Venvs(self.data_dir / "venvs", settings.max_envs, walls, settings.pip_policy())
         # Each user's caches across their jobs here (started by an executor that uses them).
-        cache_bytes = settings.get("cache_bytes", int(DEFAULT_CACHE_GB * 1000**3))
-        self.caches = Caches(self.data_dir / "caches", cache_bytes, walls or Walls(None))
+        self.caches = Caches(self.data_dir / "caches", settings.cache_bytes, walls or Walls(None))
         self.heartbeat_s = 2.0
         self.gpu_sample_s = 5.0  # the service's, once registered
         self.stopping = threading.Event()

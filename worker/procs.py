@@ -53,7 +53,7 @@ def launch_prefix(worker_name: str, data_dir: Path) -> str:
 
 def launcher_argv(
     argv: list[str],
-    grace_s: float = 10.0,
+    grace_s: float,
     uid: int | None = None,
     gid: int | None = None,
     warm: str | None = None,

@@ -30,6 +30,7 @@ from worker.code import Workdirs
 from worker.logship import LogShipper, Tailed
 from worker.loop import finish
 from worker.outcome import Outcome, stop_words, stopped
+from worker.settings import WorkerSettings
 from worker.trace import Trace
 from worker.venvs import Venvs
 from worker.walls import Held, Walls
@@ -43,7 +44,9 @@ __all__ = ["JobError", "JobRunner", "RunContext"]
 
 @dataclass
 class RunContext:
-    """What a runner needs of its worker: the same for every attempt the worker runs."""
+    """What a runner needs of its worker: the same for every attempt the worker runs.
+    Its settings are the worker's (worker.settings); the rest is what the worker made of
+    them as it started."""
 
     api: WorkerAPI
     name: str
@@ -52,7 +55,7 @@ class RunContext:
     data_dir: Path
     launch_prefix: str
     advertise_addr: str
-    kill_grace_s: float
+    settings: WorkerSettings
     # Set once the worker's claim loop has returned (shutdown): a handback waits for it.
     claimer_done: threading.Event
     # Jobs' own directories of their code, and environments for their requirements.
@@ -62,12 +65,22 @@ class RunContext:
     walls: Walls = field(default_factory=lambda: Walls(None))
     # Each user's caches across their jobs here (worker.caches); None: none kept.
     caches: Caches | None = None
-    # The warm launcher (worker.warm, issue 34): its processes, and the launcher a job
-    # whose spec names none uses.
+    # The warm launcher's processes (worker.warm); None: a worker that keeps none.
     warm_pool: warm.WarmPool | None = None
-    launcher: str = warm.DEFAULT_LAUNCHER
-    # Where each attempt's phases are recorded (worker.trace; ddpq worker --trace).
-    trace_file: Path | None = None
+
+    @property
+    def kill_grace_s(self) -> float:
+        return self.settings.kill_grace_s
+
+    @property
+    def launcher(self) -> str:
+        """The launcher of jobs whose spec names none (worker.warm)."""
+        return self.settings.launcher
+
+    @property
+    def trace_file(self) -> Path | None:
+        """Where each attempt's phases are recorded (worker.trace; ddpq worker --trace)."""
+        return self.settings.trace_file()
 
     @property
     def logs_root(self) -> Path:

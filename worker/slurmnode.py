@@ -133,7 +133,7 @@ def _run(
 ) -> int:
     pool = None
     if plan.get("launcher") == "warm":  # its import overlaps the rendezvous's set-up
-        pool = warm.WarmPool()
+        pool = warm.WarmPool(keep=1)  # a node runs one attempt: one warm process
         zygote_env = warm.zygote_env(env, claim.spec, claim.nproc_per_node)
         pool.prestart(sys.executable, zygote_env)
     gang = rendezvous(claim, node, slurm_job, os.environ.get("SLURM_JOB_NODELIST", ""))

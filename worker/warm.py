@@ -1,6 +1,7 @@
-"""The warm launcher, the worker's side (issue 34): which launcher an attempt uses, the
-warm processes (worker.zygote) this worker keeps, one per (interpreter, environment), and
-how an attempt's supervisor (worker.launch) asks one for its torchrun.
+"""The warm launcher, the worker's side (docs/jobs.md#the-warm-launcher): which launcher
+an attempt uses, the warm processes (worker.zygote) this worker keeps, one per
+(interpreter, environment), and how an attempt's supervisor (worker.launch) asks one for
+its torchrun.
 
 A job's spec says ``launcher: torchrun`` or ``warm``; without one, the worker's
 ``DDPQ_LAUNCHER`` decides: ``warm`` since it passed every test both kinds of worker (local
@@ -36,7 +37,6 @@ from worker.caches import CACHE_VARS
 log = logging.getLogger("ddpq.worker")
 
 LAUNCHERS = ("torchrun", "warm")
-DEFAULT_LAUNCHER = "warm"
 START_TIMEOUT_S = 120.0  # a zygote's own import of torch, on a loaded host
 # A warm process handed to an attempt this recently is not idle yet: its attempt's
 # supervisor may not have connected (and so have no fork of it) when another asks.
@@ -114,7 +114,7 @@ class WarmPool:
     thread), so the warm processes die with the worker. At most ``keep`` stay without an
     attempt: the least recently used idle ones stop when a new one starts."""
 
-    def __init__(self, keep: int = 8) -> None:
+    def __init__(self, keep: int) -> None:
         self.keep = max(1, keep)
         self._lock = threading.Lock()
         # Least recently used first.

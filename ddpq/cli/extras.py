@@ -32,7 +32,7 @@ MODULES: dict[str, tuple[str, ...]] = {
         "psycopg",
         "prometheus_client",
     ),
-    "worker": ("torch", "pydantic", "packaging"),
+    "worker": ("torch", "pydantic", "pydantic_settings", "packaging"),
 }
 
 

@@ -9,15 +9,19 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.markup import escape
+from typer.core import TyperCommand
 
 from ddpq import config
 from ddpq.cli.base import EXIT_USAGE, _fail, _failed, app, out
 from ddpq.cli.extras import needs
 from ddpq.errors import ApiRefused, SlurmError, WallsError
+
+if TYPE_CHECKING:  # the CLI loads without the worker: imported where a command runs
+    from worker.settings import WorkerSettings
 
 
 @app.command()
@@ -50,124 +54,70 @@ def serve(
         _fail(str(exc), EXIT_USAGE)
 
 
-def _parse_gpus(gpus: str | None) -> list[int]:
-    if gpus is None:
-        from worker.agent import detect_gpus
+# `ddpq worker`'s options, by type: each is a field of worker.settings.WorkerSettings
+# of its name, which gives its help, default and variable (_SettingsCommand).
+_Str = Annotated[str | None, typer.Option()]
+_Int = Annotated[int | None, typer.Option()]
+_Float = Annotated[float | None, typer.Option()]
+_Path = Annotated[Path | None, typer.Option()]
+_Strs = Annotated[list[str] | None, typer.Option()]
 
-        return detect_gpus()
-    if gpus.strip().lower() in ("none", ""):
-        return []
+
+def describe_settings(command: Any) -> None:
+    """Give ``command``'s options their field's help, default and variable, from
+    worker.settings (docs/gen_reference.py calls it too). Without the worker extra
+    nothing is filled: the command itself says what to install."""
     try:
-        return sorted({int(g) for g in gpus.split(",")})
-    except ValueError:
-        _fail(f"--gpus takes 'none' or a list like 0,1,2,3, not {gpus!r}", EXIT_USAGE)
+        from worker import settings
+    except ImportError:
+        return
+    for param in command.params:
+        if param.name not in settings.WorkerSettings.model_fields:
+            continue
+        param.help = settings.WorkerSettings.model_fields[param.name].description
+        param.default = settings.shown(param.name)  # shown in the help, never passed on
+        param.envvar = settings.variable(param.name)
 
 
-@app.command()
+class _SettingsCommand(TyperCommand):
+    """A command whose options are WorkerSettings' fields, described once it is asked
+    for: ``ddpq --help`` imports no module of the worker (tests/test_install.py)."""
+
+    def make_context(
+        self, info_name: str | None, args: list[str], parent: Any = None, **extra: Any
+    ) -> Any:
+        describe_settings(self)
+        return super().make_context(info_name, args, parent, **extra)
+
+
+@app.command(cls=_SettingsCommand)
 def worker(
-    url: Annotated[str, typer.Option(envvar="DDPQ_URL", help="the API's URL")] = config.DEFAULT_URL,
-    workspace: Annotated[Path, typer.Option(help="directory entrypoint jobs run from")] = Path("."),
-    cpu_slots: Annotated[
-        int | None, typer.Option(help="CPU ranks at once (default: cores)")
-    ] = None,
-    gpus: Annotated[
-        str | None, typer.Option(help="GPU indices like 0,1,2,3, or none (default: all torch sees)")
-    ] = None,
-    name: Annotated[str | None, typer.Option(help="worker name (default: host name)")] = None,
-    data_dir: Annotated[Path, typer.Option(envvar="DDPQ_DATA_DIR")] = Path("./var"),
-    checkpoint_dir: Annotated[
-        Path | None, typer.Option(help="default: DATA_DIR/checkpoints")
-    ] = None,
-    kill_grace_s: Annotated[float, typer.Option(help="SIGTERM to SIGKILL on cancel")] = 10.0,
-    advertise_addr: Annotated[
-        str | None,
-        typer.Option(
-            envvar="DDPQ_ADVERTISE_ADDR",
-            help="address the other workers reach this host at, for multi-node jobs "
-            "(default: what the host name resolves to, else 127.0.0.1)",
-        ),
-    ] = None,
-    rdzv_ports: Annotated[
-        str,
-        typer.Option(
-            envvar="DDPQ_RDZV_PORTS",
-            help="ports (FIRST-LAST) a multi-node job's rendezvous may use on this host "
-            "when it is node 0; open them between workers",
-        ),
-    ] = "29400-29499",
-    code_cache_gb: Annotated[
-        float, typer.Option(help="cap of the cache of jobs' code contents, in GB")
-    ] = 10.0,
-    cache_gb: Annotated[
-        float,
-        typer.Option(
-            envvar="DDPQ_CACHE_GB",
-            help="cap of each user's caches kept across their jobs on this worker (inductor, "
-            "Triton, Hugging Face, torch hub, matplotlib), in GB: the least recently used "
-            "files go as an attempt ends; 0 keeps none",
-        ),
-    ] = config.DEFAULT_CACHE_GB,
-    keep_workdirs_s: Annotated[
-        float,
-        typer.Option(
-            help="keep a job's directory this long past the API's retention for it "
-            "(DDPQ_WORKDIR_RETENTION; debugging)"
-        ),
-    ] = 0.0,
-    max_envs: Annotated[
-        int, typer.Option(help="environments kept for jobs' Python requirements")
-    ] = 8,
-    executor: Annotated[
-        str,
-        typer.Option(
-            help="local: run jobs on this host; slurm: a bridge that hands each job to Slurm"
-        ),
-    ] = "local",
-    partition: Annotated[
-        str | None, typer.Option(help="slurm: the partition jobs go to (required)")
-    ] = None,
-    account: Annotated[str | None, typer.Option(help="slurm: sbatch --account")] = None,
-    sbatch_arg: Annotated[
-        list[str] | None,
-        typer.Option(help="slurm: an argument passed to sbatch as is (repeat for several)"),
-    ] = None,
-    max_pending: Annotated[
-        int, typer.Option(help="slurm: jobs the bridge lets wait in Slurm at once")
-    ] = 2,
-    poll_s: Annotated[float, typer.Option(help="slurm: how often squeue is asked")] = 2.0,
-    job_uids: Annotated[
-        str,
-        typer.Option(
-            envvar="DDPQ_JOB_UIDS",
-            help="run each job under a uid of its own from FIRST-LAST (walls between jobs; "
-            "needs root or the capabilities docs/security.md names); auto: 70000-70999 when "
-            "the worker may, else its own user; off: the worker's own user",
-        ),
-    ] = "auto",
-    pip_allow: Annotated[
-        list[str] | None,
-        typer.Option(
-            help="what else jobs' requirements may hold besides names with versions and "
-            "files of their code: url, option or path-outside (repeat for several)"
-        ),
-    ] = None,
-    launcher: Annotated[
-        str,
-        typer.Option(
-            envvar="DDPQ_LAUNCHER",
-            help="how jobs whose spec names no launcher start: warm (forked from a process "
-            "with torch imported: seconds faster) or torchrun (a cold torchrun per attempt)",
-        ),
-    ] = "warm",  # worker.warm.DEFAULT_LAUNCHER (not imported: the CLI loads without the worker)
-    trace: Annotated[
-        Path | None,
-        typer.Option(
-            help="append one JSON line per attempt to this file: when it reached each phase "
-            "(claimed, prepared, spawned, first line, exited, reported; bench/overhead.py "
-            "--trace reads it)"
-        ),
-    ] = None,
-    log_level: str = "info",
+    ctx: typer.Context,
+    url: _Str = None,
+    workspace: _Path = None,
+    cpu_slots: _Int = None,
+    gpus: _Str = None,
+    name: _Str = None,
+    data_dir: _Path = None,
+    checkpoint_dir: _Path = None,
+    kill_grace_s: _Float = None,
+    advertise_addr: _Str = None,
+    rdzv_ports: _Str = None,
+    code_cache_gb: _Float = None,
+    cache_gb: _Float = None,
+    keep_workdirs_s: _Float = None,
+    max_envs: _Int = None,
+    executor: _Str = None,
+    partition: _Str = None,
+    account: _Str = None,
+    sbatch_arg: _Strs = None,
+    max_pending: _Int = None,
+    poll_s: _Float = None,
+    job_uids: _Str = None,
+    pip_allow: _Strs = None,
+    launcher: _Str = None,
+    trace: _Path = None,
+    log_level: _Str = None,
 ) -> None:
     """Run a worker on this host, or a bridge to a Slurm partition.
 
@@ -175,82 +125,54 @@ def worker(
     slurm, it hands each job to Slurm as one batch job instead (run it on a login
     node; the compute nodes need this Python with ddpq and must reach the API).
     """
-    import logging
-
     with needs("worker", "a worker", "worker"):
-        from worker import datadir
-        from worker.agent import Agent, default_cpu_slots
         from worker.procs import make_undumpable
-        from worker.requirements import Policy
-        from worker.walls import Walls
+        from worker.settings import SettingsError, WorkerSettings
 
     make_undumpable()  # before the token is read: jobs run as this user
-
+    # The options given, or their variables as click read them; never a default, which
+    # is the settings' own.
+    given = {k: v for k, v in ctx.params.items() if _passed(ctx, k)}
+    try:
+        settings = WorkerSettings.load(**given)
+    except SettingsError as exc:
+        _fail(str(exc), EXIT_USAGE)
     token = config.worker_token()
     if not token:
         _fail(
             "no worker token: set DDPQ_WORKER_TOKEN (or DDPQ_DATA_DIR to the API's data dir)",
             EXIT_USAGE,
         )
-    if not workspace.is_dir():
-        _fail(f"--workspace {workspace} is not a directory", EXIT_USAGE)
-    if not 0 <= cache_gb < 1e9:
-        _fail(f"--cache-gb takes a size in GB from 0 (no caches), not {cache_gb}", EXIT_USAGE)
-    first, _, last = rdzv_ports.partition("-")
-    try:
-        ports = (int(first), int(last or first))
-    except ValueError:
-        ports = (0, -1)
-    if not 1 <= ports[0] <= ports[1] <= 65535:
-        _fail(f"--rdzv-ports takes FIRST-LAST within 1-65535, not {rdzv_ports!r}", EXIT_USAGE)
+    _log_to_stderr(settings.log_level)
+    if settings.executor == "slurm":
+        _run_bridge(settings, token)
+    else:
+        _run_agent(settings, token)
+
+
+def _passed(ctx: typer.Context, name: str) -> bool:
+    source = ctx.get_parameter_source(name)  # typer's own click: compared by name
+    return source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
+
+
+def _log_to_stderr(level: str) -> None:
+    import logging
+
     logging.basicConfig(
-        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the rest
-    try:
-        pip_policy = Policy.parse(pip_allow or [])
-    except ValueError as exc:
-        _fail(f"--pip-allow: {exc}", EXIT_USAGE)
-    identity = datadir.hold(data_dir)  # DataDirBusy: another worker's (exit 2)
-    common: dict[str, Any] = {
-        "url": url, "token": token, "name": name, "workspace": workspace,
-        "data_dir": data_dir, "checkpoint_dir": checkpoint_dir, "identity": identity,
-        "code_cache_bytes": int(code_cache_gb * 1000**3), "max_envs": max(1, max_envs),
-        "pip_policy": pip_policy, "cache_bytes": int(cache_gb * 1000**3),
-    }  # fmt: skip
-    if launcher not in ("torchrun", "warm"):
-        _fail(f"--launcher takes torchrun or warm, not {launcher!r}", EXIT_USAGE)
-    if executor == "slurm":
-        if not partition:
-            _fail("--executor slurm needs --partition", EXIT_USAGE)
-        _run_bridge(
-            common,
-            partition,
-            account,
-            tuple(sbatch_arg or ()),
-            max(1, max_pending),
-            poll_s,
-            launcher,
-        )
-        return
-    if executor != "local":
-        _fail(f"--executor takes local or slurm, not {executor!r}", EXIT_USAGE)
-    try:
-        walls = Walls.configure(job_uids)  # WallsError: cannot wall as asked (exit 2)
-    except ValueError as exc:
-        _fail(str(exc), EXIT_USAGE)
-    agent = Agent(
-        **common,
-        cpu_slots=cpu_slots if cpu_slots is not None else default_cpu_slots(),
-        gpus=_parse_gpus(gpus),
-        kill_grace_s=kill_grace_s,
-        advertise_addr=advertise_addr,
-        rdzv_ports=ports,
-        keep_workdirs_s=keep_workdirs_s,
-        walls=walls,
-        launcher=launcher,
-        trace_file=trace.resolve() if trace else None,
-    )
+
+
+def _run_agent(settings: WorkerSettings, token: str) -> None:
+    """Run a worker on this host, or exit with why the API or the walls refuse it."""
+    from worker import datadir
+    from worker.agent import Agent
+    from worker.walls import Walls
+
+    identity = datadir.hold(settings.data_dir)  # DataDirBusy: another worker's (exit 2)
+    walls = Walls.configure(settings.job_uids)  # WallsError: cannot wall as asked (exit 2)
+    agent = Agent(settings, token=token, identity=identity, walls=walls)
     try:
         agent.run()
     except ApiRefused as exc:  # a live worker holds this name (409), or a bad token
@@ -259,31 +181,17 @@ def worker(
         _failed(exc, f"cannot wall jobs: {exc}")
 
 
-def _run_bridge(
-    common: dict[str, Any],
-    partition: str,
-    account: str | None,
-    sbatch_args: tuple[str, ...],
-    max_pending: int,
-    poll_s: float,
-    launcher: str = "warm",
-) -> None:
+def _run_bridge(settings: WorkerSettings, token: str) -> None:
     """Run a Slurm bridge, or exit with why the partition or the API refuse it."""
+    from worker import datadir
     from worker.bridge import Bridge
 
-    bridge = Bridge(
-        **common,
-        partition=partition,
-        account=account,
-        sbatch_args=sbatch_args,
-        max_pending=max_pending,
-        poll_s=max(0.2, poll_s),
-        launcher=launcher,
-    )
+    identity = datadir.hold(settings.data_dir)  # DataDirBusy: another worker's (exit 2)
+    bridge = Bridge(settings, token=token, identity=identity)
     try:
         bridge.shape()
     except SlurmError as exc:  # sinfo failed, or names no node of the partition
-        _failed(exc, f"Slurm partition {partition}: {exc}")
+        _failed(exc, f"Slurm partition {settings.partition}: {exc}")
     try:
         bridge.run()
     except ApiRefused as exc:
@@ -368,9 +276,11 @@ def up(
     host: Annotated[str, typer.Option(envvar="DDPQ_HOST")] = "127.0.0.1",
     port: Annotated[int, typer.Option(envvar="DDPQ_PORT")] = 8000,
     workspace: Annotated[Path, typer.Option(help="directory entrypoint jobs run from")] = Path("."),
-    cpu_slots: Annotated[int | None, typer.Option()] = None,
+    cpu_slots: Annotated[
+        int | None, typer.Option(help="the local worker's CPU ranks at once (default: cores)")
+    ] = None,
     gpus: Annotated[
-        str | None, typer.Option(help="GPU indices, or none (default: all torch sees)")
+        str | None, typer.Option(help="GPU indices, or none (default: all NVML sees)")
     ] = None,
     job_uids: Annotated[
         str | None,

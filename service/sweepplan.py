@@ -104,6 +104,7 @@ def tell(metric: str | None, t: TrialRead, final: tuple[int, float | None] | Non
 
 
 def decide(read: SweepRead) -> Plan:
+    """What a round of the sweep ``read`` does (service.sweeps writes it)."""
     spec = read.spec
     plan = Plan()
     pause = asha.pausing(spec)
@@ -168,22 +169,29 @@ def decide(read: SweepRead) -> Plan:
         (not by_number[n].ended and r.state != asha.PAUSED) or r.state == "active"
         for n, r in records.items()
     )
-    stalled = [r for r in records.values() if r.state == asha.PAUSED]
-    if stalled and not running and read.made >= spec.limit:
-        if any(by_number[r.number].status != JobStatus.HELD for r in stalled) or (
-            asha.promotable(spec, list(records.values()), tail=True)
-        ):
-            running = True  # one still stopping (the round once it is held decides), or
-            # one to promote as room frees
-        else:
-            for r in stalled:
-                step, value = r.rungs[-1]
-                words = asha.never_promoted(spec, r)
-                plan.unpromoted.append(studies.Prune(r.number, step, value, words))
-                r.state = "pruned"
+    if not running and read.made >= spec.limit:
+        running = _prune_unpromoted(read, plan, records)
     plan.best = studies.best(spec, list(records.values()))
     plan.done = read.made >= spec.limit and not running
     return plan
+
+
+def _prune_unpromoted(read: SweepRead, plan: Plan, records: dict[int, studies.Record]) -> bool:
+    """Nothing runs and no trial may be made: the paused trials left are pruned, unless
+    one still stops (the round once its job is held decides) or one may be promoted as
+    room frees. Whether the sweep still runs."""
+    stalled = [r for r in records.values() if r.state == asha.PAUSED]
+    held = {t.number for t in read.trials if t.status == JobStatus.HELD}
+    if any(r.number not in held for r in stalled) or (
+        stalled and asha.promotable(read.spec, list(records.values()), tail=True)
+    ):
+        return True
+    for r in stalled:
+        step, value = r.rungs[-1]
+        words = asha.never_promoted(read.spec, r)
+        plan.unpromoted.append(studies.Prune(r.number, step, value, words))
+        r.state = "pruned"
+    return False
 
 
 def ended_words(read: SweepRead, plan: Plan) -> str:

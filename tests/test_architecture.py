@@ -6,7 +6,8 @@
   that run them; ``ddpq.train``, ``ddpq.wire`` and ``ddpq.errors`` (which every rank
   imports) import no project module but ``ddpq.errors``, ``ddpq.rules``,
   ``ddpq.tensorboard`` and ``ddpq.wire``;
-- no Python module over ``MAX_MODULE_LINES`` lines (issue 28).
+- no Python module over ``MAX_MODULE_LINES`` lines, no function over
+  ``MAX_FUNCTION_LINES``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("service", "worker", "ddpq", "recipes")
 MAX_MODULE_LINES = 600
+MAX_FUNCTION_LINES = 80
 
 
 def _module_name(path: Path) -> str:
@@ -107,9 +109,9 @@ def test_the_rooms_import_only_what_they_may() -> None:
 
 def test_no_module_is_over_the_line_limit() -> None:
     """Every Python module of the packages stays within MAX_MODULE_LINES: past that a
-    module holds more than one concern, and is split along its seam (issue 28 split
-    ddpq/cli/jobs.py and service/app.py so). The rule is the issue's, about the Python
-    modules these import rules cover; the dashboard's script (service/static/app.js) is
+    module holds more than one concern, and is split along its seam (as ddpq/cli/jobs.py
+    and service/app.py were). The rule is about the Python modules these import rules
+    cover; the dashboard's script (service/static/app.js) is
     no module of theirs, served to the browser as written, and is left to its own."""
     over = {
         str(path.relative_to(REPO)): lines
@@ -119,3 +121,17 @@ def test_no_module_is_over_the_line_limit() -> None:
     assert over == {}, f"over {MAX_MODULE_LINES} lines, split each along a seam: " + ", ".join(
         f"{path} ({lines} lines)" for path, lines in sorted(over.items())
     )
+
+
+def test_no_function_is_over_the_line_limit() -> None:
+    """Every function of the packages (its signature, docstring and body) stays within
+    MAX_FUNCTION_LINES: a longer one does several things a reader must hold at once (the
+    worker's command was 182 lines before its settings had an owner, worker.settings)."""
+    over = []
+    for path in _modules().values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    over.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({lines})")
+    assert over == [], f"over {MAX_FUNCTION_LINES} lines, split each: " + ", ".join(over)

@@ -187,6 +187,13 @@ def capture(root: Path | int, code: dict[str, Entry], limits: Limits) -> Capture
                 (out.entries if code.get(rel) == e else mine).append(e)
     finally:
         os.close(root_fd)
+    _keep_within(out, mine, refused, limits)
+    return out
+
+
+def _keep_within(out: Captured, mine: list[Entry], refused: list[Entry], limits: Limits) -> None:
+    """Keep the job's own files smallest first within the outputs' limits, then drop the
+    links that leave through another link (ddpq.snapshot's rule)."""
     files = n_bytes = 0
     for e in sorted(mine, key=lambda e: (e.size, e.path)):
         if files + 1 > limits.max_files:
@@ -208,7 +215,6 @@ def capture(root: Path | int, code: dict[str, Entry], limits: Limits) -> Capture
         if p.path not in gone:
             out.leave(p.path, None, p.why)
             out.entries = [e for e in out.entries if e.path != p.path]
-    return out
 
 
 def digest_under(name: str, dir_fd: int, st: os.stat_result) -> str | None:

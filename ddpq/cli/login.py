@@ -83,6 +83,23 @@ def _check(url: str, token: str) -> dict[str, Any]:
         _failed(exc, f"{url}: {exc}. Nothing saved")
 
 
+def _login_url(url: str | None, name: str | None) -> str:
+    """Where a login goes: the URL given, else --url, the URL saved for --server NAME,
+    DDPQ_URL or DDPQ_PORT, the default server's, the built-in default."""
+    saved = config.load()
+    if url is not None:
+        return config.check_url(url)
+    if _Api.url:
+        return config.check_url(_Api.url)
+    if name is not None and name in saved.servers:
+        return saved.servers[name].url
+    if (from_env := config.env_url()) is not None:
+        return config.check_url(from_env[0])
+    if saved.default is not None and saved.default in saved.servers:
+        return saved.servers[saved.default].url
+    return config.DEFAULT_URL
+
+
 @client_command()
 def login(
     url: Annotated[
@@ -116,19 +133,7 @@ def login(
     uses the default server, or the one --server NAME picks: ddpq --server NAME ls.
     """
     name = _server_name(server)
-    saved = config.load()
-    if url is not None:
-        target = config.check_url(url)
-    elif _Api.url:
-        target = config.check_url(_Api.url)
-    elif name is not None and name in saved.servers:
-        target = saved.servers[name].url
-    elif (from_env := config.env_url()) is not None:
-        target = config.check_url(from_env[0])
-    elif saved.default is not None and saved.default in saved.servers:
-        target = saved.servers[saved.default].url
-    else:
-        target = config.DEFAULT_URL
+    target = _login_url(url, name)
     token = _read_token(target, token_stdin)
     who = _check(target, token)
     replaced = None

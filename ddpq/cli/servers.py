@@ -271,6 +271,22 @@ def _log_in_locally(
     )
 
 
+def _say_up(url: str, database: str, token_from: str, logged_in: str, token_file: Path) -> None:
+    """What `ddpq up` prints once the API answers: where, with which token, what to try."""
+    out.print(
+        f"\n[bold]ddpq is up[/bold] at {url}  (database: {database})\n"
+        f"  user token: {token_from} (the first admin's)\n"
+        f"  {escape(logged_in)}\n"
+        f"  dashboard: {url}/  (asks for that token once)\n"
+        f"  try:  ddpq submit --recipe toy-regression --world-size 2 && ddpq ls\n"
+        f"  a team: ddpq users add NAME prints a token for each person, who runs"
+        f" ddpq login {url}\n"
+        f'  curl: curl -H "Authorization: Bearer $(cat {token_file})" {url}/jobs\n',
+        highlight=False,
+        soft_wrap=True,
+    )
+
+
 @app.command()
 def up(
     host: Annotated[str, typer.Option(envvar="DDPQ_HOST")] = "127.0.0.1",
@@ -319,24 +335,10 @@ def up(
         "DDPQ_WORKER_TOKEN": api.state.worker_token,
         "DDPQ_DATA_DIR": str(settings.data_dir),
     }
-    argv = [
-        sys.executable,
-        "-m",
-        "ddpq.cli",
-        "worker",
-        "--url",
-        url,
-        "--workspace",
-        str(workspace),
-        "--name",
-        "local",
-    ]
-    if cpu_slots is not None:
-        argv += ["--cpu-slots", str(cpu_slots)]
-    if gpus is not None:
-        argv += ["--gpus", gpus]
-    if job_uids is not None:
-        argv += ["--job-uids", job_uids]
+    argv = [sys.executable, "-m", "ddpq.cli", "worker", "--url", url]
+    argv += ["--workspace", str(workspace), "--name", "local"]
+    for option, value in (("--cpu-slots", cpu_slots), ("--gpus", gpus), ("--job-uids", job_uids)):
+        argv += [option, str(value)] if value is not None else []
     # The worker needs time to hand its jobs back before the supervisor gives up on it.
     local_worker = subprocess.Popen(launcher_argv(argv, grace_s=150), env=env)
     token_file = (settings.data_dir / "api-token").resolve()
@@ -345,18 +347,7 @@ def up(
         signal.signal(sig, lambda *_: stop.set())
     token_from = "DDPQ_API_TOKEN" if settings.api_token else str(token_file)
     logged_in = _log_in_locally(host, port, api.state.api_token, thread, stop, token_from)
-    out.print(
-        f"\n[bold]ddpq is up[/bold] at {url}  (database: {settings.resolved_database_url})\n"
-        f"  user token: {token_from} (the first admin's)\n"
-        f"  {escape(logged_in)}\n"
-        f"  dashboard: {url}/  (asks for that token once)\n"
-        f"  try:  ddpq submit --recipe toy-regression --world-size 2 && ddpq ls\n"
-        f"  a team: ddpq users add NAME prints a token for each person, who runs"
-        f" ddpq login {url}\n"
-        f'  curl: curl -H "Authorization: Bearer $(cat {token_file})" {url}/jobs\n',
-        highlight=False,
-        soft_wrap=True,
-    )
+    _say_up(url, settings.resolved_database_url, token_from, logged_in, token_file)
     while not stop.wait(0.5):
         if not thread.is_alive() or local_worker.poll() is not None:
             break

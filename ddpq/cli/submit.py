@@ -61,35 +61,47 @@ from ddpq.snapshot import file_count, human_bytes
 PROGRESS_MIN_BYTES = 1_000_000  # a smaller upload is over before a bar would help
 
 
+# submit's own options (those it shares with resubmit are ddpq.cli.jobflags').
+FileOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--file", "-f", help="a job spec in YAML or JSON (- for stdin); flags override it"
+    ),
+]
+RecipeOpt = Annotated[
+    str | None, typer.Option(metavar="NAME", help="a built-in recipe (ddpq recipes)")
+]
+EntrypointOpt = Annotated[
+    str | None,
+    typer.Option(
+        metavar="FILE",
+        help="a script in the code sent with the job (or, with --no-code, in the worker's "
+        "workspace)",
+    ),
+]
+WorkdirOpt = Annotated[
+    Path | None,
+    typer.Option(
+        metavar="DIR", help="the directory sent as the job's code (default: the current one)"
+    ),
+]
+NoCodeOpt = Annotated[
+    bool, typer.Option("--no-code", help="send no code: run from the worker's workspace")
+]
+KeyOpt = Annotated[
+    str | None,
+    typer.Option(metavar="KEY", help="a repeat with the same key and spec returns the first job"),
+]
+
+
 @client_command(context_settings={"allow_interspersed_args": False})
 def submit(
     args: Args = None,
-    file: Annotated[
-        str | None,
-        typer.Option(
-            "--file", "-f", help="a job spec in YAML or JSON (- for stdin); flags override it"
-        ),
-    ] = None,
-    recipe: Annotated[
-        str | None, typer.Option(metavar="NAME", help="a built-in recipe (ddpq recipes)")
-    ] = None,
-    entrypoint: Annotated[
-        str | None,
-        typer.Option(
-            metavar="FILE",
-            help="a script in the code sent with the job (or, with --no-code, in "
-            "the worker's workspace)",
-        ),
-    ] = None,
-    workdir: Annotated[
-        Path | None,
-        typer.Option(
-            metavar="DIR", help="the directory sent as the job's code (default: the current one)"
-        ),
-    ] = None,
-    no_code: Annotated[
-        bool, typer.Option("--no-code", help="send no code: run from the worker's workspace")
-    ] = False,
+    file: FileOpt = None,
+    recipe: RecipeOpt = None,
+    entrypoint: EntrypointOpt = None,
+    workdir: WorkdirOpt = None,
+    no_code: NoCodeOpt = False,
     world_size: WorldSize = None,
     nnodes: Nnodes = None,
     name: Name = None,
@@ -107,12 +119,7 @@ def submit(
     after: AfterOpt = None,
     from_checkpoint: ForkOpt = None,
     array: ArrayOpt = None,
-    idempotency_key: Annotated[
-        str | None,
-        typer.Option(
-            metavar="KEY", help="a repeat with the same key and spec returns the first job"
-        ),
-    ] = None,
+    idempotency_key: KeyOpt = None,
     wait: Wait = False,
     strict: Strict = False,
     as_json: JsonOpt = False,

@@ -1,4 +1,10 @@
-"""The worker's HTTP client of the service, with retries for what must not be lost."""
+"""The worker's HTTP client of the service, with retries for what must not be lost.
+
+Each request's body is validated, before it is sent, by the model the service's route
+validates it with (ddpq.messages: register, claim, gang, heartbeat, finish): one
+definition for both sides, so what the worker sends cannot drift from what the service
+takes, and a body the service would refuse is refused here as the service would, 422
+naming the field (ApiRefused), without a request."""
 
 from __future__ import annotations
 
@@ -9,9 +15,21 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
+from pydantic import BaseModel, ValidationError
 
-from ddpq.errors import ApiRefused, ApiUnavailable, answer_error, no_answer
-from ddpq.messages import ClaimedJob, CodeSnapshot, GangReply, HeartbeatReply, WorkerRegistered
+from ddpq.errors import ApiRefused, ApiUnavailable, answer_error, format_detail, no_answer
+from ddpq.messages import (
+    ClaimedJob,
+    ClaimRequest,
+    CodeSnapshot,
+    FinishBody,
+    GangReply,
+    GangRequest,
+    Heartbeat,
+    HeartbeatReply,
+    WorkerRegister,
+    WorkerRegistered,
+)
 from ddpq.wire import Backoff
 
 log = logging.getLogger("ddpq.worker")
@@ -43,6 +61,24 @@ class WorkerAPI:
         self._check(r)
         return r
 
+    def _send(
+        self,
+        path: str,
+        model: type[BaseModel],
+        body: dict[str, Any],
+        *,
+        timeout: float | None = None,
+        **kw: Any,
+    ) -> httpx.Response:
+        """POST ``body`` once ``model`` (the route's own) has taken it: its JSON as the
+        model dumps it, or ApiRefused (422) naming what it refused, as the route would."""
+        try:
+            json = model.model_validate(body).model_dump(mode="json", exclude_unset=True)
+        except ValidationError as exc:
+            detail = format_detail(exc.errors(include_url=False, include_context=False))
+            raise ApiRefused("POST", self.url + path, 422, detail) from None
+        return self._request("POST", path, json=json, timeout=timeout, **kw)
+
     @staticmethod
     def _check(r: httpx.Response) -> None:
         """ApiUnavailable (5xx, 429) or ApiRefused (4xx) for an answer that is not a success."""
@@ -52,7 +88,7 @@ class WorkerAPI:
     def register(self, body: dict[str, Any]) -> WorkerRegistered:
         if self.identity:
             body = {**body, "identity": self.identity}
-        r = self._request("POST", "/workers/register", json=body)
+        r = self._send("/workers/register", WorkerRegister, body)
         return WorkerRegistered.model_validate_json(r.content)
 
     def claim(
@@ -71,25 +107,15 @@ class WorkerAPI:
         }
         if advertise_addr and rdzv_port:
             body.update(advertise_addr=advertise_addr, rdzv_port=rdzv_port)
-        r = self._request("POST", "/workers/claim", json=body, timeout=wait_s + 15.0)
+        r = self._send("/workers/claim", ClaimRequest, body, timeout=wait_s + 15.0)
         if r.status_code == 204:
             return None
         return ClaimedJob.model_validate_json(r.content)
 
     def gang(self, job_id: int, attempt: int, wait_s: float, leave: bool = False) -> GangReply:
         """Wait on a held node slot: forming, ready (with the rendezvous) or released."""
-        r = self._request(
-            "POST",
-            "/workers/gang",
-            json={
-                "name": self.name,
-                "job_id": job_id,
-                "attempt": attempt,
-                "wait_s": wait_s,
-                "leave": leave,
-            },
-            timeout=wait_s + 15.0,
-        )
+        body = {"name": self.name, "job_id": job_id, "attempt": attempt, "wait_s": wait_s}
+        r = self._send("/workers/gang", GangRequest, {**body, "leave": leave}, timeout=wait_s + 15)
         return GangReply.model_validate_json(r.content)
 
     def heartbeat(
@@ -117,7 +143,7 @@ class WorkerAPI:
             body["cleared"] = cleared
         if sent:
             body["sent"] = sent
-        r = self._request("POST", "/workers/heartbeat", json=body)
+        r = self._send("/workers/heartbeat", Heartbeat, body)
         return HeartbeatReply.model_validate_json(r.content)
 
     def append_log(self, job_id: int, attempt: int, offset: int, data: bytes) -> int:
@@ -131,9 +157,8 @@ class WorkerAPI:
         return int(r.json()["next_offset"])
 
     def finish(self, job_id: int, body: dict[str, Any]) -> dict[str, Any]:
-        result: dict[str, Any] = self._request(
-            "POST", f"/workers/jobs/{job_id}/finish", json={"worker": self.name, **body}
-        ).json()
+        path = f"/workers/jobs/{job_id}/finish"
+        result: dict[str, Any] = self._send(path, FinishBody, {"worker": self.name, **body}).json()
         return result
 
     def snapshot(self, snapshot_id: str) -> CodeSnapshot:

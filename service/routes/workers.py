@@ -40,7 +40,7 @@ from service.errors import responses
 from service.models import TERMINAL, JobStatus
 from service.schemas import (
     ClaimRequest,
-    FinishRequest,
+    FinishBody,
     GangRequest,
     Heartbeat,
     JobPublic,
@@ -324,10 +324,6 @@ async def append_job_log(
     data = await log_chunk(request)
     next_offset = await run_in_threadpool(logs.append, db, job_id, attempt, worker, offset, data)
     return LogAppended(next_offset=next_offset)
-
-
-class FinishBody(FinishRequest):
-    worker: WorkerName
 
 
 @router.post(

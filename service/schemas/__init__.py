@@ -27,18 +27,46 @@ only):
 Everything is importable from here too (``from service.schemas import JobSpec``).
 """
 
-from service.schemas.caches import (
+from ddpq.messages import (
+    HOST,
+    INT32_MAX,
+    INT64_MAX,
+    MAX_PATH_CHARS,
+    AttemptNumber,
     CacheCleared,
+    CacheUsage,
+    CheckpointPruned,
+    CheckpointsDropped,
+    CheckpointSent,
+    ClaimRequest,
+    ClusterShape,
+    Digest,
+    ExternalId,
+    FinishBody,
+    FinishRequest,
+    GangRequest,
+    GpuDevice,
+    GpuIndex,
+    GpuSampleIn,
+    Heartbeat,
+    JobIdIn,
+    Label,
+    RunningAttempt,
+    Strict,
+    WaitS,
+    WorkerIdentity,
+    WorkerName,
+    WorkerRegister,
+)
+from service.schemas.caches import (
     CacheClearIn,
     CachePublic,
     CachesCleared,
     CachesPublic,
-    CacheUsage,
 )
 from service.schemas.code import (
     CodeLimits,
     CodeSummary,
-    Digest,
     ManifestEntry,
     ManifestEntryIn,
     MissingReply,
@@ -49,22 +77,15 @@ from service.schemas.code import (
     SnapshotPublic,
 )
 from service.schemas.common import (
-    INT32_MAX,
-    INT64_MAX,
     MAX_NAME_CHARS,
-    MAX_PATH_CHARS,
     Accepted,
     Error,
     ErrorItem,
-    Label,
     LogAppended,
     MetricsAccepted,
-    Strict,
     StrictPosInt,
 )
 from service.schemas.gpus import (
-    GpuDevice,
-    GpuSampleIn,
     GpuUse,
     JobGpu,
     JobGpusPublic,
@@ -152,29 +173,7 @@ from service.schemas.users import (
     UserWithToken,
     WhoAmI,
 )
-from service.schemas.workers import (
-    HOST,
-    AttemptNumber,
-    CheckpointPruned,
-    CheckpointsDropped,
-    CheckpointSent,
-    ClaimRequest,
-    ClusterShape,
-    ExternalId,
-    FinishRequest,
-    GangRequest,
-    GpuIndex,
-    Heartbeat,
-    JobIdIn,
-    RunningAttempt,
-    WaitS,
-    WorkerIdentity,
-    WorkerJob,
-    WorkerName,
-    WorkerPublic,
-    WorkerRegister,
-    WorkersPublic,
-)
+from service.schemas.workers import WorkerJob, WorkerPublic, WorkersPublic
 
 __all__ = [
     "HOST",
@@ -219,6 +218,7 @@ __all__ = [
     "Error",
     "ErrorItem",
     "ExternalId",
+    "FinishBody",
     "FinishRequest",
     "FiniteNumber",
     "FixedParam",

@@ -1,40 +1,15 @@
-"""Users' caches on the workers (service.caches): what a worker's heartbeat reports of
-them and of the clear orders it did, and what people list and clear."""
+"""Users' caches on the workers (service.caches), as people list and clear them. (What a
+worker's heartbeat reports of them and of the clear orders it did is the worker
+protocol's: ddpq.messages.)"""
 
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Literal
+from typing import Annotated
 
 from pydantic import BaseModel, Field
 
-from service.schemas.common import INT64_MAX, Strict
-
-# A user's name as service.users.NAME has it: the worker's directory of their cache.
-CacheUser = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$")]
-# The caches one heartbeat reports (worker.caches.MAX_REPORTED: the most recently used).
-MAX_CACHES = 1000
-MAX_IDLE_S = 10 * 366 * 86400
-Count = Annotated[int, Field(strict=True, ge=0, le=INT64_MAX)]
-
-
-class CacheUsage(Strict):
-    """One user's cache on the reporting worker, as its last attempt left it."""
-
-    user: CacheUser
-    bytes: Count
-    files: Count
-    # How long before the heartbeat it was last used (an attempt gave it back): the
-    # service dates it by its own clock, as it does GPU samples.
-    idle_s: Annotated[float, Field(strict=True, ge=0, le=MAX_IDLE_S, allow_inf_nan=False)]
-
-
-class CacheCleared(Strict):
-    """What a worker did with a clear order (HeartbeatReply.clear): cleared, or missing
-    (it held no cache of that user)."""
-
-    id: Annotated[int, Field(strict=True, ge=1, le=INT64_MAX)]
-    outcome: Literal["cleared", "missing"]
+from ddpq.messages import CacheUser, Strict
 
 
 class CacheClearIn(Strict):

@@ -7,11 +7,8 @@ from typing import Annotated
 
 from pydantic import BaseModel, Field, model_validator
 
+from ddpq.messages import INT64_MAX, Digest, Strict
 from ddpq.snapshot import MAX_PATH_BYTES, entry_problem
-from service.schemas.common import INT64_MAX, Strict
-
-# A sha256, as code snapshots and their contents are named.
-Digest = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", description="sha256, lower-case hex")]
 
 
 class CodeSummary(BaseModel):

@@ -17,6 +17,7 @@ from pydantic import (
 )
 
 from ddpq.catalog import recipe_names
+from ddpq.messages import INT64_MAX, MAX_PATH_CHARS, Digest, Label, Strict
 from ddpq.rules import (
     MAX_ARRAY_INDEX,
     MAX_JOB_SECRETS,
@@ -28,8 +29,8 @@ from ddpq.rules import (
     secret_name_problem,
 )
 from service.models import AttemptOutcome, CheckpointKind, CheckpointState, JobStatus
-from service.schemas.code import CodeSummary, Digest
-from service.schemas.common import INT64_MAX, MAX_NAME_CHARS, MAX_PATH_CHARS, Label, Strict
+from service.schemas.code import CodeSummary
+from service.schemas.common import MAX_NAME_CHARS
 from service.schemas.metrics import (
     MAX_METRIC_NAMES,
     LatestMetrics,

@@ -10,8 +10,9 @@ from typing import Annotated
 from pydantic import AfterValidator, BaseModel, Field, model_validator
 
 from ddpq import rules
+from ddpq.messages import INT32_MAX, INT64_MAX, Strict
 from ddpq.wire import NonFinite, decode_number, encode_number
-from service.schemas.common import INT32_MAX, INT64_MAX, MAX_NAME_CHARS, Strict
+from service.schemas.common import MAX_NAME_CHARS
 
 # One owner for the metric limits: ddpq.train checks them where report() is called.
 MAX_METRIC_ITEMS = rules.MAX_METRIC_ITEMS

@@ -8,9 +8,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 
+from ddpq.messages import INT32_MAX, INT64_MAX, Digest, Strict
 from ddpq.snapshot import MAX_PATH_BYTES
-from service.schemas.code import Digest
-from service.schemas.common import INT32_MAX, INT64_MAX, Strict
 
 MAX_LEFT = 1000  # files named as not sent: more are counted, not named
 

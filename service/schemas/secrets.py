@@ -8,8 +8,8 @@ from typing import Annotated
 
 from pydantic import BaseModel, Field
 
+from ddpq.messages import Strict
 from ddpq.rules import MAX_SECRET_BYTES
-from service.schemas.common import Strict
 
 
 class SecretIn(Strict):

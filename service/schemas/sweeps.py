@@ -12,8 +12,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, Field, model_validator
 
+from ddpq.messages import INT64_MAX, Label, Strict
 from ddpq.rules import MAX_ARRAY_CHARS, MAX_PARAMS, array_indices, param_name_problem
-from service.schemas.common import INT64_MAX, MAX_NAME_CHARS, Label, Strict
+from service.schemas.common import MAX_NAME_CHARS
 from service.schemas.jobs import JobSpec, JobSpecPublic, ParamValue
 from service.schemas.metrics import MetricName, MetricValue
 

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, StringConstraints
 
-from service.schemas.common import Strict
+from ddpq.messages import Strict
 
 UserName = Annotated[str, StringConstraints(min_length=1, max_length=64)]
 

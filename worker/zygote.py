@@ -413,7 +413,28 @@ def _compiler_paths() -> None:
         xpu.cutlass_dir = os.path.realpath(os.environ.get("TORCHINDUCTOR_CUTLASS_DIR", ""))
 
 
-class ForkedRank:
+class _Signalled:
+    """``send_signal``, ``terminate`` and ``kill`` as a Popen has them, for a process
+    held by other means (``_signal``): nothing once it has ended, nothing if it is gone."""
+
+    returncode: int | None
+
+    def _signal(self, sig: int) -> None:
+        raise NotImplementedError
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self._signal(sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class ForkedRank(_Signalled):
     """A forked rank as torch's SubprocessHandler holds a Popen: pid, poll, wait."""
 
     def __init__(self, pid: int, args: list[str]) -> None:
@@ -443,16 +464,8 @@ class ForkedRank:
         assert self.returncode is not None
         return self.returncode
 
-    def send_signal(self, sig: int) -> None:
-        if self.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
+    def _signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
 
 
 # ---- the supervisor's side (worker.launch) -----------------------------------------------
@@ -466,7 +479,7 @@ def strip_tee(argv: list[str]) -> list[str]:
     return argv[4:]
 
 
-class WarmChild:
+class WarmChild(_Signalled):
     """An attempt's torchrun forked by a warm process, as worker.launch holds a Popen:
     ``wait(timeout)``, ``send_signal``, ``kill``. Its exit status comes from the warm
     process (its parent); if that dies first, from the agent's end (pidfd)."""
@@ -524,13 +537,8 @@ class WarmChild:
             self.returncode = -signal.SIGKILL
         return self.returncode
 
-    def send_signal(self, sig: int) -> None:
-        if self.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                signal.pidfd_send_signal(self._pidfd, sig)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
+    def _signal(self, sig: int) -> None:
+        signal.pidfd_send_signal(self._pidfd, sig)  # by its pidfd: never a reused pid
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import asyncio
 import functools
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 from sqlalchemy import JSON, bindparam, case, select, update
@@ -331,7 +331,7 @@ def _claim_whole(
     row = conn.execute(_take_whole(db.dialect, has_gpus), params).first()
     if row is None:
         return None
-    job_id, number, spec, device, nproc, queued_at, nnodes, owner = row
+    job_id, number, _, device, _, _, nnodes, owner = row
     # Read again now that the row is ours (Postgres): a worker's node slot committed
     # after this statement's snapshot, under a lock that changed nothing on the row, is
     # not seen by the pick. The gang came first; this claim is undone.
@@ -341,19 +341,7 @@ def _claim_whole(
     new_attempt(conn, job_id, number, cap.name, token_hash, [], checkpoint_dir, now)
     if quotas_set:  # what its owner holds grew: still within their limits?
         quotas.settle_start(conn, owner, device != "cpu")  # Slurm holds an auto job's GPUs
-    return Claim(
-        job_id=job_id,
-        attempt=number,
-        spec=spec,
-        device=resolve(device, has_gpus),
-        nproc_per_node=nproc,
-        gpus=[],
-        checkpoint_dir=checkpoint_dir,
-        resume_from=resume_from(conn, job_id, number),
-        queued_at=queued_at,
-        nnodes=nnodes,
-        owner=owner,
-    )
+    return _claimed(conn, row, resolve(device, has_gpus), [], checkpoint_dir, nnodes=nnodes)
 
 
 def _head(conn: Connection, db: Database, mine: books.WorkerBooks, now: datetime) -> Any:
@@ -518,7 +506,7 @@ def _start(
     quotas_set: bool,
 ) -> Claim:
     """The attempt row of a single-node job just marked running, and its Claim."""
-    job_id, number, spec, device, nproc, queued_at, owner = row
+    job_id, number, _, device, nproc, _, owner = row
     has_gpus = bool(cap.gpus)
     resolved = resolve(device, has_gpus)
     gpus = cap.free_gpus[:nproc] if resolved == "cuda" else []
@@ -528,16 +516,32 @@ def _start(
     new_attempt(conn, job_id, number, cap.name, token_hash, gpus, checkpoint_dir, now)
     if quotas_set:  # what its owner holds grew: still within their limits?
         quotas.settle_start(conn, owner, bool(gpus))
-    resume = resume_from(conn, job_id, number)
+    return _claimed(conn, row, resolved, gpus, checkpoint_dir)
+
+
+def _claimed(
+    conn: Connection,
+    row: Any,
+    device: Literal["cpu", "cuda"],
+    gpus: list[int],
+    checkpoint_dir: str,
+    nnodes: int = 1,
+) -> Claim:
+    """The Claim of a job row a claim started (its id, attempt, spec, device, nproc,
+    queued_at, owner, as the claim's statements select them; a whole multi-node job's
+    row has its nnodes before the owner): what the attempt runs with, and what it
+    resumes from."""
+    job_id, number, spec, _, nproc, queued_at, *_, owner = row
     return Claim(
         job_id=job_id,
         attempt=number,
         spec=spec,
-        device=resolved,
+        device=device,
         nproc_per_node=nproc,
         gpus=gpus,
         checkpoint_dir=checkpoint_dir,
-        resume_from=resume,
+        resume_from=resume_from(conn, job_id, number),
         queued_at=queued_at,
+        nnodes=nnodes,
         owner=owner,
     )

@@ -22,15 +22,16 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 from urllib.parse import quote
 
 import httpx
 
 from ddpq import codepack, config, pack
 from ddpq.errors import ApiError as ApiError  # where it was before ddpq.errors
-from ddpq.errors import ApiRefused, answer_error, bad_answer, no_answer
+from ddpq.errors import ApiRefused, bad_answer
 from ddpq.errors import format_detail as format_detail
+from ddpq.http import Http
 from ddpq.snapshot import Limits
 from ddpq.wire import CUT_MARKER
 
@@ -85,9 +86,7 @@ class Client:
             url, token, server, flags=("url=", "token=", "server=")
         )
         self.url = self.target.url
-        token = self.target.token
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+        self._http = Http(self.url, self.target.token, timeout)
 
     def __enter__(self) -> Client:
         return self
@@ -100,13 +99,7 @@ class Client:
 
     def _call(self, method: str, path: str, **kw: Any) -> httpx.Response:
         """The answer to ``method path``; ApiError (ddpq.errors) unless it is a success."""
-        try:
-            r = self._http.request(method, path, **kw)
-        except httpx.HTTPError as exc:
-            raise no_answer(method, self.url + path, exc) from exc
-        if r.status_code >= 400:
-            self._raise(r)
-        return r
+        return self._http.request(method, path, **kw)
 
     def _json(self, method: str, path: str, **kw: Any) -> Any:
         """The JSON the API answered ``method path`` with (ApiBadAnswer if it is not)."""
@@ -115,10 +108,6 @@ class Client:
             return r.json()
         except ValueError:
             raise bad_answer(method, str(r.request.url), r.status_code, r.text) from None
-
-    @staticmethod
-    def _raise(r: httpx.Response) -> NoReturn:
-        raise answer_error(r.request.method, str(r.request.url), r.status_code, r.text)
 
     def submit(
         self, spec: dict[str, Any], idempotency_key: str | None = None, strict: bool = False
@@ -525,9 +514,6 @@ class Client:
                 with self._http.stream(
                     "GET", path, params={"offset": offset, "follow": "true"}, timeout=timeout
                 ) as r:
-                    if r.status_code >= 400:
-                        r.read()
-                        self._raise(r)
                     status = r.headers.get("X-Job-Status", "")
                     at = _Offsets(offset)
                     for chunk in r.iter_bytes():
@@ -537,8 +523,6 @@ class Client:
                             got += len(chunk)
             except httpx.ReadTimeout:
                 pass  # a quiet stream: ask again from where we are
-            except httpx.HTTPError as exc:
-                raise no_answer("GET", self.url + path, exc) from exc
             if got:
                 continue  # the stored part may have been cut at the size limit
             if status in TERMINAL:

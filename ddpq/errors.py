@@ -13,6 +13,7 @@
     ├── CodeError               a directory that cannot be sent as code (ddpq.codepack)
     ├── SnapshotError           a code manifest breaks a rule (ddpq.snapshot; a ValueError)
     └── WorkerError             the worker's own
+        ├── SettingsError       a setting it cannot start with (worker.settings; a ValueError)
         ├── DataDirBusy         another worker holds the --data-dir (worker.datadir)
         ├── WallsError          jobs cannot be walled as asked (worker.walls)
         ├── SlurmError          a Slurm command failed, or its answer will not do (worker.bridge,
@@ -169,6 +170,11 @@ class SnapshotError(DdpqError, ValueError):
 
 class WorkerError(DdpqError):
     """The worker's own errors (``ddpq worker``, the Slurm bridge, an attempt)."""
+
+
+class SettingsError(WorkerError, ValueError):
+    """Settings a worker cannot start with (worker.settings): what is wrong with each bad
+    value, naming its flag and variable, on one line (joined by "; ")."""
 
 
 class DataDirBusy(WorkerError):

@@ -58,7 +58,8 @@ from typing import Any
 
 import httpx
 
-from ddpq.errors import ApiUnavailable, answer_error, no_answer
+from ddpq.errors import ApiRefused, ApiUnavailable
+from ddpq.http import Http
 from ddpq.plain import Plain, to_float
 from ddpq.rules import (
     MAX_METRIC_ITEMS,
@@ -112,11 +113,7 @@ class _Sender:
     def __init__(
         self, url: str, job_id: str, token: str, tensorboard: EventWriter | None = None
     ) -> None:
-        self._client = httpx.Client(
-            base_url=url.rstrip("/"),
-            headers={"Authorization": f"Bearer {token}"},
-            timeout=httpx.Timeout(10.0, connect=5.0),
-        )
+        self._http = Http(url, token, httpx.Timeout(10.0, connect=5.0))
         self._job_id = job_id
         self._tensorboard = tensorboard
         self._points: collections.deque[dict[str, Any]] = collections.deque()
@@ -318,16 +315,12 @@ class _Sender:
         (ddpq.errors) on 5xx, 429 and connection errors. ``judge``: the points reach a
         rung; the sweep's judgment comes back with them, and a pruned run is stopped."""
         path = f"/jobs/{self._job_id}/{what}"
+        params = {"judge": "true"} if judge else None
         try:
-            r = self._client.post(path, json=body, params={"judge": "true"} if judge else None)
-        except httpx.HTTPError as exc:
-            raise no_answer("POST", str(self._client.base_url).rstrip("/") + path, exc) from exc
-        if r.status_code >= 400:
-            error = answer_error("POST", str(r.request.url), r.status_code, r.text)
-            if isinstance(error, ApiUnavailable):
-                raise error
-            log.warning("ddpq: the API refused %s: %.600s", what, error)
-            return r.status_code
+            r = self._http.request("POST", path, json=body, params=params)
+        except ApiRefused as refused:
+            log.warning("ddpq: the API refused %s: %.600s", what, refused)
+            return refused.status
         if judge and (why := r.json().get("stop")):
             _stop_run(str(why))
         return None

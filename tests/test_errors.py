@@ -145,11 +145,11 @@ def test_the_client_raises_the_tree() -> None:
         (_away, ApiUnreachable, f"GET {URL}/jobs/7: no answer (ConnectError: connection"),
         (_not_json, ApiBadAnswer, "GET /jobs/7: HTTP 200: not the ddpq API's JSON: '<html>"),
     ):
-        c._http = _mock(answer)
+        c._http.client = _mock(answer)
         with pytest.raises(kind) as e:
             c.job(7)
         assert type(e.value) is kind and str(e.value).startswith(said), str(e.value)
-    c._http = _mock(_away)
+    c._http.client = _mock(_away)
     with pytest.raises(ApiUnreachable, match=r"GET .*/jobs/7/logs: no answer"):
         list(c.follow_logs(7))
 
@@ -157,12 +157,12 @@ def test_the_client_raises_the_tree() -> None:
 def test_the_worker_raises_the_tree() -> None:
     api = WorkerAPI(URL, "w" * 30, "host-1")
     for answer, kind, status in ((_refuse, ApiRefused, 409), (_down, ApiUnavailable, 503)):
-        api._client = _mock(answer)
+        api._http.client = _mock(answer)
         with pytest.raises(kind) as e:
             api.heartbeat([], [])
         asked = (e.value.method, e.value.path, e.value.status)
         assert asked == ("POST", "/workers/heartbeat", status)
-    api._client = _mock(_away)
+    api._http.client = _mock(_away)
     with pytest.raises(ApiUnreachable):
         list(api.blob("ab" * 32))
 
@@ -170,15 +170,17 @@ def test_the_worker_raises_the_tree() -> None:
 def test_ddpq_train_retries_on_unavailable_and_is_told_a_refusal(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
+    from ddpq.http import Http
     from ddpq.train import _Sender
 
     sender = _Sender.__new__(_Sender)  # no thread: only its request is under test
     sender._job_id = "5"
+    sender._http = Http(URL, "t" * 30)  # the one HTTP core, its transport mocked
     for answer in (_down, _away):
-        sender._client = _mock(answer)
+        sender._http.client = _mock(answer)
         with pytest.raises(ApiUnavailable, match="/jobs/5/metrics"):
             sender._post("metrics", {"items": []})
-    sender._client = _mock(_refuse)
+    sender._http.client = _mock(_refuse)
     assert sender._post("metrics", {"items": []}) == 409
     assert "POST /jobs/5/metrics: HTTP 409: /jobs/5/metrics says no" in caplog.text
 

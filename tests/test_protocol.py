@@ -86,7 +86,7 @@ class Recorder:
 
 def client(recorder: Recorder) -> WorkerAPI:
     api = WorkerAPI("http://api.invalid", "t" * 32, "w1", identity="0" * 32)
-    api._client = httpx.Client(base_url=api.url, transport=httpx.MockTransport(recorder))
+    api._http.client = httpx.Client(base_url=api.url, transport=httpx.MockTransport(recorder))
     return api
 
 

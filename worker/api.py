@@ -17,7 +17,8 @@ from typing import Any
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from ddpq.errors import ApiRefused, ApiUnavailable, answer_error, format_detail, no_answer
+from ddpq.errors import ApiRefused, ApiUnavailable, format_detail, no_answer
+from ddpq.http import Http
 from ddpq.messages import (
     ClaimedJob,
     ClaimRequest,
@@ -40,26 +41,12 @@ class WorkerAPI:
         self.url = url.rstrip("/")
         self.name = name
         self.identity = identity  # worker.datadir: the same worker across restarts
-        self._client = httpx.Client(
-            base_url=self.url,
-            headers={"Authorization": f"Bearer {token}"},
-            timeout=httpx.Timeout(15.0, connect=5.0),
-        )
+        self._http = Http(self.url, token, httpx.Timeout(15.0, connect=5.0))
 
     def _request(
         self, method: str, path: str, *, timeout: float | None = None, **kw: Any
     ) -> httpx.Response:
-        try:
-            r = self._client.request(
-                method,
-                path,
-                timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT,
-                **kw,
-            )
-        except httpx.HTTPError as exc:
-            raise no_answer(method, self.url + path, exc) from exc
-        self._check(r)
-        return r
+        return self._http.request(method, path, timeout=timeout, **kw)
 
     def _send(
         self,
@@ -78,12 +65,6 @@ class WorkerAPI:
             detail = format_detail(exc.errors(include_url=False, include_context=False))
             raise ApiRefused("POST", self.url + path, 422, detail) from None
         return self._request("POST", path, json=json, timeout=timeout, **kw)
-
-    @staticmethod
-    def _check(r: httpx.Response) -> None:
-        """ApiUnavailable (5xx, 429) or ApiRefused (4xx) for an answer that is not a success."""
-        if r.status_code >= 400:
-            raise answer_error(r.request.method, str(r.request.url), r.status_code, r.text)
 
     def register(self, body: dict[str, Any]) -> WorkerRegistered:
         if self.identity:
@@ -169,12 +150,9 @@ class WorkerAPI:
         """A content's bytes as they arrive (ApiUnavailable if the transfer breaks)."""
         path = f"/workers/code/blobs/{digest}"
         try:
-            with self._client.stream("GET", path, timeout=httpx.Timeout(120.0, connect=5.0)) as r:
-                if r.status_code >= 400:
-                    r.read()
-                    self._check(r)
+            with self._http.stream("GET", path, timeout=httpx.Timeout(120.0, connect=5.0)) as r:
                 yield from r.iter_bytes(1 << 20)
-        except httpx.HTTPError as exc:
+        except httpx.ReadTimeout as exc:  # a transfer that stalls is one that broke
             raise no_answer("GET", self.url + path, exc) from exc
 
     # ---- a job's directory as it ended (worker.outputs) ---------------------------------
@@ -205,7 +183,7 @@ class WorkerAPI:
         self._request("POST", f"/workers/jobs/{job_id}/outputs", json={"worker": self.name, **body})
 
     def close(self) -> None:
-        self._client.close()
+        self._http.close()
 
 
 def retry(

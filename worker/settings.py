@@ -21,6 +21,7 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict
 
 from ddpq.config import DEFAULT_URL
+from ddpq.errors import SettingsError
 from worker import walls
 from worker.requirements import Policy
 
@@ -31,11 +32,6 @@ MAX_GB = 1e9
 # The variables a field does not read, though it has a flag: DDPQ_CHECKPOINT_DIR is the
 # job's own checkpoint directory, set for its ranks (worker.torchrun), not the worker's root.
 NO_VARIABLE = frozenset({"checkpoint_dir"})
-
-
-class SettingsError(ValueError):
-    """Settings a worker cannot start with: what is wrong with each bad value, naming its
-    flag and variable, on one line (joined by "; ")."""
 
 
 def flag(name: str) -> str:

@@ -63,8 +63,9 @@ slurm:
 	command -v sbatch >/dev/null && command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v munged >/dev/null || { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y slurmctld slurmd slurm-client munge; }
 
 # Everything but the slow suites that have targets of their own (CI runs them all).
+# --durations: the slowest tests named at the end, so a slow day shows where the time went.
 test: venv browser
-	$(BIN)/pytest -n 3 --dist worksteal -m 'not exclusive and not learning and not slurm and not gpu and not teardown and not launchers and not walls and not long and not frameworks'
+	$(BIN)/pytest -n 3 --dist worksteal --durations=25 -m 'not exclusive and not learning and not slurm and not gpu and not teardown and not launchers and not walls and not long and not frameworks'
 	$(BIN)/pytest -m exclusive
 
 # The two launchers against each other (issue 34): the warm launcher's probe against a cold

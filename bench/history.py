@@ -803,7 +803,7 @@ def roll_up(store: Store, name: str) -> None:
     print(f"  rollup of {name}: {done:,} attempts and jobs in {time.monotonic() - t0:.1f} s")
     if done > 10_000:  # as autovacuum would after so many updates: fresh statistics, and
         store.vacuum(name, full=False)  # the rolled rows out of the partial indexes
-        if isinstance(store, Postgres):
+        if store is Postgres:  # the class itself (Store): isinstance() never held
             store.one(name, "ANALYZE")
 
 

@@ -15,6 +15,7 @@ database from the rows themselves.
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime
@@ -75,6 +76,7 @@ def _in_window(q: Query) -> Any:
 _PREEMPTED = case((Attempt.reason.like(rollup.PREEMPTED), 1), else_=0)
 
 
+@functools.cache
 def _use(dialect: str) -> tuple[Any, Any, Any]:
     """SQL: an attempt's seconds run inside the window (bound ``since`` and ``end``: the
     window's end, or now if sooner), and the GPU-hours and CPU-slot-hours it held for
@@ -118,14 +120,15 @@ def _params(q: Query, now: datetime) -> dict[str, Any]:
     return {"since": q.since, "end": min(q.until, now)}
 
 
-def _sums(dialect: str) -> list[Any]:
+@functools.cache
+def _sums(dialect: str) -> tuple[Any, ...]:
     """SQL aggregates over attempts: how many, seconds, GPU-hours, CPU-slot-hours,
-    preempted."""
-    return [
+    preempted (built once: its expressions are bound, not literal)."""
+    return (
         func.count(Attempt.id),
         *(func.coalesce(func.sum(figure), 0.0) for figure in _use(dialect)),
         func.coalesce(func.sum(_PREEMPTED), 0),
-    ]
+    )
 
 
 def report(db: Database, q: Query) -> AccountingPublic:
@@ -177,13 +180,15 @@ def _counted(
     return per
 
 
-def _sweeps_of(s: Any, job_ids: list[int]) -> dict[int, int]:
-    if not job_ids:
-        return {}
-    rows = s.execute(
-        select(SweepTrial.job_id, SweepTrial.sweep_id).where(SweepTrial.job_id.in_(job_ids))
-    )
-    return {int(job_id): int(sweep_id) for job_id, sweep_id in rows}
+# A page's jobs: what a row shows of each, not the whole job (its spec, its latest
+# metrics: JSON decoded for nothing, 100 ORM objects built), and its sweep, if it is a
+# trial (ix_sweep_trials_job_id is unique: a lookup a row, not a round trip more).
+_PAGE_COLUMNS = (
+    Job.id, Job.name, Job.owner, Job.status, Job.reason, Job.exit_code, Job.device,
+    Job.nproc_per_node, Job.nnodes, Job.created_at, Job.finished_at,
+    SweepTrial.sweep_id.label("sweep"),
+)  # fmt: skip
+_TRIAL = SweepTrial.job_id == Job.id
 
 
 def _job_rows(
@@ -194,8 +199,9 @@ def _job_rows(
         at = select(Job.created_at).where(Job.id == q.cursor).scalar_subquery()
         after = [tuple_(Job.created_at, Job.id) < tuple_(at, q.cursor)]
     page = list(
-        s.scalars(
-            select(Job)
+        s.execute(
+            select(*_PAGE_COLUMNS)
+            .outerjoin(SweepTrial, _TRIAL)
             .where(_in_window(q), *_jobs_of(q), *after)
             .order_by(Job.created_at.desc(), Job.id.desc())
             .limit(q.limit + 1)
@@ -204,36 +210,39 @@ def _job_rows(
     more = str(page[q.limit - 1].id) if len(page) > q.limit else None
     page = page[: q.limit]
     ids = [job.id for job in page]
-    ran: dict[int, Any] = {}  # what its attempts ran in the window
-    whole: dict[int, Any] = {}  # of all its attempts: its first start, how many, preempted
+    # Every attempt of the page's jobs, in one statement: its first start, how many and
+    # preempted are of all of them; what ran in the window (its figures, its workers) of
+    # those that ran in it.
+    first: dict[int, datetime] = {}
+    count: dict[int, int] = defaultdict(int)
+    preemptions: dict[int, int] = defaultdict(int)
+    ran: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
     workers: dict[int, set[str]] = defaultdict(set)
     if ids:
-        for row in s.execute(
-            select(Attempt.job_id, *_sums(dialect))
-            .where(Attempt.job_id.in_(ids), *_ran_in(q))
+        rows = s.execute(
+            select(
+                Attempt.job_id, Attempt.started_at, Attempt.worker, _PREEMPTED,
+                case((and_(*_ran_in(q)), 1), else_=0), *_use(dialect),
+            )
             .join(Job, Job.id == Attempt.job_id)
-            .group_by(Attempt.job_id),
+            .where(Attempt.job_id.in_(ids)),
             params,
-        ):
-            ran[int(row[0])] = row
-        for row in s.execute(
-            select(Attempt.job_id, func.min(Attempt.started_at), func.count(), func.sum(_PREEMPTED))
-            .where(Attempt.job_id.in_(ids))
-            .group_by(Attempt.job_id)
-        ):
-            whole[int(row[0])] = row
-        for job_id, worker in s.execute(
-            select(Attempt.job_id, Attempt.worker).where(Attempt.job_id.in_(ids), *_ran_in(q))
-        ):
-            workers[int(job_id)].add(worker)
-    sweeps = _sweeps_of(s, ids)
+        )  # fmt: skip
+        for job_id, started, worker, preempted, inside, seconds, gpu_h, cpu_h in rows:
+            first[job_id] = min(first.get(job_id, started), started)
+            count[job_id] += 1
+            preemptions[job_id] += preempted
+            if inside:
+                figures = ran[job_id]  # Postgres' seconds are numeric: Decimal
+                figures[0] += float(seconds)
+                figures[1] += float(gpu_h)
+                figures[2] += float(cpu_h)
+                workers[job_id].add(worker)
     items = []
     for job in page:
-        _, _, seconds, gpu_h, cpu_h, _ = ran.get(job.id, (None, 0, 0.0, 0.0, 0.0, 0))
-        first, count, preemptions = (None, 0, 0)
-        if job.id in whole:
-            _, first, count, preemptions = whole[job.id]
-        waited_until = first or min(job.finished_at or now, q.until, now)
+        seconds, gpu_h, cpu_h = ran.get(job.id, (0.0, 0.0, 0.0))
+        started = first.get(job.id)
+        waited_until = started or min(job.finished_at or now, q.until, now)
         items.append(
             AccountingRow(
                 job_id=job.id,
@@ -246,16 +255,16 @@ def _job_rows(
                 device=job.device,
                 world_size=job.nproc_per_node * job.nnodes,
                 workers=sorted(workers.get(job.id, ())),
-                sweep=sweeps.get(job.id),
+                sweep=job.sweep,
                 created_at=job.created_at,
-                started_at=first,
+                started_at=started,
                 finished_at=job.finished_at,
                 queued_s=max(0.0, (waited_until - job.created_at).total_seconds()),
                 elapsed_s=float(seconds),
                 gpu_hours=float(gpu_h),
                 cpu_slot_hours=float(cpu_h),
-                attempts=int(count),
-                preemptions=int(preemptions or 0),
+                attempts=count.get(job.id, 0),
+                preemptions=preemptions.get(job.id, 0),
             )
         )
     return items, more
@@ -277,8 +286,10 @@ def _attempt_rows(
                 Job.name, Job.device, Job.nproc_per_node, Job.nnodes, Job.created_at,
                 seconds.label("seconds"), gpu_hours.label("gpu_hours"),
                 cpu_hours.label("cpu_hours"), _PREEMPTED.label("preempted"),
+                SweepTrial.sweep_id.label("sweep"),
             )
             .join(Job, Job.id == Attempt.job_id)
+            .outerjoin(SweepTrial, _TRIAL)
             .where(*_ran_in(q), *_jobs_of(q), *after)
             .order_by(Attempt.started_at.desc(), Attempt.id.desc())
             .limit(q.limit + 1),
@@ -287,7 +298,6 @@ def _attempt_rows(
     )  # fmt: skip
     more = str(page[q.limit - 1].id) if len(page) > q.limit else None
     page = page[: q.limit]
-    sweeps = _sweeps_of(s, sorted({a.job_id for a in page}))
     items = []
     for a in page:
         items.append(
@@ -302,7 +312,7 @@ def _attempt_rows(
                 device=a.device,
                 world_size=a.nproc_per_node * a.nnodes,
                 workers=[a.worker],
-                sweep=sweeps.get(a.job_id),
+                sweep=a.sweep,
                 created_at=a.created_at,
                 started_at=a.started_at,
                 finished_at=a.ended_at,

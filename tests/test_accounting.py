@@ -6,12 +6,17 @@ per attempt; bad queries refused naming the field; the CLI's table and CSV."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
 
+from service import accounting
+from service.db import Database
+from service.models import Attempt, Job, utcnow
+from service.sweeptables import Sweep, SweepTrial
 from tests.conftest import Server, run_ddpq
 from tests.helpers import register
 
@@ -164,3 +169,40 @@ def test_accounting_adds_up_the_attempts_and_filters_them(server: Server) -> Non
     assert turns.returncode == 0, turns.stderr
     assert "usage decays by half every 24 h" in turns.stdout
     assert turns.stdout.index("alice") < turns.stdout.index("bob"), turns.stdout
+
+
+def test_a_row_names_its_trial_s_sweep_and_the_sweep_filters(db: Database) -> None:
+    """A trial's row (per job and per attempt) names its sweep; a job of no sweep none."""
+    now = utcnow()
+    t0 = now - timedelta(hours=2)
+    with db.write() as s:
+        sweep = Sweep(owner="alice", status="running", spec={}, seed=1)
+        s.add(sweep)
+        jobs = []
+        for name in ("trial", "plain"):
+            job = Job(
+                name=name, status="succeeded", spec={}, nproc_per_node=1, nnodes=1,
+                device="cpu", max_attempts=1, created_at=t0, owner="alice",
+                finished_at=t0 + timedelta(hours=1),
+            )  # fmt: skip
+            s.add(job)
+            s.flush()
+            s.add(
+                Attempt(
+                    job_id=job.id, number=1, worker="w", token_hash=name, gpus=[],
+                    checkpoint_dir="/c", started_at=t0, ended_at=t0 + timedelta(minutes=30),
+                    outcome="succeeded",
+                )
+            )  # fmt: skip
+            jobs.append(job.id)
+        s.flush()
+        s.add(SweepTrial(sweep_id=sweep.id, number=0, job_id=jobs[0], params={}, state="complete"))
+        sweep_id = sweep.id
+    trial, plain = jobs
+    for per in ("job", "attempt"):
+        q = accounting.Query(since=now - timedelta(days=1), until=now, per=per)
+        rows = {r.job_id: r for r in accounting.report(db, q).items}
+        assert (rows[trial].sweep, rows[plain].sweep) == (sweep_id, None), per
+        assert rows[trial].elapsed_s == pytest.approx(1800.0, abs=1e-3)
+        only = accounting.report(db, dataclasses.replace(q, sweep=sweep_id))
+        assert [r.job_id for r in only.items] == [trial], per

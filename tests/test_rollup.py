@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 import uuid
 from collections import defaultdict
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -108,6 +108,12 @@ def _windows(rnd: random.Random, now: datetime) -> list[tuple[datetime, datetime
     day = hour.replace(hour=0)
     out = [(now - timedelta(hours=70), now), (hour - timedelta(hours=5), hour)]
     out += [(day - timedelta(days=1), day), (day - timedelta(days=1, hours=3), now)]
+    # A day's hours more than half of it are read as its day's row less its other hours
+    # (rollup._spans): inside one day, and at both ends of whole days.
+    d, s = day - timedelta(days=1), timedelta(seconds=10)
+    out += [(d + timedelta(hours=2) + s, d + timedelta(hours=22) + s)]
+    out += [(d - timedelta(hours=20) + s, d + timedelta(hours=19) + s)]
+    out += [(d - timedelta(hours=5) + s, d + timedelta(hours=3) + s)]
     for _ in range(WINDOWS):
         since = now - timedelta(seconds=rnd.uniform(0, 63 * 3600))
         if rnd.random() < 0.25:
@@ -181,3 +187,29 @@ def test_the_rollup_adds_an_attempt_to_each_hour_it_ran_in(db: Database) -> None
     assert (first.seconds, first.cpu_s, first.started, first.jobs_made) == (1800, 3600, 1, 1)
     assert (middle.seconds, middle.alive, middle.alive_cpus, middle.jobs_alive) == (3600, 1, 2, 1)
     assert (last.seconds, last.alive, last.jobs_alive, last.started) == (1800, 1, 1, 0)
+
+
+def test_a_window_s_whole_hours_are_read_as_days_and_at_most_half_a_day_an_end() -> None:
+    """rollup._spans: its days' hours, plus the hours it adds, less those it takes off,
+    are exactly the window's whole hours, for every pair of hours over three days; and
+    no range of hours it reads is longer than half a day."""
+    base = datetime(2026, 11, 1, tzinfo=UTC)
+    hours = [base + timedelta(hours=n) for n in range(72)]
+    for i, a in enumerate(hours):
+        for b in hours[i + 1 :]:
+            days, spans = rollup._spans(a, b)
+            count: dict[datetime, int] = defaultdict(int)
+            if days is not None:
+                assert days[0] == days[0].replace(hour=0) and days[1] == days[1].replace(hour=0)
+                h = days[0]
+                while h < days[1]:
+                    count[h] += 1
+                    h += timedelta(hours=1)
+            for lo, hi, sign in spans:
+                assert lo < hi <= lo + rollup.HALF_DAY, (a, b, lo, hi)
+                h = lo
+                while h < hi:
+                    count[h] += sign
+                    h += timedelta(hours=1)
+            assert {h for h, n in count.items() if n} == {h for h in hours if a <= h < b}
+            assert all(n in (0, 1) for n in count.values()), (a, b)

@@ -74,7 +74,12 @@ def _backdate(db_url: str, job_id: int, days: float) -> None:
 def test_retention_thins_and_drops_only_what_is_due(
     db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    server = start_server(db_url, tmp_path / "api")  # the default periods: 30d, 180d
+    # The sweep under test is this test's own (the default periods: 30d, 180d). The
+    # server's sweeper finds nothing due meanwhile: a round of its own coming in between
+    # on a slow day marked a job the test was thinning as swept, uncounted by the test.
+    server = start_server(
+        db_url, tmp_path / "api", DDPQ_METRICS_DOWNSAMPLE_AFTER="never", DDPQ_LOG_RETENTION="365d"
+    )
     try:
         old = _job(server, "w-old")  # ended 200 days ago: both rules apply
         month = _job(server, "w-month")  # ended 40 days ago: metrics only
@@ -121,7 +126,7 @@ def test_retention_thins_and_drops_only_what_is_due(
         log = c.get(f"/jobs/{old['job_id']}/logs")
         assert log.status_code == 200
         assert log.text.startswith("[ddpq] this job's log (1500 bytes) was deleted on ")
-        assert "DDPQ_LOG_RETENTION=180d" in log.text
+        assert "DDPQ_LOG_RETENTION=365d" in log.text  # the server's setting, as it reads
         assert int(log.headers["X-Next-Offset"]) == 1500
         assert c.get(f"/jobs/{old['job_id']}/logs", params={"offset": 1500}).content == b""
         assert c.get(f"/jobs/{month['job_id']}").json()["log_dropped_at"] is None

@@ -19,7 +19,7 @@ import pytest
 
 from tests.helpers import make_wheel
 from tests.test_code import Store, _manifest
-from worker import requirements, venvs
+from worker import code, requirements, venvs
 from worker.code import Workdirs
 from worker.walls import Walls
 
@@ -54,13 +54,16 @@ def _hard_linked(d: Path) -> None:
     ],
 )
 def test_a_retry_never_runs_in_a_directory_changed_since_or_holding_other_code(
-    tmp_path: Path, when: str, tamper: Any, why: str
+    tmp_path: Path, when: str, tamper: Any, why: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Issue 26: unwalled, every job can write every other's directory. A retry reuses
     its directory (what its first attempt wrote) only as that attempt left it and with
     the code its owner sent; anything else, done between the attempts or while the first
     ran (by another job or the program itself), gets a fresh one written from the
     snapshot."""
+    # "unsealed": the first attempt never ends, so the retry waits out its wait for it
+    # (120 s by default) before it writes afresh: a second is as good a wait here.
+    monkeypatch.setattr(code, "EARLIER_ATTEMPT_WAIT_S", 1.0)
     files = {"main.py": b"print('sent')\n", "pkg/mod.py": b"X = 1\n"}
     store = Store(files)
     dirs = Workdirs(tmp_path / "data", cache_bytes=10**9, keep_s=0)

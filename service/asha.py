@@ -25,20 +25,14 @@ still ``ended`` is the caller's: a record's state is the sweep's.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 from service.schemas import AshaStopping, SweepSpec
-from service.studies import Event, Record, rung_step
+from service.studies import Event, Prune, Record, rung_step
+
+# A trial paused at a rung: what a prune records (its step, value and words) too.
+Pause = Prune
 
 PAUSED = "paused"
-
-
-@dataclass(frozen=True)
-class Pause:
-    number: int
-    step: int
-    value: float | None
-    words: str  # why, as the trial's and its job's reason say it
 
 
 def pausing(spec: SweepSpec) -> bool:

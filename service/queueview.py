@@ -6,9 +6,9 @@ order; the page's jobs read whole."""
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
+from datetime import timedelta
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import func, select
 
@@ -33,6 +33,7 @@ _QUEUED = (
     Job.waits_on,
     Job.quota_running,
     Job.quota_gpus,
+    Job.preempting_on,
 )
 
 
@@ -45,12 +46,12 @@ def _limit_s(spec: dict[str, Any] | None) -> float | None:
     return _seconds((spec or {}).get("timeout_s"))
 
 
-def _hosts(s: Any, now: datetime) -> list[plan.Host]:
+def _hosts(s: Any, caps: list[queue.Capacity]) -> list[plan.Host]:
     """The live workers (not bridges), with the ends of the running jobs whose limits
     are known."""
     hosts = {
         c.name: plan.Host(c.name, c.cpu_slots, len(c.gpus), c.free_cpu, len(c.free_gpus))
-        for c in queue.capacities(s, s.info["policy"].lease_s)
+        for c in caps
         if c.live and c.partition is None
     }
     running = s.execute(
@@ -100,16 +101,20 @@ def _no_plan(row: Any) -> str | None:
 _NEXT = ("id", "priority", "share", "owner")  # what _placed reads of the job after
 
 
-def _page(s: Any, limit: int, offset: int, user: str | None) -> list[Any]:
+def _page(s: Any, limit: int, offset: int, user: str | None, head: list[Any]) -> list[Any]:
     """The page of the queue asked for (``user``'s jobs only, when given), each row with
     its place in the whole queue (``position``) and the next job's columns (``next_id``
     ...: the one it is ahead of). Only a page is read, never the whole queue (10,000
     queued jobs read to show 100 took 130 ms, bench/history.py): the whole queue's page
-    is a range of its index, one row more for the last one's next; one user's, the
+    is a range of its index, one row more for the last one's next (a slice of the plan's
+    ``head``, the queue's first rows in order, when it holds it); one user's, the
     database numbers the queue (a window over the index) and picks theirs."""
     queued = select(*_QUEUED).where(Job.status == JobStatus.QUEUED)
     if user is None:
-        rows = list(s.execute(queued.order_by(*queue.ORDER).offset(offset).limit(limit + 1)))
+        if offset + limit < len(head) or len(head) < plan.MAX_PLANNED:  # head: all of it
+            rows = head[offset : offset + limit + 1]
+        else:
+            rows = list(s.execute(queued.order_by(*queue.ORDER).offset(offset).limit(limit + 1)))
         page = []
         for i, row in enumerate(rows[:limit]):
             after = rows[i + 1] if i + 1 < len(rows) else None
@@ -127,56 +132,35 @@ def _page(s: Any, limit: int, offset: int, user: str | None) -> list[Any]:
 
 def view(db: Database, limit: int, offset: int, user: str | None) -> QueuePublic:
     now = utcnow()
+    p = db.policy
     with db.read() as s:
         queued = select(*_QUEUED).where(Job.status == JobStatus.QUEUED)
         # The plan's head of the queue, with each job's time limit (not its whole spec:
         # 500 of them parsed, or asked for by id, cost 5-10 ms).
-        timed = queued.add_columns(Job.spec["timeout_s"].label("timeout_s"))
+        timed = queued.add_columns(Job.spec["timeout_s"].as_float().label("timeout_s"))
         head = list(s.execute(timed.order_by(*queue.ORDER).limit(plan.MAX_PLANNED)))
-        to_gpu_s = queue.share_to_gpu_s(s, now)
-        planned = [r for r in head if _no_plan(r) is None]
+        # Every user's usage now (one with none has used nothing: 0), which the plan
+        # grows as its jobs run, and what a share is in GPU-seconds: one read of both.
+        to_gpu_s, usage = queue.usage_now(s, now)
         waiting = [
             plan.Waiting(
                 r.id, r.owner, r.priority, r.device, r.nproc_per_node, _seconds(r.timeout_s),
                 r.not_before, r.queued_at or r.created_at,
             )
-            for r in planned
+            for r in head
+            if _no_plan(r) is None
         ]  # fmt: skip
-        p = db.policy
-        # Every user's usage now (one with none has used nothing: 0), which the plan
-        # grows as its jobs run.
-        usage = queue.decayed_usage(s, now)
         rules = plan.Rules(usage, p.fairshare_half_life_s, p.cpu_slot_weight, p.starvation_s)
-        estimates = plan.plan(_hosts(s, now), waiting, now, rules)
-        page = _page(s, limit, offset, user)
+        caps = queue.capacities(s, p.lease_s)  # the plan's hosts and the reasons' alike
+        estimates = plan.plan(_hosts(s, caps), waiting, now, rules)
+        page = _page(s, limit, offset, user, head)
         counted = select(func.count()).where(Job.status == JobStatus.QUEUED)
         total = s.scalar(counted.where(Job.owner == user) if user is not None else counted)
         positions = {r.id: int(r.position) for r in page}
-        jobs = {j.id: j for j in s.scalars(select(Job).where(Job.id.in_(positions)))}
-        reasons = queue.pending_reasons(s, list(jobs.values()), positions)
-    items = []
-    for r in page:
-        est = estimates.get(r.id)
-        past = f"only the first {plan.MAX_PLANNED} queued jobs are planned: no estimate"
-        words = _no_plan(r) or (est.words if est else past)
-        items.append(
-            QueuedPublic(
-                position=positions[r.id],
-                job_id=r.id,
-                name=r.name,
-                user=r.owner,
-                priority=r.priority,
-                device=r.device,
-                world_size=r.nproc_per_node * r.nnodes,
-                nnodes=r.nnodes,
-                queued_at=r.queued_at or r.created_at,
-                usage_gpu_s=r.share * to_gpu_s,
-                placed=_placed(r, _after(r), to_gpu_s) if r.next_id is not None else None,
-                reason=reasons.get(r.id, ""),
-                estimated_start=est.start if est else None,
-                estimate=words,
-            )
-        )
+        # The page's rows hold every column the reasons read of a job (_QUEUED).
+        jobs = cast(list[Job], page)
+        reasons = queue.reasons_on(s, jobs, positions, queue.shapes(caps), to_gpu_s)
+    items = [_item(r, estimates.get(r.id), to_gpu_s, reasons) for r in page]
     return QueuePublic(
         items=items,
         total=int(total or 0),
@@ -188,4 +172,27 @@ def view(db: Database, limit: int, offset: int, user: str | None) -> QueuePublic
             starvation_s=p.starvation_s,
             preempt_min_run_s=p.preempt_min_run_s,
         ),
+    )
+
+
+def _item(
+    r: Any, est: plan.Estimate | None, to_gpu_s: float, reasons: dict[int, str]
+) -> QueuedPublic:
+    """One row of the page, as the API shows it."""
+    past = f"only the first {plan.MAX_PLANNED} queued jobs are planned: no estimate"
+    return QueuedPublic(
+        position=int(r.position),
+        job_id=r.id,
+        name=r.name,
+        user=r.owner,
+        priority=r.priority,
+        device=r.device,
+        world_size=r.nproc_per_node * r.nnodes,
+        nnodes=r.nnodes,
+        queued_at=r.queued_at or r.created_at,
+        usage_gpu_s=r.share * to_gpu_s,
+        placed=_placed(r, _after(r), to_gpu_s) if r.next_id is not None else None,
+        reason=reasons.get(r.id, ""),
+        estimated_start=est.start if est else None,
+        estimate=_no_plan(r) or (est.words if est else past),
     )

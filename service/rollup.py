@@ -10,7 +10,8 @@ transaction, so nothing is added twice, and never changes a row it added.
 
 A window's totals (``totals``) are then exact, with no row read twice:
 
-- its whole hours: sums of their rows;
+- its whole hours: sums of their rows, read as whole months' and days' rows (the sums of
+  their hours', written in the same transaction) where those are fewer (``_spans``);
 - its first and last part hour: the hour's row says what was running as it began, and
   the few attempts (jobs) that started or ended inside it are read one by one;
 - what was running at its start: the row of that hour, less those that ended in it
@@ -30,6 +31,7 @@ from __future__ import annotations
 import functools
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, cast
@@ -54,7 +56,7 @@ from sqlalchemy.orm import Session
 from service.db import Database
 from service.models import Attempt, Job, UTCDateTime
 from service.queue.shares import held
-from service.rolluptables import UsageDay, UsageHour
+from service.rolluptables import UsageDay, UsageHour, UsageMonth
 
 HOUR = timedelta(hours=1)
 BATCH = 2000  # attempts (jobs) a roll transaction adds
@@ -63,6 +65,7 @@ NO_ONE = ""  # the owner key of jobs of no one (from before users existed)
 
 _table = cast(Table, UsageHour.__table__)
 _days = cast(Table, UsageDay.__table__)
+_months = cast(Table, UsageMonth.__table__)
 DAY = timedelta(days=1)
 _COUNTS = (
     "seconds", "gpu_s", "cpu_s", "alive", "alive_gpus", "alive_cpus", "alive_preempted",
@@ -77,6 +80,29 @@ def floor_hour(t: datetime) -> datetime:
 def _seconds(a: datetime, b: datetime) -> float:
     return max(0.0, (b - a).total_seconds())
 
+
+def _next_month(t: datetime) -> datetime:
+    return (t.replace(day=28) + timedelta(days=4)).replace(day=1)
+
+
+@dataclass(frozen=True)
+class _Level:
+    """A table of the rollup: its unit (``floor`` of a time, the ``next`` unit's start)."""
+
+    table: Table
+    key: str
+    floor: Callable[[datetime], datetime]
+    next: Callable[[datetime], datetime]
+
+    @property
+    def column(self) -> Any:
+        return self.table.c[self.key]
+
+
+_HOUR = _Level(_table, "hour", floor_hour, lambda t: t + HOUR)
+_DAY = _Level(_days, "day", lambda t: t.replace(hour=0), lambda t: t + DAY)
+_MONTH = _Level(_months, "month", lambda t: t.replace(day=1, hour=0), _next_month)
+_LEVELS = (_HOUR, _DAY, _MONTH)  # finest first
 
 # ---- adding ended attempts and jobs ------------------------------------------------------
 
@@ -191,17 +217,19 @@ def _roll_batch(s: Session, batch: int) -> int:
     # In one order: two API processes' rounds never wait on each other in a circle.
     rows = [{"hour": h, "owner": o, **v} for (h, o), v in sorted(adds.items())]
     s.execute(q, rows)
-    days: _Adds = defaultdict(lambda: dict.fromkeys(_DAILY, 0.0))
-    for (h, o), v in adds.items():
-        day = days[(h.replace(hour=0), o)]
-        for name in _DAILY:
-            day[name] += v[name]
-    q = insert(_days)
-    q = q.on_conflict_do_update(
-        index_elements=["day", "owner"],
-        set_={name: _days.c[name] + q.excluded[name] for name in _DAILY},
-    )
-    s.execute(q, [{"day": d, "owner": o, **v} for (d, o), v in sorted(days.items())])
+    # The days' and the months' rows: the sums of their hours', in the same transaction.
+    for level in (_DAY, _MONTH):
+        sums: _Adds = defaultdict(lambda: dict.fromkeys(_DAILY, 0.0))
+        for (h, o), v in adds.items():
+            added = sums[(level.floor(h), o)]
+            for name in _DAILY:
+                added[name] += v[name]
+        q = insert(level.table)
+        q = q.on_conflict_do_update(
+            index_elements=[level.key, "owner"],
+            set_={name: level.table.c[name] + q.excluded[name] for name in _DAILY},
+        )
+        s.execute(q, [{level.key: t, "owner": o, **v} for (t, o), v in sorted(sums.items())])
     if attempts:
         ids = [row.id for row in attempts]
         s.execute(update(Attempt).where(Attempt.id.in_(ids)).values(rolled=True))
@@ -347,55 +375,73 @@ def _part_hour(
         per[r.owner].ran(r, a, b)
 
 
-# What adds up over whole hours and days (what was running as each began does not).
+# What adds up over whole hours, days and months (what was running as each began does not).
 _DAILY = ("seconds", "gpu_s", "cpu_s", "started", "started_preempted", "jobs_made")
-HALF_DAY = 12 * HOUR
-_Spans = tuple[tuple[datetime, datetime] | None, list[tuple[datetime, datetime, int]]]
 
 
-def _spans(a: datetime, b: datetime) -> _Spans:
-    """The whole hours [a, b) (a < b, on the hour) as a range of whole days' rows and
-    ranges of hours' rows, each added (1) or taken off (-1): a day's hours more than half
-    of it are its day's row less its other hours (a day's row is the sum of its hours'
-    rows, in the same snapshot). So a month of 200 users reads at most 12 hours' rows
-    an edge, not 23 (4,800 rows, not 9,200, beside its 6,000 days' rows)."""
-    d1 = a if a == a.replace(hour=0) else a.replace(hour=0) + DAY
-    d2 = b.replace(hour=0)
-    if d1 > d2:  # inside one day
-        if b - a <= HALF_DAY:
-            return None, [(a, b, 1)]
-        return (d2, d1), [(d2, a, -1), (b, d1, -1)]
-    hours = []
-    if a < d1:
-        if d1 - a > HALF_DAY:
-            d1 -= DAY
-            hours.append((d1, a, -1))
+_Span = tuple[int, datetime, datetime, int]  # a level (_LEVELS' index), [lo, hi), a sign
+
+
+def _spans(a: datetime, b: datetime, sign: int = 1, level: int = 2) -> list[_Span]:
+    """The whole hours [a, b) (on the hour) as ranges of months', days' and hours' rows,
+    each added (1) or taken off (-1): a unit's parts more than half of it are its row
+    less its other parts (its row is the sum of theirs, in the same snapshot). So a year
+    of 200 users reads 2,400 months' rows and at most half a month of days and half a
+    day of hours at each end, not 73,000 days' rows; a month at most 12 hours' rows an
+    edge, not 23."""
+    if a >= b:
+        return []
+    if level == 0:
+        return [(0, a, b, sign)]
+    unit, fine = _LEVELS[level], level - 1
+    lo = a if unit.floor(a) == a else unit.next(unit.floor(a))  # the first whole unit
+    hi = unit.floor(b)
+    if lo > hi:  # inside one unit
+        u0 = unit.floor(a)
+        u1 = unit.next(u0)
+        if (b - a) * 2 <= u1 - u0:
+            return _spans(a, b, sign, fine)
+        return [(level, u0, u1, sign), *_spans(u0, a, -sign, fine), *_spans(b, u1, -sign, fine)]
+    out = [(level, lo, hi, sign)] if lo < hi else []
+    if a < lo:
+        u0 = unit.floor(a)
+        if (lo - a) * 2 > lo - u0:
+            out += [(level, u0, lo, sign), *_spans(u0, a, -sign, fine)]
         else:
-            hours.append((a, d1, 1))
-    if d2 < b:
-        if b - d2 > HALF_DAY:
-            hours.append((b, d2 + DAY, -1))
-            d2 += DAY
+            out += _spans(a, lo, sign, fine)
+    if hi < b:
+        u1 = unit.next(hi)
+        if (b - hi) * 2 > u1 - hi:
+            out += [(level, hi, u1, sign), *_spans(b, u1, -sign, fine)]
         else:
-            hours.append((d2, b, 1))
-    return ((d1, d2) if d1 < d2 else None), hours
+            out += _spans(hi, b, sign, fine)
+    return _merged(out)
+
+
+def _merged(spans: list[_Span]) -> list[_Span]:
+    """Adjacent ranges of the same days' or months' rows and sign as one."""
+    out: list[_Span] = []
+    for span in sorted(spans, key=lambda x: (x[0], x[3], x[1])):
+        level, lo, hi, sign = span
+        if out and level and out[-1][0] == level and out[-1][3] == sign and out[-1][2] == lo:
+            out[-1] = (level, out[-1][1], hi, sign)
+        else:
+            out.append(span)
+    return out
 
 
 @functools.cache
-def _read_whole(days: bool, signs: tuple[int, ...], mine: bool) -> Any:
-    """Each owner's sums over a range of days' rows (``days``) and ranges of hours' rows
-    added or taken off (``signs``), bound as lo/hi, lo0/hi0, lo1/hi1."""
+def _read_whole(shape: tuple[tuple[int, int], ...], mine: bool) -> Any:
+    """Each owner's sums over ranges of rows (``shape``: each range's level and sign),
+    bound as lo0/hi0, lo1/hi1 ...: one statement."""
     parts: list[Any] = []
-    if days:
-        owned = [UsageDay.owner == _USER] if mine else []
-        rows = select(UsageDay.owner, *(_days.c[name] for name in _DAILY))
-        parts.append(rows.where(UsageDay.day >= _LO, UsageDay.day < _HI, *owned))
-    for i, sign in enumerate(signs):
+    for i, (level, sign) in enumerate(shape):
+        unit = _LEVELS[level]
         lo, hi = (bindparam(f"{edge}{i}", type_=UTCDateTime) for edge in ("lo", "hi"))
-        owned = [UsageHour.owner == _USER] if mine else []
-        figures = (_table.c[n] if sign > 0 else (-_table.c[n]).label(n) for n in _DAILY)
-        rows = select(UsageHour.owner, *figures)
-        parts.append(rows.where(UsageHour.hour >= lo, UsageHour.hour < hi, *owned))
+        owner = unit.table.c.owner
+        figures = (unit.table.c[n] if sign > 0 else (-unit.table.c[n]).label(n) for n in _DAILY)
+        rows = select(owner, *figures).where(unit.column >= lo, unit.column < hi)
+        parts.append(rows.where(owner == _USER) if mine else rows)
     both: Any = union_all(*parts) if len(parts) > 1 else parts[0]
     sub = both.subquery()
     return select(sub.c.owner, *(func.sum(sub.c[name]) for name in _DAILY)).group_by(sub.c.owner)
@@ -403,13 +449,11 @@ def _read_whole(days: bool, signs: tuple[int, ...], mine: bool) -> Any:
 
 def _whole(s: Session, a: datetime, b: datetime, user: str | None) -> list[Any]:
     """Each owner's sums over the whole hours [a, b) (a < b): one statement."""
-    days, hours = _spans(a, b)
+    spans = _spans(a, b)
     params: dict[str, Any] = {"user": user}
-    if days is not None:
-        params["lo"], params["hi"] = days
-    for i, (lo, hi, _) in enumerate(hours):
+    for i, (_, lo, hi, _) in enumerate(spans):
         params[f"lo{i}"], params[f"hi{i}"] = lo, hi
-    q = _read_whole(days is not None, tuple(sign for _, _, sign in hours), user is not None)
+    q = _read_whole(tuple((level, sign) for level, _, _, sign in spans), user is not None)
     return list(s.execute(q, params))
 
 

@@ -1,4 +1,4 @@
-"""Accounting's hourly rollup (service.rollup owns what is written to it), on
+"""Accounting's rollup by hour, day and month (service.rollup owns what is written to it), on
 service.models' Base: a module of its own because service/models.py is at the line
 limit. Whatever reads Base.metadata whole (the migrations' environment,
 tests/test_schema.py) imports this module too."""
@@ -51,6 +51,22 @@ class UsageDay(Base):
     __tablename__ = "usage_days"
 
     day: Mapped[datetime] = mapped_column(primary_key=True)  # its start, at midnight UTC
+    owner: Mapped[str] = mapped_column(String(64), primary_key=True)
+    seconds: Mapped[float] = mapped_column(Float, default=0.0)
+    gpu_s: Mapped[float] = mapped_column(Float, default=0.0)
+    cpu_s: Mapped[float] = mapped_column(Float, default=0.0)
+    started: Mapped[int] = mapped_column(Integer, default=0)
+    started_preempted: Mapped[int] = mapped_column(Integer, default=0)
+    jobs_made: Mapped[int] = mapped_column(Integer, default=0)
+
+
+class UsageMonth(Base):
+    """The same sums by month of UTC (what the days of a month add up to): a year of many
+    users is 12 rows each, not 365."""
+
+    __tablename__ = "usage_months"
+
+    month: Mapped[datetime] = mapped_column(primary_key=True)  # its first day, at midnight
     owner: Mapped[str] = mapped_column(String(64), primary_key=True)
     seconds: Mapped[float] = mapped_column(Float, default=0.0)
     gpu_s: Mapped[float] = mapped_column(Float, default=0.0)

@@ -11,6 +11,7 @@ import json
 from datetime import datetime
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import delete
@@ -85,6 +86,13 @@ def test_the_queue_is_in_the_order_the_claims_take(
 
     whole = rows(shown)
     assert rows(queueview.view(db, 2, 1, None)) == whole[1:3]
+    # A page is a slice of the plan's head of the queue when the head holds it, else read
+    # from the index: the same rows either way.
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(plan, "MAX_PLANNED", 2)
+        assert rows(queueview.view(db, 1000, 0, None)) == whole
+        assert rows(queueview.view(db, 2, 1, None)) == whole[1:3]
+        assert rows(queueview.view(db, 1, 0, None)) == whole[:1]
     bobs = [q for q in whole if q["user"] == "bob"]
     assert rows(queueview.view(db, 2, 1, "bob")) == bobs[1:3]
     assert queueview.view(db, 1, 0, "bob").total == len(bobs)

@@ -25,16 +25,16 @@ ROUNDS = 3  # histories per database
 WINDOWS = 40  # windows asked of each, at each stage of its rolling
 
 
-def _history(db: Database, rnd: random.Random, now: datetime) -> None:
-    """Jobs over the last 62 hours, their attempts back to back, each a few seconds to
+def _history(db: Database, rnd: random.Random, now: datetime, hours: int = 62) -> None:
+    """Jobs over the last ``hours``, their attempts back to back, each a few seconds to
     a day long; the last of some still running, some jobs still queued."""
-    base = now - timedelta(hours=62)
+    base = now - timedelta(hours=hours)
     with db.write() as s:
         for n in range(90):
             owner = rnd.choice(["alice", "bob", "carol", None])
             device = rnd.choice(["cpu", "cuda"])
             nproc, nnodes = rnd.randint(1, 4), rnd.choice([1, 1, 2])
-            made = base + timedelta(seconds=rnd.uniform(0, 61.5 * 3600))
+            made = base + timedelta(seconds=rnd.uniform(0, (hours - 0.5) * 3600))
             job = Job(
                 name=f"j{n}", status="succeeded", spec={}, nproc_per_node=nproc, nnodes=nnodes,
                 device=device, max_attempts=3, created_at=made, owner=owner,
@@ -126,8 +126,10 @@ def _windows(rnd: random.Random, now: datetime) -> list[tuple[datetime, datetime
     return out
 
 
-def _check(db: Database, rnd: random.Random, now: datetime, stage: str) -> None:
-    for since, until in _windows(rnd, now):
+def _check(
+    db: Database, rnd: random.Random, now: datetime, stage: str, windows: list[Any] | None = None
+) -> None:
+    for since, until in windows or _windows(rnd, now):
         want = _expected(db, since, until)
         with db.read() as s:
             rollup.snapshot(s)
@@ -162,6 +164,23 @@ def test_a_window_s_totals_from_the_rollup_equal_the_rows_own(db: Database, roun
     assert rollup.roll(db) == 0
 
 
+def test_a_long_window_s_totals_from_months_days_and_hours_equal_the_rows_own(
+    db: Database,
+) -> None:
+    """Over 80 days: windows of days to months, read as months' rows less or plus days
+    and hours at each end (rollup._spans), give the rows' own totals."""
+    rnd = random.Random(11)
+    now = utcnow()
+    _history(db, rnd, now, hours=80 * 24)
+    while rollup.roll(db, budget_s=0.0, batch=500):
+        pass
+    windows = [(now - timedelta(days=d), now) for d in (17, 45, 79)]
+    for _ in range(12):
+        since = now - timedelta(seconds=rnd.uniform(0, 80 * 86400))
+        windows.append((since, min(now, since + timedelta(days=rnd.uniform(1, 80)))))
+    _check(db, rnd, now, "months", windows)
+
+
 def test_the_rollup_adds_an_attempt_to_each_hour_it_ran_in(db: Database) -> None:
     h = rollup.floor_hour(utcnow()) - timedelta(hours=10)
     with db.write() as s:
@@ -189,6 +208,25 @@ def test_the_rollup_adds_an_attempt_to_each_hour_it_ran_in(db: Database) -> None
     assert (last.seconds, last.alive, last.jobs_alive, last.started) == (1800, 1, 1, 0)
 
 
+def _count(spans: list[Any]) -> dict[datetime, int]:
+    """How many times each hour is added, less taken off, by ``spans`` (rollup._spans)."""
+    count: dict[datetime, int] = defaultdict(int)
+    for level, lo, hi, sign in spans:
+        assert lo < hi
+        if level == 0:
+            assert hi <= lo + timedelta(hours=12), ("hours", lo, hi)
+        if level == 1:
+            assert lo == lo.replace(hour=0) and hi == hi.replace(hour=0)
+            assert hi <= lo + timedelta(days=31), ("days", lo, hi)
+        if level == 2:
+            assert lo.day == 1 and lo.hour == 0 and hi.day == 1 and hi.hour == 0
+        h = lo
+        while h < hi:
+            count[h] += sign
+            h += timedelta(hours=1)
+    return count
+
+
 def test_a_window_s_whole_hours_are_read_as_days_and_at_most_half_a_day_an_end() -> None:
     """rollup._spans: its days' hours, plus the hours it adds, less those it takes off,
     are exactly the window's whole hours, for every pair of hours over three days; and
@@ -197,19 +235,25 @@ def test_a_window_s_whole_hours_are_read_as_days_and_at_most_half_a_day_an_end()
     hours = [base + timedelta(hours=n) for n in range(72)]
     for i, a in enumerate(hours):
         for b in hours[i + 1 :]:
-            days, spans = rollup._spans(a, b)
-            count: dict[datetime, int] = defaultdict(int)
-            if days is not None:
-                assert days[0] == days[0].replace(hour=0) and days[1] == days[1].replace(hour=0)
-                h = days[0]
-                while h < days[1]:
-                    count[h] += 1
-                    h += timedelta(hours=1)
-            for lo, hi, sign in spans:
-                assert lo < hi <= lo + rollup.HALF_DAY, (a, b, lo, hi)
-                h = lo
-                while h < hi:
-                    count[h] += sign
-                    h += timedelta(hours=1)
+            count = _count(rollup._spans(a, b))
             assert {h for h, n in count.items() if n} == {h for h in hours if a <= h < b}
             assert all(n in (0, 1) for n in count.values()), (a, b)
+
+
+def test_a_long_window_is_read_as_months_and_at_most_half_a_month_of_days_an_end() -> None:
+    """Likewise over months of 28 to 31 days: random pairs of hours from January to May,
+    and the year; a year of whole months reads no day's row."""
+    rnd = random.Random(7)
+    base = datetime(2026, 1, 1, tzinfo=UTC)
+    n = (datetime(2026, 5, 10, tzinfo=UTC) - base) // timedelta(hours=1)
+    pairs = [tuple(sorted(rnd.sample(range(n), 2))) for _ in range(300)]
+    pairs += [(0, 31 * 24), (24 * 20, 24 * 40), (5, n - 5), (24 * 31 - 1, 24 * 59 + 1)]
+    for i, j in pairs:
+        a, b = base + timedelta(hours=i), base + timedelta(hours=j)
+        count = _count(rollup._spans(a, b))
+        assert {h for h, c in count.items() if c} == {
+            base + timedelta(hours=k) for k in range(i, j)
+        }, (a, b)
+        assert all(c in (0, 1) for c in count.values()), (a, b)
+    year = rollup._spans(base, datetime(2027, 1, 1, tzinfo=UTC))
+    assert year == [(2, base, datetime(2027, 1, 1, tzinfo=UTC), 1)]

@@ -6,10 +6,11 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
+import pytest
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import create_engine, insert, select, update
+from sqlalchemy import create_engine, insert, select, text, update
 from sqlalchemy.orm import Session
 
 import service.deptables
@@ -17,6 +18,7 @@ import service.rolluptables
 import service.sweeptables  # noqa: F401  (the sweeps' tables are Base's too)
 from service.db import alembic_config, upgrade
 from service.models import Base, Job, MetricPoint
+from service.rolluptables import UsageMonth
 
 # Made by migration 0026 only where Postgres has pg_trgm, so no model declares it
 # (tests/test_name_search.py checks it instead).
@@ -81,3 +83,42 @@ def test_total_steps_moves_from_a_series_to_the_job(db_url: str) -> None:
     assert rows[ids[1]].total_steps is None and rows[ids[2]].total_steps is None
     assert rows[ids[2]].latest_metrics is None
     assert left == [(ids[0], "loss", 1), (ids[0], "loss", 5), (ids[1], "loss", 1)]
+
+
+def test_the_months_of_the_rollup_are_the_sums_of_its_days(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Migration 0039 fills usage_months from usage_days: each owner's month is the sum of
+    its days of UTC, whatever the database's time zone."""
+    upgrade(db_url)
+    command.downgrade(alembic_config(db_url), "0038")
+    engine = create_engine(db_url)
+    days = [
+        (datetime(2026, 1, 31, tzinfo=UTC), "alice", 10.0, 1),
+        (datetime(2026, 2, 1, tzinfo=UTC), "alice", 20.0, 2),
+        (datetime(2026, 2, 28, tzinfo=UTC), "alice", 30.0, 3),
+        (datetime(2026, 2, 3, tzinfo=UTC), "", 5.0, 1),
+    ]
+    with engine.begin() as conn:
+        for day, owner, gpu_s, made in days:
+            conn.execute(
+                text(
+                    "INSERT INTO usage_days (day, owner, seconds, gpu_s, cpu_s, started,"
+                    " started_preempted, jobs_made) VALUES (:d, :o, 1, :g, 0, 1, 0, :m)"
+                ),
+                {"d": day if engine.dialect.name == "postgresql" else day.replace(tzinfo=None),
+                 "o": owner, "g": gpu_s, "m": made},
+            )  # fmt: skip
+    # The migration's session in a zone where midnight UTC is the day before (libpq's PGTZ).
+    monkeypatch.setenv("PGTZ", "America/Los_Angeles")
+    upgrade(db_url)
+    with Session(engine) as s:
+        months = s.scalars(select(UsageMonth))
+        got = {(m.month, m.owner): (m.seconds, m.gpu_s, m.jobs_made) for m in months}
+    engine.dispose()
+    jan, feb = datetime(2026, 1, 1, tzinfo=UTC), datetime(2026, 2, 1, tzinfo=UTC)
+    assert got == {
+        (jan, "alice"): (1.0, 10.0, 1),
+        (feb, "alice"): (2.0, 50.0, 5),
+        (feb, ""): (1.0, 5.0, 1),
+    }

@@ -17,7 +17,7 @@ Other modules import this package and call what it re-exports below.
 """
 
 from service.queue import plan
-from service.queue.books import capacities
+from service.queue.books import Capacity, capacities, shapes
 from service.queue.books import overview as workers_overview
 from service.queue.claim import Claim, NothingFits, Probe, claim_next_job
 from service.queue.deps import check as dependencies_unmet
@@ -49,7 +49,7 @@ from service.queue.quotas import Limits, usage_and_limits
 from service.queue.quotas import queued as queued_count
 from service.queue.quotas import refresh as refresh_quota_flags
 from service.queue.quotas import refresh_all as refresh_all_quota_flags
-from service.queue.reasons import pending_reasons, unschedulable
+from service.queue.reasons import pending_reasons, reasons_on, unschedulable
 from service.queue.rules import (
     NOTIFY_CHANNEL,
     ORDER,
@@ -58,7 +58,7 @@ from service.queue.rules import (
     lock_owner,
     notify_claimers,
 )
-from service.queue.shares import count_running, decayed_usage, share_to_gpu_s
+from service.queue.shares import count_running, share_to_gpu_s, usage_now
 from service.queue.shares import overview as usage_overview
 from service.queue.shares import sweep as count_usage
 from service.queue.shares import usage_of as share_of
@@ -67,6 +67,7 @@ __all__ = [
     "DEFAULT_QUOTA",
     "NOTIFY_CHANNEL",
     "ORDER",
+    "Capacity",
     "Claim",
     "Elsewhere",
     "Limits",
@@ -81,7 +82,6 @@ __all__ = [
     "claim_next_job",
     "count_running",
     "count_usage",
-    "decayed_usage",
     "dependencies_of",
     "dependencies_unmet",
     "end_attempt",
@@ -103,6 +103,7 @@ __all__ = [
     "plan",
     "preempt_sweep",
     "queued_count",
+    "reasons_on",
     "record_dependencies",
     "record_fork",
     "record_heartbeat",
@@ -111,10 +112,12 @@ __all__ = [
     "register_worker",
     "release_worker",
     "requeued",
+    "shapes",
     "share_of",
     "share_to_gpu_s",
     "unschedulable",
     "usage_and_limits",
+    "usage_now",
     "usage_overview",
     "workers_attempt",
     "workers_overview",

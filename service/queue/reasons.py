@@ -195,10 +195,15 @@ def pending_reasons(s: Session, jobs: list[Job], positions: dict[int, int]) -> d
 
 
 def reasons_on(
-    s: Session, jobs: list[Job], positions: dict[int, int], caps: list[Shape]
+    s: Session,
+    jobs: list[Job],
+    positions: dict[int, int],
+    caps: list[Shape],
+    to_gpu_s: float | None = None,
 ) -> dict[int, str]:
     """``pending_reasons`` decided on the workers ``caps`` (``books.summary``, or the
-    per-worker ``books.shapes``: the same words)."""
+    per-worker ``books.shapes``: the same words), with what a share reads as in
+    GPU-seconds when the caller has it (``shares.share_to_gpu_s``; read when needed)."""
     policy = policy_of(s)
     view = _View(caps, [c for c in caps if c.live], policy, utcnow())
     for owner in {job.owner for job in jobs if job.quota_running or job.quota_gpus}:
@@ -214,6 +219,7 @@ def reasons_on(
     view.waiting = deps.unmet_of(s, waits)
     view.forking = forks.waiting(s, waits)
     view.scale = lambda: share_to_gpu_s(s, view.now)
+    view.to_gpu_s = to_gpu_s
     return {
         job.id: _gang_reason(job, held.get(job.id, 0), view)
         if job.nnodes > 1

@@ -280,14 +280,20 @@ def share_to_gpu_s(s: Session, now: datetime) -> float:
     return 1.0 if t0 is None else 1.0 / _scale(now, t0, policy_of(s).fairshare_half_life_s)
 
 
+def usage_now(s: Session, now: datetime) -> tuple[float, dict[str, float]]:
+    """``share_to_gpu_s`` and every user's fair-share usage now, in GPU-equivalent
+    seconds (decayed), from one read of the epoch."""
+    t0 = s.execute(select(FairshareEpoch.t0).where(FairshareEpoch.id == 1)).scalar()
+    if t0 is None:
+        return 1.0, {}
+    down = 1.0 / _scale(now, t0, policy_of(s).fairshare_half_life_s)
+    rows = s.execute(select(UserUsage.owner, UserUsage.usage))
+    return down, {r.owner: r.usage * down for r in rows}
+
+
 def decayed_usage(s: Session, now: datetime) -> dict[str, float]:
     """Every user's fair-share usage now, in GPU-equivalent seconds (decayed)."""
-    rows = s.execute(select(UserUsage.owner, UserUsage.usage)).all()
-    t0 = s.execute(select(FairshareEpoch.t0).where(FairshareEpoch.id == 1)).scalar()
-    if not rows or t0 is None:
-        return {}
-    down = 1.0 / _scale(now, t0, policy_of(s).fairshare_half_life_s)
-    return {r.owner: r.usage * down for r in rows}
+    return usage_now(s, now)[1]
 
 
 WINDOWS = (("1d", timedelta(days=1)), ("7d", timedelta(days=7)))

@@ -43,15 +43,10 @@ class UsageHour(Base):
     jobs_made: Mapped[int] = mapped_column(Integer, default=0)
 
 
-class UsageDay(Base):
-    """The same sums by day of UTC (what the hours of a day add up to): a month of many
-    users is 30 rows each, not 720. Only what adds up is here; what was running as a day
-    began is its first hour's row."""
+class _Sums:
+    """What adds up over a day's or a month's hours (what was running as each began does
+    not: that is its first hour's row)."""
 
-    __tablename__ = "usage_days"
-
-    day: Mapped[datetime] = mapped_column(primary_key=True)  # its start, at midnight UTC
-    owner: Mapped[str] = mapped_column(String(64), primary_key=True)
     seconds: Mapped[float] = mapped_column(Float, default=0.0)
     gpu_s: Mapped[float] = mapped_column(Float, default=0.0)
     cpu_s: Mapped[float] = mapped_column(Float, default=0.0)
@@ -60,7 +55,17 @@ class UsageDay(Base):
     jobs_made: Mapped[int] = mapped_column(Integer, default=0)
 
 
-class UsageMonth(Base):
+class UsageDay(_Sums, Base):
+    """The same sums by day of UTC (what the hours of a day add up to): a month of many
+    users is 30 rows each, not 720."""
+
+    __tablename__ = "usage_days"
+
+    day: Mapped[datetime] = mapped_column(primary_key=True)  # its start, at midnight UTC
+    owner: Mapped[str] = mapped_column(String(64), primary_key=True)
+
+
+class UsageMonth(_Sums, Base):
     """The same sums by month of UTC (what the days of a month add up to): a year of many
     users is 12 rows each, not 365."""
 
@@ -68,12 +73,6 @@ class UsageMonth(Base):
 
     month: Mapped[datetime] = mapped_column(primary_key=True)  # its first day, at midnight
     owner: Mapped[str] = mapped_column(String(64), primary_key=True)
-    seconds: Mapped[float] = mapped_column(Float, default=0.0)
-    gpu_s: Mapped[float] = mapped_column(Float, default=0.0)
-    cpu_s: Mapped[float] = mapped_column(Float, default=0.0)
-    started: Mapped[int] = mapped_column(Integer, default=0)
-    started_preempted: Mapped[int] = mapped_column(Integer, default=0)
-    jobs_made: Mapped[int] = mapped_column(Integer, default=0)
 
 
 # What the rollup has still to add (its `rolled` unset): running attempts and active jobs,

@@ -60,7 +60,7 @@ COPY examples ./examples
 # its checkpoints (Docker would otherwise create them root-owned and every job fail).
 # The examples are in the workspace so `--entrypoint examples/ddp_plain.py` runs as is.
 RUN pip install -q --no-deps . \
-    && python -c "import torch, torchvision, ddpq.cli, worker.agent, recipes" \
+    && python -c "import torch, torchvision, ddpq.cli, worker.executors.agent, recipes" \
     && useradd --create-home --uid 1000 ddpq \
     && mkdir -p /data/checkpoints /workspace \
     && cp -r examples /workspace/examples \

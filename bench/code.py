@@ -22,7 +22,7 @@ alternating.
    first) and wall time (hashing the tree again is most of it);
 3. the worker's side: writing the job's directory with its cache empty (every content
    fetched from the API, checked and copied) and again with the cache warm (copies
-   only, each checked against its digest), as ``worker.code.Workdirs`` does for a job;
+   only, each checked against its digest), as ``worker.files.code.Workdirs`` does for a job;
 4. what walls between jobs cost (``--walls``, SQLite): the same job, a 300-step 2-rank
    ``examples/ddp_plain.py`` sent as code with a requirements.txt naming a wheel, run
    on a walled worker (each job under a uid of its own, its directories given and taken
@@ -61,8 +61,8 @@ sys.path.insert(0, str(REPO))
 
 from ddpq.client import Client  # noqa: E402
 from ddpq.snapshot import human_bytes  # noqa: E402
-from worker.api import WorkerAPI  # noqa: E402
-from worker.code import Workdirs  # noqa: E402
+from worker.edges.api import WorkerAPI  # noqa: E402
+from worker.files.code import Workdirs  # noqa: E402
 
 BIG_FILES = 20
 KEYWORDS = [

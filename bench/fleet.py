@@ -1,7 +1,7 @@
 """How cost grows with the fleet: N simulated GPU hosts, M users, K readers, one API.
 
-Each simulated host (8 GPUs) speaks the worker protocol exactly as worker/loop.py and
-worker/api.py do, without torchrun: it registers (with an identity), heartbeats its
+Each simulated host (8 GPUs) speaks the worker protocol exactly as worker/executors/loop.py and
+worker/edges/api.py do, without torchrun: it registers (with an identity), heartbeats its
 running attempts every ``heartbeat_s`` the API gives it (the pause counted from the end
 of the last one, as the worker's loop does), and long-polls ``POST /workers/claim``
 (wait_s 5) with its free GPUs and CPU slots, one job per claim, always (a host whose
@@ -65,7 +65,7 @@ GPUS = 8  # per host
 CPU_SLOTS = 32  # what a GPU host's agent offers besides its GPUs (its cores)
 SIZES = [(1, 0.40), (2, 0.25), (4, 0.20), (8, 0.15)]  # ranks (GPUs) of a job: weight
 MEAN_SIZE = sum(g * w for g, w in SIZES)
-CLAIM_WAIT_S = 5.0  # worker.loop.CLAIM_WAIT_S
+CLAIM_WAIT_S = 5.0  # worker.executors.loop.CLAIM_WAIT_S
 
 
 # ---- a minimal HTTP/1.1 client ------------------------------------------------------------
@@ -235,12 +235,14 @@ class Host:
             }
             t0 = time.perf_counter()
             try:
-                status, _ = await self.http.request("POST", "/workers/heartbeat", body)
+                status, data = await self.http.request("POST", "/workers/heartbeat", body)
             except (OSError, asyncio.IncompleteReadError):
-                status = 0
+                status, data = 0, b""
             st.add(st.heartbeat, time.perf_counter() - t0)
             if status != 200:
                 st.error(f"heartbeat {status}")
+            else:  # the pace the API sets for the fleet's size (service.pace), as a worker
+                self.heartbeat_s = orjson.loads(data).get("heartbeat_s") or self.heartbeat_s
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.sim.stop.wait(), self.heartbeat_s)
 
@@ -659,8 +661,10 @@ def _self_cpu() -> float:
     return cpu_of(os.getpid())
 
 
-def run_one(backend: str, api_procs: int, plan: Plan, profile: Path | None) -> dict[str, Any]:
-    with database(backend) as db_url, serve(db_url, DDPQ_API_WORKERS=str(api_procs)) as api:
+def run_one(
+    backend: str, api_procs: int, plan: Plan, profile: Path | None, env: dict[str, str]
+) -> dict[str, Any]:
+    with database(backend) as db_url, serve(db_url, DDPQ_API_WORKERS=str(api_procs), **env) as api:
         try:
             import uvloop
 
@@ -810,6 +814,14 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="short windows, for development")
     ap.add_argument("--profile", type=Path, help="py-spy the API into DIR (raw stacks)")
     ap.add_argument("--out", type=Path, default=Path("docs/img/fleet.png"))
+    ap.add_argument(
+        "--serve-env",
+        action="append",
+        default=[],
+        type=lambda kv: tuple(kv.split("=", 1)),
+        metavar="NAME=VALUE",
+        help="a DDPQ_* setting of the API (repeatable), e.g. DDPQ_MAX_HEARTBEATS_PER_S=1e9",
+    )
     args = ap.parse_args()
     if args.quick:
         args.warmup, args.measure = 8.0, 15.0
@@ -823,7 +835,7 @@ def main() -> None:
                 f"{plan.warmup_s:g}+{plan.measure_s:g} s",
                 flush=True,
             )
-            r = run_one(args.backend, api_procs, plan, args.profile)
+            r = run_one(args.backend, api_procs, plan, args.profile, dict(args.serve_env))
             results.append(r)
             print(table([r]), flush=True)
             if r["errors"]:

@@ -10,7 +10,7 @@ finished_at) with a cold torchrun (``launcher: torchrun``) and with the warm lau
 torchrun's (goals: the cold launcher <= 1.02x at 300 steps; warm <= 0.7x at 300 steps,
 <= 0.95x at 2,000, the trivial job <= 0.8 s).
 
---trace runs the worker with ``--trace`` (worker/trace.py) and prints, per backend and
+--trace runs the worker with ``--trace`` (worker/executors/trace.py) and prints, per backend and
 program, the median over the cold-launcher jobs of each phase of an attempt: the API's side
 (submit to claimed, from the job's own stamps), the worker's phases from the claim's reply to
 the finish report, and the report to the job's finished_at.
@@ -35,7 +35,7 @@ from _harness import Api, backends, child_env, database, phases, run_job, serve
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from worker import trace as trace_  # noqa: E402  (the repository's, beside this file)
+from worker.executors import trace as trace_  # noqa: E402  (the repository's, beside this file)
 
 PLAIN = "examples/ddp_plain.py"
 TRIVIAL = "bench/trivial_ddp.py"
@@ -91,7 +91,7 @@ def cpu_seconds(pid: int) -> float:
 
 def breakdown(job: dict, posted: float, at: dict[str, float]) -> dict[str, float]:
     """One job's phases in seconds, in order: the API's (from its stamps), the worker's
-    (worker.trace), and the finish report to finished_at."""
+    (worker.executors.trace), and the finish report to finished_at."""
     stamp = {k: datetime.fromisoformat(job[k]).timestamp() for k in ("created_at", "started_at")}
     finished = datetime.fromisoformat(job["finished_at"]).timestamp()
     row = {

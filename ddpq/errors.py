@@ -13,13 +13,16 @@
     ├── CodeError               a directory that cannot be sent as code (ddpq.codepack)
     ├── SnapshotError           a code manifest breaks a rule (ddpq.snapshot; a ValueError)
     └── WorkerError             the worker's own
-        ├── SettingsError       a setting it cannot start with (worker.settings; a ValueError)
-        ├── DataDirBusy         another worker holds the --data-dir (worker.datadir)
-        ├── WallsError          jobs cannot be walled as asked (worker.walls)
-        ├── SlurmError          a Slurm command failed, or its answer will not do (worker.bridge,
-        │                       worker.slurm: a partition with no nodes)
+        ├── SettingsError       a setting it cannot start with (a ValueError;
+        │                       worker.executors.settings)
+        ├── DataDirBusy         another worker holds the --data-dir (worker.files.datadir)
+        ├── WallsError          jobs cannot be walled as asked (worker.walled.walls)
+        ├── SlurmError          a Slurm command failed, or its answer will not do
+        │                       (worker.executors.bridge, worker.executors.slurm: a
+        │                       partition with no nodes)
         ├── JobError            this attempt cannot run: it fails with the message
-        ├── RequirementsRefused a job's requirements break the policy (worker.requirements)
+        ├── RequirementsRefused a job's requirements break the policy
+        │                       (worker.starting.requirements)
         └── Stopped             asked to stop while a job was being readied: no failure
 
 Each message says what was asked and what was answered. ``ddpq.cli.base`` maps the tree
@@ -173,7 +176,7 @@ class WorkerError(DdpqError):
 
 
 class SettingsError(WorkerError, ValueError):
-    """Settings a worker cannot start with (worker.settings): what is wrong with each bad
+    """Settings a worker cannot start with (worker.executors.settings): what is wrong with each bad
     value, naming its flag and variable, on one line (joined by "; ")."""
 
 

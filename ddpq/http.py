@@ -1,5 +1,5 @@
 """The one HTTP core of every client of the API: the CLI's (ddpq.client), the worker's
-(worker.api) and the ranks' reporter (ddpq.train).
+(worker.edges.api) and the ranks' reporter (ddpq.train).
 
 A conversation with one API, a bearer token, timeouts; every answer either a success or
 an error of the one tree (ddpq.errors): ApiUnreachable when none came, ApiUnavailable

@@ -4,7 +4,7 @@ The replies (the first half): the service answers with these models (they are th
 OpenAPI schema's shapes); the worker parses the answers into them and never handles the
 protocol as raw dicts. The requests (the second half, from ``Strict``: register, claim,
 gang, heartbeat, finish, and what they carry): the service's routes validate bodies with
-them (service.schemas re-exports them), and the worker's client (worker.api) validates
+them (service.schemas re-exports them), and the worker's client (worker.edges.api) validates
 what it sends with the same models before it sends it, so the two cannot drift: a field
 added to the heartbeat is one edit here. ``Strict`` is every request body's base, the
 API's other routes' too.
@@ -59,12 +59,12 @@ class ClaimedJob(BaseModel):
     # A node slot of a multi-node job: wait for the gang (POST /workers/gang) first.
     nnodes: int = 1
     node_rank: int = 0
-    # Who submitted it: whose cache on the worker its ranks use (worker.caches). None
+    # Who submitted it: whose cache on the worker its ranks use (worker.files.caches). None
     # from an API of an earlier version, or for a job from before users: no cache kept.
     owner: str | None = None
     # The values of the secrets the spec names (spec["secrets"]), its owner's as they are
     # at this claim (service.secrets.for_claim): for the ranks' environment alone
-    # (worker.torchrun.environment), never logged, written to a file or shown; left out of
+    # (worker.starting.torchrun.environment), never logged, written to a file or shown; left out of
     # the model's repr. Empty when it names none.
     secrets: dict[str, str] = Field(default_factory=dict, repr=False)
     # Why they could not be given (one deleted since the submit, or stored under a key
@@ -156,6 +156,10 @@ class HeartbeatReply(BaseModel):
     send: list[SendOrder] = []
     # Users' caches to clear (asked again until a heartbeat reports them: Heartbeat.cleared).
     clear: list[CacheClearOrder] = []
+    # When to heartbeat next, and the lease now (service.pace: they grow with the fleet);
+    # a service of an earlier version sends neither: the registration's stand.
+    heartbeat_s: float | None = None
+    lease_s: float | None = None
 
 
 class HeldAttempt(BaseModel):
@@ -260,7 +264,7 @@ GpuIndex = Annotated[int, Field(strict=True, ge=0, le=1023)]
 GpuBytes = Annotated[int, Field(strict=True, ge=0, le=2**53)]
 MAX_GPUS = 1024
 # Samples one heartbeat may carry for one attempt: a worker that could not reach the
-# API for a while sends what it kept (worker.gpuuse keeps a few per GPU).
+# API for a while sends what it kept (worker.edges.gpuuse keeps a few per GPU).
 MAX_SAMPLES_PER_ATTEMPT = 8192
 
 
@@ -287,7 +291,7 @@ class GpuSampleIn(Strict):
 
 # A user's name as service.users.NAME has it: the worker's directory of their cache.
 CacheUser = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$")]
-# The caches one heartbeat reports (worker.caches.MAX_REPORTED: the most recently used).
+# The caches one heartbeat reports (worker.files.caches.MAX_REPORTED: the most recently used).
 MAX_CACHES = 1000
 MAX_IDLE_S = 10 * 366 * 86400
 Count = Annotated[int, Field(strict=True, ge=0, le=INT64_MAX)]
@@ -356,7 +360,7 @@ class ClusterShape(Strict):
     max_pending: Annotated[int, Field(strict=True, ge=1, le=100_000)] = 1
 
 
-# worker.datadir's identity: 32 hex digits, kept in the worker's data dir.
+# worker.files.datadir's identity: 32 hex digits, kept in the worker's data dir.
 WorkerIdentity = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
 
 
@@ -447,7 +451,7 @@ class Heartbeat(Strict):
     pruned: Annotated[list[CheckpointPruned], Field(max_length=10_000)] = []
     dropped: Annotated[list[CheckpointsDropped], Field(max_length=10_000)] = []
     sent: Annotated[list[CheckpointSent], Field(max_length=10_000)] = []
-    # Its users' caches (worker.caches), all of them, sent only when they changed since
+    # Its users' caches (worker.files.caches), all of them, sent only when they changed since
     # the last heartbeat answered (None: unchanged); what it did with the clear orders
     # earlier replies carried (HeartbeatReply.clear).
     caches: Annotated[list[CacheUsage], Field(max_length=MAX_CACHES)] | None = None

@@ -107,7 +107,7 @@ RESERVED_ENV_NAMES = frozenset(
         "GROUP_RANK",
         "GROUP_WORLD_SIZE",
         "NODE_RANK",
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",  # ddpq sets it (see worker/runner.py)
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",  # ddpq sets it (see worker/executors/runner.py)
         "CUDA_DEVICE_ORDER",
         "GPU_DEVICE_ORDINAL",
         "GLIBC_TUNABLES",

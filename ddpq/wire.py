@@ -110,7 +110,7 @@ def marker_resume(line: bytes) -> int | None:
 
 def tree_stamp(path: str, dir_fd: int | None = None) -> tuple[int, int]:
     """A directory checkpoint's stamp, as rank 0 registers it (ddpq.train) and its worker
-    checks it before deleting the directory (worker.checkpoints): the bytes of the regular
+    checks it before deleting the directory (worker.files.checkpoints): the bytes of the regular
     files under it and the newest mtime (ns) of it and of everything under it, walked
     without following a link. Anything written, added, removed or renamed inside since
     changes it: a directory written again is not the one registered."""

@@ -2,7 +2,7 @@
 
 - ``docs/configuration.md``: the API's settings (``service.config.Settings``: each
   field's env var, type, default and description), the worker's
-  (``worker.settings.WorkerSettings``: each field's flag, env var, type, default and
+  (``worker.executors.settings.WorkerSettings``: each field's flag, env var, type, default and
   description), the other commands' options that take an environment variable, and the
   variables the CLI, the worker and a job's ranks read
   (the lists below; tests/test_docs.py checks that the code reads each).
@@ -67,7 +67,7 @@ JOB_ENV = [
     ("DDPQ_PARAMS", "its spec's `params` as JSON (a sweep's trial's; `ddpq.params()` reads it)"),
     ("DDPQ_RUNGS", "its spec's `rungs`: the steps its sweep judges it at (`ddpq.report` asks)"),
     ("DDPQ_TENSORBOARD_DIR", "when the worker has one (above)"),
-    # Their owner's caches on the worker (worker/caches.py), unless --cache-gb 0.
+    # Their owner's caches on the worker (worker/files/caches.py), unless --cache-gb 0.
     ("TORCHINDUCTOR_CACHE_DIR", "inductor's cache (`torch.compile`), in its owner's caches"),
     ("TRITON_CACHE_DIR", "Triton's kernels, in its owner's caches"),
     ("HF_HOME", "Hugging Face's home (the hub's downloads), in its owner's caches"),
@@ -154,7 +154,7 @@ def configuration() -> str:
     out.append(
         "Besides torchrun's `RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `MASTER_ADDR` and "
         "`MASTER_PORT`, and `CUDA_VISIBLE_DEVICES` holding exactly the job's GPUs "
-        "(`worker/torchrun.py`). A spec's `env` may not set any `DDPQ_*` variable.\n\n"
+        "(`worker/starting/torchrun.py`). A spec's `env` may not set any `DDPQ_*` variable.\n\n"
     )
     out.append("| variable | what |\n| --- | --- |\n")
     for var, what in JOB_ENV:
@@ -163,15 +163,15 @@ def configuration() -> str:
 
 
 def worker_settings() -> str:
-    """The worker's section: every field of ``worker.settings.WorkerSettings``, its
+    """The worker's section: every field of ``worker.executors.settings.WorkerSettings``, its
     flag, variable, type, default and description."""
-    from worker import settings
+    from worker.executors import settings
 
     out = ["\n## The worker: `ddpq worker`\n\n"]
     out.append(
-        "From `worker.settings.WorkerSettings`: each setting is a flag of `ddpq worker` and "
-        "a variable; the flag wins. A bad value stops the worker at start (exit code 2), "
-        "naming both.\n\n"
+        "From `worker.executors.settings.WorkerSettings`: each setting is a flag of "
+        "`ddpq worker` and a variable; the flag wins. A bad value stops the worker at start "
+        "(exit code 2), naming both.\n\n"
     )
     out.append("| option | variable | type | default | what |\n| --- | --- | --- | --- | --- |\n")
     for name, field in settings.WorkerSettings.model_fields.items():

@@ -1,4 +1,4 @@
-"""Users' caches on the workers (worker.caches keeps them: inductor, Triton, Hugging Face,
+"""Users' caches on the workers (worker.files.caches keeps them: inductor, Triton, Hugging Face,
 torch hub, matplotlib, one directory per user per worker): what the API knows of them,
 who may list and clear whose, and the clear orders a worker's heartbeat reply carries.
 

@@ -3,7 +3,7 @@ is asked to delete, what it says it did, and a job's list of them.
 
 The API owns which checkpoints are registered and which of them are kept; the worker
 whose disk holds a file (its attempt's worker: node 0's for a gang) owns the file, and
-deletes it only when its heartbeat's reply asks (worker.checkpoints), reporting back on
+deletes it only when its heartbeat's reply asks (worker.files.checkpoints), reporting back on
 the next heartbeat. A checkpoint is a file or a directory (``kind``: a framework's, as
 ddpq.train.register_checkpoint registers it), never inside another of the job's nor
 holding one, so that deleting one never takes or changes another. Two rules choose what

@@ -378,7 +378,7 @@ class Worker(Base):
     checkpoint_root: Mapped[str] = mapped_column(Text)
     registered_at: Mapped[datetime] = mapped_column(default=utcnow)
     last_heartbeat: Mapped[datetime] = mapped_column(default=utcnow)
-    # The random id a worker keeps in its data dir (worker.datadir): a registration with
+    # The random id a worker keeps in its data dir (worker.files.datadir): a registration with
     # another one while this one heartbeats is a second process under the same name.
     identity: Mapped[str | None] = mapped_column(String(32), default=None)
     # A bridge to another scheduler (a Slurm partition): the shape of the nodes it hands
@@ -394,7 +394,7 @@ class Worker(Base):
 
 
 class WorkerCache(Base):
-    """One user's cache on one worker (worker.caches), as the worker last reported it: a
+    """One user's cache on one worker (worker.files.caches), as the worker last reported it: a
     report is whole, and replaces the worker's rows (service.caches)."""
 
     __tablename__ = "worker_caches"

@@ -34,7 +34,7 @@ import pytest
 
 from service.db import Database, upgrade
 from tests import slurmcluster
-from worker.procs import launch_prefix
+from worker.edges.procs import launch_prefix
 
 # No test reads or writes the config file of whoever runs them (`ddpq login` and `ddpq up`
 # write ~/.config/ddpq/config.toml): this process, and every `ddpq` it starts, use one of

@@ -149,10 +149,10 @@ def job_runner(workspace: Path, spec: dict[str, Any]) -> Any:
     import threading
 
     from ddpq.messages import ClaimedJob
-    from worker.code import Workdirs
-    from worker.runner import JobRunner, RunContext
-    from worker.settings import WorkerSettings
-    from worker.venvs import Venvs
+    from worker.executors.runner import JobRunner, RunContext
+    from worker.executors.settings import WorkerSettings
+    from worker.files.code import Workdirs
+    from worker.starting.venvs import Venvs
 
     ctx = RunContext(
         api=None,  # type: ignore[arg-type]  # nothing is sent

@@ -87,11 +87,11 @@ def victim(signal: Path) -> None:
 
 # Run by the worker's own Python (-I: not the job's directory, which holds a worker/):
 # the name the worker will look for an environment of these requirements under, and the
-# seal it trusts on disk, made with the worker's token, as worker.venvs made them.
+# seal it trusts on disk, made with the worker's token, as worker.starting.venvs made them.
 FORGE = """
 import hashlib, hmac, json, os, sys, tempfile
 from pathlib import Path
-from worker import requirements, venvs
+from worker.starting import requirements, venvs
 root, token, pip = Path(sys.argv[1]), sys.argv[2].encode(), json.loads(sys.argv[3])
 with tempfile.TemporaryDirectory() as scratch:
     key = venvs.Venvs(Path(scratch), 1).key(requirements.read(None, pip))

@@ -6,6 +6,9 @@
   that run them; ``ddpq.train``, ``ddpq.wire`` and ``ddpq.errors`` (which every rank
   imports) import no project module but ``ddpq.errors``, ``ddpq.http``, ``ddpq.rules``,
   ``ddpq.tensorboard`` and ``ddpq.wire``;
+- the worker's rooms (``WORKER_ROOMS``): each sub-package of ``worker/`` and each entry
+  module at its top imports only what its row allows, and the rows run one way (no room
+  imports one that imports it back);
 - no Python module over ``MAX_MODULE_LINES`` lines, no function over
   ``MAX_FUNCTION_LINES``.
 """
@@ -19,6 +22,38 @@ REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("service", "worker", "ddpq", "recipes")
 MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 80
+
+# The worker's rooms, top down, and what of the worker each may import (docs/architecture.md,
+# "Which way imports run"). A room is a sub-package of worker/; the entry modules at its top
+# stand alone, each a row of its own: they stay where the command lines that start them
+# (`python -m worker.entry`, torchrun's `worker.tee`, a container's `worker.health`, ...)
+# name them, so a worker in the middle of an upgrade still finds them there.
+WORKER_ROOMS: dict[str, set[str]] = {
+    "worker.slurmnode": {"worker.executors", "worker.starting", "worker.edges"},
+    "worker.executors": {
+        "worker.starting",
+        "worker.files",
+        "worker.walled",
+        "worker.edges",
+        "worker.health",
+    },
+    "worker.launch": {"worker.edges", "worker.zygote"},
+    "worker.starting": {
+        "worker.files",
+        "worker.walled",
+        "worker.edges",
+        "worker.entry",
+        "worker.tee",
+        "worker.zygote",
+    },
+    "worker.files": {"worker.walled", "worker.edges"},
+    "worker.zygote": {"worker.entry", "worker.tee"},
+    "worker.walled": {"worker.edges"},
+    "worker.tee": {"worker.entry"},
+    "worker.edges": set(),
+    "worker.entry": set(),
+    "worker.health": set(),
+}
 
 
 def _module_name(path: Path) -> str:
@@ -107,6 +142,28 @@ def test_the_rooms_import_only_what_they_may() -> None:
         assert anywhere[name] <= rank, anywhere[name]
 
 
+def _worker_room(module: str) -> str:
+    """The room a worker module stands in: its sub-package, or itself at the top."""
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+def test_the_worker_rooms_import_only_the_rooms_below_them() -> None:
+    """Each worker module imports, of the worker, only its own room and the rooms its
+    room's row of WORKER_ROOMS allows (at module level or inside functions), and the
+    rows run one way: no room reaches back up to one that imports it."""
+    assert _cycle(WORKER_ROOMS) is None, "the worker's rooms must run one way"
+    found: dict[str, set[str]] = {}
+    for name, deps in _graph(top_level_only=False).items():
+        if name != "worker" and name.startswith("worker."):
+            room = _worker_room(name)
+            assert room in WORKER_ROOMS, f"{name} stands in no room of WORKER_ROOMS"
+            rooms = {_worker_room(d) for d in deps if d.startswith("worker.")} - {room}
+            found.setdefault(room, set()).update(rooms)
+            assert rooms <= WORKER_ROOMS[room], (name, rooms - WORKER_ROOMS[room])
+    assert set(found) == set(WORKER_ROOMS), set(WORKER_ROOMS) - set(found)
+
+
 def test_no_module_is_over_the_line_limit() -> None:
     """Every Python module of the packages stays within MAX_MODULE_LINES: past that a
     module holds more than one concern, and is split along its seam (as ddpq/cli/jobs.py
@@ -126,7 +183,7 @@ def test_no_module_is_over_the_line_limit() -> None:
 def test_no_function_is_over_the_line_limit() -> None:
     """Every function of the packages (its signature, docstring and body) stays within
     MAX_FUNCTION_LINES: a longer one does several things a reader must hold at once (the
-    worker's command was 182 lines before its settings had an owner, worker.settings)."""
+    worker's command was 182 lines before its settings had an owner, worker.executors.settings)."""
     over = []
     for path in _modules().values():
         for node in ast.walk(ast.parse(path.read_text())):

@@ -1,6 +1,6 @@
 """The API side of a Slurm bridge, driven by hand (no Slurm): whole-job claims, the Slurm
 job id and pending reason on heartbeats, re-adoption, node logs with the job token,
-and what worker/slurm.py decides (pure)."""
+and what worker/executors/slurm.py decides (pure)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from ddpq.errors import SlurmError
 from ddpq.messages import ClaimedJob
 from tests.conftest import Server
 from tests.helpers import register
-from worker import slurm
+from worker.executors import slurm
 
 SHAPE = {"partition": "gpu", "nodes": 4, "cpus_per_node": 16, "gpus_per_node": 0}
 
@@ -231,7 +231,7 @@ def test_a_gang_forming_on_workers_and_a_bridge_never_both_take_a_job(
                     )
 
 
-# ---- worker/slurm.py: pure decisions --------------------------------------------------
+# ---- worker/executors/slurm.py: pure decisions --------------------------------------------------
 
 
 def _claim_of(**over: Any) -> ClaimedJob:

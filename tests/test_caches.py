@@ -1,4 +1,4 @@
-"""Each user's caches on a worker (worker.caches), without a worker: lent to an attempt's
+"""Each user's caches on a worker (worker.files.caches), without a worker: lent to an attempt's
 uid and taken back (nothing a job planted reaches the worker or another user), two
 attempts of one user at once, the cap (least recently used files first), what is
 discarded, clear orders and the reports a heartbeat carries. Real uids (root): a few
@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from ddpq.messages import CacheClearOrder
-from worker import caches as caches_
-from worker.caches import Caches, Lease
-from worker.walls import Held, JobUser, Walls
+from worker.files import caches as caches_
+from worker.files.caches import Caches, Lease
+from worker.walled.walls import Held, JobUser, Walls
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="hands directories to other uids")
 
@@ -106,7 +106,7 @@ def test_a_cache_is_lent_to_its_users_attempt_and_taken_back_clean(base: Path) -
             peek = as_uid(other, f"ls {lease.path} || echo DENIED; touch {lease.path}/x")
             assert "DENIED" in peek.stdout and "Permission denied" in peek.stderr
             assert not (lease.path / "x").exists()
-    # Taken back as the attempt ended (worker.walls: Held.end, before its uid was free).
+    # Taken back as the attempt ended (worker.walled.walls: Held.end, before its uid was free).
     assert stat.S_IMODE(os.stat(caches.gate("alice")).st_mode) == 0o700
     left = {p.relative_to(lease.path).as_posix(): p for p in lease.path.rglob("*")}
     assert set(left) == {
@@ -163,7 +163,7 @@ def test_what_cannot_be_taken_back_safely_is_discarded(base: Path) -> None:
     held = Held(caches.walls, JobUser(UIDS[1], UIDS[1]))
     lease, _ = caches.lend("alice", held, scratch(base, "s"), 1, 1)
     (lease.path / "f").write_text("x")
-    assert held.end(clean=False), "discarded: the uid may go on"  # as worker.walls ends it
+    assert held.end(clean=False), "discarded: the uid may go on"  # as worker.walled.walls ends it
     assert not caches.gate("alice").exists() and "alice" not in caches.usage()
     # Deeper than a cache goes.
     with caches.walls.attempt(2) as held:

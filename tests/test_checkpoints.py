@@ -1,4 +1,4 @@
-"""Checkpoint retention (service.checkpoints, worker.checkpoints; docs/checkpoints.md).
+"""Checkpoint retention (service.checkpoints, worker.files.checkpoints; docs/checkpoints.md).
 
 The protocol-level tests drive the worker protocol by hand, on both databases: which
 checkpoints keep_last lets go (never the resume point, never a keep=True one), the
@@ -31,8 +31,8 @@ from tests.conftest import (
 from tests.helpers import finish, records, register, submit_and_claim
 from tests.test_faults import TRAINER as FAULTS_TRAINER
 from tests.test_faults import _submit as submit_trainer
-from worker.checkpoints import Pruner, delete_checkpoint, drop_directory
-from worker.procs import find_by_launch_id
+from worker.edges.procs import find_by_launch_id
+from worker.files.checkpoints import Pruner, delete_checkpoint, drop_directory
 
 # ---- the protocol, by hand --------------------------------------------------------------
 

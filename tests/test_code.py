@@ -35,8 +35,8 @@ from ddpq.snapshot import (
 from service.models import CodeBlob, CodeSnapshot
 from tests.conftest import Server, run_ddpq, start_server, stop_server, wait_for
 from tests.helpers import make_wheel
-from worker.code import BlobCache, Workdirs, write_tree
-from worker.torchrun import JobError
+from worker.files.code import BlobCache, Workdirs, write_tree
+from worker.starting.torchrun import JobError
 
 
 def sha(data: bytes) -> str:
@@ -922,8 +922,8 @@ def test_a_two_node_job_runs_its_code_on_both_workers(
 def test_one_environment_is_built_for_two_jobs_and_torch_is_never_replaced(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from worker import requirements
-    from worker.venvs import Venvs
+    from worker.starting import requirements
+    from worker.starting.venvs import Venvs
 
     monkeypatch.setenv("PIP_NO_INDEX", "1")  # the wheel is local: pip needs no index
     make_wheel(tmp_path / "wheels")
@@ -978,8 +978,8 @@ def test_one_environment_is_built_for_two_jobs_and_torch_is_never_replaced(
 def test_requirements_the_worker_already_satisfies_build_no_environment(tmp_path: Path) -> None:
     # Issue 30: a requirements.txt of only `torch>=1.11.0`, which the worker has, built an
     # environment and put ~30 lines of `Requirement already satisfied` in the job's log.
-    from worker import requirements
-    from worker.venvs import Venvs, python_for, satisfied
+    from worker.starting import requirements
+    from worker.starting.venvs import Venvs, python_for, satisfied
 
     venvs = Venvs(tmp_path / "venvs", max_envs=1)
     (tmp_path / "requirements.txt").write_text("torch>=1.11.0\n")

@@ -22,9 +22,9 @@ from ddpq.client import Client
 from service.models import CodeBlob
 from tests.conftest import Server, start_server, stop_server
 from tests.test_code import rows
-from worker.api import WorkerAPI
-from worker.code import BlobCache, Workdirs
-from worker.torchrun import JobError
+from worker.edges.api import WorkerAPI
+from worker.files.code import BlobCache, Workdirs
+from worker.starting.torchrun import JobError
 
 TEXT = b"".join(b"def f%d(x):\n    return x * %d  # a line of code\n" % (i, i) for i in range(400))
 NOISE = random.Random(1).randbytes(20_000)  # does not compress: sent as it is

@@ -98,11 +98,11 @@ def _variables_in_python(path: Path) -> set[str]:
 @functools.cache
 def variables_the_code_reads() -> frozenset[str]:
     from service.config import Settings
-    from worker.settings import WorkerSettings, variable
+    from worker.executors.settings import WorkerSettings, variable
 
     prefix = Settings.model_config.get("env_prefix", "")
     names = {f"{prefix}{field}".upper() for field in Settings.model_fields}
-    # The worker's settings read theirs as the API's do (worker/settings.py).
+    # The worker's settings read theirs as the API's do (worker/executors/settings.py).
     names |= {var for field in WorkerSettings.model_fields if (var := variable(field))}
     for directory in CODE_DIRS:
         for path in (ROOT / directory).rglob("*.py"):

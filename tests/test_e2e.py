@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import Server, launcher_env, module_server, terminal, wait_for
-from worker import trace
-from worker.procs import find_by_launch_id
+from worker.edges.procs import find_by_launch_id
+from worker.executors import trace
 
 pytestmark = pytest.mark.torchrun
 

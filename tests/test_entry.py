@@ -21,7 +21,9 @@ from typing import Any
 import pytest
 
 from tests.conftest import REPO, Server, terminal
-from worker import entry, oom, tee, torchrun
+from worker import entry, tee
+from worker.edges import oom
+from worker.starting import torchrun
 
 PROBE = Path(__file__).with_name("entry_probe.py")
 SAID = "the program finished; torch crashed during interpreter exit (SIGABRT)"  # issue 31's words

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, Server, terminal, wait_for
-from worker import torchrun
+from worker.starting import torchrun
 
 # 20 and more torchrun runs a test, each 5-15 s on 2 busy cores: beyond the suite's 300 s.
 pytestmark = [pytest.mark.teardown, pytest.mark.torchrun, pytest.mark.timeout(1800)]

@@ -31,7 +31,7 @@ from ddpq.errors import (
     SnapshotError,
     WorkerError,
 )
-from worker.api import WorkerAPI
+from worker.edges.api import WorkerAPI
 
 URL = "http://api.test:8000"
 
@@ -80,7 +80,7 @@ def test_no_two_public_error_classes_share_a_name() -> None:
 
 def test_the_three_client_families_are_one() -> None:
     from ddpq import client, train  # noqa: F401 - train raises ddpq.errors' (below)
-    from worker import api
+    from worker.edges import api
 
     assert client.ApiError is ApiError
     # The worker speaks the client's family, under the family's own names.

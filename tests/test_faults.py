@@ -32,7 +32,7 @@ from tests.conftest import (
 )
 from tests.helpers import finish, records, register, submit_and_claim
 from tests.test_outage import HOLD
-from worker.procs import find_by_launch_id
+from worker.edges.procs import find_by_launch_id
 
 # ---- the retry policy and fencing, through the worker protocol -------------------------
 

@@ -25,9 +25,9 @@ from ddpq.messages import ClaimedJob, ForkSource, SendOrder
 from tests.conftest import Server, run_ddpq, wait_for
 from tests.helpers import finish, register, submit_and_claim
 from tests.test_checkpoints import _heartbeat, _register
-from worker.code import BlobCache
-from worker.sending import Refused, send_checkpoint, write_fork
-from worker.torchrun import resume_path
+from worker.files.code import BlobCache
+from worker.files.sending import Refused, send_checkpoint, write_fork
+from worker.starting.torchrun import resume_path
 
 JOB = {"entrypoint": "train.py", "world_size": 1, "device": "cpu"}
 

@@ -23,8 +23,8 @@ from ddpq.messages import PruneOrder
 from ddpq.wire import tree_stamp
 from tests.conftest import REPO, Server, start_server, stop_server
 from tests.helpers import finish, submit_and_claim
-from worker.checkpoints import delete_checkpoint
-from worker.torchrun import inside_job_dir
+from worker.files.checkpoints import delete_checkpoint
+from worker.starting.torchrun import inside_job_dir
 
 # ---- ddpq.train ---------------------------------------------------------------------------
 

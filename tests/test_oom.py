@@ -1,5 +1,5 @@
 """A rank SIGKILL ended is said to be out of memory only when the kernel's log says its OOM
-killer did it (issue 42): worker.oom reads /dev/kmsg for the rank's pid, which worker.tee
+killer did it (issue 42): worker.edges.oom reads /dev/kmsg for the rank's pid, which worker.tee
 names. Before, every SIGKILL was "out of memory?", a person's `kill -9` too."""
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import pytest
 
 from service.queue.leases import exit_words
 from tests.conftest import Server, _child_env, stop_process, terminal, wait_for, worker_argv
-from worker import oom, torchrun
+from worker.edges import oom
+from worker.starting import torchrun
 
 RECORDS = [
     b"6,1,1000,-;Linux version 6.18\n",

@@ -33,7 +33,7 @@ from tests.conftest import (
 )
 from tests.helpers import register, send_directory
 from tests.test_walls import open_the_way, start_host_worker
-from worker.outputs import Limits, capture
+from worker.files.outputs import Limits, capture
 
 # The pytorch/examples DDP tutorial's shape (issue 30): it saves snapshot.pt in its
 # working directory every epoch and resumes from it when it is there. The first run

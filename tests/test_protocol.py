@@ -1,5 +1,5 @@
 """The worker protocol is one set of models for both sides (ddpq.messages): each route a
-worker calls validates its body with the very class the worker's client (worker.api)
+worker calls validates its body with the very class the worker's client (worker.edges.api)
 validates what it sends with, and the client sends what that class dumps; a body the
 service would refuse is refused by the client the same way, 422 naming the field, and
 never sent. Adding a field to the heartbeat is then one edit, in one model."""
@@ -19,7 +19,7 @@ from pydantic import BaseModel
 
 from ddpq import messages
 from ddpq.errors import ApiRefused
-from worker.api import WorkerAPI
+from worker.edges.api import WorkerAPI
 
 # Each route a worker sends a body to, and the one model both sides validate it with.
 ROUTES: dict[str, type[BaseModel]] = {

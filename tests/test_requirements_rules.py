@@ -1,4 +1,4 @@
-"""A job's requirements judged before anything is installed (worker/requirements.py):
+"""A job's requirements judged before anything is installed (worker/starting/requirements.py):
 each kind classified, the policy and its refusals (where, why, how to allow), a
 requirements.txt read without following links, paths kept inside the job's code, the
 environment's key made of content, and the file the worker writes for pip. Fast: no pip,
@@ -13,7 +13,7 @@ import pytest
 
 from ddpq.errors import RequirementsRefused
 from tests.helpers import make_wheel
-from worker.requirements import (
+from worker.starting.requirements import (
     MAX_FILE_BYTES,
     MAX_REQUIREMENTS,
     Policy,

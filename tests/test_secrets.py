@@ -42,7 +42,8 @@ from service.models import AuditEvent, Job, Secret
 from service.users import Principal
 from tests.conftest import Server, Worker, run_ddpq, start_server, stop_server, terminal, wait_for
 from tests.test_bridge_protocol import _claim, _claim_of, _register_bridge
-from worker import slurm, torchrun, warm
+from worker.executors import slurm
+from worker.starting import torchrun, warm
 
 KEY, OTHER = b"k" * 16 + b"\x01" * 16, bytes(range(32))
 BOB = Principal("bob", "member")

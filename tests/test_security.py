@@ -420,7 +420,7 @@ def test_spec_rules_for_entrypoint_and_env() -> None:
 
 def test_worker_rechecks_what_it_is_sent(tmp_path: Path) -> None:
     """The API refuses these; the worker refuses them again, never trusting the wire."""
-    from worker.runner import JobError
+    from worker.executors.runner import JobError
 
     ws = tmp_path / "ws"
     ws.mkdir()

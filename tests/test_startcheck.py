@@ -1,7 +1,7 @@
 """The walled worker's start check for GPUs, and its one line at start when unwalled.
 
 A job's uid must be able to open the device nodes of the worker's GPUs
-(worker.startcheck.gpu_devices); a host with GPUs configured but no NVIDIA nodes (this
+(worker.walled.startcheck.gpu_devices); a host with GPUs configured but no NVIDIA nodes (this
 machine's fake GPUs) is not refused for them. A directory of stand-in nodes plays /dev:
 plain files, since a device node on a `nodev` mount refuses every open, whatever its mode.
 The rest of the start check is tests/test_walls.py's. Host tests, not database tests.
@@ -19,8 +19,9 @@ from ddpq.errors import WallsError
 from tests import test_walls
 from tests.conftest import Server, _child_env, stop_process, wait_for, worker_argv
 from tests.test_gpus import fake_gpus, nvml_env
-from worker import nvml, startcheck
-from worker.walls import NEEDED_CAPS, Walls
+from worker.edges import nvml
+from worker.walled import startcheck
+from worker.walled.walls import NEEDED_CAPS, Walls
 
 # The fixtures: an API on SQLite, and a directory job uids can reach.
 api = test_walls.api

@@ -13,14 +13,15 @@ from types import SimpleNamespace
 import pytest
 
 from tests.conftest import wait_for
-from worker import tee, torchrun
-from worker.logship import TAIL_LINES
+from worker import tee
+from worker.starting import torchrun
+from worker.starting.logship import TAIL_LINES
 
 SAMPLES = Path(__file__).parent / "torchrun_samples"
 
 
 def _tail(name: str) -> list[str]:
-    """The lines the runner keeps of an attempt's output (worker.logship.pump)."""
+    """The lines the runner keeps of an attempt's output (worker.starting.logship.pump)."""
     lines = (SAMPLES / name).read_text().splitlines()
     return [line.rstrip() for line in lines][-TAIL_LINES:]
 

@@ -1,5 +1,5 @@
-"""worker.trace: an attempt's phases, recorded as one JSON line each (no process runs here;
-tests/test_e2e.py reads a real worker's trace of a job run to its end and of one that
+"""worker.executors.trace: an attempt's phases, recorded as one JSON line each (no process runs
+here; tests/test_e2e.py reads a real worker's trace of a job run to its end and of one that
 fails before it starts)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import threading
 from pathlib import Path
 
-from worker import trace
+from worker.executors import trace
 
 
 def test_a_trace_keeps_its_phases_in_order_as_wall_clock_seconds(tmp_path: Path) -> None:

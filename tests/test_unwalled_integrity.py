@@ -19,9 +19,10 @@ import pytest
 
 from tests.helpers import make_wheel
 from tests.test_code import Store, _manifest
-from worker import code, requirements, venvs
-from worker.code import Workdirs
-from worker.walls import Walls
+from worker.files import code
+from worker.files.code import Workdirs
+from worker.starting import requirements, venvs
+from worker.walled.walls import Walls
 
 
 def _planted_module(d: Path) -> None:

@@ -45,8 +45,8 @@ from tests.conftest import (
     worker_argv,
 )
 from tests.helpers import make_wheel
-from worker import procs
-from worker.walls import Walls
+from worker.edges import procs
+from worker.walled.walls import Walls
 
 # Minutes of real uids, pip builds and attacks: `make test-walls` runs these (CI does too),
 # `make test` leaves them out for its 15 minutes.

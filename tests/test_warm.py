@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 
 from tests.conftest import Server, terminal, wait_for
-from worker import warm
-from worker.procs import find_by_launch_id
-from worker.warm import choose, zygote_env
+from worker.edges.procs import find_by_launch_id
+from worker.starting import warm
+from worker.starting.warm import choose, zygote_env
 
 pytestmark = [pytest.mark.torchrun, pytest.mark.launchers]
 
@@ -187,8 +187,8 @@ def test_the_warm_process_started_ahead_is_the_one_a_plain_job_uses() -> None:
     """A worker with --launcher warm starts one before its first job: the one that job's
     environment keys (else the first job would start a second)."""
     from tests.test_bridge_protocol import _claim_of
-    from worker import torchrun
-    from worker.warm import default_zygote_env
+    from worker.starting import torchrun
+    from worker.starting.warm import default_zygote_env
 
     claim = _claim_of(nproc_per_node=2, device="cpu", spec={"env": {"MY": "1"}})
     at = torchrun.Placement("http://api", "/ckpt/job-12", "DDPQ_LAUNCH_ID", "w@x/12/3")

@@ -9,8 +9,8 @@ import threading
 from pathlib import Path
 
 from tests.test_code import Store, _manifest
-from worker.code import Workdirs
-from worker.outputs import Limits, where
+from worker.files.code import Workdirs
+from worker.files.outputs import Limits, where
 
 
 def test_a_retry_waits_for_the_attempt_still_ending_here_and_goes_on_in_its_directory(

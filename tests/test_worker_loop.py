@@ -1,5 +1,5 @@
-"""The worker's one loop (worker.loop) with a stand-in executor and API, the one mapping of
-why an attempt was stopped to how it ends (worker.outcome), and the jittered backoff
+"""The worker's one loop (worker.executors.loop) with a stand-in executor and API, the one mapping
+of why an attempt was stopped to how it ends (worker.starting.outcome), and the jittered backoff
 (ddpq.wire): no server, no process."""
 
 from __future__ import annotations
@@ -25,10 +25,11 @@ from ddpq.messages import (
     WorkerRegistered,
 )
 from ddpq.wire import Backoff
-from worker import slurm, torchrun
-from worker.loop import Loop, Room, Stop, finish, stops
-from worker.outcome import STOP_REASONS, Outcome, stopped
-from worker.settings import WorkerSettings
+from worker.executors import slurm
+from worker.executors.loop import Loop, Room, Stop, finish, stops
+from worker.executors.settings import WorkerSettings
+from worker.starting import torchrun
+from worker.starting.outcome import STOP_REASONS, Outcome, stopped
 
 # ---- the backoff -----------------------------------------------------------------------
 
@@ -320,9 +321,9 @@ def test_an_ending_attempt_s_slots_go_into_the_claim_sent_while_its_end_is_repor
     finish is still on the wire: the API hands them out once the finish commits (a
     claim sent meanwhile that left them out would keep them idle until it ended). It is
     still heartbeated until its end is answered."""
-    from worker import runner as runner_module
-    from worker.agent import Agent
-    from worker.runner import JobRunner
+    from worker.executors import runner as runner_module
+    from worker.executors.agent import Agent
+    from worker.executors.runner import JobRunner
 
     (tmp_path / "ws").mkdir()
     settings = WorkerSettings(

@@ -1,5 +1,5 @@
-"""The worker's settings (worker/settings.py): one object, whose fields are `ddpq worker`'s
-flags and DDPQ_* variables. A bad value of each checked field is refused, naming its flag
+"""The worker's settings (worker/executors/settings.py): one object, whose fields are `ddpq
+worker`'s flags and DDPQ_* variables. A bad value of each checked field is refused, naming its flag
 and its variable, from a flag or from the environment (`ddpq worker` exits 2 with the
 line); the defaults are written there alone (the CLI's options have none of their own,
 and its help shows the object's); the executors take their values from it."""
@@ -16,7 +16,7 @@ import pytest
 import typer
 from pydantic_settings import NoDecode
 
-from worker.settings import SettingsError, WorkerSettings, _words, flag, shown, variable
+from worker.executors.settings import SettingsError, WorkerSettings, _words, flag, shown, variable
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -151,7 +151,7 @@ def test_ddpq_worker_help_shows_the_objects_defaults_and_a_bad_value_exits_2() -
 
 
 def test_the_executors_take_their_values_from_the_settings(tmp_path: Path) -> None:
-    from worker.agent import Agent
+    from worker.executors.agent import Agent
 
     (tmp_path / "ws").mkdir()
     settings = WorkerSettings(
@@ -171,7 +171,7 @@ def test_the_executors_take_their_values_from_the_settings(tmp_path: Path) -> No
 
 
 def test_the_bridge_takes_its_values_from_the_settings(tmp_path: Path) -> None:
-    from worker.bridge import Bridge
+    from worker.executors.bridge import Bridge
 
     settings = WorkerSettings(
         workspace=tmp_path, data_dir=tmp_path / "data", executor="slurm", partition="gpu",

@@ -74,7 +74,7 @@ def main() -> None:
 
 
 # Distributions of the worker's environment a job does not see installed unless it asks
-# for them (worker.venvs.hidden_distributions sets it): their import still works.
+# for them (worker.starting.venvs.hidden_distributions sets it): their import still works.
 HIDE_VAR = "DDPQ_HIDE_DISTRIBUTIONS"
 
 

@@ -1,7 +1,7 @@
 """Attempt supervisor: ``python -m worker.launch PARENT_PID GRACE_S UID:GID|- --|WARM ARGV...``.
 
 Runs ARGV (torchrun) as its child, under UID:GID when given (a walled attempt: see
-worker.walls; this process stays the worker's, so it can always stop the child), and
+worker.walled.walls; this process stays the worker's, so it can always stop the child), and
 makes sure nothing of the attempt outlives the worker. It sets PR_SET_PDEATHSIG, so it
 gets SIGTERM when the worker thread that started it dies (a killed worker); it then
 SIGTERMs torchrun, which stops its ranks. torchrun does not always exit after that
@@ -37,7 +37,8 @@ import subprocess
 import sys
 import time
 
-from worker import procs, zygote
+from worker import zygote
+from worker.edges import procs
 
 PR_SET_PDEATHSIG = 1
 PR_SET_NO_NEW_PRIVS = 38

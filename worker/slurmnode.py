@@ -28,9 +28,11 @@ from typing import Any
 from ddpq.errors import ApiUnavailable
 from ddpq.messages import ClaimedJob, GangReply
 from ddpq.wire import Backoff
-from worker import procs, slurm, torchrun, warm
-from worker.api import WorkerAPI
-from worker.logship import LogShipper, Tailed
+from worker.edges import procs
+from worker.edges.api import WorkerAPI
+from worker.executors import slurm
+from worker.starting import launcher, torchrun, warm
+from worker.starting.logship import LogShipper, Tailed
 
 KILL_GRACE_S = 10.0
 SECRETS_WAIT_S = 120.0  # the API away at a node's start: how long it asks for the secrets
@@ -58,7 +60,7 @@ class NodeAPI(WorkerAPI):
 
     def secrets(self, job_id: int) -> dict[str, str]:
         """The values of the secrets the job's spec names (GET /jobs/{id}/secrets): the
-        batch script carries none (worker.bridge). Retried while the API is away, for at
+        batch script carries none (worker.executors.bridge). Retried while the API is away, for at
         most SECRETS_WAIT_S."""
         backoff, deadline = Backoff(), time.monotonic() + SECRETS_WAIT_S
         while True:
@@ -152,7 +154,7 @@ def _run(
             except OSError as exc:
                 write(f"[ddpq] launcher: torchrun, not warm: {exc}\n".encode())
             else:
-                argv = procs.launcher_argv(argv, KILL_GRACE_S, warm=sock)
+                argv = launcher.launcher_argv(argv, KILL_GRACE_S, warm=sock)
         run = Tailed(argv, Path(tmp) / "output.log", write, env=env, name=f"out-node{node}")
         stopping = threading.Event()
         _forward_stop(run.proc, stopping)

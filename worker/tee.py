@@ -25,12 +25,12 @@ module) and 20-line table are noise in a job's log. This prints instead one line
 failed rank, the first to fail first, with its error: its error file's (under
 ``@record``), else the error line of its own recent output (``error_line``), which the
 runner's tail of the whole output may have lost among the other ranks' tracebacks.
-worker.torchrun.root_cause reads these lines. It exits 1 as torchrun would, unless every
+worker.starting.torchrun.root_cause reads these lines. It exits 1 as torchrun would, unless every
 failed rank had finished its program before a signal ended it (worker.entry marks that in
 the rank's error file; torch 2.14.1 may abort in the interpreter's teardown): then the
 attempt did its work, and one line per such rank says what happened
 (``[ddpq] rank 0 (local rank 0): the program finished; torch crashed during interpreter
-exit (SIGABRT)``, which worker.torchrun.outcome gives as the success's reason); it exits 0.
+exit (SIGABRT)``, which worker.starting.torchrun.outcome gives as the success's reason); it exits 0.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ PARTIAL_WAIT_S = 2.0
 PROGRESS_EVERY_S = 10.0  # how often a running progress bar's latest state is shown
 READ_BYTES = 1 << 16
 RECENT_LINES = 200  # of each rank's output, kept to name its error when it fails
-# torchrun's --log-line-prefix-template as worker.torchrun.argv gives it.
+# torchrun's --log-line-prefix-template as worker.starting.torchrun.argv gives it.
 PREFIX_TEMPLATE = "[rank${rank}]: "
 
 _write_lock = threading.Lock()
@@ -188,7 +188,7 @@ def _rank(header: str) -> int:
     return int(m.group(1)) if m else 0
 
 
-# worker.torchrun.FAILURE_LINE reads these; tests/test_torchrun_failures.py holds both
+# worker.starting.torchrun.FAILURE_LINE reads these; tests/test_torchrun_failures.py holds both
 # to each other.
 FIRST = "[ddpq] first to fail: "
 ALSO = "[ddpq] also failed: "
@@ -198,7 +198,7 @@ def failed_words(rank: int, local_rank: int, exitcode: int, pid: int | None = No
     """How a rank ended, from torch's exit code (negative: killed by that signal):
     ``rank 1 (local rank 1) exited with code 1``, ``rank 0 (local rank 0) killed by
     SIGKILL (pid 4242)``: the pid of a rank a signal killed, which the worker looks for
-    in the kernel's log of OOM kills (worker.oom)."""
+    in the kernel's log of OOM kills (worker.edges.oom)."""
     if exitcode < 0:
         try:
             how = f"killed by {signal.Signals(-exitcode).name}"
@@ -242,7 +242,7 @@ def _error_file_message(failure: object) -> str | None:
 # teardown abort worker.entry avoids); by another (torchrun's SIGTERM once a rank
 # failed), it was stopped.
 CRASH_SIGNALS = frozenset({signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGILL})
-# worker.torchrun.outcome reads the success's words after this (FINISHED_LINE).
+# worker.starting.torchrun.outcome reads the success's words after this (FINISHED_LINE).
 AFTER_FINISH = "the program finished; "
 
 
@@ -356,7 +356,7 @@ def main() -> None:
         sys.exit(1)
     log_dir = _option("--log-dir") or _option("--log_dir")
     alone = alone_words(log_dir) if log_dir else None
-    if alone:  # worker.torchrun.outcome gives it as the success's reason
+    if alone:  # worker.starting.torchrun.outcome gives it as the success's reason
         with _write_lock:
             sys.stdout.flush()
             sys.stderr.write(f"[ddpq] {alone}\n")

@@ -2,9 +2,9 @@
 
 A process with torch imported that forks each attempt's torchrun instead of the worker
 exec'ing a cold one: a trivial 2-rank torchrun spends almost all of its 3.7-4.1 s in
-three ``import torch`` (torchrun's, then each rank's). The worker (worker.warm) starts one
+three ``import torch`` (torchrun's, then each rank's). The worker (worker.starting.warm) starts one
 per (interpreter, environment) with an environment scrubbed to the ranks' allow-list
-(worker.torchrun.INHERITED_ENV): it never holds a secret, since every fork inherits its
+(worker.starting.torchrun.INHERITED_ENV): it never holds a secret, since every fork inherits its
 memory. It imports torch and what torchrun's agent imports, starts no thread and leaves
 CUDA alone (each rank makes its own context after the fork), then answers on SOCKET.
 
@@ -17,7 +17,7 @@ One attempt, as this process and its forks run it:
   tells the supervisor the child's pid, later the child's exit status (as waitpid gives it).
 - The child, the attempt's **agent**, reads the request, takes its fds, drops to the job's
   uid when walled (groups, gid, uid, no_new_privs, before any job code), writes the attempt's
-  launch id into the environment the kernel shows (/proc/PID/environ: how worker.procs finds
+  launch id into the environment the kernel shows (/proc/PID/environ: how worker.edges.procs finds
   an attempt's processes, which a fork cannot otherwise change), takes the job's environment
   and directory, and runs ``worker.tee``'s torchrun: torch's own elastic agent, so restarts
   (max_restarts), rendezvous (c10d, multi-node), error files, exit codes and the log's whole
@@ -52,9 +52,9 @@ import time
 from typing import Any
 
 # The placeholder a zygote's environment carries in the launch id's variable
-# (worker.procs.LAUNCH_ID_VAR), overwritten in place in each agent (worker.procs finds an
-# attempt's processes by it in /proc). Long enough for any launch id; it never starts like
-# one (worker.procs.launch_prefix: a worker's name, then @).
+# (worker.edges.procs.LAUNCH_ID_VAR), overwritten in place in each agent (worker.edges.procs finds
+# an attempt's processes by it in /proc). Long enough for any launch id; it never starts like
+# one (worker.edges.procs.launch_prefix: a worker's name, then @).
 LAUNCH_ID_VAR = "DDPQ_LAUNCH_ID"
 PLACEHOLDER = "@" * 512
 # The modules imported before any fork: torch and what torchrun's agent and the usual
@@ -76,7 +76,7 @@ WARM_MODULES = (
 )
 READY = b"ready\n"
 MAX_REQUEST = 16 << 20
-RANK_ENTRY = ("-u", "-P", "-m", "worker.entry")  # worker.torchrun.RANK_ENTRY
+RANK_ENTRY = ("-u", "-P", "-m", "worker.entry")  # worker.starting.torchrun.RANK_ENTRY
 
 PR_SET_PDEATHSIG = 1
 PR_SET_DUMPABLE = 4
@@ -97,7 +97,7 @@ def _prctl(option: int, arg: int) -> None:
 
 def main() -> None:
     path, parent = sys.argv[1], int(sys.argv[2])
-    # It dies with the worker thread that started it (worker.warm keeps one for it); its
+    # It dies with the worker thread that started it (worker.starting.warm keeps one for it); its
     # agents then get SIGTERM (their own death signal) and stop their ranks as torchrun does.
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:
@@ -472,10 +472,12 @@ class ForkedRank(_Signalled):
 
 
 def strip_tee(argv: list[str]) -> list[str]:
-    """torchrun's arguments out of worker.torchrun.argv's command line (``PYTHON -P -m
+    """torchrun's arguments out of worker.starting.torchrun.argv's command line (``PYTHON -P -m
     worker.tee ARGS``)."""
     if argv[1:4] != ["-P", "-m", "worker.tee"]:
-        raise ValueError("the warm launcher runs worker.torchrun.argv's command lines only")
+        raise ValueError(
+            "the warm launcher runs worker.starting.torchrun.argv's command lines only"
+        )
     return argv[4:]
 
 

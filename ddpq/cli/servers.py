@@ -21,7 +21,7 @@ from ddpq.cli.extras import needs
 from ddpq.errors import ApiRefused, SlurmError, WallsError
 
 if TYPE_CHECKING:  # the CLI loads without the worker: imported where a command runs
-    from worker.settings import WorkerSettings
+    from worker.executors.settings import WorkerSettings
 
 
 @app.command()
@@ -43,7 +43,7 @@ def serve(
     with needs("serve", "the API", "server"):
         from service.config import TokenError
         from service.main import serve as run_serve
-        from worker.procs import make_undumpable
+        from worker.edges.procs import make_undumpable
 
     make_undumpable()  # its tokens and database URL stay out of reach of jobs on this host
     os.umask(0o077)  # what it writes (the SQLite database, token files) is its own alone
@@ -54,7 +54,7 @@ def serve(
         _fail(str(exc), EXIT_USAGE)
 
 
-# `ddpq worker`'s options, by type: each is a field of worker.settings.WorkerSettings
+# `ddpq worker`'s options, by type: each is a field of worker.executors.settings.WorkerSettings
 # of its name, which gives its help, default and variable (_SettingsCommand).
 _Str = Annotated[str | None, typer.Option()]
 _Int = Annotated[int | None, typer.Option()]
@@ -65,10 +65,10 @@ _Strs = Annotated[list[str] | None, typer.Option()]
 
 def describe_settings(command: Any) -> None:
     """Give ``command``'s options their field's help, default and variable, from
-    worker.settings (docs/gen_reference.py calls it too). Without the worker extra
+    worker.executors.settings (docs/gen_reference.py calls it too). Without the worker extra
     nothing is filled: the command itself says what to install."""
     try:
-        from worker import settings
+        from worker.executors import settings
     except ImportError:
         return
     for param in command.params:
@@ -126,8 +126,8 @@ def worker(
     node; the compute nodes need this Python with ddpq and must reach the API).
     """
     with needs("worker", "a worker", "worker"):
-        from worker.procs import make_undumpable
-        from worker.settings import SettingsError, WorkerSettings
+        from worker.edges.procs import make_undumpable
+        from worker.executors.settings import SettingsError, WorkerSettings
 
     make_undumpable()  # before the token is read: jobs run as this user
     # The options given, or their variables as click read them; never a default, which
@@ -166,9 +166,9 @@ def _log_to_stderr(level: str) -> None:
 
 def _run_agent(settings: WorkerSettings, token: str) -> None:
     """Run a worker on this host, or exit with why the API or the walls refuse it."""
-    from worker import datadir
-    from worker.agent import Agent
-    from worker.walls import Walls
+    from worker.executors.agent import Agent
+    from worker.files import datadir
+    from worker.walled.walls import Walls
 
     identity = datadir.hold(settings.data_dir)  # DataDirBusy: another worker's (exit 2)
     walls = Walls.configure(settings.job_uids)  # WallsError: cannot wall as asked (exit 2)
@@ -183,8 +183,8 @@ def _run_agent(settings: WorkerSettings, token: str) -> None:
 
 def _run_bridge(settings: WorkerSettings, token: str) -> None:
     """Run a Slurm bridge, or exit with why the partition or the API refuse it."""
-    from worker import datadir
-    from worker.bridge import Bridge
+    from worker.executors.bridge import Bridge
+    from worker.files import datadir
 
     identity = datadir.hold(settings.data_dir)  # DataDirBusy: another worker's (exit 2)
     bridge = Bridge(settings, token=token, identity=identity)
@@ -315,7 +315,8 @@ def up(
     with needs("up", "the API with a local worker", "server", "worker"):
         from service.config import TokenError
         from service.main import ApiServer, build
-        from worker.procs import launcher_argv, make_undumpable
+        from worker.edges.procs import make_undumpable
+        from worker.starting.launcher import launcher_argv
 
     # It holds the API's tokens and database URL, and hands the worker its token.
     make_undumpable()

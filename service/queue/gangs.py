@@ -70,7 +70,7 @@ def _pick(dialect: str, worker_has_gpus: bool) -> Any:
     )
     pick = (
         select(j.id, j.priority, j.share, j.attempt, j.nnodes, j.spec, j.device, j.nproc_per_node)
-        .add_columns(j.owner)  # whose cache its ranks use (worker.caches)
+        .add_columns(j.owner)  # whose cache its ranks use (worker.files.caches)
         .where(
             j.status == JobStatus.QUEUED,
             j.nnodes > 1,

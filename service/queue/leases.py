@@ -112,7 +112,7 @@ def lost(status: str, number: int, failures: int, max_attempts: int, words: str)
 def exit_words(code: int | None, oom: bool | None = None) -> str:
     """An exit status as a person reads it; codes >= 128 are death by signal 128+n.
     ``oom``: whether the kernel's log says its OOM killer sent a SIGKILL (the worker
-    looked: worker.oom); unknown, a SIGKILL is only asked about."""
+    looked: worker.edges.oom); unknown, a SIGKILL is only asked about."""
     if code is None:
         return "ended without an exit code"
     if code >= 128:

@@ -6,7 +6,7 @@ worker runs:
     {"gpus": [{"uuid": "GPU-...", "name": "NVIDIA A100", "memory_total": 85899345920,
                "utilization": 87, "memory_used": 1234}]}
 
-Only what worker/nvml.py calls is here, with pynvml's names and shapes.
+Only what worker/edges/nvml.py calls is here, with pynvml's names and shapes.
 """
 
 from __future__ import annotations

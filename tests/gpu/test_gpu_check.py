@@ -29,7 +29,7 @@ import pytest
 
 from tests.conftest import Server, start_server, stop_server, terminal, wait_for
 from tests.gpu.conftest import Table
-from worker import nvml
+from worker.edges import nvml
 
 GPUS = nvml.inventory()
 

@@ -10,7 +10,7 @@ import pytest
 
 from tests.compose.test_stack import Stack
 from tests.gpu.conftest import Table
-from worker import nvml
+from worker.edges import nvml
 
 if os.environ.get("DDPQ_GPU_CHECK_COMPOSE") != "1" or not nvml.inventory():
     pytest.skip(

@@ -3,7 +3,7 @@
 where its own are, read the shared ones, open the device nodes of the worker's GPUs:
 ``gpu_devices``) and unable to change what every later job runs (the worker's code and
 environment: ``protected_paths``, looked at whole by ``exposed``). ``probe`` runs the
-look under a job's uid, ``verdict`` says what is wrong and how to fix it; worker.walls
+look under a job's uid, ``verdict`` says what is wrong and how to fix it; worker.walled.walls
 picks the uid and refuses to start on the verdict."""
 
 from __future__ import annotations
@@ -155,10 +155,10 @@ def gpu_devices(gpus: Sequence[int], dev_dir: Path = Path("/dev")) -> list[Path]
     """The device nodes a job using ``gpus`` (NVML indices) opens, of those that exist in
     ``dev_dir``: none without GPUs, and none on a host without NVIDIA's nodes (the fake
     GPUs of the tests), where there is nothing to check. A GPU's own node is named by its
-    minor number (worker.nvml), by its index where NVML cannot say."""
+    minor number (worker.edges.nvml), by its index where NVML cannot say."""
     if not gpus:
         return []
-    from worker import nvml
+    from worker.edges import nvml
 
     names = [*GPU_SHARED_NODES]
     for index in sorted(set(gpus)):

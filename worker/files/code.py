@@ -8,7 +8,7 @@ directory of its own for each job, written from its snapshot's manifest.
   least recently go (never those a job is being written from).
 - What is copied out of the cache is checked against its digest every time, after the
   copy, in the job's own file: a job of the same user (an unwalled worker, see
-  worker.walls) can rewrite a cached file, and the next job holding that content must
+  worker.walled.walls) can rewrite a cached file, and the next job holding that content must
   run what was uploaded, not what the other job wrote. A content that fails is fetched
   again. Walled, the cache is the worker's alone (0700) as well.
 - A job's directory (DATA_DIR/jobs/job-ID-RANDOM) is written by copying from the cache
@@ -21,17 +21,17 @@ directory of its own for each job, written from its snapshot's manifest.
   writes a new one), and removed once the service says its retention is over
   (service.outputs: a period after the job ended, none for its owner's newest jobs). A
   new job never runs in an old one's directory: `ddpq resubmit --resume` gets a fresh
-  one written from the snapshot its worker sent of the old one (worker.outputs).
+  one written from the snapshot its worker sent of the old one (worker.files.outputs).
 - A retry runs in its job's directory as the last attempt left it (what the program
   wrote there is still there) only if nothing changed it since: the worker seals it
-  (worker.seal) when the attempt ends, once its processes are gone, and on the retry
+  (worker.walled.seal) when the attempt ends, once its processes are gone, and on the retry
   checks that seal and every file and link of the snapshot against the manifest (by its
   digest, through directory descriptors, following no link). Unwalled, every job can
   write every other's directory, between attempts as well; and the program's own code
   may have been changed while it ran. A directory that fails either check is not
   repaired in place (which would mean writing where a job may have put links) but
   replaced by a fresh one written from the snapshot: what the last attempt wrote there
-  was sent to the API as it ended (worker.outputs), and checkpoints live elsewhere.
+  was sent to the API as it ended (worker.files.outputs), and checkpoints live elsewhere.
 - Nothing from the wire is trusted: every path and link of the manifest is checked
   again here (ddpq.snapshot), files are created with O_EXCL|O_NOFOLLOW, and links
   are made last, so no write ever goes through one.
@@ -58,8 +58,8 @@ from typing import Any, TypeVar
 
 from ddpq.errors import ApiRefused, ApiUnavailable, JobError, SnapshotError, Stopped
 from ddpq.snapshot import Entry, checked, file_count, human_bytes, write_out
-from worker.api import WorkerAPI, retry
-from worker.seal import seal
+from worker.edges.api import WorkerAPI, retry
+from worker.walled.seal import seal
 
 T = TypeVar("T")
 log = logging.getLogger("ddpq.worker")

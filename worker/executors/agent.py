@@ -1,5 +1,5 @@
-"""The local executor: torchrun on this host, an attempt per runner (worker.runner), under
-worker.loop's register, claim and heartbeat. What it offers a claim (its free slots, a
+"""The local executor: torchrun on this host, an attempt per runner (worker.executors.runner), under
+worker.executors.loop's register, claim and heartbeat. What it offers a claim (its free slots, a
 rendezvous port), walls, and its clean shutdown (its jobs go back to the queue)."""
 
 from __future__ import annotations
@@ -14,13 +14,15 @@ from collections.abc import Callable
 from typing import Any
 
 from ddpq.messages import ClaimedJob, HeldAttempt
-from worker import procs, startcheck, warm
-from worker import walls as walls_
-from worker.gpuuse import GpuUseLog
-from worker.loop import Loop, Room
-from worker.runner import JobRunner, RunContext
-from worker.settings import WorkerSettings
-from worker.walls import Walls
+from worker.edges import procs
+from worker.edges.gpuuse import GpuUseLog
+from worker.executors.loop import Loop, Room
+from worker.executors.runner import JobRunner, RunContext
+from worker.executors.settings import WorkerSettings
+from worker.starting import warm
+from worker.walled import startcheck
+from worker.walled import walls as walls_
+from worker.walled.walls import Walls
 
 log = logging.getLogger("ddpq.worker")
 
@@ -137,7 +139,7 @@ class Agent:
         with self._lock:
             return list(self._runners.values())
 
-    # ---- the executor (worker.loop) ---------------------------------------------------
+    # ---- the executor (worker.executors.loop) ---------------------------------------------------
 
     def describe(self) -> str:
         return (
@@ -157,7 +159,7 @@ class Agent:
         """This worker's GPUs as NVML names them (none without NVML, or without GPUs)."""
         if not self.gpus:
             return []
-        from worker import nvml
+        from worker.edges import nvml
 
         return [
             {"index": g.index, "uuid": g.uuid, "name": g.name, "memory_total": g.memory_total}
@@ -285,7 +287,7 @@ def default_cpu_slots() -> int:
 
 def detect_gpus() -> list[int]:
     """Every GPU NVML sees, by its index (only when --gpus is not given); none without
-    NVML. The agent never imports torch for this (worker/nvml.py says why)."""
-    from worker import nvml
+    NVML. The agent never imports torch for this (worker/edges/nvml.py says why)."""
+    from worker.edges import nvml
 
     return [g.index for g in nvml.inventory()]

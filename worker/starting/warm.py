@@ -31,8 +31,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from worker import torchrun, zygote
-from worker.caches import CACHE_VARS
+from worker import zygote
+from worker.files.caches import CACHE_VARS
+from worker.starting import torchrun
 
 log = logging.getLogger("ddpq.worker")
 
@@ -53,9 +54,9 @@ READ_AT_START = (
 )  # fmt: skip
 # What the ranks' environment has that differs from one attempt to the next (never in a
 # warm process's: ddpq's own, the job's scratch and identity, its GPUs).
-# worker.torchrun.environment sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE for the agent (read
+# worker.starting.torchrun.environment sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE for the agent (read
 # when it starts its rendezvous, not at import): the same warm process with it or without.
-# Nor where the owner's caches are (worker.caches; read when a program first uses them).
+# Nor where the owner's caches are (worker.files.caches; read when a program first uses them).
 PER_ATTEMPT = frozenset(
     {
         "TMPDIR", "HOME", "USER", "LOGNAME", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER",

@@ -2,7 +2,7 @@
 
 The partition's shape from ``sinfo``, an attempt's ``sbatch`` command line and batch
 script, what ``squeue``/``scontrol`` say of a job, and what a Slurm job's end means
-for its ddpq attempt. worker.bridge runs the commands; worker.slurmnode is what the
+for its ddpq attempt. worker.executors.bridge runs the commands; worker.slurmnode is what the
 batch script starts on every node.
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 
 from ddpq.errors import SlurmError
 from ddpq.messages import ClaimedJob
-from worker.outcome import Outcome, stopped
+from worker.starting.outcome import Outcome, stopped
 
 # The Slurm job's name names the ddpq job and attempt; its comment names the bridge (and
 # its data dir's identity: another bridge of that name, for another API, is another),
@@ -306,7 +306,7 @@ def ending(
     job: SlurmJob, stop_reason: str | None, timeout_s: Any, words: str | None = None
 ) -> Outcome:
     """How an attempt ended, from its Slurm job's final state and why the bridge
-    stopped it, if it did (worker.outcome.stopped, with its ``words``)."""
+    stopped it, if it did (worker.starting.outcome.stopped, with its ``words``)."""
     if stop_reason is not None:
         return stopped(stop_reason, timeout_s, None, words)
     where = f"Slurm job {job.id}"

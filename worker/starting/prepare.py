@@ -1,7 +1,7 @@
 """An attempt's launch, prepared one way whatever runs it (a worker's runner, the Slurm
 bridge): the job's directory of its code, the program, the checkpoint it resumes from,
-the ranks' environment (worker.torchrun decides each) and the interpreter with the
-job's requirements (worker.venvs), activated in that environment."""
+the ranks' environment (worker.starting.torchrun decides each) and the interpreter with the
+job's requirements (worker.starting.venvs), activated in that environment."""
 
 from __future__ import annotations
 
@@ -15,11 +15,13 @@ from typing import Protocol
 
 from ddpq.errors import JobError
 from ddpq.messages import ClaimedJob
-from worker import entry, procs, torchrun, venvs
-from worker.api import WorkerAPI
-from worker.code import Workdirs, describe
-from worker.venvs import Venvs, activate, python_for
-from worker.walls import JobUser
+from worker import entry
+from worker.edges import procs
+from worker.edges.api import WorkerAPI
+from worker.files.code import Workdirs, describe
+from worker.starting import torchrun, venvs
+from worker.starting.venvs import Venvs, activate, python_for
+from worker.walled.walls import JobUser
 
 
 class Sources(Protocol):
@@ -51,7 +53,7 @@ def environment(
     user: JobUser | None = None,
     cache_env: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
-    """The ranks' environment (worker.torchrun.environment) for this worker's attempt."""
+    """The ranks' environment (worker.starting.torchrun.environment) for this worker's attempt."""
     at = torchrun.Placement(
         api_url=src.url,
         checkpoint_dir=claim.checkpoint_dir,
@@ -77,16 +79,18 @@ def prepared(
     scratch: Path | None = None,
     user: JobUser | None = None,
     own: Callable[[Path], Path] = lambda path: path,
+    lend: venvs.Lend = venvs.unwalled,
     with_secrets: bool = True,
     cache_env: Mapping[str, str] | None = None,
 ) -> Iterator[Launch]:
     """The attempt's launch, held while the block runs (its environment is in use).
     ``say`` writes a line to the job's log; ``stop`` ends a wait for code or pip early
-    (worker.venvs.Stopped); ``where`` names the workspace a job without code runs in;
-    walled, ``own`` gives the code directory to the attempt's ``user`` (worker.walls).
+    (worker.starting.venvs.Stopped); ``where`` names the workspace a job without code runs
+    in; walled, ``own`` gives the code directory to the attempt's ``user``, and ``lend`` a
+    requirements build's directory while pip runs (worker.walled.walls' Held).
     ``with_secrets``: the job's secrets go into ``env`` (not for a Slurm attempt, whose
     nodes fetch them: worker.slurmnode). ``cache_env``: where the ranks' caches are
-    (worker.caches). A job that cannot start raises JobError."""
+    (worker.files.caches). A job that cannot start raises JobError."""
     spec = claim.spec
     # A secret the API could not give (deleted since the submit): nothing is fetched or
     # run, and the job fails with words that name it.
@@ -117,6 +121,6 @@ def prepared(
     hidden = venvs.hidden_distributions(spec, cwd, src.venvs.policy)
     if hidden:
         env[entry.HIDE_VAR] = ",".join(hidden)
-    with python_for(src.venvs, spec, cwd, env, say, stop, user) as python:
+    with python_for(src.venvs, spec, cwd, env, say, stop, lend) as python:
         activate(env, python)
         yield Launch(cwd, program, env, python)

@@ -1,8 +1,8 @@
 """What a job's uid leaves behind on the host, found and removed (systemd's RemoveIPC=
-and more): its processes (worker.procs kills them), its entries in the shared temporary
+and more): its processes (worker.edges.procs kills them), its entries in the shared temporary
 directories every uid may write to, and the System V IPC objects it owns or made. Run
 before a uid is handed to an attempt, after each attempt under it, and at start over the
-whole range (worker.walls decides when; this module only finds and removes)."""
+whole range (worker.walled.walls decides when; this module only finds and removes)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import stat
 from collections.abc import Iterator
 from pathlib import Path
 
-from worker import procs
+from worker.edges import procs
 
 log = logging.getLogger("ddpq.worker")
 

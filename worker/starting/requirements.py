@@ -2,7 +2,7 @@
 the requirements.txt at the top of its code and each entry of its spec's ``pip`` list
 asks for, whether this worker's policy allows it, the key of the environment that
 installs them (by what is installed, not by how it is written), and the requirements
-file the worker writes for pip. Pure: it reads the job's files (through worker.reqfiles,
+file the worker writes for pip. Pure: it reads the job's files (through worker.starting.reqfiles,
 which opens and hashes them), starts no process and opens no connection.
 
 Each requirement is one of these kinds:
@@ -62,7 +62,7 @@ from packaging.utils import canonicalize_name
 
 from ddpq.errors import RequirementsRefused
 from ddpq.rules import unsafe_char, visible
-from worker import reqfiles
+from worker.starting import reqfiles
 
 FILE = "requirements.txt"
 KINDS = ("name", "path", "url", "option", "path-outside")
@@ -203,7 +203,7 @@ def pip_lines(reqs: Iterable[Requirement]) -> list[str]:
 
 def read_file(job_dir: Path) -> str | None:
     """The text of requirements.txt at the top of ``job_dir``, or None when there is
-    none. Opened in the directory without following a link (worker.reqfiles); refused
+    none. Opened in the directory without following a link (worker.starting.reqfiles); refused
     when it is a link, not a regular file, over MAX_FILE_BYTES or not UTF-8."""
     try:
         return reqfiles.read_text(job_dir, FILE, MAX_FILE_BYTES)

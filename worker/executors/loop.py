@@ -1,9 +1,9 @@
 """The worker's one loop, whatever runs its attempts: register, claim, heartbeat, hand a
 claimed attempt to the executor, report how each ends, re-adopt after a restart, stop.
 
-An executor is what runs attempts: worker.agent (torchrun on this host) or worker.bridge
-(a Slurm partition). It says what it registers with and what room it has for a claim,
-starts and stops attempts, and what each attempt's heartbeat carries; the loop does the
+An executor is what runs attempts: worker.executors.agent (torchrun on this host) or
+worker.executors.bridge (a Slurm partition). It says what it registers with and what room it has for
+a claim, starts and stops attempts, and what each attempt's heartbeat carries; the loop does the
 talking to the API, once for every executor. An executor whose attempts run outside this
 process (``detached``: Slurm runs them) leaves them running when the loop stops, and is
 handed them back (``adopt``) when it starts again; the others' stop with it, handed back
@@ -25,15 +25,15 @@ from ddpq.errors import ApiRefused, ApiUnavailable
 from ddpq.messages import ClaimedJob, HeartbeatReply, HeldAttempt
 from ddpq.wire import Backoff
 from worker import health
-from worker.api import WorkerAPI, claim_or_wait, retry
-from worker.caches import Caches
-from worker.checkpoints import Pruner
-from worker.code import Workdirs
-from worker.outcome import Outcome
-from worker.sending import Sender
-from worker.settings import WorkerSettings
-from worker.venvs import Venvs
-from worker.walls import Walls
+from worker.edges.api import WorkerAPI, claim_or_wait, retry
+from worker.executors.settings import WorkerSettings
+from worker.files.caches import Caches
+from worker.files.checkpoints import Pruner
+from worker.files.code import Workdirs
+from worker.files.sending import Sender
+from worker.starting.outcome import Outcome
+from worker.starting.venvs import Venvs
+from worker.walled.walls import Walls
 
 log = logging.getLogger("ddpq.worker")
 
@@ -60,7 +60,7 @@ class Stop:
 
     job_id: int
     attempt: int
-    why: str  # cancelled, preempted, abandoned (worker.outcome.STOP_REASONS)
+    why: str  # cancelled, preempted, abandoned (worker.starting.outcome.STOP_REASONS)
     words: str | None = None
 
 
@@ -96,7 +96,7 @@ class Executor(Protocol):
         ...
 
     def stop(self, job_id: int, attempt: int, why: str, words: str | None = None) -> None:
-        """Stop an attempt (worker.outcome.STOP_REASONS); it reports its end itself."""
+        """Stop an attempt (worker.starting.outcome.STOP_REASONS); it reports its end itself."""
         ...
 
     def rounds(self) -> list[tuple[str, float, Callable[[], None]]]:
@@ -253,6 +253,8 @@ class Loop:
             else:
                 log.warning("heartbeat refused: %s", exc)
             return
+        if reply.heartbeat_s is not None:  # the fleet's pace (service.pace): grows with it
+            self.heartbeat_s = reply.heartbeat_s
         health.record(self.data_dir, self.heartbeat_s)
         self.pruner.answered(pruned, dropped)
         self.sender.answered(sent)

@@ -1,5 +1,5 @@
 """The GPU use of a worker's running attempts: sampled every few seconds (the service's
-gpu_sample_s) through worker.nvml, kept until the next heartbeat carries them (the
+gpu_sample_s) through worker.edges.nvml, kept until the next heartbeat carries them (the
 jobs' system metrics), a bounded few per GPU (a heartbeat that cannot get through
 must not let them pile up)."""
 
@@ -10,7 +10,7 @@ import time
 from collections import deque
 from typing import Any
 
-from worker import nvml
+from worker.edges import nvml
 
 # Samples kept per GPU of an attempt until a heartbeat takes them: with a heartbeat every
 # 2 s and a sample every 5 s it holds one; more only while a heartbeat hangs (one that

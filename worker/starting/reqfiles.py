@@ -2,7 +2,7 @@
 directory without following a link (the requirements.txt at the top of a job's code),
 a file's sha256, a directory tree's digest (its links followed; one that leaves the
 job's code refused unless told otherwise), each bounded. It reads and hashes; what a
-policy allows and the words of a refusal are worker.requirements'.
+policy allows and the words of a refusal are worker.starting.requirements'.
 """
 
 from __future__ import annotations

@@ -2,10 +2,10 @@
 another worker, or a download (service.queue.forks).
 
 The checkpoint's content is the job's, so hostile. It is reached as a deletion reaches
-one (worker.checkpoints.walk_to: from this worker's checkpoint root and the job's id,
+one (worker.files.checkpoints.walk_to: from this worker's checkpoint root and the job's id,
 one directory at a time, no link followed) and sent only if it is still what rank 0
 registered (a file's size and mtime, a directory's stamp). It goes as a code snapshot,
-the way a job's outputs do (worker.outputs: every file read by directory fds with
+the way a job's outputs do (worker.files.outputs: every file read by directory fds with
 O_NOFOLLOW, within the outputs limits the API gives); a checkpoint that does not fit
 them whole, or has a file the snapshot rules refuse, is not sent at all, and the words
 say why: a partial checkpoint would resume wrong.
@@ -29,10 +29,10 @@ from ddpq.messages import ClaimedJob, ForkSource, SendOrder
 from ddpq.rules import checkpoint_words
 from ddpq.snapshot import Entry, human_bytes
 from ddpq.wire import tree_stamp
-from worker.api import WorkerAPI, retry
-from worker.checkpoints import MAX_REPORTS, NotThere, walk_to
-from worker.code import BlobCache, fetched, write_tree
-from worker.outputs import DIR_FLAGS, Captured, Limits, capture, digest_under, send
+from worker.edges.api import WorkerAPI, retry
+from worker.files.checkpoints import MAX_REPORTS, NotThere, walk_to
+from worker.files.code import BlobCache, fetched, write_tree
+from worker.files.outputs import DIR_FLAGS, Captured, Limits, capture, digest_under, send
 
 log = logging.getLogger("ddpq.worker")
 

@@ -29,10 +29,10 @@ directories and System V IPC is removed, so one job never finds another's leftov
 directories it had are taken back by the worker until its next attempt.
 
 This module is the pool: which uids, their locks, what an attempt holds and when it is
-given and taken back. What a uid leaves behind and its removal is worker.leftovers; the
-owners and modes of a directory handed over and taken back, worker.handover; the check
+given and taken back. What a uid leaves behind and its removal is worker.walled.leftovers; the
+owners and modes of a directory handed over and taken back, worker.walled.handover; the check
 at start that a job's uid can run jobs and change nothing of the worker's,
-worker.startcheck.
+worker.walled.startcheck.
 """
 
 from __future__ import annotations
@@ -50,10 +50,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddpq.errors import WallsError
-from worker import handover, leftovers, startcheck
+from worker.edges import procs
+from worker.walled import handover, leftovers, startcheck
 
-# What the agent checks a job's uid cannot change (worker.startcheck), named here too.
-from worker.startcheck import protected_paths as protected_paths
+# What the agent checks a job's uid cannot change (worker.walled.startcheck), named here too.
+from worker.walled.startcheck import protected_paths as protected_paths
 
 log = logging.getLogger("ddpq.worker")
 
@@ -338,7 +339,7 @@ class Walls:
         skip: Sequence[Path] = (),
         devices: Sequence[Path] = (),
     ) -> None:
-        """The start check (worker.startcheck): refuse (WallsError, with the fix) unless
+        """The start check (worker.walled.startcheck): refuse (WallsError, with the fix) unless
         a job's uid can run ``python``, import torch and ddpq with it, pass through every
         directory of ``reachable`` (where its own directories are), read every one of
         ``readable``, open every one of ``devices`` (its GPUs' nodes:
@@ -366,7 +367,7 @@ class Held:
     user: JobUser | None
     given: list[Path] = field(default_factory=list)
     # What runs as the attempt ends, once its processes are swept and its directories
-    # taken back, before its uid is free (worker.caches takes a user's cache back): each
+    # taken back, before its uid is free (worker.files.caches takes a user's cache back): each
     # gets whether no process survived, and answers whether the uid may go on.
     at_end: list[Callable[[bool], bool]] = field(default_factory=list)
 
@@ -393,6 +394,22 @@ class Held:
             self.given.append(path)  # first: taken back even if giving fails halfway
             self.walls.give(path, self.user)
         return path
+
+    @contextlib.contextmanager
+    def lend(self, path: Path) -> Iterator[int | None]:
+        """``path`` (a directory the worker made) the attempt's uid's while the block runs,
+        which gets that uid (None, unwalled: nothing changes); then nothing the uid started
+        stays behind to change it later, and it is the worker's again (a requirements
+        build's environment: worker.starting.venvs)."""
+        if self.user is None:
+            yield None
+            return
+        self.walls.give(path, self.user)
+        try:
+            yield self.user.uid
+        finally:
+            procs.kill_uid(self.user.uid)
+            self.walls.take_back(path)
 
 
 # ---- helpers -----------------------------------------------------------------------------

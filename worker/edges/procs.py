@@ -3,7 +3,7 @@
 torchrun starts each rank in its own session, so signalling torchrun's process
 group does not reach the ranks, and a SIGKILLed torchrun leaves them running as
 orphans. Every process of an attempt therefore carries ``DDPQ_LAUNCH_ID`` in its
-environment, and the worker finds them by it in /proc. A walled attempt (worker.walls)
+environment, and the worker finds them by it in /proc. A walled attempt (worker.walled.walls)
 is found by its uid instead: every process under it is the attempt's, and a worker
 without CAP_SYS_PTRACE (the compose worker) cannot read another uid's environment.
 """
@@ -22,7 +22,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 LAUNCH_ID_VAR = "DDPQ_LAUNCH_ID"
-_CHECKOUT = str(Path(__file__).resolve().parent.parent)
 PR_SET_DUMPABLE = 4
 
 
@@ -49,28 +48,6 @@ def launch_prefix(worker_name: str, data_dir: Path) -> str:
     never take each other's processes for their own."""
     instance = hashlib.sha256(str(data_dir.resolve()).encode()).hexdigest()[:12]
     return f"{worker_name}@{instance}/"
-
-
-def launcher_argv(
-    argv: list[str],
-    grace_s: float,
-    uid: int | None = None,
-    gid: int | None = None,
-    warm: str | None = None,
-) -> list[str]:
-    """Wrap ``argv`` so that it dies with the calling thread (see worker.launch), run
-    under ``uid``:``gid`` when given (the launcher itself stays the worker's); forked by
-    the warm process at the socket ``warm`` when given (worker.warm)."""
-    who = "-" if uid is None else f"{uid}:{gid if gid is not None else uid}"
-    # -I: started in the job's directory, it must not import the job's files (a
-    # worker/launch.py of its code) nor heed PYTHON* variables: walled, it runs as root.
-    # The worker's own checkout, named: -I leaves PYTHONPATH out, and an installed copy of
-    # ddpq elsewhere must not stand in for the code this worker runs.
-    run = f"import sys; sys.path.insert(0, {_CHECKOUT!r}); from worker.launch import main; main()"
-    return [
-        sys.executable, "-I", "-c", run, str(os.getpid()), str(grace_s), who,
-        "--" if warm is None else f"--warm={warm}", *argv,
-    ]  # fmt: skip
 
 
 def find_by_launch_id(launch_id: str, *, prefix: bool = False) -> list[int]:

@@ -40,7 +40,7 @@ class WorkerAPI:
     def __init__(self, url: str, token: str, name: str, identity: str | None = None) -> None:
         self.url = url.rstrip("/")
         self.name = name
-        self.identity = identity  # worker.datadir: the same worker across restarts
+        self.identity = identity  # worker.files.datadir: the same worker across restarts
         self._http = Http(self.url, token, httpx.Timeout(15.0, connect=5.0))
 
     def _request(
@@ -118,7 +118,7 @@ class WorkerAPI:
             body["pruned"] = pruned
         if dropped:
             body["dropped"] = dropped
-        if caches is not None:  # only when they changed (worker.caches)
+        if caches is not None:  # only when they changed (worker.files.caches)
             body["caches"] = caches
         if cleared:
             body["cleared"] = cleared
@@ -155,7 +155,7 @@ class WorkerAPI:
         except httpx.ReadTimeout as exc:  # a transfer that stalls is one that broke
             raise no_answer("GET", self.url + path, exc) from exc
 
-    # ---- a job's directory as it ended (worker.outputs) ---------------------------------
+    # ---- a job's directory as it ended (worker.files.outputs) ---------------------------------
 
     def outputs_limits(self) -> dict[str, Any]:
         result: dict[str, Any] = self._request("GET", "/workers/outputs/limits").json()

@@ -4,14 +4,14 @@ A job whose code has a requirements.txt at its top, or whose spec lists ``pip``
 requirements, runs under a virtualenv made for exactly those requirements and this
 worker's Python, built once and shared by every job that needs the same (DATA_DIR/venvs,
 at most ``max_envs`` kept, least recently used first out). What a job may ask pip for
-is worker.requirements' to decide; "the same" means the same content: names and
+is worker.starting.requirements' to decide; "the same" means the same content: names and
 version specifiers as written, and a wheel or directory of the job's code by its
 digest, never by its path (two jobs naming ./dist/x.whl may hold different wheels).
 
 An environment is shared, so no job may change what the next one runs in it. Walled
-(worker.walls), pip runs under the building attempt's uid, and the environment then
+(worker.walled.walls), pip runs under the building attempt's uid, and the environment then
 becomes the worker's, read-only to every job. Walled or not, the worker seals it when
-built (worker.seal: every entry's inode, mode, owner, size and ctime, which no process
+built (worker.walled.seal: every entry's inode, mode, owner, size and ctime, which no process
 can set back) and checks the seal each time a job is to use it: one a job changed is put
 aside and built again. An environment's name is its key, which any job can work out, so
 what is on disk under it is trusted only through a seal no job could have made: the
@@ -70,11 +70,12 @@ from packaging.requirements import Requirement as Pep508
 from packaging.version import InvalidVersion
 
 from ddpq.errors import JobError, RequirementsRefused, Stopped
-from worker import procs, requirements
-from worker.requirements import Requirement
-from worker.seal import seal as seal_tree
-from worker.torchrun import inherited
-from worker.walls import JobUser, Walls
+from worker.edges import procs
+from worker.starting import launcher, requirements
+from worker.starting.requirements import Requirement
+from worker.starting.torchrun import inherited
+from worker.walled.seal import seal as seal_tree
+from worker.walled.walls import Walls
 
 log = logging.getLogger("ddpq.worker")
 
@@ -86,6 +87,16 @@ PINNED = ("torch", "torchvision", "torchaudio")  # never replaced by a job's req
 PIP_TIMEOUT_S = 3600.0
 PIP_GRACE_S = 10.0  # SIGTERM to SIGKILL when a build is stopped
 PIP_LOG_LINES = 2000  # of pip's output, shown in the job's log when the build fails
+
+# How a build's directory is lent to the uid pip runs under, for the build: the context
+# gives that uid (None: the worker's own). Walled, the attempt's Held.lend (worker.walled.walls)
+# gives it, kills what pip left and takes it back; unwalled, nothing changes.
+Lend = Callable[[Path], contextlib.AbstractContextManager[int | None]]
+
+
+def unwalled(path: Path) -> contextlib.AbstractContextManager[int | None]:
+    """A build under the worker's own uid: nothing is lent."""
+    return contextlib.nullcontext(None)
 
 
 def _pins() -> list[str]:
@@ -138,10 +149,11 @@ class Venvs:
         environ: Mapping[str, str],
         say: Callable[[str], None],
         stop: threading.Event,
-        user: JobUser | None = None,
+        lend: Lend = unwalled,
     ) -> Iterator[Path]:
         """The Python of an environment with these requirements, built if need be (pip
-        under ``user`` when walled); it is not evicted while the block runs."""
+        under the uid ``lend`` lends its directory to, walled); it is not evicted while
+        the block runs."""
         key = self.key(reqs)
         with self._lock:
             building = self._building.setdefault(key, threading.Lock())
@@ -153,7 +165,7 @@ class Venvs:
                     os.utime(env_dir / READY)
                     say(f"[ddpq] requirements: reusing environment {key[:12]}\n")
                 else:
-                    self._build(key, env_dir, reqs, cwd, environ, say, stop, user)
+                    self._build(key, env_dir, reqs, cwd, environ, say, stop, lend)
             self._trim()
             yield env_dir / "bin" / "python"
         finally:
@@ -187,7 +199,7 @@ class Venvs:
         environ: Mapping[str, str],
         say: Callable[[str], None],
         stop: threading.Event,
-        user: JobUser | None,
+        lend: Lend,
     ) -> None:
         self._seals.pop(key, None)
         _put_aside(env_dir)  # what a crashed or refused build left
@@ -214,15 +226,10 @@ class Venvs:
                 "install", "--no-input", "--disable-pip-version-check", "--progress-bar", "off",
                 "-c", str(constraints), "-r", str(wanted),
             ]  # fmt: skip
-            if user is not None:
-                self.walls.give(env_dir, user)
-            try:
-                self._pip(argv, inputs, _pip_env(environ), say, stop, user)
-            finally:
-                if user is not None:
-                    # Nothing pip started may stay behind to change the environment later.
-                    procs.kill_uid(user.uid)
-                    self.walls.take_back(env_dir)
+            # Walled, nothing pip started may stay behind to change the environment later:
+            # the lend ends with the uid's processes killed and the directory taken back.
+            with lend(env_dir) as uid:
+                self._pip(argv, inputs, _pip_env(environ), say, stop, uid)
         finally:
             shutil.rmtree(inputs, ignore_errors=True)
         _read_only(env_dir)
@@ -267,13 +274,12 @@ class Venvs:
         env: dict[str, str],
         say: Callable[[str], None],
         stop: threading.Event,
-        user: JobUser | None,
+        uid: int | None,
     ) -> None:
         # Through the launcher, as torchrun: under the job's uid when walled, without
         # gaining a privilege by exec, and with nothing it started left after it.
-        uid = user.uid if user else None
         proc = subprocess.Popen(
-            procs.launcher_argv(argv, PIP_GRACE_S, uid, uid),
+            launcher.launcher_argv(argv, PIP_GRACE_S, uid, uid),
             cwd=cwd,
             env=env,
             stdin=subprocess.DEVNULL,
@@ -332,7 +338,7 @@ class Venvs:
 
 
 def seal(env_dir: Path) -> str:
-    """What an environment is (worker.seal), but the marks the worker itself touches."""
+    """What an environment is (worker.walled.seal), but the marks the worker itself touches."""
     return seal_tree(env_dir, skip=(READY, SEAL))
 
 
@@ -427,7 +433,7 @@ def python_for(
     env: Mapping[str, str],
     say: Callable[[str], None],
     stop: threading.Event,
-    user: JobUser | None = None,
+    lend: Lend = unwalled,
 ) -> contextlib.AbstractContextManager[str]:
     """The interpreter a job runs under, held while the block runs: this process's own,
     or one with the job's requirements (requirements.txt at the top of its code, or the
@@ -448,7 +454,7 @@ def python_for(
             "no environment built\n"
         )
         return contextlib.nullcontext(sys.executable)
-    return _as_str(venvs.using(reqs, cwd, env, say, stop, user))
+    return _as_str(venvs.using(reqs, cwd, env, say, stop, lend))
 
 
 # Distributions of the worker's own environment (ddpq's CLI's) that change what a job does

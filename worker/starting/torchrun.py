@@ -2,8 +2,8 @@
 
 The program to run, torchrun's command line and rendezvous flags, the ranks'
 environment, and what an exit means: no process is started here, so each is
-decided (and tested) without running anything. worker.runner supervises the launch;
-why the worker stopped one, whatever ran it, is worker.outcome's.
+decided (and tested) without running anything. worker.executors.runner supervises the launch;
+why the worker stopped one, whatever ran it, is worker.starting.outcome's.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from ddpq.rules import (
     rungs_problem,
 )
 from worker import tee
-from worker.outcome import Outcome, stopped
+from worker.starting.outcome import Outcome, stopped
 
 # How a rank starts: the program through worker.entry, which ends the process once the
 # program has finished, before torch can abort in the interpreter's teardown
@@ -166,11 +166,11 @@ class Placement:
     launch_id: str
     resume_from: str | None = None
     # The attempt's own scratch directory (its TMPDIR), and when it runs walled the name
-    # of its uid (worker.walls): then the scratch is its HOME too, the worker's being
+    # of its uid (worker.walled.walls): then the scratch is its HOME too, the worker's being
     # closed to it.
     scratch: str | None = None
     user: str | None = None
-    # Where its owner's caches are (worker.caches: TORCHINDUCTOR_CACHE_DIR, HF_HOME, ...):
+    # Where its owner's caches are (worker.files.caches: TORCHINDUCTOR_CACHE_DIR, HF_HOME, ...):
     # over the worker's own settings of them, under the spec's.
     cache_env: dict[str, str] = field(default_factory=dict)
 
@@ -276,7 +276,7 @@ def add_secrets(env: dict[str, str], secrets: Mapping[str, str]) -> None:
 def resume_path(claim: ClaimedJob) -> str | None:
     """The checkpoint an attempt resumes from: the newest offered that is a file or a
     directory (a framework's) inside the job's directory here, else, for a fork, the
-    checkpoint it starts from (worker.sending.write_fork wrote it there)."""
+    checkpoint it starts from (worker.files.sending.write_fork wrote it there)."""
     offered = list(claim.resume_from)
     if claim.fork_from is not None:
         src = claim.fork_from
@@ -311,7 +311,7 @@ class Failed:
     exitcode: int
     said: str | None = None  # what its error file said, when it left one
     others: bool = False  # other ranks failed after it
-    pid: int | None = None  # a rank killed by a signal: its pid (worker.oom looks it up)
+    pid: int | None = None  # a rank killed by a signal: its pid (worker.edges.oom looks it up)
 
     @property
     def exit_status(self) -> int:
@@ -378,7 +378,7 @@ def outcome(
     words: str | None = None,
 ) -> Outcome:
     """What torchrun's exit ``code`` (128 + N when killed by signal N) means, given why
-    the worker stopped it, if it did (worker.outcome.stopped, with its ``words``), and
+    the worker stopped it, if it did (worker.starting.outcome.stopped, with its ``words``), and
     the last lines of its output."""
     if stop_reason is not None:
         return stopped(stop_reason, timeout_s, code, words)

@@ -3,8 +3,8 @@
 An attempt ends either because the worker stopped it (a cancel, its timeout, the
 worker's shutdown, a preemption, or it is no longer the worker's) or on its own; the
 first is decided here once, whatever ran it and whether it had started. What an exit
-of its own means is the launcher's: ``worker.torchrun.outcome`` (torchrun's exit code),
-``worker.slurm.ending`` (a Slurm job's final state).
+of its own means is the launcher's: ``worker.starting.torchrun.outcome`` (torchrun's exit code),
+``worker.executors.slurm.ending`` (a Slurm job's final state).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ class Outcome:
     exit_code: int | None
     outcome: str  # exited, cancelled, timeout, requeue, error, lost
     reason: str | None = None
-    # A rank SIGKILL ended: whether the kernel's log says its OOM killer did (worker.oom);
+    # A rank SIGKILL ended: whether the kernel's log says its OOM killer did (worker.edges.oom);
     # None: not killed so, or the log could not be read.
     oom: bool | None = None
 

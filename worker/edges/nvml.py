@@ -4,7 +4,7 @@
 NVML, not torch: it answers the same in a few MB, where ``import torch`` costs the agent
 about 570 MB resident and initialises nothing it needs. Indices are NVML's (PCI bus
 order, as ``nvidia-smi`` numbers them); jobs get ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` so that
-``CUDA_VISIBLE_DEVICES`` means the same GPUs to CUDA (worker/torchrun.py).
+``CUDA_VISIBLE_DEVICES`` means the same GPUs to CUDA (worker/starting/torchrun.py).
 
 Where there is no NVML (no driver, no GPU, the package missing) every call answers
 "nothing" quietly: a CPU host is not an error. Tests put a fake ``pynvml`` module first on

@@ -1,7 +1,7 @@
 """A directory handed to a job's uid and taken back: every entry of a tree made the
 uid's (or the worker's again, with every bit that would let another uid in cleared),
 walked by directory fds so that nothing a job put there (a link, a swapped component, a
-hard link to someone else's file) turns root's walk elsewhere. worker.walls decides
+hard link to someone else's file) turns root's walk elsewhere. worker.walled.walls decides
 what is handed to whom and when; this module only changes owners and modes (and, taking
 back strictly, removes what another uid must not be given: take_back_strictly)."""
 
@@ -96,7 +96,7 @@ class Walked:
 
 def take_back_strictly(top: Path, owners: range, max_entries: int, max_depth: int) -> Walked:
     """``top`` and everything under it this process's again, as a tree that goes to
-    another uid next (a user's cache: worker.caches) must be: walked by directory fds,
+    another uid next (a user's cache: worker.files.caches) must be: walked by directory fds,
     following no link; what is neither a regular file, a directory nor a symbolic link
     (a FIFO, a socket) removed; a regular file with a second name removed (it may be
     someone else's, hard-linked: the other name stays); anything owned by neither this

@@ -1,6 +1,6 @@
 """What a directory tree is, as no process can forge it: the worker seals what it made
-(a requirements environment, worker.venvs; a job's directory as an attempt leaves it,
-worker.code) and uses it again only while the seal holds.
+(a requirements environment, worker.starting.venvs; a job's directory as an attempt leaves it,
+worker.files.code) and uses it again only while the seal holds.
 
 Each entry's path, type and mode, owner, size, inode and ctime: any write, chmod,
 chown, link or rename sets an inode's ctime to now and nothing sets it back (only the

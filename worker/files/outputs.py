@@ -1,6 +1,6 @@
 """What a job wrote in its working directory, kept once its attempt ends.
 
-The worker keeps the directory itself (worker.code.Workdirs: removed only once the
+The worker keeps the directory itself (worker.files.code.Workdirs: removed only once the
 service says its retention is over) and sends it to the API, so that what the job wrote
 outlives this host: ``ddpq outputs`` lists and downloads it from any API process, and
 ``ddpq resubmit --resume`` runs a new job in a copy of it on any worker. It is sent as a
@@ -8,7 +8,7 @@ code snapshot (the contents the API lacks, then the manifest): the job's code an
 wrote, within the outputs limits the service gives (GET /workers/outputs/limits).
 
 The directory's contents are the job's, so hostile: it is read after the attempt's
-processes are gone (walled, after it was taken back: worker.walls), walked by directory
+processes are gone (walled, after it was taken back: worker.walled.walls), walked by directory
 file descriptors (os.fwalk), every file opened with O_NOFOLLOW relative to its
 directory, never through a path a job could swap a component of for a link. A link is
 kept as a link (its target is never read) and only when it stays inside the directory
@@ -39,7 +39,7 @@ from ddpq.snapshot import (
     path_problem,
     symlink_problem,
 )
-from worker.api import WorkerAPI, retry
+from worker.edges.api import WorkerAPI, retry
 
 MAX_LEFT = 1000  # files named as left; more are counted (the API's limit)
 READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
@@ -118,7 +118,7 @@ def _is_link(name: str, dir_fd: int) -> bool:
 
 def open_root(root: Path | int) -> int:
     """A directory fd of ``root``: a path opened without following a link at its end,
-    or a new fd of a directory fd the caller opened safely (worker.checkpoints.walk_to),
+    or a new fd of a directory fd the caller opened safely (worker.files.checkpoints.walk_to),
     for a directory a job could swap a component of meanwhile."""
     return os.dup(root) if isinstance(root, int) else os.open(root, DIR_FLAGS)
 

@@ -1,8 +1,8 @@
 """Runs one attempt of one job: torchrun under supervision, its output shipped live.
 
-What to launch is decided by worker.torchrun and prepared by worker.prepare; this module
-waits for a multi-node attempt's gang first, starts torchrun under the attempt's walls,
-stops it on request, and reports how it ended (worker.loop.finish).
+What to launch is decided by worker.starting.torchrun and prepared by worker.starting.prepare; this
+module waits for a multi-node attempt's gang first, starts torchrun under the attempt's walls,
+stops it on request, and reports how it ended (worker.executors.loop.finish).
 """
 
 from __future__ import annotations
@@ -23,17 +23,19 @@ from typing import Any
 
 from ddpq.errors import ApiRefused, ApiUnavailable, JobError, Stopped
 from ddpq.messages import ClaimedJob, GangReply
-from worker import oom, outputs, prepare, procs, sending, torchrun, warm
-from worker.api import WorkerAPI
-from worker.caches import Caches
-from worker.code import Workdirs
-from worker.logship import LogShipper, Tailed
-from worker.loop import finish
-from worker.outcome import Outcome, stop_words, stopped
-from worker.settings import WorkerSettings
-from worker.trace import Trace
-from worker.venvs import Venvs
-from worker.walls import Held, Walls
+from worker.edges import oom, procs
+from worker.edges.api import WorkerAPI
+from worker.executors.loop import finish
+from worker.executors.settings import WorkerSettings
+from worker.executors.trace import Trace
+from worker.files import outputs, sending
+from worker.files.caches import Caches
+from worker.files.code import Workdirs
+from worker.starting import launcher, prepare, torchrun, warm
+from worker.starting.logship import LogShipper, Tailed
+from worker.starting.outcome import Outcome, stop_words, stopped
+from worker.starting.venvs import Venvs
+from worker.walled.walls import Held, Walls
 
 log = logging.getLogger("ddpq.worker")
 
@@ -45,7 +47,7 @@ __all__ = ["JobError", "JobRunner", "RunContext"]
 @dataclass
 class RunContext:
     """What a runner needs of its worker: the same for every attempt the worker runs.
-    Its settings are the worker's (worker.settings); the rest is what the worker made of
+    Its settings are the worker's (worker.executors.settings); the rest is what the worker made of
     them as it started."""
 
     api: WorkerAPI
@@ -61,11 +63,11 @@ class RunContext:
     # Jobs' own directories of their code, and environments for their requirements.
     workdirs: Workdirs
     venvs: Venvs
-    # Whether each attempt runs under a uid of its own (worker.walls).
+    # Whether each attempt runs under a uid of its own (worker.walled.walls).
     walls: Walls = field(default_factory=lambda: Walls(None))
-    # Each user's caches across their jobs here (worker.caches); None: none kept.
+    # Each user's caches across their jobs here (worker.files.caches); None: none kept.
     caches: Caches | None = None
-    # The warm launcher's processes (worker.warm); None: a worker that keeps none.
+    # The warm launcher's processes (worker.starting.warm); None: a worker that keeps none.
     warm_pool: warm.WarmPool | None = None
 
     @property
@@ -74,12 +76,13 @@ class RunContext:
 
     @property
     def launcher(self) -> str:
-        """The launcher of jobs whose spec names none (worker.warm)."""
+        """The launcher of jobs whose spec names none (worker.starting.warm)."""
         return self.settings.launcher
 
     @property
     def trace_file(self) -> Path | None:
-        """Where each attempt's phases are recorded (worker.trace; ddpq worker --trace)."""
+        """Where each attempt's phases are recorded (worker.executors.trace; ddpq worker
+        --trace)."""
         return self.settings.trace_file()
 
     @property
@@ -110,7 +113,7 @@ class JobRunner:
     stopping_since: float | None = None
     # Why, in words, when the service asked (a preemption names the job it makes room for).
     stop_words: str | None = None
-    # When it reached each phase, from the claim on (worker.trace).
+    # When it reached each phase, from the claim on (worker.executors.trace).
     trace: Trace = field(default_factory=Trace)
 
     @property
@@ -189,7 +192,7 @@ class JobRunner:
         self.release(self)
 
     def _keep_outputs(self, shipper: LogShipper) -> None:
-        """Send the job's directory as this attempt leaves it (worker.outputs), before its
+        """Send the job's directory as this attempt leaves it (worker.files.outputs), before its
         finish: node 0's (where rank 0 writes), once no process of it runs. Nothing of
         it fails the attempt: the directory stays here whatever the API took."""
         code = self.claim.spec.get("code")
@@ -270,7 +273,7 @@ class JobRunner:
             self.ctx.api, self.job_id, self.attempt, result, self.stop_reason, self.ctx.claimer_done
         )
 
-    # ---- what runs (worker.torchrun decides) -------------------------------------------
+    # ---- what runs (worker.starting.torchrun decides) -------------------------------------------
 
     def _program(self, spec: dict[str, Any]) -> list[str]:
         return torchrun.program(spec, self.ctx.workspace)
@@ -304,7 +307,7 @@ class JobRunner:
 
     def _cache(self, held: Held, scratch: Path, shipper: LogShipper) -> dict[str, str]:
         """The ranks' cache variables: their owner's cache here, lent to the attempt until
-        ``held`` ends (worker.caches), or an empty one in ``scratch``; none when caches
+        ``held`` ends (worker.files.caches), or an empty one in ``scratch``; none when caches
         are off."""
         caches = self.ctx.caches
         if caches is None or not caches.enabled:
@@ -336,6 +339,9 @@ class JobRunner:
             # Node 0's directory (rank 0 writes there): its worker gives it to its uid,
             # which the nodes share when their hosts do (the search starts at the job's id).
             checkpoints.mkdir(parents=True, exist_ok=True)
+        # torchrun's log files: the job's (torchrun runs under its uid). Given with the
+        # rest before the launch is prepared, so the attempt's walls are set up in one place.
+        ranks_dir = held.own(log_dir / "ranks")
         with prepare.prepared(
             self.ctx,
             self.claim,
@@ -346,13 +352,13 @@ class JobRunner:
             scratch=scratch,
             user=held.user,
             own=held.own,
+            lend=held.lend,
             cache_env=cache_env,
         ) as launch:
             self.trace.mark("prepared")
             if self.stop_requested.is_set():
                 return self._never_started()
             rdzv = torchrun.rendezvous(self.gang, self.ctx.advertise_addr)
-            ranks_dir = held.own(log_dir / "ranks")
             argv = torchrun.argv(launch.python, self.claim, rdzv, launch.program, ranks_dir)
             forked_by = warm.socket_for_attempt(
                 self.ctx.warm_pool, self.ctx.launcher, self.claim.spec, self.claim.nproc_per_node,
@@ -373,7 +379,7 @@ class JobRunner:
     ) -> Outcome:
         uid = held.user.uid if held.user else None
         run = Tailed(
-            procs.launcher_argv(argv, self.ctx.kill_grace_s, uid, uid, warm_socket),
+            launcher.launcher_argv(argv, self.ctx.kill_grace_s, uid, uid, warm_socket),
             output,
             self._first_line_marked(shipper.write),
             env=launch.env,
@@ -383,12 +389,12 @@ class JobRunner:
             on_exit=self.wake.set,
         )
         self.trace.mark("spawned")
-        spawned = time.monotonic()  # worker.oom reads the kernel's records since then
+        spawned = time.monotonic()  # worker.edges.oom reads the kernel's records since then
         oom_kills = oom.cgroup_oom_kills()  # and, where it cannot, the cgroup's count
         timeout_s = self.claim.spec.get("timeout_s")
         deadline = None if not timeout_s else time.monotonic() + timeout_s
         # Woken by the exit or a stop request, at once: a poll here would add its
-        # interval's half, on average, to every job's end (worker.trace saw 50 ms).
+        # interval's half, on average, to every job's end (worker.executors.trace saw 50 ms).
         while not run.exited.is_set():
             if deadline is not None and time.monotonic() > deadline:
                 self.request_stop("timeout")
@@ -399,7 +405,7 @@ class JobRunner:
             self.wake.clear()
         code = run.exit_code()
         self.trace.mark("exited")
-        if uid is None:  # walled, the attempt's uid is swept as it ends (worker.walls)
+        if uid is None:  # walled, the attempt's uid is swept as it ends (worker.walled.walls)
             procs.kill_all(self.launch_id)
         tail = run.drain()
         self.trace.mark("drained")
@@ -418,7 +424,8 @@ class JobRunner:
         return result
 
     def _first_line_marked(self, write: Callable[[bytes], None]) -> Callable[[bytes], None]:
-        """``write``, marking the first line of a rank's output as it passes (worker.trace)."""
+        """``write``, marking the first line of a rank's output as it passes
+        (worker.executors.trace)."""
 
         seen = False
 

@@ -3,10 +3,10 @@ variables, else the defaults written here and nowhere else.
 
 Each field is one flag and one variable, by name: ``kill_grace_s`` is ``--kill-grace-s``
 and ``DDPQ_KILL_GRACE_S``. The CLI passes the flags it was given (ddpq/cli/servers.py),
-the executors (worker.agent, worker.bridge) and what they share (worker.loop) read the
-fields, and the configuration reference is generated from the descriptions
-(docs/gen_reference.py). A bad value is refused here, once, naming its flag and variable
-(SettingsError: ``ddpq worker`` exits 2 with its message).
+the executors (worker.executors.agent, worker.executors.bridge) and what they share
+(worker.executors.loop) read the fields, and the configuration reference is generated from the
+descriptions (docs/gen_reference.py). A bad value is refused here, once, naming its flag and
+variable (SettingsError: ``ddpq worker`` exits 2 with its message).
 """
 
 from __future__ import annotations
@@ -22,15 +22,16 @@ from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, Setting
 
 from ddpq.config import DEFAULT_URL
 from ddpq.errors import SettingsError
-from worker import walls
-from worker.requirements import Policy
+from worker.starting.requirements import Policy
+from worker.walled import walls
 
 PREFIX = "DDPQ_"
 GB = 1000**3
 # A size cap beyond any disk: a typo in units (bytes for GB) is refused, not obeyed.
 MAX_GB = 1e9
 # The variables a field does not read, though it has a flag: DDPQ_CHECKPOINT_DIR is the
-# job's own checkpoint directory, set for its ranks (worker.torchrun), not the worker's root.
+# job's own checkpoint directory, set for its ranks (worker.starting.torchrun), not the worker's
+# root.
 NO_VARIABLE = frozenset({"checkpoint_dir"})
 
 
@@ -59,7 +60,7 @@ def _words(value: object) -> list[str]:
 
 
 def _gpus(value: object) -> object:
-    """``0,1,2,3``, or ``none`` (no GPUs); unset: every GPU NVML sees (worker.agent)."""
+    """``0,1,2,3``, or ``none`` (no GPUs); unset: every GPU NVML sees (worker.executors.agent)."""
     if not isinstance(value, str):
         return value
     if value.strip().lower() in ("none", ""):

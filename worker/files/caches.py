@@ -6,13 +6,13 @@ One directory per user, ``DATA_DIR/caches/USER/cache``, which the ranks' variabl
 into (``CACHE_VARS``: ``TORCHINDUCTOR_CACHE_DIR`` is ``.../cache/inductor``, and so on),
 behind a gate of the worker's own (``DATA_DIR/caches/USER``):
 
-- Walled (worker.walls), an attempt runs under a uid of its own, and inductor and Triton
+- Walled (worker.walled.walls), an attempt runs under a uid of its own, and inductor and Triton
   make their directories 0700: a cache shared by path breaks in the next job (another
   uid). So the cache is *lent*: at the attempt's start it is handed to the attempt's uid
-  (worker.handover, as its own directories are), and the gate opened to that uid's group
+  (worker.walled.handover, as its own directories are), and the gate opened to that uid's group
   alone (0710: the job's processes have that gid and no other; a job that opens its cache
   to everyone still opens nothing behind a gate it does not own). At the end, once no
-  process of the uid is left (worker.walls runs ``Held.end`` after its sweep, before the
+  process of the uid is left (worker.walled.walls runs ``Held.end`` after its sweep, before the
   uid can go to any other job), the gate is closed first (the worker's, 0700), then the
   cache taken back, walked by directory fds without following a link: what the job left
   there that is not a plain file, a directory or a symbolic link (a FIFO, a socket), a
@@ -61,9 +61,9 @@ from pathlib import Path
 from typing import Any
 
 from ddpq.messages import CacheClearOrder
-from worker import handover
-from worker.handover import Untrusted, Walked
-from worker.walls import Held, JobUser, Walls
+from worker.walled import handover
+from worker.walled.handover import Untrusted, Walked
+from worker.walled.walls import Held, JobUser, Walls
 
 log = logging.getLogger("ddpq.worker")
 
@@ -113,7 +113,7 @@ class Lease:
     broken: bool = False  # not handed over whole: discarded at the end
 
     def env(self) -> dict[str, str]:
-        """The ranks' variables (worker.torchrun.Placement.cache_env)."""
+        """The ranks' variables (worker.starting.torchrun.Placement.cache_env)."""
         return {var: str(self.path / sub) for var, sub in CACHE_VARS.items()}
 
 
@@ -235,7 +235,7 @@ class Caches:
     def lend(
         self, owner: str | None, held: Held, scratch: Path, job_id: int, attempt: int
     ) -> tuple[Lease, str | None]:
-        """The cache of ``owner`` for an attempt that holds ``held`` (worker.walls), given
+        """The cache of ``owner`` for an attempt that holds ``held`` (worker.walled.walls), given
         to its uid until ``held`` ends; or, when another attempt of theirs holds it (or
         it could not be handed over), an empty one in ``scratch``, with the words for
         the job's log."""
@@ -308,7 +308,7 @@ class Caches:
         os.chmod(gate, 0o710)  # noqa: S103 (its group is the attempt's alone)
 
     def _settle(self, lease: Lease, clean: bool) -> bool:
-        """An attempt's end (worker.walls: its processes swept, its uid not yet free):
+        """An attempt's end (worker.walled.walls: its processes swept, its uid not yet free):
         the cache taken back, trimmed to the cap and measured; or discarded when it
         cannot be taken back safely (``clean``: no process of the uid survived), or a
         clear waits for it. False if it could be neither (the uid stays out of use)."""
@@ -357,7 +357,7 @@ class Caches:
     # ---- taking back, trimming, discarding -------------------------------------------
 
     def _take_back(self, user: str, evict: bool) -> Usage:
-        """The cache the worker's again (worker.handover.take_back_strictly; Untrusted:
+        """The cache the worker's again (worker.walled.handover.take_back_strictly; Untrusted:
         not to be kept), trimmed to the cap (least recently used files first) when
         ``evict``."""
         top = self.path(user)

@@ -1,9 +1,9 @@
 """The Slurm bridge: ``ddpq worker --executor slurm`` on a login node, an executor
-under worker.loop's register, claim and heartbeat.
+under worker.executors.loop's register, claim and heartbeat.
 
 It registers as a worker whose slots are a Slurm partition's nodes, claims whole ddpq
 jobs (multi-node ones as one attempt), and hands each attempt to Slurm as one batch
-job (worker.slurm decides its command line and script). From then on Slurm runs it:
+job (worker.executors.slurm decides its command line and script). From then on Slurm runs it:
 the bridge polls squeue/scontrol, tells the API the Slurm job id and why Slurm holds
 it pending (its heartbeat), stops it with scancel on a cancel or a timeout, and
 reports how it ended. Its jobs do not live in its process: a bridge that stops, or is
@@ -28,12 +28,13 @@ from typing import Any
 from ddpq.errors import JobError, SlurmError, Stopped
 from ddpq.messages import ClaimedJob, HeldAttempt
 from ddpq.wire import Backoff
-from worker import slurm, warm
-from worker.logship import LogShipper
-from worker.loop import Loop, Room
-from worker.outcome import Outcome, stopped
-from worker.prepare import prepared
-from worker.settings import WorkerSettings
+from worker.executors import slurm
+from worker.executors.loop import Loop, Room
+from worker.executors.settings import WorkerSettings
+from worker.starting import warm
+from worker.starting.logship import LogShipper
+from worker.starting.outcome import Outcome, stopped
+from worker.starting.prepare import prepared
 
 log = logging.getLogger("ddpq.worker")
 
@@ -103,7 +104,7 @@ class Bridge:
         self.max_pending = settings.max_pending
         self.poll_s = settings.poll_s
         self.scripts = self.loop.data_dir / "slurm"
-        self.launcher = settings.launcher  # for jobs whose spec names none (worker.warm)
+        self.launcher = settings.launcher  # for jobs whose spec names none (worker.starting.warm)
         self.submission = slurm.Submission(
             partition=partition,
             account=settings.account,
@@ -250,7 +251,7 @@ class Bridge:
         return out.strip().split(";")[0]
 
     def _not_handed(self, tracked: Tracked, exc: Exception) -> Outcome:
-        """How an attempt that never reached Slurm ends: stopped, as worker.outcome says
+        """How an attempt that never reached Slurm ends: stopped, as worker.starting.outcome says
         (a cancel as a cancel); a shutdown or a Slurm that did not answer back to the
         queue (not counted), a job that can never start (its code, its entrypoint, a
         refused submission) as a failure."""
@@ -388,7 +389,8 @@ class Bridge:
             log.warning("scancel %s: %s", slurm_id, exc)
             return False
 
-    # ---- the executor (worker.loop) -------------------------------------------------------
+    # ---- the executor (worker.executors.loop)
+    # -------------------------------------------------------
 
     def attempts(self) -> list[dict[str, Any]]:
         with self._lock:

@@ -29,6 +29,7 @@ from service.bodies import BodyLimit, LingeringClose, body_limits
 from service.config import Settings
 from service.db import Database
 from service.errors import DomainError, Invalid, not_utf8_json
+from service.pace import Pace
 from service.routes import box, code, jobs, meta, reports, secrets, sweeps, ui, users, workers
 from service.routes import caches as caches_routes
 from service.schemas import Error
@@ -93,6 +94,9 @@ def create_app(
         settings.policy(),
     )
     app.state.wakeup = Wakeup()
+    # The heartbeat interval and lease the fleet's size sets (service.pace): the sweeper
+    # keeps it, and the lease in force is the policy's (db.policy.lease_s).
+    app.state.pace = Pace(settings.heartbeat_s, settings.lease_s, settings.max_heartbeats_per_s)
     # Idle long-polls that would find nothing wait for the next wake-up without asking
     # the database; for at most half a re-check, so a change that wakes nobody (a retry's
     # backoff running out) is still seen within 1.5 re-checks.

@@ -151,7 +151,17 @@ class Settings(BaseSettings):
     heartbeat_s: float = Field(
         default=2.0,
         gt=0,
-        description="How often workers are asked to heartbeat (they learn of cancels then).",
+        description="How often workers are asked to heartbeat (they learn of cancels then), "
+        "at least: a fleet larger than `max_heartbeats_per_s` times this is asked for less "
+        "often, and its lease grows by as much (service/pace.py).",
+    )
+    max_heartbeats_per_s: float = Field(
+        default=50.0,
+        gt=0,
+        description="The whole fleet's heartbeats a second, at most: past this many "
+        "workers per `heartbeat_s`, each heartbeats every live workers / this many seconds "
+        "(1,000 hosts: every 20 s, lost 48 s after their last by default), as Nomad's "
+        "max_heartbeats_per_second.",
     )
     gpu_sample_s: float = Field(
         default=5.0,

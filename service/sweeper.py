@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import threading
 from typing import Any
@@ -19,6 +20,7 @@ from service import code as code_store
 from service import outputs, queue, retention, rollup, sweeps
 from service.config import Settings
 from service.db import Database, Policy, libpq_conninfo
+from service.pace import Pace
 from service.schemas import OutputsLimits
 from service.wakeup import Wake, Wakeup
 
@@ -133,6 +135,7 @@ async def run(app: FastAPI) -> None:
                     return
                 if held and waited < interval:
                     await _sweeps_round(db)
+            await _pace_round(app)
             held = await run_in_threadpool(turn.mine)
             if held:
                 now = asyncio.get_running_loop().time()
@@ -142,6 +145,22 @@ async def run(app: FastAPI) -> None:
                 await _sweeps_round(db)
     finally:
         await run_in_threadpool(turn.close)
+
+
+async def _pace_round(app: FastAPI) -> None:
+    """The heartbeat interval and lease for the fleet's size now (service.pace), in every
+    API process: each answers heartbeats, and the one holding the turn expires leases."""
+    db: Database = app.state.db
+    pace: Pace = app.state.pace
+    try:
+        live = await run_in_threadpool(queue.live_count, db, db.policy.lease_s)
+    except Exception:  # a database outage: the pace stays as it was
+        log.exception("counting the live workers failed")
+        return
+    if pace.update(live, asyncio.get_running_loop().time()):
+        words = "%d live workers: heartbeat every %.3g s, lease %.3g s"
+        log.info(words, live, pace.interval, pace.lease)
+        db.policy = dataclasses.replace(db.policy, lease_s=pace.lease)
 
 
 async def _retention_round(db: Database, outputs: OutputsLimits) -> float:
@@ -196,11 +215,12 @@ async def _sweep_once(app: FastAPI, code_swept: float, code_every: float) -> flo
     # Heartbeats could not arrive while this process was down or the database was
     # unreachable, whichever query noticed it: leases expire only once the database
     # has answered for a full lease since it last recovered (service.db.Health).
-    if not db.health.up_for(settings.lease_s):
+    lease_s = db.policy.lease_s  # service.pace: as the fleet's size sets it
+    if not db.health.up_for(lease_s):
         return code_swept
     try:
-        changed = await run_in_threadpool(queue.expire_leases, db, settings.lease_s)
-        changed += await run_in_threadpool(queue.expire_nodes, db, settings.lease_s)
+        changed = await run_in_threadpool(queue.expire_leases, db, lease_s)
+        changed += await run_in_threadpool(queue.expire_nodes, db, lease_s)
         if changed:  # states.end woke the claimers as each committed
             log.warning("leases expired for jobs %s", changed)
     except Exception:  # the sweep must outlive a database outage

@@ -12,6 +12,9 @@ of its own that ends meanwhile are not in it (the worker frees them once its fin
 answered). Those are added to the poll's room (``freed_since``), so a queued job
 needing them starts now, not when the poll ends.
 
+A wake-up for everyone wakes every gang's wait and the ``WAKE_AT_ONCE`` long-polls of
+the most room at once; the others see its generation at their next re-check.
+
 A commit that may make something claimable says so once (``queue.notify_claimers``):
 this process's claimers are woken when it commits (``Database.on_commit``), the other
 API processes' through Postgres NOTIFY, each ignoring its own.
@@ -21,11 +24,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import json
 import os
 import secrets
 import time
 from dataclasses import dataclass
+from typing import Any
 
 # Unique to this API process (``ddpq serve --workers N`` starts several): the LISTEN
 # connection hears this process's own NOTIFYs, whose wake-up it has had already.
@@ -84,7 +89,7 @@ class Wakeup:
     def __init__(self) -> None:
         self.generation = 0
         self._own: dict[str, int] = {}
-        self._waiting: dict[str | None, set[asyncio.Future[None]]] = {}
+        self._waiting: dict[str | None, dict[asyncio.Future[None], tuple[int, int]]] = {}
         self._seq = 0  # counts recorded frees: a poll adds those after its start
         self._freed: dict[str, list[tuple[int, float, int, tuple[int, ...]]]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -140,10 +145,13 @@ class Wakeup:
             self._freed[worker] = [*kept, (self._seq, now, wake.cpu, wake.gpus)]
         if wake.everyone:
             self.generation += 1
-            woken = [f for waiting in self._waiting.values() for f in waiting]
+            # Every gang's wait (no worker's: few, each a formed gang's start), and the
+            # claims' long-polls of the most room (_roomiest).
+            polls = [w for name, waiting in self._waiting.items() if name for w in waiting.items()]
+            woken = [*self._waiting.get(None, {}), *_roomiest(polls)]
         elif worker is not None:
             self._own[worker] = self._own.get(worker, 0) + 1
-            woken = list(self._waiting.get(worker, ()))
+            woken = list(self._waiting.get(worker, {}))
         else:
             return
         for f in woken:
@@ -151,21 +159,41 @@ class Wakeup:
                 f.set_result(None)
 
     async def wait(
-        self, seen_generation: int, timeout: float, worker: str | None = None, seen_own: int = 0
+        self,
+        seen_generation: int,
+        timeout: float,
+        worker: str | None = None,
+        seen_own: int = 0,
+        room: tuple[int, int] = (0, 0),
     ) -> None:
         """Until a wake-up for everyone after ``seen_generation`` or, given ``worker``, one
-        for it after ``seen_own``, or ``timeout``."""
+        for it after ``seen_own``, or ``timeout``. ``room``: the free GPUs and CPU slots
+        of the long-poll waiting, which orders who a wake-up for everyone wakes first."""
         if self.generation != seen_generation:
             return
         if worker is not None and self.own(worker) != seen_own:
             return
         f: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        waiting = self._waiting.setdefault(worker, set())
-        waiting.add(f)
+        waiting = self._waiting.setdefault(worker, {})
+        waiting[f] = room
         try:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(f, timeout)
         finally:
-            waiting.discard(f)
+            waiting.pop(f, None)
             if not waiting:
                 self._waiting.pop(worker, None)
+
+
+# Long-polls a wake-up for everyone wakes at once: those of the most room. With 1,000
+# hosts polling, every submit woke all 1,000 (10 submits a second: 10,000 wake-ups, most
+# of the API's time, bench/fleet.py); one job needs one poll that fits it, a gang one a
+# node. The rest see the new generation at their next re-check (DDPQ_CLAIM_RECHECK_S),
+# so nothing is missed, only later for a job that none of these could take.
+WAKE_AT_ONCE = 16
+
+
+def _roomiest(waiting: list[tuple[asyncio.Future[None], tuple[int, int]]]) -> list[Any]:
+    if len(waiting) <= WAKE_AT_ONCE:
+        return [f for f, _ in waiting]
+    return [f for f, _ in heapq.nlargest(WAKE_AT_ONCE, waiting, key=lambda w: w[1])]

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from service import jobs, queue
+from service import wakeup as wakeup_module
 from service.db import Database
 from service.schemas import FinishRequest, JobSpec
 from service.users import Principal, set_quota
@@ -103,6 +104,36 @@ def test_a_targeted_wake_wakes_only_its_worker_and_carries_what_it_freed() -> No
         seen, own = wakeup.generation, wakeup.own("a")
         wakeup.wake(Wake(False, "a"))
         await asyncio.wait_for(wakeup.wait(seen, 30, "a", own), 5)
+
+    asyncio.run(run())
+
+
+def test_a_wake_for_everyone_wakes_every_gang_and_the_roomiest_polls_the_rest_at_recheck() -> None:
+    """40 long-polls and 2 gangs' waits: a submit wakes both gangs and the 16 polls of the
+    most free GPUs (then CPU slots) at once; the others, at their re-check, see that the
+    generation moved (a claim then runs for them: nothing is missed)."""
+
+    async def run() -> None:
+        wakeup = Wakeup()
+        wakeup.bind(asyncio.get_running_loop())
+        seen = wakeup.generation
+        rooms = {f"w{i}": (i % 9, 32 - i) for i in range(40)}  # (free GPUs, CPU slots)
+        polls = {
+            name: asyncio.create_task(wakeup.wait(seen, 30, name, 0, room))
+            for name, room in rooms.items()
+        }
+        gangs = [asyncio.create_task(wakeup.wait(seen, 30)) for _ in range(2)]
+        await asyncio.sleep(0)
+        wakeup.notify()
+        await asyncio.wait_for(asyncio.gather(*gangs), 5)
+        await asyncio.sleep(0)
+        woken = {name for name, t in polls.items() if t.done()}
+        roomiest = sorted(rooms, key=lambda n: rooms[n], reverse=True)[: wakeup_module.WAKE_AT_ONCE]
+        assert woken == set(roomiest)
+        # A poll not woken, back from its re-check, sees the new generation.
+        assert wakeup.generation != seen
+        for t in polls.values():
+            t.cancel()
 
     asyncio.run(run())
 

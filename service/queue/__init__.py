@@ -17,7 +17,7 @@ Other modules import this package and call what it re-exports below.
 """
 
 from service.queue import plan
-from service.queue.books import Capacity, capacities, shapes
+from service.queue.books import Capacity, capacities, live_count, shapes
 from service.queue.books import overview as workers_overview
 from service.queue.claim import Claim, NothingFits, Probe, claim_next_job
 from service.queue.deps import check as dependencies_unmet
@@ -95,6 +95,7 @@ __all__ = [
     "gang_status",
     "held_attempts",
     "leave_gang",
+    "live_count",
     "lock_owner",
     "node_of",
     "nodes_of",

@@ -153,6 +153,14 @@ _USED_CPU = select(_ALL.c.worker, func.sum(_ALL.c.cpu)).group_by(_ALL.c.worker)
 _HELD = select(_ALL.c.worker, _ALL.c.gpus)
 
 
+def live_count(db: Database, lease_s: float) -> int:
+    """How many workers heartbeat within the lease (service.pace sets the fleet's
+    heartbeat interval from it)."""
+    cutoff = utcnow() - timedelta(seconds=lease_s)
+    with db.read() as s:
+        return int(s.scalar(select(func.count()).where(w.last_heartbeat >= cutoff)) or 0)
+
+
 def capacities(s: Session, lease_s: float) -> list[Capacity]:
     """Every worker's slots and what of them is free; live if it heartbeat within the lease."""
     conn = s.connection()

@@ -107,8 +107,8 @@ def register_worker(
         queue.release_worker(db, body.name, keep=[(r.job_id, r.attempt) for r in body.running])
     return WorkerRegistered(
         name=body.name,
-        heartbeat_s=settings.heartbeat_s,
-        lease_s=settings.lease_s,
+        heartbeat_s=request.app.state.pace.interval,
+        lease_s=db.policy.lease_s,
         held=held,
         gpu_sample_s=settings.gpu_sample_s,
     )
@@ -167,7 +167,10 @@ async def claim_job(
         left = deadline - time.monotonic()
         if left <= 0 or stopping.is_set():
             return Response(status_code=204)
-        await wakeup.wait(seen, min(left, settings.claim_recheck_s), body.name, seen_own)
+        room_first = (len(body.free_gpus), body.free_cpu_slots)  # who a submit wakes first
+        await wakeup.wait(
+            seen, min(left, settings.claim_recheck_s), body.name, seen_own, room_first
+        )
 
 
 async def _claim(
@@ -262,6 +265,7 @@ async def send_heartbeat(
     # the API's CPU, every host every 2 s. Serialised once, here, as claim_job answers.
     orders = request.app.state.cache_orders
     reply = await run_in_threadpool(_heartbeat, body, db, settings, orders)
+    reply.heartbeat_s, reply.lease_s = request.app.state.pace.handed(), db.policy.lease_s
     return Response(reply.model_dump_json(), media_type="application/json")
 
 

@@ -1,8 +1,9 @@
 """The queue in order (GET /queue, ``ddpq queue``): the queued jobs as the claims will try
 them (queue.rules.ORDER), each with its priority, its owner's recent usage, why it is
 ahead of the next, what it waits for (queue.reasons) and when it would start
-(queue.plan). The plan's head of the queue and the page asked for are read, each in
-order; the page's jobs read whole."""
+(queue.plan). The plan's head of the queue is read in order, and the page asked for is a
+slice of it or, past it, a range of the queue's index; the reasons are decided on the
+page's rows (no job is read whole)."""
 
 from __future__ import annotations
 

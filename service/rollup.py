@@ -209,14 +209,7 @@ def _roll_batch(s: Session, batch: int) -> int:
     for job in jobs:
         _adds_of_job(adds, job.owner or NO_ONE, job.created_at, job.finished_at)
     insert = postgresql.insert if s.get_bind().dialect.name == "postgresql" else sqlite.insert
-    q = insert(_table)
-    q = q.on_conflict_do_update(
-        index_elements=["hour", "owner"],
-        set_={name: _table.c[name] + q.excluded[name] for name in _COUNTS},
-    )
-    # In one order: two API processes' rounds never wait on each other in a circle.
-    rows = [{"hour": h, "owner": o, **v} for (h, o), v in sorted(adds.items())]
-    s.execute(q, rows)
+    _add(s, insert, _HOUR, _COUNTS, adds)
     # The days' and the months' rows: the sums of their hours', in the same transaction.
     for level in (_DAY, _MONTH):
         sums: _Adds = defaultdict(lambda: dict.fromkeys(_DAILY, 0.0))
@@ -224,12 +217,7 @@ def _roll_batch(s: Session, batch: int) -> int:
             added = sums[(level.floor(h), o)]
             for name in _DAILY:
                 added[name] += v[name]
-        q = insert(level.table)
-        q = q.on_conflict_do_update(
-            index_elements=[level.key, "owner"],
-            set_={name: level.table.c[name] + q.excluded[name] for name in _DAILY},
-        )
-        s.execute(q, [{level.key: t, "owner": o, **v} for (t, o), v in sorted(sums.items())])
+        _add(s, insert, level, _DAILY, sums)
     if attempts:
         ids = [row.id for row in attempts]
         s.execute(update(Attempt).where(Attempt.id.in_(ids)).values(rolled=True))
@@ -237,6 +225,17 @@ def _roll_batch(s: Session, batch: int) -> int:
         ids = [job.id for job in jobs]
         s.execute(update(Job).where(Job.id.in_(ids)).values(rolled=True))
     return len(attempts) + len(jobs)
+
+
+def _add(s: Session, insert: Any, level: _Level, names: tuple[str, ...], sums: _Adds) -> None:
+    """Add ``sums`` (by unit and owner) to ``level``'s rows, making those missing."""
+    q = insert(level.table)
+    q = q.on_conflict_do_update(
+        index_elements=[level.key, "owner"],
+        set_={name: level.table.c[name] + q.excluded[name] for name in names},
+    )
+    # In one order: two API processes' rounds never wait on each other in a circle.
+    s.execute(q, [{level.key: t, "owner": o, **v} for (t, o), v in sorted(sums.items())])
 
 
 def roll(db: Database, budget_s: float = 1.0, batch: int = BATCH) -> int:

@@ -10,19 +10,30 @@ finished_at) with a cold torchrun (``launcher: torchrun``) and with the warm lau
 torchrun's (goals: the cold launcher <= 1.02x at 300 steps; warm <= 0.7x at 300 steps,
 <= 0.95x at 2,000, the trivial job <= 0.8 s).
 
+Each run of examples/ddp_plain.py also gives the loop's own time, rank 0's from its first
+step to its last (its line ``trained N steps in S s``: a bare torchrun's output, the job's log
+through the API): per program, the median of each way and the ratios to torchrun's (the median
+of the pairs' ratios, each ddpq run against the torchrun run of its round, and the ratio of the
+medians; goal: within 1 % at 300 and 3,000 steps). --ways runs only some of the ways (e.g.
+``torchrun,ddpq-warm``). --cpu samples /proc while the ranks run (bench/_procs.py) and prints,
+per way, the median CPU seconds per second of each process beside the ranks (the API, the
+worker, the supervisor, torchrun's agent and tee, the warm process) and of the rest of the
+machine (its load).
+
 --trace runs the worker with ``--trace`` (worker/executors/trace.py) and prints, per backend and
 program, the median over the cold-launcher jobs of each phase of an attempt: the API's side
 (submit to claimed, from the job's own stamps), the worker's phases from the claim's reply to
 the finish report, and the report to the job's finished_at.
 
     .venv/bin/python bench/overhead.py [--rounds 5] [--programs trivial,300,2000]
-        [--backend sqlite|postgres|both] [--trace]
+        [--backend sqlite|postgres|both] [--trace] [--ways torchrun,ddpq-warm] [--cpu]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -31,7 +42,8 @@ from datetime import datetime
 from pathlib import Path
 
 import httpx
-from _harness import Api, backends, child_env, database, phases, run_job, serve
+from _harness import Api, backends, child_env, children, database, phases, run_job, serve
+from _procs import Meter
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -48,9 +60,19 @@ def program(name: str) -> list[str]:
     return [PLAIN, "--steps", str(int(name))]
 
 
-def run_direct(argv: list[str]) -> float:
-    """A bare torchrun's wall time. A run whose ranks finished but aborted in torch's
-    interpreter teardown (issue 31: ddpq's worker.entry skips it) still counts, said."""
+LOOP_LINE = re.compile(rb"trained (\d+) steps in ([0-9.]+) s")
+
+
+def loop_time(output: bytes) -> float | None:
+    """The loop's own time the program printed on rank 0 (examples/ddp_plain.py), if any."""
+    found = LOOP_LINE.findall(output)
+    return float(found[-1][1]) if found else None
+
+
+def run_direct(argv: list[str]) -> tuple[float, float | None]:
+    """A bare torchrun's wall time and the loop's own time. A run whose ranks finished but
+    aborted in torch's interpreter teardown (issue 31: ddpq's worker.entry skips it) still
+    counts, said."""
     t0 = time.perf_counter()
     done = subprocess.run(
         [
@@ -62,25 +84,29 @@ def run_direct(argv: list[str]) -> float:
             *argv,
         ],
         cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+        capture_output=True,
     )
     took = time.perf_counter() - t0
     if done.returncode:
         if b"SIGABRT" not in done.stderr and b"Signal 6" not in done.stderr:
             raise SystemExit(f"torchrun {argv}: exit {done.returncode}\n{done.stderr.decode()}")
         print(f"  (bare torchrun exit {done.returncode}: a rank aborted in torch's teardown)")
-    return took
+    return took, loop_time(done.stdout)
 
 
-def run_ddpq(client: httpx.Client, argv: list[str], launcher: str) -> tuple[float, str, dict]:
+def run_ddpq(
+    client: httpx.Client, argv: list[str], launcher: str
+) -> tuple[float, str, dict, float | None]:
     spec = {"entrypoint": argv[0], "world_size": 2, "args": argv[1:], "launcher": launcher}
     # Polled every 2 s: the figure is the job's own finished_at, and on 2 cores each poll's
     # CPU in the API is taken from the ranks being measured.
     elapsed, final = run_job(client, spec, poll_s=2.0)
     if final["status"] != "succeeded":
         raise SystemExit(f"job {final['id']} {final['status']}: {final['reason']}")
-    return elapsed, phases(final), final
+    # The log is shipped before the attempt's end is reported: whole by finished_at.
+    log = client.get(f"/jobs/{final['id']}/logs")
+    log.raise_for_status()
+    return elapsed, phases(final), final, loop_time(log.content)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -123,7 +149,14 @@ def main() -> None:
     ap.add_argument(
         "--trace", action="store_true", help="print where each job's time went, by phase"
     )
+    ap.add_argument("--ways", default=",".join(WAYS), help=f"some of {', '.join(WAYS)}")
+    ap.add_argument(
+        "--cpu", action="store_true", help="what each process beside the ranks spends meanwhile"
+    )
     args = ap.parse_args()
+    args.ways = tuple(w for w in WAYS if w in args.ways.split(","))
+    if "torchrun" not in args.ways:
+        ap.error("--ways must hold torchrun, the baseline")
     for backend in backends(args.backend):
         measure(backend, args)
 
@@ -163,19 +196,26 @@ def measure_program(
     trace_file: Path,
 ) -> None:
     argv = program(name)
-    times: dict[str, list[float]] = {w: [] for w in WAYS}
+    ways = args.ways
+    times: dict[str, list[float]] = {w: [] for w in ways}
+    loops: dict[str, list[float | None]] = {w: [] for w in ways}
+    cpus: dict[str, list[dict[str, float]]] = {w: [] for w in ways}
     rows = []
     for i in range(args.rounds + 1):
         # The order turns each round: no way always follows another.
-        order = WAYS[i % 3 :] + WAYS[: i % 3]
+        order = ways[i % len(ways) :] + ways[: i % len(ways)]
         said = []
         for way in order:
+            meter = Meter({api.pid, *children(api.pid)}, worker_pid)
+            if args.cpu:
+                meter.start()
+            loop: float | None
             if way == "torchrun":
-                took, words = run_direct(argv), ""
+                (took, loop), words = run_direct(argv), ""
             else:
                 cpu = api.cpu_seconds(), cpu_seconds(worker_pid)
                 posted = time.time()
-                took, words, job = run_ddpq(
+                took, words, job, loop = run_ddpq(
                     client, argv, "warm" if way == "ddpq-warm" else "torchrun"
                 )
                 cpu = (
@@ -189,23 +229,70 @@ def measure_program(
                     row["CPU: the API process, during the job"] = cpu[0]
                     row["CPU: the worker process, during the job"] = cpu[1]
                     rows.append(row)
+            if args.cpu:
+                meter.stop()
             if i:
                 times[way].append(took)
-            said.append(f"{way} {took:.2f}s" + (f" ({words})" if words else ""))
+                loops[way].append(loop)
+                if args.cpu and meter.window_s:
+                    cpus[way].append({k: v / meter.window_s for k, v in meter.cpu.items()})
+            said.append(
+                f"{way} {took:.2f}s"
+                + (f" (loop {loop:.3f}s)" if loop is not None else "")
+                + (f" ({words})" if words else "")
+            )
         label = "warm-up" if not i else f"round {i}"
         print(f"{backend} {name} {label}: " + ", ".join(said), flush=True)
     med = {w: statistics.median(t) for w, t in times.items()}
     base = med["torchrun"]
     print(
-        f"{backend} {name}: median torchrun {base:.2f}s, ddpq {med['ddpq']:.2f}s "
-        f"({med['ddpq'] / base:.3f}x), ddpq-warm {med['ddpq-warm']:.2f}s "
-        f"({med['ddpq-warm'] / base:.3f}x) over {args.rounds} rounds",
+        f"{backend} {name}: median torchrun {base:.2f}s"
+        + "".join(f", {w} {med[w]:.2f}s ({med[w] / base:.3f}x)" for w in ways[1:])
+        + f" over {args.rounds} rounds",
         flush=True,
     )
+    print_loops(backend, name, loops)
+    print_cpu(backend, name, cpus)
     if rows:
         print(f"{backend} {name}: median of {len(rows)} cold-launcher jobs, seconds")
         for key in rows[0]:
             print(f"  {key:45s} {statistics.median(r[key] for r in rows):7.3f}")
+
+
+def print_loops(backend: str, name: str, loops: dict[str, list[float | None]]) -> None:
+    """The loop's own time: each way's median and, against torchrun's, the median of the
+    rounds' ratios (alternating pairs) and the ratio of the medians."""
+    if any(t is None for ts in loops.values() for t in ts):
+        return  # a program that does not print its loop's time (the trivial one)
+    med = {w: statistics.median(t for t in ts if t is not None) for w, ts in loops.items()}
+    base = loops["torchrun"]
+    parts = [f"torchrun {med['torchrun']:.3f}s"]
+    for way, ts in loops.items():
+        if way == "torchrun":
+            continue
+        pairs = [t / b for t, b in zip(ts, base, strict=True) if t is not None and b]
+        parts.append(
+            f"{way} {med[way]:.3f}s (pairs' median {statistics.median(pairs):.3f}x, "
+            f"medians {med[way] / med['torchrun']:.3f}x; pairs "
+            + " ".join(f"{r:.3f}" for r in pairs)
+            + ")"
+        )
+    print(f"{backend} {name}: loop's own time, median: " + ", ".join(parts), flush=True)
+
+
+def print_cpu(backend: str, name: str, cpus: dict[str, list[dict[str, float]]]) -> None:
+    """Per way, the median CPU seconds per second each part spent while the ranks ran."""
+    for way, rows in cpus.items():
+        if not rows:
+            continue
+        kinds = sorted(
+            {k for r in rows for k in r},
+            key=lambda k: -statistics.median(r.get(k, 0.0) for r in rows),
+        )
+        shown = ", ".join(
+            f"{k} {statistics.median(r.get(k, 0.0) for r in rows):.3f}" for k in kinds
+        )
+        print(f"{backend} {name} {way}: CPU s/s while the ranks ran: {shown}", flush=True)
 
 
 def trace_wait(path: Path, job_id: int) -> dict[str, float]:

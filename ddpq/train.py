@@ -13,15 +13,15 @@ Only rank 0 (``RANK`` unset or 0) reports and checkpoints; on other ranks these
 calls return at once. None of them is collective. ``report`` checks the point
 where it is called (a bad step or name raises ValueError there, never taking good
 points down with it) and blocks no training step (but a sweep's trial's, at each of its
-few rungs: JUDGE_WAIT_S): it appends to a bounded
-buffer that a daemon thread sends (the first point at once, so that a progress bar
-and chart show from the start; then in batches cut by count and by bytes), retrying
-with backoff while the API is unreachable. A batch the API refuses is split until
-the one point it refuses is found; points that cannot be stored (that one, or the
-oldest when the buffer overflows during a long outage) are counted on the job
-(``metrics_dropped``), never lost in silence. Values may be
-tensors: they are turned into floats on the sender thread, so reporting a CUDA
-loss does not synchronise the device on every step.
+few rungs: JUDGE_WAIT_S): it appends to a bounded buffer that a daemon thread sends
+(the first point at once, so that a progress bar and chart show from the start; then in
+batches cut by count, by bytes and by time: a second, growing to STEADY_SEND_INTERVAL_S
+while the points keep coming), retrying with backoff while the API is unreachable. A
+batch the API refuses is split until the one point it refuses is found; points that
+cannot be stored (that one, or the oldest when the buffer overflows during a long
+outage) are counted on the job (``metrics_dropped``), never lost in silence. Values may
+be tensors: they are turned into floats on the sender thread, so reporting a CUDA loss
+does not synchronise the device on every step.
 
 Without ``DDPQ_URL`` (a plain ``torchrun`` run) nothing is sent: rank 0 prints a
 compact line to stderr for the first report, then at most one every
@@ -91,9 +91,11 @@ BATCH_ITEMS = MAX_METRIC_ITEMS  # the API's per-request limit
 # Bytes of JSON in one request: well under the API's 1 MiB body cap, which 1000 points
 # of 35 metrics pass (a 413 then dropped the whole batch).
 BATCH_BYTES = 256 * 1024
-# Points wait up to this long to be batched with later ones: a POST per step would
-# cost the API a core and rank 0 its GIL (measured by bench/overhead.py).
+# Points wait this long to be batched (a POST per step would cost the API a core and rank
+# 0 its GIL), doubling while they keep coming up to STEADY_: a steady run costs rank 0 and
+# the API a request per 4 s, not one a second, taken from ranks that fill a host.
 SEND_INTERVAL_S = 1.0
+STEADY_SEND_INTERVAL_S = 4.0
 EXIT_FLUSH_TIMEOUT_S = 30.0
 # A trial's point that reaches a rung of its sweep waits, in report(), for the judgment
 # (a request of milliseconds): a pruned or paused trial runs no step past its rung, and a
@@ -113,7 +115,9 @@ class _Sender:
     def __init__(
         self, url: str, job_id: str, token: str, tensorboard: EventWriter | None = None
     ) -> None:
-        self._http = Http(url, token, httpx.Timeout(10.0, connect=5.0))
+        # Made as the thread first sends: not tens of ms (TLS) of the loop's first report().
+        self._http: Http | None = None
+        self._connect = (url, token)
         self._job_id = job_id
         self._tensorboard = tensorboard
         self._points: collections.deque[dict[str, Any]] = collections.deque()
@@ -131,6 +135,7 @@ class _Sender:
         self._rungs = collections.deque(rungs())
         self._judge_due = False
         self._judged = -1  # the highest step a judgment was answered for
+        self._linger = SEND_INTERVAL_S  # grows while the batches are cut by the clock alone
         self._thread = threading.Thread(target=self._run, name="ddpq-train-sender", daemon=True)
         self._thread.start()
 
@@ -182,8 +187,8 @@ class _Sender:
 
     def _take(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         with self._cond:
-            # Linger for a full batch, a checkpoint, a flush, or the interval.
-            deadline = time.monotonic() + SEND_INTERVAL_S
+            linger = max(SEND_INTERVAL_S, min(self._linger, STEADY_SEND_INTERVAL_S))
+            deadline = time.monotonic() + linger  # or a full batch, a checkpoint, a flush
             while (
                 len(self._points) < BATCH_ITEMS
                 and not self._checkpoints
@@ -192,6 +197,8 @@ class _Sender:
                 and (left := deadline - time.monotonic()) > 0
             ):
                 self._cond.wait(left)
+            late = time.monotonic() >= deadline  # and points still come: linger longer
+            self._linger = SEND_INTERVAL_S if not self._points else linger * 2 if late else linger
             n = min(len(self._points), BATCH_ITEMS)
             if n:
                 self._eager = False
@@ -317,6 +324,8 @@ class _Sender:
         path = f"/jobs/{self._job_id}/{what}"
         params = {"judge": "true"} if judge else None
         try:
+            if self._http is None:
+                self._http = Http(*self._connect, httpx.Timeout(10.0, connect=5.0))
             r = self._http.request("POST", path, json=body, params=params)
         except ApiRefused as refused:
             log.warning("ddpq: the API refused %s: %.600s", what, refused)

@@ -369,3 +369,47 @@ def test_ddpq_offers_the_in_training_calls_under_names_that_do_not_clash() -> No
     namespace: dict[str, object] = {}
     exec("from ddpq import report, save_checkpoint, load_checkpoint\ndef train(): pass", namespace)
     assert namespace["report"] is train.report
+
+
+def test_a_steady_run_is_sent_less_and_less_often(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While points keep coming, the batches' interval doubles up to its cap (a steady run
+    costs rank 0 and the API a request per STEADY_SEND_INTERVAL_S); a pause in the reports
+    starts it again from SEND_INTERVAL_S."""
+    import itertools
+    import threading
+    import time
+
+    from ddpq import train
+
+    monkeypatch.setattr(train, "SEND_INTERVAL_S", 0.05)
+    monkeypatch.setattr(train, "STEADY_SEND_INTERVAL_S", 0.4)
+    sent: list[float] = []
+
+    def post(self: object, what: str, body: dict, judge: bool = False) -> None:
+        sent.append(time.monotonic())
+
+    monkeypatch.setattr(train._Sender, "_post", post)
+    sender = train._Sender("http://127.0.0.1:9", "1", "x")
+    stop = threading.Event()
+
+    def steady() -> None:
+        step = 0
+        while not stop.wait(0.002):
+            sender.add_point({"step": step, "epoch": None, "values": {"loss": 1.0}})
+            step += 1
+
+    feeder = threading.Thread(target=steady)
+    feeder.start()
+    time.sleep(2.5)
+    stop.set()
+    feeder.join()
+    gaps = [b - a for a, b in itertools.pairwise(sent)]
+    assert gaps[-1] > 0.3, gaps  # at the cap
+    assert min(gaps) < 0.15, gaps  # the first batches went at the short interval
+    assert sender.flush(5)
+    time.sleep(1.0)  # a pause in the reports: the next point waits the short interval again
+    before, at = len(sent), time.monotonic()
+    sender.add_point({"step": 10**6, "epoch": None, "values": {"loss": 1.0}})
+    while len(sent) == before and time.monotonic() - at < 5:
+        time.sleep(0.01)
+    assert time.monotonic() - at < 0.3, gaps

@@ -51,6 +51,11 @@ from worker import entry
 
 PARTIAL_WAIT_S = 2.0
 PROGRESS_EVERY_S = 10.0  # how often a running progress bar's latest state is shown
+# A rank's file read at torchrun's interval while it writes, then less and less often while
+# it is quiet, down to once per this: a training loop that prints nothing for minutes costs
+# a wake-up a second per file, not ten (on a host whose cores the ranks fill, each wake-up
+# is taken from them). The rank's end wakes the wait at once.
+QUIET_POLL_S = 1.0
 READ_BYTES = 1 << 16
 RECENT_LINES = 200  # of each rank's output, kept to name its error when it fails
 # torchrun's --log-line-prefix-template as worker.starting.torchrun.argv gives it.
@@ -143,12 +148,14 @@ def tail_whole_lines(
     # PROGRESS_EVERY_S, and only rank 0's while it runs (every rank draws the same bar).
     shown_bar, shown_at = b"", 0.0
     live_bars = _rank(header) == 0
+    pause = interval_sec
     with open(file, "rb") as fp:
         while True:
             # Set before this read: then the read sees all there is (the rank has ended).
             done = finished.is_set()
             chunk = fp.read(READ_BYTES)
             if chunk:
+                pause = interval_sec
                 had = bool(pending)
                 *lines, pending = (pending + chunk).split(b"\n")
                 if lines:
@@ -179,7 +186,8 @@ def tail_whole_lines(
                 pending = b""
             if done:
                 return
-            time.sleep(interval_sec)
+            finished.wait(pause)
+            pause = min(pause * 2, max(interval_sec, QUIET_POLL_S))
 
 
 def _rank(header: str) -> int:

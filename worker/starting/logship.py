@@ -8,6 +8,7 @@ import collections
 import logging
 import subprocess
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
@@ -20,7 +21,11 @@ log = logging.getLogger("ddpq.worker")
 LOG_SEND_INTERVAL_S = 0.5
 LOG_CHUNK_BYTES = 512 * 1024
 LOG_BUFFER_MAX_BYTES = 64 * 1024 * 1024
-OUTPUT_POLL_S = 0.05  # how often the ranks' output file is read while it is quiet
+OUTPUT_POLL_S = 0.05  # how often the ranks' output file is read just after it was written
+# ... and at least how often while it stays quiet: the read backs off to this (a loop that
+# prints nothing costs the worker two wake-ups a second, not twenty, which on a host the
+# ranks fill are taken from them). The exit wakes the wait at once.
+OUTPUT_QUIET_POLL_S = 0.5
 TAIL_LINES = 60  # of the output, kept to say why an attempt failed
 
 
@@ -57,8 +62,8 @@ class LogShipper(threading.Thread):
                 self._buf += note.encode()
                 self._dropped = 0
             self._buf += data
-            if len(self._buf) >= LOG_CHUNK_BYTES:
-                self._cond.notify_all()
+            if len(self._buf) >= LOG_CHUNK_BYTES or len(self._buf) == len(data):
+                self._cond.notify_all()  # a full chunk, or the first bytes to send
 
     def close(self, timeout_s: float) -> None:
         """Send what is left (retrying while the API is away) and stop."""
@@ -71,8 +76,17 @@ class LogShipper(threading.Thread):
         backoff = Backoff()
         while True:
             with self._cond:
-                if not self._buf and not self._closing:
-                    self._cond.wait(LOG_SEND_INTERVAL_S)
+                # Asleep while there is nothing to send (a quiet job costs no wake-up);
+                # then what comes within LOG_SEND_INTERVAL_S goes in one request.
+                while not self._buf and not self._closing:
+                    self._cond.wait()
+                deadline = time.monotonic() + LOG_SEND_INTERVAL_S
+                while (
+                    not self._closing
+                    and len(self._buf) < LOG_CHUNK_BYTES
+                    and (left := deadline - time.monotonic()) > 0
+                ):
+                    self._cond.wait(left)
                 if not self._buf:
                     if self._closing:
                         return
@@ -105,11 +119,13 @@ def pump(
     ``exited`` is set), keeping the last lines in ``tail``; lines ``skip`` says are noise
     are dropped. The exit wakes the wait between reads: the end is read at once."""
     pending = b""
+    pause = OUTPUT_POLL_S
     with open(output, "rb") as f:
         while True:
             done = exited.is_set()  # before the read: then the read sees all there is
             chunk = f.read(1 << 16)
             if chunk:
+                pause = OUTPUT_POLL_S
                 *lines, pending = (pending + chunk).split(b"\n")
                 for line in lines:
                     if skip is not None and skip(line):
@@ -119,7 +135,8 @@ def pump(
             elif done:  # read to the end after the exit: nothing more comes
                 break
             else:
-                exited.wait(OUTPUT_POLL_S)
+                exited.wait(pause)
+                pause = min(pause * 2, OUTPUT_QUIET_POLL_S)
     if pending:
         write(pending + b"\n")
         tail.append(pending.decode(errors="replace").rstrip())

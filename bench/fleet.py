@@ -4,8 +4,9 @@ Each simulated host (8 GPUs) speaks the worker protocol exactly as worker/execut
 worker/edges/api.py do, without torchrun: it registers (with an identity), heartbeats its
 running attempts every ``heartbeat_s`` the API gives it (the pause counted from the end
 of the last one, as the worker's loop does), and long-polls ``POST /workers/claim``
-(wait_s 5) with its free GPUs and CPU slots, one job per claim, always (a host whose
-GPUs are all busy still offers its CPU slots, as the agent does); a claimed job "runs"
+(for the ``claim_wait_s`` the API gives it) with its free GPUs and CPU slots, one job
+per claim, always (a host whose GPUs are all busy still offers its CPU slots, as the
+agent does); a claimed job "runs"
 for the duration the simulator drew for it, ships one log line and reports its exit.
 M users (each with a user token made through ``POST /users``) submit GPU jobs of 1, 2,
 4 or 8 ranks as a Poisson stream that keeps the fleet about ``--load`` busy; K readers
@@ -48,6 +49,7 @@ import json
 import math
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -65,7 +67,8 @@ GPUS = 8  # per host
 CPU_SLOTS = 32  # what a GPU host's agent offers besides its GPUs (its cores)
 SIZES = [(1, 0.40), (2, 0.25), (4, 0.20), (8, 0.15)]  # ranks (GPUs) of a job: weight
 MEAN_SIZE = sum(g * w for g, w in SIZES)
-CLAIM_WAIT_S = 5.0  # worker.executors.loop.CLAIM_WAIT_S
+CLAIM_WAIT_S = 5.0  # ddpq.messages.CLAIM_WAIT_S: until the API says (service.pace)
+FILL_MAX_S = 600.0  # the longest the fleet may take to fill before the warm-up
 
 
 # ---- a minimal HTTP/1.1 client ------------------------------------------------------------
@@ -184,6 +187,7 @@ class Sim:
         self.pending: dict[int, int] = {}  # queued job id -> GPUs it needs
         self.claimed_early: set[int] = set()  # claimed before its submit was answered
         self.recent: list[int] = []  # job ids the readers look at
+        self.burst_left = 0  # of the first burst, submissions not answered yet
 
 
 class Host:
@@ -202,6 +206,7 @@ class Host:
         self.jobs: set[asyncio.Task[None]] = set()
         self.http: Http = sim.http_for("worker")
         self.heartbeat_s = sim.heartbeat_s
+        self.claim_wait_s = CLAIM_WAIT_S
 
     @property
     def free(self) -> set[int]:
@@ -221,7 +226,9 @@ class Host:
         status, data = await self.http.request("POST", "/workers/register", body)
         if status != 200:
             raise SystemExit(f"register {self.name}: {status} {data[:200]!r}")
-        self.heartbeat_s = orjson.loads(data)["heartbeat_s"]
+        reply = orjson.loads(data)
+        self.heartbeat_s = reply["heartbeat_s"]
+        self.claim_wait_s = reply.get("claim_wait_s") or CLAIM_WAIT_S
 
     async def heartbeats(self) -> None:
         st = self.sim.stats
@@ -242,7 +249,9 @@ class Host:
             if status != 200:
                 st.error(f"heartbeat {status}")
             else:  # the pace the API sets for the fleet's size (service.pace), as a worker
-                self.heartbeat_s = orjson.loads(data).get("heartbeat_s") or self.heartbeat_s
+                reply = orjson.loads(data)
+                self.heartbeat_s = reply.get("heartbeat_s") or self.heartbeat_s
+                self.claim_wait_s = reply.get("claim_wait_s") or self.claim_wait_s
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.sim.stop.wait(), self.heartbeat_s)
 
@@ -254,7 +263,7 @@ class Host:
                 "name": self.name,
                 "free_cpu_slots": CPU_SLOTS,
                 "free_gpus": free,
-                "wait_s": CLAIM_WAIT_S,
+                "wait_s": self.claim_wait_s,
             }
             sent = time.time()
             try:
@@ -359,13 +368,17 @@ async def submitter(sim: Sim, users: list[Http], rate: float, job_s: float, burs
     loop = asyncio.get_running_loop()
     live: set[asyncio.Task[None]] = set()
 
-    def spawn(i: int) -> None:
+    def spawn(i: int) -> asyncio.Task[None]:
         task = loop.create_task(one(users[i % len(users)]))
         live.add(task)
         task.add_done_callback(live.discard)
+        return task
+
+    def burst_answered(_: object) -> None:
+        sim.burst_left -= 1
 
     for i in range(burst):
-        spawn(i)
+        spawn(i).add_done_callback(burst_answered)
     i = 0
     try:
         while not sim.stop.is_set():
@@ -551,13 +564,27 @@ async def simulate(api: Api, plan: Plan, db_url: str, profile: Path | None) -> d
     for h in sim.hosts:
         tasks += [loop.create_task(h.heartbeats()), loop.create_task(h.claims())]
     burst = int(plan.load * GPUS * plan.hosts / MEAN_SIZE)
+    sim.burst_left = burst
     tasks.append(loop.create_task(submitter(sim, users, plan.rate, plan.job_s, burst)))
     tasks += [loop.create_task(reader(sim, r, plan.read_every)) for r in readers]
     if plan.scrape_every > 0:
         tasks.append(loop.create_task(scraper(sim, admin, plan.scrape_every)))
 
+    # The fleet fills first: the first burst submitted, and the GPUs nearly as busy as
+    # the load offered. A big fleet's burst takes the API a while, and a window measured
+    # during it measures the filling, not the fleet's steady state.
+    began = time.monotonic()
+
+    def filled() -> bool:
+        busy = sum(GPUS - len(h.free) for h in sim.hosts) / (GPUS * plan.hosts)
+        return sim.burst_left <= 0 and busy >= 0.9 * plan.load
+
+    while not filled() and time.monotonic() - began < FILL_MAX_S:
+        await asyncio.sleep(0.5)
+    fill_s = time.monotonic() - began
     await asyncio.sleep(plan.warmup_s)
     before_tables = await asyncio.to_thread(db_tables, db_url)
+    mix0 = await request_mix(admin)
     api_cpu0, pg0 = api.cpu_seconds(), pg_backends_cpu(db_url)
     sim_cpu0 = _self_cpu()
     t0 = time.monotonic()
@@ -589,6 +616,8 @@ async def simulate(api: Api, plan: Plan, db_url: str, profile: Path | None) -> d
     await asyncio.sleep(plan.measure_s)
     stats.measuring = False
     elapsed = time.monotonic() - t0
+    mix1 = await request_mix(admin)
+    mix = {k: round((v - mix0.get(k, 0.0)) / elapsed, 1) for k, v in mix1.items()}
     api_cpu = api.cpu_seconds() - api_cpu0
     pg1 = pg_backends_cpu(db_url)
     pg_cpu = sum(v - pg0.get(pid, 0.0) for pid, v in pg1.items())
@@ -620,6 +649,7 @@ async def simulate(api: Api, plan: Plan, db_url: str, profile: Path | None) -> d
     }
     return {
         "hosts": plan.hosts,
+        "fill_s": round(fill_s, 1),
         "gpus": plan.hosts * GPUS,
         "users": plan.users,
         "readers": plan.readers,
@@ -654,7 +684,27 @@ async def simulate(api: Api, plan: Plan, db_url: str, profile: Path | None) -> d
         "db_bytes_per_1000_jobs": sum(g["bytes"] for g in growth.values()),
         "db_rows_per_1000_jobs": round(sum(g["rows"] for g in growth.values()), 1),
         "errors": stats.errors,
+        "per_s": dict(sorted(mix.items(), key=lambda kv: -kv[1])),
     }
+
+
+async def request_mix(http: Http) -> dict[str, float]:
+    """The API's requests by route and claim transactions by outcome so far, from its
+    Prometheus counters (one process's: with several, whichever answered the scrape)."""
+    status, data = await http.request("GET", "/metrics")
+    out: dict[str, float] = {}
+    if status != 200:
+        return out
+    for line in data.decode().splitlines():
+        if line.startswith("ddpq_http_request_duration_seconds_count{"):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+            key = f"{labels['method']} {labels['route']}"
+        elif line.startswith("ddpq_claim_latency_seconds_count{"):
+            key = "claim transaction " + line.split('"')[1]
+        else:
+            continue
+        out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
 
 
 def _self_cpu() -> float:
@@ -840,6 +890,8 @@ def main() -> None:
             print(table([r]), flush=True)
             if r["errors"]:
                 print("errors:", r["errors"], flush=True)
+            mix = ", ".join(f"{k} {v:g}" for k, v in r["per_s"].items() if v)
+            print(f"filled in {r['fill_s']:g} s; per second: {mix}")
     print()
     print(table(results))
     out = args.out

@@ -13,7 +13,7 @@ API's other routes' too.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, NamedTuple
 
 from pydantic import (
     AfterValidator,
@@ -24,6 +24,7 @@ from pydantic import (
     model_validator,
 )
 
+from ddpq.jobspec import ClaimedSpec
 from ddpq.rules import unsafe_char
 
 
@@ -49,7 +50,8 @@ class ClaimedJob(BaseModel):
     job_id: int
     attempt: int
     token: str
-    spec: dict[str, Any]
+    # The job's spec as stored, keys and all (ddpq.jobspec: the worker reads it typed).
+    spec: ClaimedSpec
     device: Literal["cpu", "cuda"]
     nproc_per_node: int
     gpus: list[int]
@@ -62,7 +64,7 @@ class ClaimedJob(BaseModel):
     # Who submitted it: whose cache on the worker its ranks use (worker.files.caches). None
     # from an API of an earlier version, or for a job from before users: no cache kept.
     owner: str | None = None
-    # The values of the secrets the spec names (spec["secrets"]), its owner's as they are
+    # The values of the secrets the spec names (spec.secrets), its owner's as they are
     # at this claim (service.secrets.for_claim): for the ranks' environment alone
     # (worker.starting.torchrun.environment), never logged, written to a file or shown; left out of
     # the model's repr. Empty when it names none.
@@ -94,6 +96,14 @@ class GangReply(BaseModel):
     resume_from: list[str] = []
     workers: list[str] = []
     reason: str | None = None
+
+
+class AttemptKey(NamedTuple):
+    """One attempt of one job, as the worker keys what it keeps per attempt: a tuple
+    still (equal to, hashed and unpacked as ``(job_id, attempt)``), its parts named."""
+
+    job_id: int
+    attempt: int
 
 
 class AttemptRef(BaseModel):
@@ -156,10 +166,12 @@ class HeartbeatReply(BaseModel):
     send: list[SendOrder] = []
     # Users' caches to clear (asked again until a heartbeat reports them: Heartbeat.cleared).
     clear: list[CacheClearOrder] = []
-    # When to heartbeat next, and the lease now (service.pace: they grow with the fleet);
-    # a service of an earlier version sends neither: the registration's stand.
+    # When to heartbeat next, the lease now, and how long a claim long-poll may be held
+    # (service.pace: they grow with the fleet); a service of an earlier version sends
+    # none: the registration's stand.
     heartbeat_s: float | None = None
     lease_s: float | None = None
+    claim_wait_s: float | None = None
 
 
 class HeldAttempt(BaseModel):
@@ -178,6 +190,9 @@ class WorkerRegistered(BaseModel):
     name: str
     heartbeat_s: float
     lease_s: float
+    # How long a claim long-poll may be held (HeartbeatReply.claim_wait_s); a service of
+    # an earlier version sends none: CLAIM_WAIT_S.
+    claim_wait_s: float | None = None
     # How often to sample the GPUs of running jobs (sent with the heartbeats); a service
     # of an earlier version sends none: the default.
     gpu_sample_s: float = 5.0
@@ -325,6 +340,9 @@ JobIdIn = Annotated[int, Field(strict=True, ge=1, le=INT64_MAX)]
 AttemptNumber = Annotated[int, Field(strict=True, ge=1, le=INT32_MAX)]
 # How long a long-poll may wait for something to happen.
 WaitS = Annotated[float, Field(strict=True, ge=0, le=60, allow_inf_nan=False)]
+# How long a worker holds its claim long-poll open until the service says otherwise
+# (WorkerRegistered.claim_wait_s: a larger fleet's polls are held longer, service.pace).
+CLAIM_WAIT_S = 5.0
 
 
 # An id another scheduler gave an attempt (a Slurm job id, "81234" or "81234_7").

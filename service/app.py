@@ -93,13 +93,14 @@ def create_app(
         settings.resolved_database_url,
         settings.policy(),
     )
-    app.state.wakeup = Wakeup()
+    app.state.wakeup = Wakeup(queue.room_fits)
     # The heartbeat interval and lease the fleet's size sets (service.pace): the sweeper
     # keeps it, and the lease in force is the policy's (db.policy.lease_s).
     app.state.pace = Pace(settings.heartbeat_s, settings.lease_s, settings.max_heartbeats_per_s)
     # Idle long-polls that would find nothing wait for the next wake-up without asking
     # the database; for at most half a re-check, so a change that wakes nobody (a retry's
-    # backoff running out) is still seen within 1.5 re-checks.
+    # backoff running out) is still seen within 1.5 re-checks (the sweeper keeps it in
+    # step with the fleet's re-checks: service.pace).
     app.state.nothing_fits = queue.NothingFits(settings.claim_recheck_s / 2)
     app.state.telemetry = Telemetry(app.state.db)
     # The clear orders of users' caches heartbeats carry, read at most every few seconds.

@@ -174,13 +174,14 @@ class Settings(BaseSettings):
     max_claim_wait_s: float = Field(
         default=30.0,
         ge=0,
-        description="Longest a worker's claim request is held open waiting for a job.",
+        description="Longest a worker's claim request is held open waiting for a job (a "
+        "large fleet's workers are asked for polls this long at most: service/pace.py).",
     )
     claim_recheck_s: float = Field(
         default=1.0,
         gt=0,
-        description="How often an idle claim long-poll re-checks the database (for jobs "
-        "submitted through another API process, until LISTEN/NOTIFY wakes it first).",
+        description="How often an idle claim long-poll re-checks for a wake-up it was not "
+        "among the first woken for, at most (less often in a large fleet: service/pace.py).",
     )
     max_body_bytes: int = Field(
         default=1024 * 1024,

@@ -38,6 +38,7 @@ from service.schemas import (
     LatestMetrics,
 )
 from service.users import Principal
+from service.wakeup import Wake
 
 # Statements of the hot paths (GET /jobs/{id}, every report), built once: building a
 # statement and its cache key cost more than running it on SQLite (Session.get too
@@ -381,7 +382,10 @@ def queue_job(
         # (With no running limit, every queued job of the owner's is unflagged
         # already: a limit set or lifted refreshes them all. A round trip saved.)
         queue.refresh_quota_flags(s, owner, locked=True)
-    queue.notify_claimers(s)
+    # Shaped: only polls with room for it are woken, and no other's memory that nothing
+    # fits it is forgotten for it (service.wakeup).
+    shape = Wake(device=job.device, nproc=job.nproc_per_node, nnodes=job.nnodes, job=job.id)
+    queue.notify_claimers(s, shape)
     return job
 
 

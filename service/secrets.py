@@ -36,6 +36,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from sqlalchemy import CursorResult, delete, func, select
 
 from ddpq import rules
+from ddpq.jobspec import ClaimedSpec
 from ddpq.messages import ClaimedJob
 from service import config, queue, users
 from service.db import Database
@@ -190,7 +191,10 @@ def require(db: Database, owner: str, names: Iterable[str]) -> None:
 # ---- out: to a worker's claim, to a Slurm attempt's nodes ---------------------------------
 
 
-def names_of(spec: dict[str, Any]) -> list[str]:
+def names_of(spec: ClaimedSpec | dict[str, Any]) -> list[str]:
+    """The secrets a spec names: a claim's (typed), or a job row's stored dict."""
+    if isinstance(spec, ClaimedSpec):
+        return list(spec.secrets)
     names = spec.get("secrets") or []
     return [str(n) for n in names] if isinstance(names, list) else []
 

@@ -161,6 +161,9 @@ async def _pace_round(app: FastAPI) -> None:
         words = "%d live workers: heartbeat every %.3g s, lease %.3g s"
         log.info(words, live, pace.interval, pace.lease)
         db.policy = dataclasses.replace(db.policy, lease_s=pace.lease)
+    # What a claim that found nothing tells the idle polls holds for half a re-check, so
+    # a change that wakes nobody (a retry's backoff running out) is seen within 1.5.
+    app.state.nothing_fits.valid_s = pace.recheck(app.state.settings.claim_recheck_s) / 2
 
 
 async def _retention_round(db: Database, outputs: OutputsLimits) -> float:

@@ -13,7 +13,13 @@ answered). Those are added to the poll's room (``freed_since``), so a queued job
 needing them starts now, not when the poll ends.
 
 A wake-up for everyone wakes every gang's wait and the ``WAKE_AT_ONCE`` long-polls of
-the most room at once; the others see its generation at their next re-check.
+the most room at once; the others see its generation at their next re-check. A submit's
+wake-up is shaped: it carries what a node of its job needs (``device``, ``nproc``), so
+only polls with room for it are woken, and a poll's memory that nothing fits it
+(queue.NothingFits) outlives the new generation when the generations since brought only
+jobs it has no room for, or jobs claimed already (``since``). Every other wake-up for
+everyone (a requeue, a limit lifted, a gang's slot freed) is unshaped: it wakes and
+resets as before.
 
 A commit that may make something claimable says so once (``queue.notify_claimers``):
 this process's claimers are woken when it commits (``Database.on_commit``), the other
@@ -29,6 +35,8 @@ import json
 import os
 import secrets
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +47,9 @@ _BOOT = secrets.token_hex(4)
 # any poll is held open (max_claim_wait_s is at most a minute in any sane setting; a
 # poll begun before the finish and still open past this gets them at its next poll).
 FREED_KEEP_S = 120.0
+# Generations whose wake-ups are kept for ``Wakeup.since``: a poll's memory older than
+# this is not carried over (10 submits a second keep 25 s of them).
+HISTORY = 256
 
 
 def process_tag() -> str:
@@ -55,12 +66,18 @@ class Wake:
     worker: str | None = None
     cpu: int = 0
     gpus: tuple[int, ...] = ()
+    # A submit's: what one node of the queued job needs, its nodes, and its id.
+    device: str | None = None
+    nproc: int = 0
+    nnodes: int = 1
+    job: int | None = None
 
     def payload(self) -> str:
         """The NOTIFY payload: this, and which process sent it."""
         return json.dumps(
             {"p": process_tag(), "e": self.everyone, "w": self.worker, "c": self.cpu,
-             "g": list(self.gpus)},
+             "g": list(self.gpus), "d": self.device, "n": self.nproc, "m": self.nnodes,
+             "j": self.job},
             separators=(",", ":"),
         )  # fmt: skip
 
@@ -73,12 +90,25 @@ class Wake:
             if d["p"] == process_tag():
                 return None
             gpus = tuple(int(g) for g in d["g"])
-            return cls(bool(d["e"]), d["w"], int(d["c"]), gpus)
+            device = d.get("d")  # an API of an earlier version sends no shape
+            job = d.get("j")
+            return cls(
+                bool(d["e"]), d["w"], int(d["c"]), gpus,
+                str(device) if device is not None else None, int(d.get("n", 0)),
+                int(d.get("m", 1)), int(job) if job is not None else None,
+            )  # fmt: skip
         except (ValueError, KeyError, TypeError):
             return EVERYONE
 
 
 EVERYONE = Wake()
+
+# Whether a node of a job (device, ranks per node) fits a poll's room (the worker has
+# GPUs, free CPU slots, free GPUs): queue.rules.room_fits, given to Wakeup by the app.
+Fits = Callable[[str, int, bool, int, int], bool]
+# A poll's room: free GPUs, free CPU slots, and whether its worker has GPUs (None: not
+# known yet in this process).
+Room = tuple[int, int, bool | None]
 
 
 class Wakeup:
@@ -86,10 +116,12 @@ class Wakeup:
     those for one worker, so a wake-up between a claimer's empty claim and its wait is
     never missed. Mutated on the event loop only (``wake`` hops there from any thread)."""
 
-    def __init__(self) -> None:
+    def __init__(self, fits: Fits | None = None) -> None:
         self.generation = 0
+        self.fits = fits
+        self._history: deque[tuple[int, Wake]] = deque(maxlen=HISTORY)
         self._own: dict[str, int] = {}
-        self._waiting: dict[str | None, dict[asyncio.Future[None], tuple[int, int]]] = {}
+        self._waiting: dict[str | None, dict[asyncio.Future[None], Room]] = {}
         self._seq = 0  # counts recorded frees: a poll adds those after its start
         self._freed: dict[str, list[tuple[int, float, int, tuple[int, ...]]]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -99,6 +131,25 @@ class Wakeup:
 
     def own(self, worker: str) -> int:
         return self._own.get(worker, 0)
+
+    def since(self, generation: int) -> list[Wake] | None:
+        """The wake-ups for everyone after ``generation``, or None if they are no longer
+        all kept."""
+        if generation == self.generation:
+            return []
+        if generation > self.generation or not self._history:
+            return None
+        if self._history[0][0] > generation + 1:
+            return None
+        return [w for g, w in self._history if g > generation]
+
+    def room_fits(self, wake: Wake, room: Room) -> bool:
+        """Whether a poll of ``room`` could take the job a shaped wake-up queued (any
+        wake-up for a poll whose worker's kind is not known yet)."""
+        gpus, cpu, has_gpus = room
+        if wake.device is None or has_gpus is None or self.fits is None:
+            return True
+        return self.fits(wake.device, wake.nproc, has_gpus, cpu, gpus)
 
     def mark(self) -> int:
         """Where a long-poll begins: what is freed after it is added to its room."""
@@ -145,9 +196,16 @@ class Wakeup:
             self._freed[worker] = [*kept, (self._seq, now, wake.cpu, wake.gpus)]
         if wake.everyone:
             self.generation += 1
+            self._history.append((self.generation, wake))
             # Every gang's wait (no worker's: few, each a formed gang's start), and the
-            # claims' long-polls of the most room (_roomiest).
-            polls = [w for name, waiting in self._waiting.items() if name for w in waiting.items()]
+            # claims' long-polls of the most room (_roomiest) that have room for it.
+            polls = [
+                w
+                for name, waiting in self._waiting.items()
+                if name
+                for w in waiting.items()
+                if self.room_fits(wake, w[1])
+            ]
             woken = [*self._waiting.get(None, {}), *_roomiest(polls)]
         elif worker is not None:
             self._own[worker] = self._own.get(worker, 0) + 1
@@ -164,11 +222,12 @@ class Wakeup:
         timeout: float,
         worker: str | None = None,
         seen_own: int = 0,
-        room: tuple[int, int] = (0, 0),
+        room: Room = (0, 0, None),
     ) -> None:
         """Until a wake-up for everyone after ``seen_generation`` or, given ``worker``, one
         for it after ``seen_own``, or ``timeout``. ``room``: the free GPUs and CPU slots
-        of the long-poll waiting, which orders who a wake-up for everyone wakes first."""
+        of the long-poll waiting, which orders who a wake-up for everyone wakes first,
+        and its worker's kind, which a shaped one's fit is judged by."""
         if self.generation != seen_generation:
             return
         if worker is not None and self.own(worker) != seen_own:
@@ -193,7 +252,7 @@ class Wakeup:
 WAKE_AT_ONCE = 16
 
 
-def _roomiest(waiting: list[tuple[asyncio.Future[None], tuple[int, int]]]) -> list[Any]:
+def _roomiest(waiting: list[tuple[asyncio.Future[None], Room]]) -> list[Any]:
     if len(waiting) <= WAKE_AT_ONCE:
         return [f for f, _ in waiting]
-    return [f for f, _ in heapq.nlargest(WAKE_AT_ONCE, waiting, key=lambda w: w[1])]
+    return [f for f, _ in heapq.nlargest(WAKE_AT_ONCE, waiting, key=lambda w: w[1][:2])]

@@ -1,12 +1,21 @@
 """NothingFits: an idle long-poll is answered from a claim that found nothing only when
 that answer holds for it (same kind of worker, no more room, the same wake-up, recent),
-and never for a worker whose claim this process has not seen."""
+and never for a worker whose claim this process has not seen; across the wake-ups of
+submits it has no room for, or whose jobs were claimed here."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
+from pathlib import Path
+from typing import Any
 
+from service import queue
+from service import wakeup as wakeup_module
 from service.queue import NothingFits, Probe
+from service.wakeup import EVERYONE, Wake, Wakeup
+from tests.conftest import Server, start_server, stop_server
+from tests.helpers import finish, register
 
 
 def _nothing(memo: NothingFits, worker: str, generation: int, cpu: int, gpus: int) -> None:
@@ -53,3 +62,81 @@ def test_claims_of_no_more_room_wait_for_the_one_that_runs() -> None:
         assert done.is_set() and memo.asked("b", 3, 32, 2) is None
 
     asyncio.run(run())
+
+
+def test_nothing_fits_outlives_submits_that_have_no_room_here_or_were_claimed() -> None:
+    """A poll's memory that nothing fits its room carries over the generations of
+    submits it has no room for, or whose job a claim here took; any other wake-up (or a
+    job that fits and is still queued) sends it to the database again."""
+    wakeup = Wakeup(queue.room_fits)
+    memo = queue.NothingFits(valid_s=60)
+    probe = queue.Probe(has_gpus=True, cpu=8, gpus=2, general=True)
+    memo.found_nothing("w", wakeup.generation, probe, began=0.0)
+
+    def covers(now: float = 1.0, cpu: int = 8, gpus: int = 2) -> bool:
+        return memo.covers("w", wakeup.generation, cpu, gpus, now, wakeup.since)
+
+    assert covers()
+    wakeup._apply(Wake(device="cuda", nproc=4, job=1))  # needs 4 GPUs: no room here
+    wakeup._apply(Wake(device="cpu", nproc=16, job=2))  # 16 CPU slots: no room here
+    assert covers()
+    assert not covers(now=61.0)  # the memory is only so good (a backoff runs out)
+    wakeup._apply(Wake(device="cuda", nproc=1, job=3))  # fits, still queued
+    assert not covers()
+    memo.found("other", probe, job_id=3)  # a claim here took it
+    assert covers()
+    wakeup._apply(Wake(device="cuda", nproc=1, nnodes=2, job=4))  # a gang: nodes still free
+    memo.found("other", probe, job_id=4)
+    assert not covers()
+    memo.found_nothing("w", wakeup.generation, probe, began=1.0)
+    assert covers()
+    wakeup._apply(EVERYONE)  # a requeue, a limit lifted: anything may fit now
+    assert not covers()
+    memo.found_nothing("w", wakeup.generation, probe, began=2.0)
+    for i in range(wakeup_module.HISTORY + 1):  # older than what is kept: not known
+        wakeup._apply(Wake(device="cuda", nproc=8, job=100 + i))
+    assert not covers()
+
+
+def _empty_claims(server: Server) -> float:
+    text = server.client().get("/metrics").text
+    for line in text.splitlines():
+        if line.startswith('ddpq_claim_latency_seconds_count{outcome="empty"}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_real_api_wakes_no_poll_for_jobs_it_has_no_room_for(db_url: str, tmp_path: Path) -> None:
+    """A CPU-only worker's open long-poll sleeps through five CUDA jobs' submits (before:
+    each woke it for a claim that found nothing), and wakes for the CPU job it fits."""
+    server = start_server(db_url, tmp_path / "api", DDPQ_CLAIM_RECHECK_S="30")
+    try:
+        register(server, "big", cpu_slots=8, gpus=[0, 1, 2, 3])
+        register(server, "cpu", cpu_slots=2)
+        w = server.client("worker")
+
+        def claim(name: str, cpu: int, gpus: list[int], wait_s: float) -> Any:
+            body = {"name": name, "free_cpu_slots": cpu, "free_gpus": gpus, "wait_s": wait_s}
+            return w.post("/workers/claim", json=body, timeout=wait_s + 30)
+
+        assert claim("cpu", 2, [], 0).status_code == 204  # the API learns what it has
+        polled: list[Any] = []
+        poll = threading.Thread(target=lambda: polled.append(claim("cpu", 2, [], 25)))
+        poll.start()
+        before = _empty_claims(server)
+        for _ in range(5):
+            job = server.client().post(
+                "/jobs", json={"entrypoint": "t.py", "world_size": 2, "device": "cuda"}
+            )
+            assert job.status_code == 201, job.text
+            r = claim("big", 8, [0, 1, 2, 3], 10)
+            assert r.status_code == 200 and r.json()["job_id"] == job.json()["id"], r.text
+            finish(server, r.json(), name="big")
+        assert _empty_claims(server) == before
+        assert poll.is_alive()  # still asleep
+        job = server.client().post("/jobs", json={"entrypoint": "t.py", "device": "cpu"})
+        poll.join(timeout=20)
+        assert polled and polled[0].status_code == 200, polled
+        assert polled[0].json()["job_id"] == job.json()["id"]
+    finally:
+        stop_server(server)

@@ -23,6 +23,7 @@ import pytest
 from sqlalchemy import create_engine, func, select, update
 
 from ddpq.codepack import collect, named_in_sources
+from ddpq.jobspec import ClaimedSpec
 from ddpq.snapshot import (
     MAX_LINKS,
     Entry,
@@ -984,7 +985,7 @@ def test_requirements_the_worker_already_satisfies_build_no_environment(tmp_path
     venvs = Venvs(tmp_path / "venvs", max_envs=1)
     (tmp_path / "requirements.txt").write_text("torch>=1.11.0\n")
     said: list[str] = []
-    spec = {"code": "0" * 64, "pip": ["Packaging", "absent-pkg; python_version < '3'"]}
+    spec = ClaimedSpec(code="0" * 64, pip=["Packaging", "absent-pkg; python_version < '3'"])
     with python_for(venvs, spec, tmp_path, dict(os.environ), said.append, threading.Event()) as py:
         assert py == sys.executable
     assert said == [

@@ -38,7 +38,7 @@ NOTHING_ASKED = {
     "cancel": [], "abandon": [], "preempt": [], "ended": [], "prune": [], "drop": [], "send": [],
     "clear": [],
 }  # fmt: skip
-PACE = ("heartbeat_s", "lease_s")
+PACE = ("heartbeat_s", "lease_s", "claim_wait_s")  # the fleet's pace (service.pace)
 
 
 def _submit(server: Server, **spec: Any) -> dict[str, Any]:

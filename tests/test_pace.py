@@ -32,6 +32,21 @@ def test_the_interval_keeps_the_fleet_within_its_budget_and_the_lease_its_slack(
             assert 0.9 * pace.interval <= pace.handed() <= pace.interval < pace.lease
 
 
+def test_claim_long_polls_are_held_longer_as_the_fleet_grows_within_the_longest_allowed() -> None:
+    """An idle host's open poll costs a request every time it ends: held for the
+    interval, a fleet's polls stay within the heartbeat budget too."""
+    pace = Pace(heartbeat_s=2.0, lease_s=30.0, budget=50.0)
+    for live, wait in ((0, 5.0), (100, 5.0), (250, 5.0), (500, 10.0), (1000, 20.0), (5000, 30.0)):
+        pace.update(live, now=0.0)
+        assert pace.claim_wait(30.0) == pytest.approx(wait)
+        assert pace.claim_wait(3.0) == 3.0  # never past DDPQ_MAX_CLAIM_WAIT_S
+    # Their re-checks for a wake-up they were not among the first for, likewise: at most
+    # 200 a second (4 per heartbeat of the budget), never more often than configured.
+    for live, every in ((0, 1.0), (200, 1.0), (1000, 5.0), (5000, 25.0)):
+        pace.update(live, now=0.0)
+        assert pace.recheck(1.0) == pytest.approx(every)
+
+
 def test_a_shrinking_fleet_keeps_the_longer_lease_until_every_worker_has_heard() -> None:
     """Workers learn a shorter interval only at their next heartbeat, one old interval
     later: until then, a worker that heard the old one is within its lease."""
@@ -66,6 +81,7 @@ def test_past_its_budget_the_api_asks_for_slower_heartbeats_and_leases_grow(
         DDPQ_MAX_HEARTBEATS_PER_S=BUDGET,
     )  # fmt: skip
     stop = threading.Event()
+    beating: threading.Thread | None = None
     try:
         claim = submit_and_claim(server, "w0")
         mine = [{"job_id": claim["job_id"], "attempt": claim["attempt"]}]
@@ -77,7 +93,8 @@ def test_past_its_budget_the_api_asks_for_slower_heartbeats_and_leases_grow(
                 for name in OTHERS:
                     _beat(server, name, [])
 
-        threading.Thread(target=others, daemon=True).start()
+        beating = threading.Thread(target=others, daemon=True)
+        beating.start()
         # Four live workers against one heartbeat a second: every 4 s, lost after 6 s.
         reply = wait_for(
             lambda: (r := _beat(server, "w0", mine))["lease_s"] == pytest.approx(6.0) and r,
@@ -85,6 +102,7 @@ def test_past_its_budget_the_api_asks_for_slower_heartbeats_and_leases_grow(
             "the lease to grow with the fleet",
         )
         assert 3.6 <= reply["heartbeat_s"] <= 4.0
+        assert reply["claim_wait_s"] == 5.0  # the protocol's least, more than the interval
         # Heartbeats at that pace, each 3.5 s after the last, longer than the configured
         # lease: the attempt is not lost.
         for _ in range(3):
@@ -104,6 +122,8 @@ def test_past_its_budget_the_api_asks_for_slower_heartbeats_and_leases_grow(
         assert "worker w0 lost (no heartbeat for 6 s)" in job["reason"]
     finally:
         stop.set()
+        if beating is not None:  # its last heartbeat answered before the API stops
+            beating.join(timeout=30)
         stop_server(server)
 
 

@@ -32,6 +32,7 @@ import pytest
 from pydantic import SecretStr
 from sqlalchemy import create_engine, inspect, select, text
 
+from ddpq.jobspec import ClaimedSpec
 from ddpq.messages import ClaimedJob
 from ddpq.rules import MAX_SECRET_BYTES, secret_like
 from service import secrets
@@ -513,7 +514,7 @@ def test_the_ranks_get_the_secrets_and_nothing_of_ddpqs_is_replaced() -> None:
     # allow-list), and one read as the interpreter starts takes a cold torchrun.
     assert "HF_TOKEN" not in warm.zygote_env(env, claim.spec, 2)
     assert "WANDB_API_KEY" not in warm.zygote_env(env, claim.spec, 2)
-    assert warm.choose({"secrets": ["TORCH_HUB_TOKEN"]}, "warm")[0] == "torchrun"
+    assert warm.choose(ClaimedSpec(secrets=["TORCH_HUB_TOKEN"]), "warm")[0] == "torchrun"
     # A Slurm attempt's plan (its batch script, which Slurm keeps) carries none of them.
     plan = slurm.plan(claim, ["t.py"], env, "ddpq bridge b -", "warm")
     assert '"w"' not in plan and '"h"' not in plan and "the-worker's" not in plan

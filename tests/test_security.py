@@ -25,6 +25,7 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
+from ddpq.jobspec import ClaimedSpec
 from service.config import Settings, TokenError, resolve_tokens
 from service.schemas import JobSpec
 from tests.conftest import (
@@ -431,8 +432,8 @@ def test_worker_rechecks_what_it_is_sent(tmp_path: Path) -> None:
     (ws / "dirlink").symlink_to(tmp_path)
     for entry in ("link.py", "dirlink/outside.py", "../outside.py", str(outside), "%2e%2e/x"):
         with pytest.raises(JobError, match="entrypoint"):
-            job_runner(ws, {"entrypoint": entry})._program({"entrypoint": entry})
-    assert job_runner(ws, {})._program({"entrypoint": "ok.py", "args": ["$(id)"]}) == [
+            job_runner(ws, {"entrypoint": entry})._program(ClaimedSpec(entrypoint=entry))
+    assert job_runner(ws, {})._program(ClaimedSpec(entrypoint="ok.py", args=["$(id)"])) == [
         str(ws.resolve() / "ok.py"),
         "$(id)",
     ]

@@ -117,7 +117,8 @@ def test_a_wake_for_everyone_wakes_every_gang_and_the_roomiest_polls_the_rest_at
         wakeup = Wakeup()
         wakeup.bind(asyncio.get_running_loop())
         seen = wakeup.generation
-        rooms = {f"w{i}": (i % 9, 32 - i) for i in range(40)}  # (free GPUs, CPU slots)
+        # (free GPUs, CPU slots, whether the worker has GPUs: not known yet)
+        rooms = {f"w{i}": (i % 9, 32 - i, None) for i in range(40)}
         polls = {
             name: asyncio.create_task(wakeup.wait(seen, 30, name, 0, room))
             for name, room in rooms.items()
@@ -158,3 +159,32 @@ def test_a_queued_job_s_cancel_wakes_everyone_and_a_running_one_s_no_one(db: Dat
     handed.clear()
     jobs.cancel_job(db, claim.job_id, admin)  # cancelling: its finish frees its GPUs
     assert handed == []
+
+
+def test_a_submit_wakes_only_the_polls_with_room_for_its_job() -> None:
+    """A submit's wake-up carries its job's shape: a poll whose worker has no room for it
+    (too few free GPUs, or no GPUs for a CUDA job) sleeps on; one whose kind this
+    process has not learnt yet is woken, as every poll was before."""
+
+    async def run() -> None:
+        wakeup = Wakeup(queue.room_fits)
+        wakeup.bind(asyncio.get_running_loop())
+        seen = wakeup.generation
+        rooms = {
+            "gpu4": (4, 8, True),
+            "gpu1": (1, 8, True),
+            "cpu-only": (0, 64, False),
+            "new": (0, 0, None),
+        }
+        polls = {
+            name: asyncio.create_task(wakeup.wait(seen, 30, name, 0, room))
+            for name, room in rooms.items()
+        }
+        await asyncio.sleep(0)
+        wakeup.wake(Wake(device="cuda", nproc=2, job=7))
+        await asyncio.wait_for(asyncio.gather(polls["gpu4"], polls["new"]), 5)
+        assert {name for name, t in polls.items() if t.done()} == {"gpu4", "new"}
+        for t in polls.values():
+            t.cancel()
+
+    asyncio.run(run())

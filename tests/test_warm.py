@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from ddpq.jobspec import ClaimedSpec
 from tests.conftest import Server, terminal, wait_for
 from worker.edges.procs import find_by_launch_id
 from worker.starting import warm
@@ -165,20 +166,22 @@ def test_cancel_leaves_no_forked_process_behind(
 
 
 def test_which_launcher() -> None:
-    assert choose({}, "torchrun") == ("torchrun", None)
-    assert choose({}, "warm") == ("warm", None)
-    assert choose({"launcher": "torchrun"}, "warm") == ("torchrun", None)
-    launcher, why = choose({"launcher": "warm", "env": {"OMP_NUM_THREADS": "4"}}, "torchrun")
+    assert choose(ClaimedSpec(), "torchrun") == ("torchrun", None)
+    assert choose(ClaimedSpec(), "warm") == ("warm", None)
+    assert choose(ClaimedSpec(launcher="torchrun"), "warm") == ("torchrun", None)
+    own_threads = ClaimedSpec(launcher="warm", env={"OMP_NUM_THREADS": "4"})
+    launcher, why = choose(own_threads, "torchrun")
     assert launcher == "torchrun" and why and "OMP_NUM_THREADS" in why
     # The compiler's settings are read into its config as the warm process imports it;
     # where its caches are is read when first used, so a job may set that and stay warm.
-    compiled = {"launcher": "warm", "env": {"TORCHINDUCTOR_FREEZING": "1"}}
+    compiled = ClaimedSpec(launcher="warm", env={"TORCHINDUCTOR_FREEZING": "1"})
     assert choose(compiled, "warm")[0] == "torchrun"
-    assert choose({"env": {"TORCHDYNAMO_VERBOSE": "1"}}, "warm")[0] == "torchrun"
-    assert choose({"env": {"TORCHINDUCTOR_CACHE_DIR": "/data/c"}}, "warm") == ("warm", None)
+    assert choose(ClaimedSpec(env={"TORCHDYNAMO_VERBOSE": "1"}), "warm")[0] == "torchrun"
+    cache_dir = ClaimedSpec(env={"TORCHINDUCTOR_CACHE_DIR": "/data/c"})
+    assert choose(cache_dir, "warm") == ("warm", None)
     # A warm process never holds what is the job's or ddpq's own.
     env = {"PATH": "/bin", "DDPQ_JOB_TOKEN": "ddpqj_x", "MY": "1", "TMPDIR": "/tmp/j"}
-    z = zygote_env(env, {"env": {"MY": "1"}}, 2)
+    z = zygote_env(env, ClaimedSpec(env={"MY": "1"}), 2)
     assert "DDPQ_JOB_TOKEN" not in z and "MY" not in z and "TMPDIR" not in z
     assert z["OMP_NUM_THREADS"] == "1" and z["PATH"] == "/bin"
 

@@ -16,6 +16,7 @@ import pytest
 
 from ddpq.errors import ApiRefused, ApiUnavailable
 from ddpq.messages import (
+    AttemptKey,
     AttemptRef,
     ClaimedJob,
     HandBack,
@@ -138,7 +139,7 @@ class FakeExecutor:
     def rounds(self) -> list[tuple[str, float, Callable[[], None]]]:
         return []
 
-    def gpu_samples(self) -> dict[tuple[int, int], list[dict[str, Any]]]:
+    def gpu_samples(self) -> dict[AttemptKey, list[dict[str, Any]]]:
         return {}
 
     def drain(self) -> None:

@@ -57,6 +57,7 @@ from service.queue.rules import (
     at_or_ahead,
     lock_owner,
     notify_claimers,
+    room_fits,
 )
 from service.queue.shares import count_running, share_to_gpu_s, usage_now
 from service.queue.shares import overview as usage_overview
@@ -113,6 +114,7 @@ __all__ = [
     "register_worker",
     "release_worker",
     "requeued",
+    "room_fits",
     "shapes",
     "share_of",
     "share_to_gpu_s",

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Literal
@@ -45,8 +47,10 @@ from service.queue.rules import (
     ready,
     resolve,
     resume_from,
+    room_fits,
 )
 from service.queue.states import Event, may, new_attempt, start_values
+from service.wakeup import Wake
 
 
 class Claim(ClaimedJob):
@@ -206,6 +210,10 @@ class Probe:
     cpu: int = 0
     gpus: int = 0
     general: bool = False
+    # When its transaction began (monotonic): what it found holds from then. A claim that
+    # waited for a claim thread behind many others (1,000 polls re-checking) would
+    # otherwise be stale as it answers, and every poll would go on asking.
+    at: float = 0.0
 
 
 @dataclass
@@ -213,6 +221,10 @@ class _Empty:
     generation: int
     since: float  # when the first claim that found it began (monotonic)
     rooms: dict[bool, list[tuple[int, int]]] = field(default_factory=dict)
+
+
+# Jobs NothingFits remembers as claimed: more than a burst of submits keeps queued.
+CLAIMED_KEPT = 4096
 
 
 class NothingFits:
@@ -236,17 +248,48 @@ class NothingFits:
         self._kind: dict[str, bool] = {}  # worker -> has GPUs, from its last claim
         self._empty = _Empty(-1, 0.0)
         self._asking: list[tuple[int, bool, int, int, asyncio.Event]] = []
+        # Single-node jobs this process's claims took lately: a submit's wake-up for one
+        # of them changes nothing for anyone else any more.
+        self._claimed: dict[int, None] = {}
 
     def _fresh(self, generation: int, now: float) -> bool:
         e = self._empty
         return e.generation == generation and now - e.since <= self.valid_s
 
-    def covers(self, worker: str, generation: int, cpu: int, gpus: int, now: float) -> bool:
-        """Whether a claim of ``worker`` offering this room would find nothing now."""
+    def kind(self, worker: str) -> bool | None:
+        """Whether ``worker`` has GPUs, as its last claim here found (None: unknown)."""
+        return self._kind.get(worker)
+
+    def covers(
+        self,
+        worker: str,
+        generation: int,
+        cpu: int,
+        gpus: int,
+        now: float,
+        since: Callable[[int], list[Wake] | None] | None = None,
+    ) -> bool:
+        """Whether a claim of ``worker`` offering this room would find nothing now: a
+        claim of as much room found nothing at this generation, or at an earlier one
+        whose wake-ups since (``since``: Wakeup.since) only queued jobs this room has no
+        place for or that were claimed already."""
         kind = self._kind.get(worker)
-        if kind is None or not self._fresh(generation, now):
+        e = self._empty
+        if kind is None or now - e.since > self.valid_s or e.generation > generation:
             return False
-        return any(cpu <= c and gpus <= g for c, g in self._empty.rooms.get(kind, ()))
+        if not any(cpu <= c and gpus <= g for c, g in e.rooms.get(kind, ())):
+            return False
+        if e.generation == generation:
+            return True
+        changes = since(e.generation) if since is not None else None
+        return changes is not None and all(self._moot(w, kind, cpu, gpus) for w in changes)
+
+    def _moot(self, wake: Wake, kind: bool, cpu: int, gpus: int) -> bool:
+        if wake.device is None:  # unshaped: anything may have changed
+            return False
+        if wake.nnodes == 1 and wake.job in self._claimed:
+            return True
+        return not room_fits(wake.device, wake.nproc, kind, cpu, gpus)
 
     def asked(self, worker: str, generation: int, cpu: int, gpus: int) -> asyncio.Event | None:
         """A claim of at least this room running for this generation, to wait for."""
@@ -283,9 +326,13 @@ class NothingFits:
         e.since = min(e.since, began)
         e.rooms.setdefault(probe.has_gpus, []).append((probe.cpu, probe.gpus))
 
-    def found(self, worker: str, probe: Probe) -> None:
+    def found(self, worker: str, probe: Probe, job_id: int | None = None) -> None:
         if probe.has_gpus is not None:
             self._kind[worker] = probe.has_gpus
+        if job_id is not None:
+            self._claimed[job_id] = None
+            if len(self._claimed) > CLAIMED_KEPT:
+                del self._claimed[next(iter(self._claimed))]
 
     def forget(self, worker: str) -> None:
         """A worker registered (again): what it has may have changed."""
@@ -418,6 +465,7 @@ def _claim(
     probe: Probe,
 ) -> Claim | None:
     with db.write_conn() as conn:
+        probe.at = time.monotonic()
         mine = books.of_worker(conn, worker)
         if mine is None:
             raise UnknownWorker(worker)

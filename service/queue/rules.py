@@ -132,6 +132,15 @@ def fits_bound(worker_has_gpus: bool, cpu: str, gpus: str) -> Any:
     return or_(*terms)
 
 
+def room_fits(device: str, nproc: int, has_gpus: bool, cpu: int, gpus: int) -> bool:
+    """``fits_bound`` in Python: a node of ``nproc`` ranks of ``device`` fits ``cpu`` free
+    CPU slots or ``gpus`` free GPUs of a worker with or without GPUs, by ``unit``."""
+    counted = unit(device, has_gpus)
+    if counted is None:
+        return False
+    return nproc <= (gpus if counted == "gpu" else cpu)
+
+
 def fits_partition(
     nodes_have_gpus: bool,
     nnodes: Any,

@@ -254,7 +254,9 @@ def count_running(s: Session, now: datetime) -> int:
         )
         .join(Job, and_(Job.id == Attempt.job_id, Job.attempt == Attempt.number))
         .where(Attempt.ended_at.is_(None), is_active(Job.status, SQL), Job.owner.is_not(None))
-        .order_by(Attempt.id)  # one lock order: two API processes' sweeps never deadlock
+        # Job order, as every writer of several attempts locks them (heartbeats too:
+        # leases._RENEW): in the attempts' own id order a sweep and a heartbeat deadlocked.
+        .order_by(Attempt.job_id, Attempt.id)
         .with_for_update(of=Attempt)
     ).all()  # fmt: skip
     added: dict[str, float] = {}

@@ -109,6 +109,7 @@ def register_worker(
         name=body.name,
         heartbeat_s=request.app.state.pace.interval,
         lease_s=db.policy.lease_s,
+        claim_wait_s=request.app.state.pace.claim_wait(settings.max_claim_wait_s),
         held=held,
         gpu_sample_s=settings.gpu_sample_s,
     )
@@ -154,7 +155,7 @@ async def claim_job(
                 await asyncio.wait_for(asked.wait(), ASKED_WAIT_S)
             continue
         claimed = None
-        if not memo.covers(body.name, seen, *room, time.monotonic()):
+        if not memo.covers(body.name, seen, *room, time.monotonic(), wakeup.since):
             if await gone(request)():
                 # The worker hung up (it died, or restarted and polls anew): a job claimed
                 # now would be held by nobody until its lease ran out. (Asked only before
@@ -167,10 +168,10 @@ async def claim_job(
         left = deadline - time.monotonic()
         if left <= 0 or stopping.is_set():
             return Response(status_code=204)
-        room_first = (len(body.free_gpus), body.free_cpu_slots)  # who a submit wakes first
-        await wakeup.wait(
-            seen, min(left, settings.claim_recheck_s), body.name, seen_own, room_first
-        )
+        # Who a submit wakes first, and whether its job fits here (service.wakeup).
+        poll_room = (len(body.free_gpus), body.free_cpu_slots, memo.kind(body.name))
+        recheck = request.app.state.pace.recheck(settings.claim_recheck_s)
+        await wakeup.wait(seen, min(left, recheck), body.name, seen_own, poll_room)
 
 
 async def _claim(
@@ -206,16 +207,16 @@ async def _claim(
         memo.answered(done)
     request.app.state.telemetry.observe_claim(time.perf_counter() - started, claimed)
     if claimed is None:
-        memo.found_nothing(body.name, seen, probe, began)
+        memo.found_nothing(body.name, seen, probe, probe.at or began)
         return None
-    memo.found(body.name, probe)
+    memo.found(body.name, probe, claimed.job_id if claimed.nnodes == 1 else None)
     wired = claimed.wire(token)
     if secrets.names_of(wired.spec):
         # The owner's secrets as they are now (a retry gets the current values), or why
         # not, which the worker fails the attempt with (service.secrets).
         keys = request.app.state.keyring
         wired = await run_in_threadpool(secrets.for_claim, db, keys, wired)
-    if wired.spec.get("from_checkpoint"):  # a fork: the checkpoint it starts from
+    if wired.spec.from_checkpoint is not None:  # a fork: the checkpoint it starts from
         wired = await run_in_threadpool(checkpoints.for_claim, db, wired)
     return wired
 
@@ -265,7 +266,9 @@ async def send_heartbeat(
     # the API's CPU, every host every 2 s. Serialised once, here, as claim_job answers.
     orders = request.app.state.cache_orders
     reply = await run_in_threadpool(_heartbeat, body, db, settings, orders)
-    reply.heartbeat_s, reply.lease_s = request.app.state.pace.handed(), db.policy.lease_s
+    pace = request.app.state.pace
+    reply.heartbeat_s, reply.lease_s = pace.handed(), db.policy.lease_s
+    reply.claim_wait_s = pace.claim_wait(settings.max_claim_wait_s)
     return Response(reply.model_dump_json(), media_type="application/json")
 
 

@@ -1,5 +1,6 @@
 """Jobs: JobSpec (what to run, the body of POST /jobs) and the views of a job, its
-attempts and its checkpoints, with the limits a spec is held to."""
+attempts and its checkpoints, with the limits a spec is held to. A stored spec's view
+(JobSpecPublic) is ddpq.jobspec's, shared with the worker."""
 
 from __future__ import annotations
 
@@ -10,18 +11,19 @@ from typing import Annotated, Literal
 from pydantic import (
     AfterValidator,
     BaseModel,
-    ConfigDict,
     Field,
     field_validator,
     model_validator,
 )
 
 from ddpq.catalog import recipe_names
+
+# The stored spec's view is ddpq's: the worker reads a claim's spec through it too.
+from ddpq.jobspec import JobSpecPublic, ParamValue
 from ddpq.messages import INT64_MAX, MAX_PATH_CHARS, Digest, Label, Strict
 from ddpq.rules import (
     MAX_ARRAY_INDEX,
     MAX_JOB_SECRETS,
-    MAX_PARAM_TEXT,
     entrypoint_problem,
     env_problem,
     params_problem,
@@ -77,17 +79,6 @@ PipRequirement = Annotated[
     str, Field(min_length=1, max_length=500), AfterValidator(_pip_requirement)
 ]
 
-# A parameter's value (a sweep's trial's: ddpq.rules.params_problem has the rule): a JSON
-# scalar, never coerced ("2" stays a string, true a bool).
-ParamValue = (
-    Annotated[str, Field(strict=True, max_length=MAX_PARAM_TEXT)]
-    | Annotated[int, Field(strict=True, ge=-(2**63), le=INT64_MAX)]
-    | Annotated[float, Field(strict=True, allow_inf_nan=False)]
-    | Annotated[bool, Field(strict=True)]
-    | None
-)
-
-
 MAX_DEPENDENCIES = 16  # jobs one job waits for
 
 
@@ -107,16 +98,6 @@ class ForkFrom(Strict):
 
     job: Annotated[int, Field(strict=True, ge=1, le=INT64_MAX)]
     step: Annotated[int, Field(strict=True, ge=0, le=INT64_MAX)] | None = None
-
-
-class ForkFromPublic(BaseModel):
-    job: int
-    step: int | None = None
-
-
-class DependencyPublic(BaseModel):
-    job: int
-    when: Literal["ok", "any"] = "ok"
 
 
 class JobSpec(Strict):
@@ -243,44 +224,6 @@ class JobSpec(Strict):
                 "(a secret's value is seen by its ranks only; env by everyone)"
             )
         return self
-
-
-class JobSpecPublic(BaseModel):
-    """A job's spec as stored (JobSpec at its submission), in answers.
-
-    The fields of JobSpec without its validators: a spec that passed them when it was
-    submitted must still be shown after a rule tightens (a recipe removed, a variable
-    newly reserved). Unknown keys are kept, as stored (a spec written by a newer API
-    process during a rolling upgrade); a key missing from an older spec shows its default.
-    """
-
-    # Every field is in every answer: required in the document, so a generated client
-    # types them without "unset".
-    model_config = ConfigDict(extra="allow", json_schema_serialization_defaults_required=True)
-
-    name: str | None = None
-    recipe: str | None = None
-    entrypoint: str | None = None
-    args: list[str] = []
-    env: dict[str, str] = {}
-    world_size: int = 1
-    nnodes: int = 1
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    max_restarts: int = 0
-    max_attempts: int = 3
-    retry_on_error: bool = False
-    priority: int = 0
-    timeout_s: int | None = None
-    code: str | None = None
-    pip: list[str] = []
-    keep_last: int | None = None
-    launcher: str | None = None
-    secrets: list[str] = []
-    params: dict[str, ParamValue] = {}
-    after: list[DependencyPublic] = []
-    array_index: int | None = None
-    from_checkpoint: ForkFromPublic | None = None
-    rungs: list[int] = []
 
 
 FileBytes = Annotated[int, Field(strict=True, ge=0, le=INT64_MAX)]

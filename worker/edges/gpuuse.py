@@ -10,6 +10,7 @@ import time
 from collections import deque
 from typing import Any
 
+from ddpq.messages import AttemptKey
 from worker.edges import nvml
 
 # Samples kept per GPU of an attempt until a heartbeat takes them: with a heartbeat every
@@ -21,7 +22,7 @@ KEEP_PER_GPU = 12
 class GpuUseLog:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._kept: dict[tuple[int, int], deque[tuple[float, nvml.GpuUse]]] = {}
+        self._kept: dict[AttemptKey, deque[tuple[float, nvml.GpuUse]]] = {}
 
     def sample(self, attempts: list[tuple[int, int, list[int]]]) -> None:
         """Sample the GPUs of each (job, attempt, GPUs) now; forget the attempts that
@@ -29,14 +30,16 @@ class GpuUseLog:
         taken = [(job, attempt, gpus, nvml.sample(gpus)) for job, attempt, gpus in attempts if gpus]
         now = time.monotonic()
         with self._lock:
-            live = {(job, attempt) for job, attempt, _ in attempts}
+            live = {AttemptKey(job, attempt) for job, attempt, _ in attempts}
             for key in [k for k in self._kept if k not in live]:
                 del self._kept[key]
             for job, attempt, gpus, uses in taken:
-                kept = self._kept.setdefault((job, attempt), deque(maxlen=KEEP_PER_GPU * len(gpus)))
+                kept = self._kept.setdefault(
+                    AttemptKey(job, attempt), deque(maxlen=KEEP_PER_GPU * len(gpus))
+                )
                 kept.extend((now, use) for use in uses)
 
-    def take(self) -> dict[tuple[int, int], list[dict[str, Any]]]:
+    def take(self) -> dict[AttemptKey, list[dict[str, Any]]]:
         """What was sampled since the last take, as a heartbeat carries it (each with how
         long ago it was taken: the service dates it by its own clock)."""
         now = time.monotonic()

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from ddpq.messages import ClaimedJob, HeldAttempt
+from ddpq.messages import AttemptKey, ClaimedJob, HeldAttempt
 from worker.edges import procs
 from worker.edges.gpuuse import GpuUseLog
 from worker.executors.loop import Loop, Room
@@ -65,11 +65,11 @@ class Agent:
         self.rdzv_ports = settings.rdzv_ports
         self.launch_prefix = procs.launch_prefix(self.name, self.data_dir)
         self._lock = threading.Lock()
-        self._runners: dict[tuple[int, int], JobRunner] = {}
+        self._runners: dict[AttemptKey, JobRunner] = {}
         # Runners whose processes are gone and whose end is being reported: their slots
         # are offered to the next claim, which the API fills once the report commits
         # (waiting for the report's answer would leave them out of a poll sent meanwhile).
-        self._ending: set[tuple[int, int]] = set()
+        self._ending: set[AttemptKey] = set()
         self._slots_changed = threading.Event()
         self.gpu_use = GpuUseLog()
         (self.data_dir / "torchrun-logs").mkdir(exist_ok=True)
@@ -106,12 +106,12 @@ class Agent:
     def ending(self, runner: JobRunner) -> None:
         """Called by a runner once its processes are gone, before its end is reported."""
         with self._lock:
-            self._ending.add((runner.job_id, runner.attempt))
+            self._ending.add(AttemptKey(runner.job_id, runner.attempt))
         self._slots_changed.set()
 
     def release(self, runner: JobRunner) -> None:
         """Called by a runner once its processes are gone and its end is reported."""
-        key = (runner.job_id, runner.attempt)
+        key = AttemptKey(runner.job_id, runner.attempt)
         with self._lock:
             self._runners.pop(key, None)
             self._ending.discard(key)
@@ -192,7 +192,7 @@ class Agent:
             ending=self.ending,
         )
         with self._lock:
-            self._runners[(runner.job_id, runner.attempt)] = runner
+            self._runners[AttemptKey(runner.job_id, runner.attempt)] = runner
         log.info("job %s attempt %s: starting (%s)", runner.job_id, runner.attempt, claim.device)
         if self.loop.stopping.is_set():  # claimed as the worker stops: handed straight back
             runner.request_stop("shutdown")
@@ -200,7 +200,7 @@ class Agent:
 
     def stop(self, job_id: int, attempt: int, why: str, words: str | None = None) -> None:
         with self._lock:
-            runner = self._runners.get((job_id, attempt))
+            runner = self._runners.get(AttemptKey(job_id, attempt))
         if runner is not None:
             runner.request_stop(why, words)
 
@@ -214,7 +214,7 @@ class Agent:
     def sample_gpus(self) -> None:
         self.gpu_use.sample([(r.job_id, r.attempt, list(r.claim.gpus)) for r in self.running()])
 
-    def gpu_samples(self) -> dict[tuple[int, int], list[dict[str, Any]]]:
+    def gpu_samples(self) -> dict[AttemptKey, list[dict[str, Any]]]:
         return self.gpu_use.take()
 
     def drain(self) -> None:

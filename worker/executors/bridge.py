@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ddpq.errors import JobError, SlurmError, Stopped
-from ddpq.messages import ClaimedJob, HeldAttempt
+from ddpq.jobspec import ClaimedSpec
+from ddpq.messages import AttemptKey, ClaimedJob, HeldAttempt
 from ddpq.wire import Backoff
 from worker.executors import slurm
 from worker.executors.loop import Loop, Room
@@ -63,8 +64,8 @@ class Tracked:
             self.shipper.write(f"[ddpq] {line}\n".encode())
 
     @property
-    def key(self) -> tuple[int, int]:
-        return (self.claim.job_id, self.claim.attempt)
+    def key(self) -> AttemptKey:
+        return AttemptKey(self.claim.job_id, self.claim.attempt)
 
 
 def run_slurm(argv: list[str], stdin: str | None = None) -> str:
@@ -114,7 +115,7 @@ class Bridge:
             output_dir=str(self.scripts),
         )
         self._lock = threading.Lock()
-        self._tracked: dict[tuple[int, int], Tracked] = {}
+        self._tracked: dict[AttemptKey, Tracked] = {}
         self._changed = threading.Event()
         # Set when sbatch could not reach slurmctld: claims wait a while, not to take
         # jobs only to hand them back at once.
@@ -164,7 +165,7 @@ class Bridge:
                 job_id=h.job_id,
                 attempt=h.attempt,
                 token="",
-                spec={"timeout_s": h.timeout_s} if h.timeout_s else {},
+                spec=ClaimedSpec.model_validate({"timeout_s": h.timeout_s} if h.timeout_s else {}),
                 device="cpu",
                 nproc_per_node=1,
                 gpus=[],
@@ -172,7 +173,7 @@ class Bridge:
                 resume_from=[],
             )
             with self._lock:
-                self._tracked[(h.job_id, h.attempt)] = Tracked(claim, slurm_id)
+                self._tracked[AttemptKey(h.job_id, h.attempt)] = Tracked(claim, slurm_id)
             log.info("job %s attempt %s: re-adopted Slurm job %s", h.job_id, h.attempt, slurm_id)
         for job in ours:
             if job.id not in wanted and job.state not in slurm.ENDED:
@@ -332,7 +333,7 @@ class Bridge:
             self._check_timeout(t)
 
     def _check_timeout(self, t: Tracked) -> None:
-        timeout_s = t.claim.spec.get("timeout_s")
+        timeout_s = t.claim.spec.timeout_s
         started = t.running_since
         if timeout_s and started is not None and time.monotonic() - started > float(timeout_s):
             self._stop(t, "timeout")
@@ -355,7 +356,7 @@ class Bridge:
         elif job.state not in slurm.ENDED:
             return  # COMPLETING, or squeue and scontrol disagree for a moment
         else:
-            outcome = slurm.ending(job, t.stop_reason, t.claim.spec.get("timeout_s"), t.stop_words)
+            outcome = slurm.ending(job, t.stop_reason, t.claim.spec.timeout_s, t.stop_words)
         with self._lock:
             self._tracked.pop(t.key, None)
         self._changed.set()
@@ -425,14 +426,14 @@ class Bridge:
 
     def stop(self, job_id: int, attempt: int, why: str, words: str | None = None) -> None:
         with self._lock:
-            tracked = self._tracked.get((job_id, attempt))
+            tracked = self._tracked.get(AttemptKey(job_id, attempt))
         if tracked is not None:
             self._stop(tracked, why, words)
 
     def rounds(self) -> list[tuple[str, float, Callable[[], None]]]:
         return [("poll", self.poll_s, self.poll_once)]
 
-    def gpu_samples(self) -> dict[tuple[int, int], list[dict[str, Any]]]:
+    def gpu_samples(self) -> dict[AttemptKey, list[dict[str, Any]]]:
         """None: Slurm's nodes hold the GPUs, out of this process's sight."""
         return {}
 

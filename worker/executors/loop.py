@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ddpq.errors import ApiRefused, ApiUnavailable
-from ddpq.messages import ClaimedJob, HeartbeatReply, HeldAttempt
+from ddpq.messages import CLAIM_WAIT_S, AttemptKey, ClaimedJob, HeartbeatReply, HeldAttempt
 from ddpq.wire import Backoff
 from worker import health
 from worker.edges.api import WorkerAPI, claim_or_wait, retry
@@ -37,7 +37,6 @@ from worker.walled.walls import Walls
 
 log = logging.getLogger("ddpq.worker")
 
-CLAIM_WAIT_S = 5.0  # also bounds how long a stop waits for an open claim
 CLAIM_HANDBACK_WAIT_S = 30.0
 MAX_KEPT = 10_000  # job directories a heartbeat asks about (the API's limit)
 
@@ -103,7 +102,7 @@ class Executor(Protocol):
         """What else it does every so often: (what, every seconds, one round)."""
         ...
 
-    def gpu_samples(self) -> dict[tuple[int, int], list[dict[str, Any]]]:
+    def gpu_samples(self) -> dict[AttemptKey, list[dict[str, Any]]]:
         """The GPU use of its attempts sampled since the last call, by (job, attempt),
         for the next heartbeat to carry (schemas.GpuSampleIn); none without NVML."""
         ...
@@ -187,6 +186,7 @@ class Loop:
         # Each user's caches across their jobs here (started by an executor that uses them).
         self.caches = Caches(self.data_dir / "caches", settings.cache_bytes, walls or Walls(None))
         self.heartbeat_s = 2.0
+        self.claim_wait_s = CLAIM_WAIT_S  # the service's, once registered (service.pace)
         self.gpu_sample_s = 5.0  # the service's, once registered
         self.stopping = threading.Event()
         self.claimer_done = threading.Event()  # the claim loop has returned (a stop)
@@ -209,6 +209,7 @@ class Loop:
         reply = retry(lambda: self.api.register(body()), what="register", stop=self.stopping)
         self.caches.registered()  # a fresh database knows none of them: sent again
         self.heartbeat_s = reply.heartbeat_s
+        self.claim_wait_s = reply.claim_wait_s or CLAIM_WAIT_S
         self.gpu_sample_s = reply.gpu_sample_s
         health.record(self.data_dir, self.heartbeat_s)
         return list(reply.held)
@@ -255,6 +256,8 @@ class Loop:
             return
         if reply.heartbeat_s is not None:  # the fleet's pace (service.pace): grows with it
             self.heartbeat_s = reply.heartbeat_s
+        if reply.claim_wait_s is not None:
+            self.claim_wait_s = reply.claim_wait_s
         health.record(self.data_dir, self.heartbeat_s)
         self.pruner.answered(pruned, dropped)
         self.sender.answered(sent)
@@ -317,7 +320,7 @@ class Loop:
                     self.api.claim,
                     room.cpu_slots,
                     list(room.gpus),
-                    CLAIM_WAIT_S,
+                    self.claim_wait_s,
                     room.advertise_addr,
                     room.rdzv_port,
                 ),
@@ -367,6 +370,9 @@ class Loop:
             for item in attempts:
                 self.executor.stop(item["job_id"], item["attempt"], "shutdown")
         # A claim answered during the stop is handed straight back (the executor's start).
+        # A large fleet's longer poll (service.pace) is not waited out past this: the
+        # process's exit closes it, and the API claims nothing for a poll whose worker
+        # hung up (routes.workers).
         claimer.join(timeout=CLAIM_WAIT_S + 20)
         self.executor.drain()
         self._all_done.set()

@@ -19,9 +19,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from ddpq.errors import ApiRefused, ApiUnavailable, JobError, Stopped
+from ddpq.jobspec import ClaimedSpec
 from ddpq.messages import ClaimedJob, GangReply
 from worker.edges import oom, procs
 from worker.edges.api import WorkerAPI
@@ -195,7 +195,7 @@ class JobRunner:
         """Send the job's directory as this attempt leaves it (worker.files.outputs), before its
         finish: node 0's (where rank 0 writes), once no process of it runs. Nothing of
         it fails the attempt: the directory stays here whatever the API took."""
-        code = self.claim.spec.get("code")
+        code = self.claim.spec.code
         workdir = self.ctx.workdirs.path_of(self.job_id)
         node0 = self.gang is None or self.gang.node_rank == 0
         if not code or workdir is None or not node0 or self.stop_reason == "abandoned":
@@ -264,7 +264,7 @@ class JobRunner:
 
     def _never_started(self) -> Outcome:
         """How an attempt stopped before its processes started ends."""
-        timeout_s = self.claim.spec.get("timeout_s")
+        timeout_s = self.claim.spec.timeout_s
         return stopped(self.stop_reason or "shutdown", timeout_s, None, self.stop_words)
 
     def _report(self, result: Outcome) -> None:
@@ -275,7 +275,7 @@ class JobRunner:
 
     # ---- what runs (worker.starting.torchrun decides) -------------------------------------------
 
-    def _program(self, spec: dict[str, Any]) -> list[str]:
+    def _program(self, spec: ClaimedSpec) -> list[str]:
         return torchrun.program(spec, self.ctx.workspace)
 
     def _env(self, resume_from: str | None) -> dict[str, str]:
@@ -391,7 +391,7 @@ class JobRunner:
         self.trace.mark("spawned")
         spawned = time.monotonic()  # worker.edges.oom reads the kernel's records since then
         oom_kills = oom.cgroup_oom_kills()  # and, where it cannot, the cgroup's count
-        timeout_s = self.claim.spec.get("timeout_s")
+        timeout_s = self.claim.spec.timeout_s
         deadline = None if not timeout_s else time.monotonic() + timeout_s
         # Woken by the exit or a stop request, at once: a poll here would add its
         # interval's half, on average, to every job's end (worker.executors.trace saw 50 ms).

@@ -152,7 +152,7 @@ def sbatch_argv(claim: ClaimedJob, to: Submission) -> list[str]:
         argv += ["--gpus-per-node", str(claim.nproc_per_node)]
     if to.account:
         argv += ["--account", to.account]
-    limit = time_limit(claim.spec.get("timeout_s"))
+    limit = time_limit(claim.spec.timeout_s)
     if limit:
         argv += ["--time", limit]
     return [*argv, *to.extra]

@@ -60,7 +60,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddpq.messages import CacheClearOrder
+from ddpq.messages import AttemptKey, CacheClearOrder
 from worker.walled import handover
 from worker.walled.handover import Untrusted, Walked
 from worker.walled.walls import Held, JobUser, Walls
@@ -140,7 +140,7 @@ class Caches:
         self.walls = walls
         self._lock = threading.Lock()
         self._usage: dict[str, Usage] = {}
-        self._lent: dict[str, tuple[int, int]] = {}  # user -> (job, attempt) holding it
+        self._lent: dict[str, AttemptKey] = {}  # user -> the attempt holding it
         # One per user: lending, taking back and clearing a cache never overlap.
         self._guards: dict[str, threading.Lock] = {}
         self._clear_at_end: dict[str, list[int]] = {}  # orders that wait for an attempt
@@ -250,11 +250,11 @@ class Caches:
         with self._lock:
             holder = self._lent.get(owner)
             if holder is None:
-                self._lent[owner] = (cold.job_id, cold.attempt)
+                self._lent[owner] = AttemptKey(cold.job_id, cold.attempt)
         if holder is not None:
             return cold, (
-                f"[ddpq] the cache of {owner} on this worker is in use by job {holder[0]} "
-                f"(attempt {holder[1]}): this attempt starts with an empty cache of its own, "
+                f"[ddpq] the cache of {owner} on this worker is in use by job {holder.job_id} "
+                f"(attempt {holder.attempt}): this attempt starts with an empty cache of its own, "
                 "dropped when it ends\n"
             )
         lease = Lease(owner, self.path(owner), True, cold.job_id, cold.attempt)

@@ -196,7 +196,7 @@ def write_fork(
     had."""
     src = claim.fork_from
     if src is None:
-        if claim.spec.get("from_checkpoint"):
+        if claim.spec.from_checkpoint:
             raise JobError("the checkpoint it starts from was not given with its claim")
         return None
     base = Path(claim.checkpoint_dir) / src.dirname

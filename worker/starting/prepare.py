@@ -99,8 +99,8 @@ def prepared(
         raise JobError(problem)
     if not with_secrets:
         claim = claim.model_copy(update={"secrets": {}})
-    if spec.get("code"):
-        snapshot_id = str(spec["code"])
+    if spec.code:
+        snapshot_id = spec.code
         workdir, written = src.workdirs.fetch(src.api, claim.job_id, snapshot_id, stop)
         say(describe(snapshot_id, workdir, written))
         cwd, where = own(workdir), "the job's code"

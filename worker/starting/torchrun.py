@@ -19,6 +19,7 @@ from typing import Any
 
 from ddpq.catalog import catalog
 from ddpq.errors import JobError
+from ddpq.jobspec import ClaimedSpec
 from ddpq.messages import ClaimedJob, GangReply
 from ddpq.rules import (
     ARRAY_VAR,
@@ -91,27 +92,28 @@ TABLE_EXITCODE = re.compile(r"^\s*exitcode\s*: (-?\d+)")
 # ---- what runs -------------------------------------------------------------------------
 
 
-def program(
-    spec: Mapping[str, Any], workspace: Path, where: str = "the worker's workspace"
-) -> list[str]:
+def program(spec: ClaimedSpec, workspace: Path, where: str = "the worker's workspace") -> list[str]:
     """The program and its arguments as torchrun takes them: ``-m module`` for a recipe,
     else the entrypoint's path inside ``workspace`` (the worker's, or the job's own
     directory of its code: ``where`` says which), checked again since the worker runs it."""
-    if spec.get("recipe"):
-        entry = catalog().get(spec["recipe"])
+    if spec.recipe:
+        entry = catalog().get(spec.recipe)
         if entry is None:
-            raise JobError(f"this worker has no recipe {spec['recipe']!r}")
-        return ["-m", str(entry["module"]), *spec.get("args", [])]
-    problem = entrypoint_problem(str(spec["entrypoint"]))
+            raise JobError(f"this worker has no recipe {spec.recipe!r}")
+        return ["-m", str(entry["module"]), *spec.args]
+    if spec.entrypoint is None:  # the API refuses such a spec; never trust the wire
+        raise JobError("the spec names neither a recipe nor an entrypoint")
+    entrypoint = spec.entrypoint
+    problem = entrypoint_problem(entrypoint)
     if problem:
-        raise JobError(f"entrypoint {str(spec['entrypoint'])[:200]!r} {problem}")
-    path = (workspace / spec["entrypoint"]).resolve()
+        raise JobError(f"entrypoint {entrypoint[:200]!r} {problem}")
+    path = (workspace / entrypoint).resolve()
     # resolve() follows symlinks, so a link pointing out of the workspace is caught here.
     if not path.is_relative_to(workspace) or path == workspace:
-        raise JobError(f"entrypoint {spec['entrypoint']!r} resolves outside {where}")
+        raise JobError(f"entrypoint {entrypoint!r} resolves outside {where}")
     if not path.is_file():
-        raise JobError(f"entrypoint {spec['entrypoint']!r} is not a file in {where}")
-    return [str(path), *spec.get("args", [])]
+        raise JobError(f"entrypoint {entrypoint!r} is not a file in {where}")
+    return [str(path), *spec.args]
 
 
 def rendezvous(gang: GangReply | None, local_addr: str) -> list[str]:
@@ -146,7 +148,7 @@ def argv(
         python, "-P", "-m", "worker.tee",
         *rdzv,
         "--nproc-per-node", str(claim.nproc_per_node),
-        "--max-restarts", str(claim.spec.get("max_restarts", 0)),
+        "--max-restarts", str(claim.spec.max_restarts),
         "--monitor-interval", str(MONITOR_INTERVAL_S),
         "--log-dir", str(log_dir),
         "--tee", "3",
@@ -189,7 +191,7 @@ def environment(environ: Mapping[str, str], claim: ClaimedJob, at: Placement) ->
         if at.user:
             env.update(HOME=at.scratch, USER=at.user, LOGNAME=at.user)
     env.update(at.cache_env)
-    for name, value in claim.spec.get("env", {}).items():
+    for name, value in claim.spec.env.items():
         problem = env_problem(str(name), str(value))
         if problem:  # the API refuses these at submission; never trust the wire
             raise JobError(f"env: {problem}")
@@ -218,18 +220,18 @@ def environment(environ: Mapping[str, str], claim: ClaimedJob, at: Placement) ->
     )
     if at.resume_from:
         env["DDPQ_RESUME_FROM"] = at.resume_from
-    params = claim.spec.get("params")
+    params = claim.spec.params
     if params:  # a sweep's trial's: ddpq.train.params() reads them (checked again here)
         problem = params_problem(params)
         if problem:
             raise JobError(f"params: {problem}")
         env[PARAMS_VAR] = json.dumps(params)
-    index = claim.spec.get("array_index")
+    index = claim.spec.array_index
     if index is not None:  # an array's task's (Slurm's SLURM_ARRAY_TASK_ID)
         if not isinstance(index, int) or isinstance(index, bool) or index < 0:
             raise JobError(f"array_index: {index!r} is not an index")
         env[ARRAY_VAR] = str(index)
-    rungs = claim.spec.get("rungs")
+    rungs = claim.spec.rungs
     if rungs:  # a trial's, whose sweep stops early: its reporter asks at each
         problem = rungs_problem(rungs)
         if problem:
@@ -255,9 +257,8 @@ def secrets_problem(claim: ClaimedJob) -> str | None:
     return None
 
 
-def secret_names(spec: Mapping[str, Any]) -> list[str]:
-    names = spec.get("secrets") or []
-    return [str(n) for n in names] if isinstance(names, list) else []
+def secret_names(spec: ClaimedSpec) -> list[str]:
+    return list(spec.secrets)
 
 
 def add_secrets(env: dict[str, str], secrets: Mapping[str, str]) -> None:

@@ -62,7 +62,6 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
 
 from packaging.markers import UndefinedEnvironmentName
 from packaging.requirements import InvalidRequirement
@@ -70,6 +69,7 @@ from packaging.requirements import Requirement as Pep508
 from packaging.version import InvalidVersion
 
 from ddpq.errors import JobError, RequirementsRefused, Stopped
+from ddpq.jobspec import ClaimedSpec
 from worker.edges import procs
 from worker.starting import launcher, requirements
 from worker.starting.requirements import Requirement
@@ -428,7 +428,7 @@ def _put_aside(env_dir: Path) -> None:
 
 def python_for(
     venvs: Venvs,
-    spec: Mapping[str, Any],
+    spec: ClaimedSpec,
     cwd: Path,
     env: Mapping[str, str],
     say: Callable[[str], None],
@@ -440,9 +440,7 @@ def python_for(
     spec's pip list), built if need be. Requirements this worker does not install are
     refused (JobError) before pip runs."""
     try:
-        reqs = requirements.read(
-            cwd if spec.get("code") else None, list(spec.get("pip") or []), venvs.policy
-        )
+        reqs = requirements.read(cwd if spec.code else None, list(spec.pip), venvs.policy)
     except RequirementsRefused as exc:
         raise JobError(f"requirements refused: {exc}") from None
     if not reqs:
@@ -465,15 +463,11 @@ def python_for(
 HIDDEN_UNLESS_ASKED = ("rich",)
 
 
-def hidden_distributions(
-    spec: Mapping[str, Any], cwd: Path, policy: requirements.Policy
-) -> list[str]:
+def hidden_distributions(spec: ClaimedSpec, cwd: Path, policy: requirements.Policy) -> list[str]:
     """Which of HIDDEN_UNLESS_ASKED a job's ranks do not see installed: those its
     requirements (requirements.txt, the spec's pip list) do not name."""
     try:
-        reqs = requirements.read(
-            cwd if spec.get("code") else None, list(spec.get("pip") or []), policy
-        )
+        reqs = requirements.read(cwd if spec.code else None, list(spec.pip), policy)
     except RequirementsRefused:
         return list(HIDDEN_UNLESS_ASKED)  # the job will not start: python_for says why
     asked = set()

@@ -29,8 +29,8 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from typing import Any
 
+from ddpq.jobspec import ClaimedSpec
 from worker import zygote
 from worker.files.caches import CACHE_VARS
 from worker.starting import torchrun
@@ -65,9 +65,9 @@ PER_ATTEMPT = frozenset(
 )  # fmt: skip
 
 
-def choose(spec: Mapping[str, Any], default: str) -> tuple[str, str | None]:
+def choose(spec: ClaimedSpec, default: str) -> tuple[str, str | None]:
     """The launcher an attempt uses, and when it is not the one asked for, why."""
-    asked = str(spec.get("launcher") or default)
+    asked = spec.launcher or default
     if asked != "warm":
         return "torchrun", None
     own = _own_names(spec)
@@ -77,12 +77,12 @@ def choose(spec: Mapping[str, Any], default: str) -> tuple[str, str | None]:
     return "warm", None
 
 
-def _own_names(spec: Mapping[str, Any]) -> set[str]:
+def _own_names(spec: ClaimedSpec) -> set[str]:
     """The variables a job sets itself: its spec's env and its secrets (by name)."""
-    return set(spec.get("env", {})) | set(torchrun.secret_names(spec))
+    return set(spec.env) | set(torchrun.secret_names(spec))
 
 
-def zygote_env(env: Mapping[str, str], spec: Mapping[str, Any], nproc: int) -> dict[str, str]:
+def zygote_env(env: Mapping[str, str], spec: ClaimedSpec, nproc: int) -> dict[str, str]:
     """A warm process's environment for ranks whose environment is ``env``: what of it the
     worker gives every job (the allow-list, the interpreter activated), never ddpq's own
     (the job's token), the job's own (its env, its secrets: a secret named HF_TOKEN would
@@ -106,7 +106,7 @@ def default_zygote_env(nproc: int = 2) -> dict[str, str]:
     """The warm process's environment for a job of the worker's own interpreter with no
     env of its own (what a worker with the warm launcher on starts ahead)."""
     inherited = {k: v for k, v in os.environ.items() if torchrun.inherited(k)}
-    return zygote_env(inherited, {}, nproc)
+    return zygote_env(inherited, ClaimedSpec(), nproc)
 
 
 class WarmPool:
@@ -289,7 +289,7 @@ def python_version_ok() -> bool:
 def socket_for_attempt(
     pool: WarmPool | None,
     default: str,
-    spec: Mapping[str, Any],
+    spec: ClaimedSpec,
     nproc: int,
     python: str,
     env: Mapping[str, str],

@@ -111,7 +111,8 @@ def test_every_import_of_a_room_is_declared_in_its_role(room: str) -> None:
                 ok = allowed | _declared("frameworks", "worker")
                 if module == "lightning":  # the unified package, when a program uses it:
                     continue  # the same Lightning as the extra's pytorch-lightning
-            if rel == "ddpq/messages.py":  # the worker protocol: the API and the worker
+            # The worker protocol and the job spec it carries: the API and the worker.
+            if rel in ("ddpq/messages.py", "ddpq/jobspec.py"):
                 ok = _declared("server") & _declared("worker")
             dists = _dists(module)
             if not dists or not dists & ok:

@@ -57,6 +57,18 @@ _NEWEST_CHECKPOINT = (
 )
 
 
+# Queued jobs ahead of one (a submit's answer, GET /jobs/{id} of a queued job).
+_AHEAD = (
+    select(func.count())
+    .select_from(_JOBS)
+    .where(
+        _JOBS.c.status == JobStatus.QUEUED,
+        queue.at_or_ahead(bindparam("priority"), bindparam("share"), bindparam("job_id")),
+        _JOBS.c.id != bindparam("job_id"),
+    )
+)
+
+
 # ---- reading -----------------------------------------------------------------------
 
 
@@ -72,15 +84,8 @@ def _queue_positions(s: Session, jobs: list[Job]) -> dict[int, int]:
         return {job_id: int(pos) for job_id, pos in rows}
     positions: dict[int, int] = {}
     for job in queued:
-        ahead = s.scalar(
-            select(func.count())
-            .select_from(Job)
-            .where(
-                Job.status == JobStatus.QUEUED,
-                queue.at_or_ahead(job.priority, job.share, job.id),
-                Job.id != job.id,
-            )
-        )
+        params = {"priority": job.priority, "share": job.share, "job_id": job.id}
+        ahead = s.connection().execute(_AHEAD, params).scalar()
         positions[job.id] = (ahead or 0) + 1
     return positions
 

@@ -98,6 +98,41 @@ def test_nothing_fits_outlives_submits_that_have_no_room_here_or_were_claimed() 
     assert not covers()
 
 
+def test_rooms_found_empty_are_carried_to_a_later_generation_where_its_wakes_leave_them() -> None:
+    """A claim that finds nothing at a later generation keeps what earlier claims found
+    for other rooms, where the wake-ups between change nothing for those rooms; a room a
+    wake-up between may fit is dropped. A late answer from an earlier generation joins the
+    memory only where the wake-ups since leave it standing."""
+    wakeup = Wakeup(queue.room_fits)
+    memo = queue.NothingFits(valid_s=60)
+    big = queue.Probe(has_gpus=True, cpu=32, gpus=6, general=True)
+    small = queue.Probe(has_gpus=True, cpu=32, gpus=1, general=True)
+    start = wakeup.generation
+    memo.found_nothing("a", start, big, began=0.0, since=wakeup.since)
+
+    def covers(gpus: int, now: float = 1.0) -> bool:
+        return memo.covers("w", wakeup.generation, 32, gpus, now, wakeup.since)
+
+    memo.found("w", queue.Probe(has_gpus=True))
+    wakeup._apply(Wake(device="cuda", nproc=8, job=1))  # fits nobody offering <= 6 GPUs
+    memo.found_nothing("b", wakeup.generation, small, began=0.5, since=wakeup.since)
+    assert covers(6)  # a's 6 GPUs, carried over the 8-GPU submit
+    wakeup._apply(Wake(device="cuda", nproc=4, job=2))  # fits 6 free GPUs, not 1
+    memo.found_nothing("b", wakeup.generation, small, began=0.7, since=wakeup.since)
+    assert covers(1) and not covers(6) and not covers(4)
+    # A late answer for 6 GPUs from before job 2's submit: job 2 may fit it, so it is not
+    # taken; once a claim here took job 2, it is.
+    memo.found_nothing("a", start, big, began=0.8, since=wakeup.since)
+    assert not covers(6)
+    memo.found("c", small, job_id=2)
+    memo.found_nothing("a", start + 1, big, began=0.8, since=wakeup.since)
+    assert covers(6)
+    assert not covers(6, now=61.0)  # each room only as long as its own finding holds
+    wakeup._apply(EVERYONE)
+    memo.found_nothing("b", wakeup.generation, small, began=1.0, since=wakeup.since)
+    assert covers(1) and not covers(6)  # an unshaped wake-up carries nothing over
+
+
 def _empty_claims(server: Server) -> float:
     text = server.client().get("/metrics").text
     for line in text.splitlines():

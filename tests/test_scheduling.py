@@ -226,6 +226,39 @@ def test_a_claim_waits_out_a_transaction_holding_every_queued_row(
         stop_server(server)
 
 
+def test_a_waiting_claim_waits_for_the_best_row_alone_and_then_takes_the_next_free_one(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """The claim that waits for held rows waits for the lock of the best one only (a claim
+    that waited walking the queue kept the lock of each row it passed that another claim
+    took meanwhile, and two such walks deadlocked); if that job went to another worker
+    as it waited, it takes the next free one at once. Postgres only (row locks)."""
+    server = start_server(pg_url, tmp_path / "api")
+    try:
+        register(server, "w", cpu_slots=8, gpus=[])
+        first, second = (_submit(server, entrypoint="noop.py", device="cpu")["id"] for _ in "ab")
+        holder = psycopg.connect(pg_url.replace("postgresql+psycopg://", "postgresql://", 1))
+        holder.execute("SELECT id FROM jobs WHERE status = 'queued' FOR UPDATE")
+        got: list[dict | None] = []
+        t = threading.Thread(target=lambda: got.append(_claim(server, "w", [])))
+        t.start()
+
+        def waiting_on_a_lock() -> bool:
+            q = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+            with psycopg.connect(holder.info.dsn, autocommit=True) as look:
+                return bool(look.execute(q).fetchone()[0])  # type: ignore[index]
+
+        wait_for(waiting_on_a_lock, 30, "the claim to wait on the held rows")
+        # Another worker's claim took the first job meanwhile (as its transaction would).
+        holder.execute("UPDATE jobs SET status = 'running' WHERE id = %s", (first,))
+        holder.commit()
+        holder.close()
+        t.join(timeout=30)
+        assert got and got[0] is not None and got[0]["job_id"] == second
+    finally:
+        stop_server(server)
+
+
 def test_concurrent_requests_with_one_idempotency_key_make_one_job(server: Server) -> None:
     n = 12
     results: list[httpx.Response] = []

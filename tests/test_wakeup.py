@@ -188,3 +188,46 @@ def test_a_submit_wakes_only_the_polls_with_room_for_its_job() -> None:
             t.cancel()
 
     asyncio.run(run())
+
+
+def test_a_submit_wakes_a_poll_per_node_and_a_spare_of_the_least_room_that_fits() -> None:
+    """A 2-GPU job's submit wakes the two polls whose free GPUs fit it most tightly, not
+    the host with all 8 free (an 8-GPU job waits for that one) nor a poll of unknown kind;
+    a 2-node job's wakes one more. The others see the generation at their re-check."""
+
+    async def run() -> None:
+        wakeup = Wakeup(queue.room_fits)
+        wakeup.bind(asyncio.get_running_loop())
+        rooms = {
+            "free8": (8, 32, True),
+            "three": (3, 32, True),
+            "two-a": (2, 32, True),
+            "two-b": (2, 16, True),
+            "one": (1, 32, True),
+            "new": (0, 0, None),
+        }
+
+        async def woken_by(wake: Wake) -> set[str]:
+            seen = wakeup.generation
+            polls = {
+                name: asyncio.create_task(wakeup.wait(seen, 30, name, 0, room))
+                for name, room in rooms.items()
+            }
+            await asyncio.sleep(0)
+            wakeup.wake(wake)
+            # The woken wake in the same turns of the loop: the first, then a few more turns.
+            await asyncio.wait(polls.values(), timeout=5, return_when=asyncio.FIRST_COMPLETED)
+            for _ in range(3):
+                await asyncio.sleep(0)
+            woken = {name for name, t in polls.items() if t.done()}
+            for t in polls.values():
+                t.cancel()
+            await asyncio.gather(*polls.values(), return_exceptions=True)
+            return woken
+
+        assert wakeup_module.WAKE_SPARE == 1
+        assert await woken_by(Wake(device="cuda", nproc=2, job=1)) == {"two-a", "two-b"}
+        gang = Wake(device="cuda", nproc=2, nnodes=2, job=2)
+        assert await woken_by(gang) == {"two-a", "two-b", "three"}
+
+    asyncio.run(run())

@@ -4,6 +4,7 @@
   node slot states, the claim order), each written once for SQL and Python.
 - ``books``: what each worker has and what of it is held.
 - ``claim``: hand a worker the best queued job that fits.
+- ``memo``: what idle long-polls need not ask the database again (NothingFits).
 - ``gangs``: multi-node jobs, claimed as gangs of node slots.
 - ``states``: the job state machine: every move a status may make, and what it does.
 - ``leases``: workers, heartbeats, how attempts end, and the fencing check.
@@ -19,7 +20,7 @@ Other modules import this package and call what it re-exports below.
 from service.queue import plan
 from service.queue.books import Capacity, capacities, live_count, shapes
 from service.queue.books import overview as workers_overview
-from service.queue.claim import Claim, NothingFits, Probe, claim_next_job
+from service.queue.claim import Claim, claim_next_job
 from service.queue.deps import check as dependencies_unmet
 from service.queue.deps import record as record_dependencies
 from service.queue.deps import unmet_of as dependencies_of
@@ -43,6 +44,7 @@ from service.queue.leases import (
     release_worker,
     workers_attempt,
 )
+from service.queue.memo import NothingFits, Probe
 from service.queue.preempt import sweep as preempt_sweep
 from service.queue.quotas import DEFAULT as DEFAULT_QUOTA
 from service.queue.quotas import Limits, usage_and_limits

@@ -13,11 +13,8 @@ reused (a statement's cache key is memoised on the object).
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
@@ -30,6 +27,7 @@ from service.db import Database
 from service.errors import ServiceError, UnknownWorker
 from service.models import JobStatus, UTCDateTime, utcnow
 from service.queue import books, gangs, quotas
+from service.queue.memo import Probe
 from service.queue.rules import (
     ORDER,
     QUEUED_SINGLE,
@@ -47,10 +45,8 @@ from service.queue.rules import (
     ready,
     resolve,
     resume_from,
-    room_fits,
 )
 from service.queue.states import Event, may, new_attempt, start_values
-from service.wakeup import Wake
 
 
 class Claim(ClaimedJob):
@@ -115,24 +111,33 @@ def _fitting(worker_has_gpus: bool) -> Any:
     )
 
 
+def _ordered(worker_has_gpus: bool, guarded: bool) -> Any:
+    """The best queued job that fits: the first in queue order (behind the head when
+    ``guarded``: a job starves, or a gang is picked, and nothing behind it may start)."""
+    pick = _fitting(worker_has_gpus)
+    if guarded:
+        pick = pick.where(
+            at_or_ahead(bindparam("head_priority"), bindparam("head_share"), bindparam("head_id"))
+        )
+    return pick.order_by(*ORDER).limit(1)
+
+
 @functools.cache
-def _any_fits(worker_has_gpus: bool) -> Any:
-    """Whether any queued job fits, locked or not: SKIP LOCKED passes over the rows other
+def _best_fit(worker_has_gpus: bool, guarded: bool) -> Any:
+    """The best queued job that fits, locked or not: SKIP LOCKED passes over the rows other
     transactions hold (a claim being made, a job being moved), so a claim that found
     nothing on Postgres found nothing for all (NothingFits) only if this finds none."""
-    return _fitting(worker_has_gpus).limit(1)
+    return _ordered(worker_has_gpus, guarded)
 
 
 @functools.cache
 def _take(dialect: str, worker_has_gpus: bool, guarded: bool, wait: bool = False) -> Any:
     """Mark the best queued job that fits running, in one statement, and return it.
-    On Postgres the pick passes over rows other transactions hold, unless ``wait``."""
-    pick = _fitting(worker_has_gpus)
-    if guarded:  # a job starves (or a gang is picked): nothing behind it may start
-        pick = pick.where(
-            at_or_ahead(bindparam("head_priority"), bindparam("head_share"), bindparam("head_id"))
-        )
-    pick = pick.order_by(*ORDER).limit(1)
+    On Postgres the pick passes over rows other transactions hold; with ``wait``, it
+    waits for the one job bound as ``pick_id`` instead (if it still fits then)."""
+    pick = _ordered(worker_has_gpus, guarded)
+    if wait:
+        pick = pick.where(j.id == bindparam("pick_id"))
     if dialect == "postgresql":
         pick = pick.with_for_update(skip_locked=not wait)
     # A CPU job holds its ranks' CPU slots; a GPU job its GPUs (set after the pick).
@@ -196,147 +201,6 @@ def _take_whole(dialect: str, nodes_have_gpus: bool) -> Any:
             j.id, j.attempt, j.spec, j.device, j.nproc_per_node, j.queued_at, j.nnodes, j.owner
         )
     )
-
-
-@dataclass
-class Probe:
-    """What a claim looked at, filled in as it runs: whether the worker has GPUs, the room
-    it offered by the books (free CPU slots and GPUs: the worker's word and the books',
-    whichever is less), and whether a claim that found nothing found nothing for every
-    worker of its kind with no more room (``general``: no starving job, gang or
-    preemption narrowed the pick to this worker)."""
-
-    has_gpus: bool | None = None
-    cpu: int = 0
-    gpus: int = 0
-    general: bool = False
-    # When its transaction began (monotonic): what it found holds from then. A claim that
-    # waited for a claim thread behind many others (1,000 polls re-checking) would
-    # otherwise be stale as it answers, and every poll would go on asking.
-    at: float = 0.0
-
-
-@dataclass
-class _Empty:
-    generation: int
-    since: float  # when the first claim that found it began (monotonic)
-    rooms: dict[bool, list[tuple[int, int]]] = field(default_factory=dict)
-
-
-# Jobs NothingFits remembers as claimed: more than a burst of submits keeps queued.
-CLAIMED_KEPT = 4096
-
-
-class NothingFits:
-    """An API process's memory of claims that found nothing, so that its idle long-polls
-    do not all ask the database the same question: with 1,000 hosts each long-polling,
-    every wake-up (a submit, a finish) and every re-check ran 1,000 claim transactions
-    that found nothing, and the API spent its time on them (bench/fleet.py).
-
-    A claim that found nothing for room (cpu, gpus) at wake-up generation G (``general``)
-    means nothing would fit a worker of the same kind offering no more: the pick's
-    predicates are monotone in the room, and the rest (the queue, quotas, a job's retry
-    backoff running out, another API process's submit) changes only with a new
-    generation, or with time, which ``valid_s`` bounds. Such a worker waits for the
-    next wake-up instead. A worker this process has not seen claim (which might not be
-    registered: 404) always asks the database. While a claim for some room runs, the
-    claims of no more room at the same generation wait for its answer instead of asking
-    alongside it (a wake-up wakes every long-poll at once)."""
-
-    def __init__(self, valid_s: float) -> None:
-        self.valid_s = valid_s
-        self._kind: dict[str, bool] = {}  # worker -> has GPUs, from its last claim
-        self._empty = _Empty(-1, 0.0)
-        self._asking: list[tuple[int, bool, int, int, asyncio.Event]] = []
-        # Single-node jobs this process's claims took lately: a submit's wake-up for one
-        # of them changes nothing for anyone else any more.
-        self._claimed: dict[int, None] = {}
-
-    def _fresh(self, generation: int, now: float) -> bool:
-        e = self._empty
-        return e.generation == generation and now - e.since <= self.valid_s
-
-    def kind(self, worker: str) -> bool | None:
-        """Whether ``worker`` has GPUs, as its last claim here found (None: unknown)."""
-        return self._kind.get(worker)
-
-    def covers(
-        self,
-        worker: str,
-        generation: int,
-        cpu: int,
-        gpus: int,
-        now: float,
-        since: Callable[[int], list[Wake] | None] | None = None,
-    ) -> bool:
-        """Whether a claim of ``worker`` offering this room would find nothing now: a
-        claim of as much room found nothing at this generation, or at an earlier one
-        whose wake-ups since (``since``: Wakeup.since) only queued jobs this room has no
-        place for or that were claimed already."""
-        kind = self._kind.get(worker)
-        e = self._empty
-        if kind is None or now - e.since > self.valid_s or e.generation > generation:
-            return False
-        if not any(cpu <= c and gpus <= g for c, g in e.rooms.get(kind, ())):
-            return False
-        if e.generation == generation:
-            return True
-        changes = since(e.generation) if since is not None else None
-        return changes is not None and all(self._moot(w, kind, cpu, gpus) for w in changes)
-
-    def _moot(self, wake: Wake, kind: bool, cpu: int, gpus: int) -> bool:
-        if wake.device is None:  # unshaped: anything may have changed
-            return False
-        if wake.nnodes == 1 and wake.job in self._claimed:
-            return True
-        return not room_fits(wake.device, wake.nproc, kind, cpu, gpus)
-
-    def asked(self, worker: str, generation: int, cpu: int, gpus: int) -> asyncio.Event | None:
-        """A claim of at least this room running for this generation, to wait for."""
-        kind = self._kind.get(worker)
-        if kind is None:
-            return None
-        for g, k, c, n, done in self._asking:
-            if g == generation and k == kind and cpu <= c and gpus <= n:
-                return done
-        return None
-
-    def asking(self, worker: str, generation: int, cpu: int, gpus: int) -> asyncio.Event:
-        """Mark a claim of this room running; set the event it returns once answered."""
-        done = asyncio.Event()
-        kind = self._kind.get(worker)
-        if kind is not None:
-            self._asking.append((generation, kind, cpu, gpus, done))
-        return done
-
-    def answered(self, done: asyncio.Event) -> None:
-        self._asking = [a for a in self._asking if a[4] is not done]
-        done.set()
-
-    def found_nothing(self, worker: str, generation: int, probe: Probe, began: float) -> None:
-        """Record a claim begun at ``began`` (monotonic) at ``generation`` that found nothing."""
-        if probe.has_gpus is None:
-            return
-        self._kind[worker] = probe.has_gpus
-        if not probe.general:
-            return
-        if not self._fresh(generation, began):
-            self._empty = _Empty(generation, began)
-        e = self._empty
-        e.since = min(e.since, began)
-        e.rooms.setdefault(probe.has_gpus, []).append((probe.cpu, probe.gpus))
-
-    def found(self, worker: str, probe: Probe, job_id: int | None = None) -> None:
-        if probe.has_gpus is not None:
-            self._kind[worker] = probe.has_gpus
-        if job_id is not None:
-            self._claimed[job_id] = None
-            if len(self._claimed) > CLAIMED_KEPT:
-                del self._claimed[next(iter(self._claimed))]
-
-    def forget(self, worker: str) -> None:
-        """A worker registered (again): what it has may have changed."""
-        self._kind.pop(worker, None)
 
 
 # Claims undone for a limit another claim reached first, before this one answers "none"
@@ -506,17 +370,7 @@ def _claim(
         probe.general = head is None and not mine.gangs_queued
         row = conn.execute(_take(db.dialect, has_gpus, head is not None), params).first()
         if row is None and db.dialect == "postgresql":
-            # SKIP LOCKED passed over every row that fits, or none fits. Rows are held by
-            # claims being made and also by a share refresh rewriting all of an owner's
-            # queued jobs: answering "none" then would idle a worker while jobs wait. So
-            # if any fits, wait for the locks once. This transaction holds no row yet
-            # (unless a gang's), so no lock cycle can pass through it.
-            fits = conn.execute(_any_fits(has_gpus), params).first() is not None
-            probe.general = probe.general and not fits
-            if fits and gang is None:
-                row = conn.execute(
-                    _take(db.dialect, has_gpus, head is not None, wait=True), params
-                ).first()
+            row = _take_waiting(conn, db, has_gpus, head is not None, gang is None, params, probe)
         if row is not None:
             return _start(conn, row, cap, token_hash, now, mine.quotas_set)
         if gang is None:
@@ -524,6 +378,29 @@ def _claim(
         assert advertise_addr is not None and rdzv_port is not None
         offer = gangs.Offer(worker, cap, token_hash, advertise_addr, rdzv_port, now)
         return _node_of(gang, gangs.take_node(conn, gang, offer))
+
+
+def _take_waiting(
+    conn: Connection, db: Database, has_gpus: bool, guarded: bool, may_wait: bool,
+    params: dict[str, Any], probe: Probe,
+) -> Any:  # fmt: skip
+    """SKIP LOCKED passed over every row that fits, or none fits. Rows are held by claims
+    being made and also by a share refresh rewriting all of an owner's queued jobs:
+    answering "none" then would idle a worker while jobs wait. So if one fits, wait for
+    the best one's lock, and that row's alone: a pick that waits as it walks the queue
+    keeps the lock of each row it passes that another claim took meanwhile (Postgres
+    keeps a row's lock when it no longer matches), and two such walks deadlocked
+    (bench/fleet.py, 1,000 hosts). Waiting, this transaction holds no row (a gang's
+    claim does not wait), so no lock cycle passes through it."""
+    best = conn.execute(_best_fit(has_gpus, guarded), params).first()
+    probe.general = probe.general and best is None
+    if best is None or not may_wait:
+        return None
+    waited = {**params, "pick_id": best.id}
+    row = conn.execute(_take(db.dialect, has_gpus, guarded, wait=True), waited).first()
+    if row is None:  # another claim took it first: another free one, without waiting
+        row = conn.execute(_take(db.dialect, has_gpus, guarded), params).first()
+    return row
 
 
 def _node_of(gang: Any, slot: gangs.NodeSlot | None) -> Claim | None:

@@ -111,19 +111,17 @@ def usage_of(s: Session, owner: str | None, now: datetime) -> float:
 
 def _add(s: Session, owner: str, amount: float, now: datetime, t0: datetime | None = None) -> float:
     """Add a use of ``amount`` at ``now`` to ``owner``'s usage; the new scaled usage.
-    The row is locked for the change: two transactions adding at once both count.
-    ``t0``: the epoch, read (shared) by the caller already."""
+    One upsert that adds in the database: the row it changes stays locked until the
+    transaction ends, so two transactions adding at once both count. ``t0``: the epoch,
+    read (shared) by the caller already."""
     t0 = t0 or _epoch(s, now)
     scaled = amount * _scale(now, t0, policy_of(s).fairshare_half_life_s)
-    s.execute(
-        _insert(s)(usage_table)
-        .values(owner=owner, usage=0.0, updated_at=now)
-        .on_conflict_do_nothing(index_elements=["owner"])
-    )
-    q = select(UserUsage.usage).where(UserUsage.owner == owner).with_for_update()
-    new = float(s.execute(q).scalar_one()) + scaled
-    s.execute(update(UserUsage).where(UserUsage.owner == owner).values(usage=new, updated_at=now))
-    return new
+    ins = _insert(s)(usage_table).values(owner=owner, usage=scaled, updated_at=now)
+    upsert = ins.on_conflict_do_update(
+        index_elements=["owner"],
+        set_={"usage": usage_table.c.usage + ins.excluded.usage, "updated_at": now},
+    ).returning(usage_table.c.usage)
+    return float(s.execute(upsert).scalar_one())
 
 
 _QUEUED = cast(Table, Job.__table__).alias("queued")
@@ -179,25 +177,18 @@ def _count(s: Session, attempt_id: int, counted_until: datetime | None, started:
     return 0.0
 
 
-def count_end(s: Session, job_id: int, attempt_id: int, now: datetime) -> bool:
-    """An attempt ends (in the caller's transaction, before the job moves on): count the
-    rest of its use, and refresh its owner's queued jobs. Whether it took the owner's
-    lock (it does when it counts anything)."""
-    row = s.execute(
-        select(
-            Job.owner, Job.device, Attempt.gpus, Job.nproc_per_node, Job.nnodes,
-            Attempt.counted_until, Attempt.started_at,
-        )
-        .join(Attempt, Attempt.job_id == Job.id)
-        .where(Job.id == job_id, Attempt.id == attempt_id)
-    ).first()  # fmt: skip
-    if row is None or row.owner is None:
+def count_end(s: Session, job: Job, attempt: Attempt, now: datetime) -> bool:
+    """An attempt ends (in the caller's transaction, before the job moves on, the job's
+    row locked): count the rest of its use, and refresh its owner's queued jobs. Whether
+    it took the owner's lock (it does when it counts anything). The attempt as loaded
+    may be behind a sweep that counted since: ``_count`` reads it again then."""
+    if job.owner is None:
         return False
-    seconds = _count(s, attempt_id, row.counted_until, row.started_at, now)
+    seconds = _count(s, attempt.id, attempt.counted_until, attempt.started_at, now)
     if not seconds:
         return False
-    use = units(row.device, row.gpus, row.nproc_per_node, row.nnodes, policy_of(s))
-    _add_locked(s, row.owner, use * seconds, now)
+    use = units(job.device, attempt.gpus, job.nproc_per_node, job.nnodes, policy_of(s))
+    _add_locked(s, job.owner, use * seconds, now)
     return True
 
 

@@ -234,7 +234,7 @@ def end(
     held_cpu = job.held_cpu_slots  # what it held, before a requeue clears it
     # As it held: before the job moves on; under its owner's lock from there if it
     # counted any (taken after the attempt's row: service.queue.quotas).
-    locked = shares.count_end(s, job.id, attempt.id, now)
+    locked = shares.count_end(s, job, attempt, now)
     _set(job, m, now, reason, columns)
     job.exit_code = exit_code
     job.preempted_by = None  # a hand-back asked of it is done, or moot

@@ -207,7 +207,8 @@ async def _claim(
         memo.answered(done)
     request.app.state.telemetry.observe_claim(time.perf_counter() - started, claimed)
     if claimed is None:
-        memo.found_nothing(body.name, seen, probe, probe.at or began)
+        since = request.app.state.wakeup.since  # what it found holds across moot wake-ups
+        memo.found_nothing(body.name, seen, probe, probe.at or began, since)
         return None
     memo.found(body.name, probe, claimed.job_id if claimed.nnodes == 1 else None)
     wired = claimed.wire(token)

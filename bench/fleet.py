@@ -34,7 +34,9 @@ Per N (after a warm-up that first fills the fleet), over the measured window:
   - GPU idle while jobs wait: GPU-seconds free on hosts where some queued job would
     fit, over all GPU-seconds (the scheduler's efficiency; 0 is perfect);
   - database rows and bytes (pg_total_relation_size of each table) per 1,000 jobs
-    submitted in the window.
+    submitted in the window;
+  - a host killed (kill -9: it stops without a word) as the window opens: when its
+    jobs were queued again, after its last heartbeat, against the lease it was given.
 
     PYTHONPATH=. .venv/bin/python bench/fleet.py [--hosts 10,100,500,1000] [--quick]
         [--backend postgres|sqlite] [--api-procs N] [--profile DIR] [--out docs/img/fleet.png]
@@ -207,6 +209,9 @@ class Host:
         self.http: Http = sim.http_for("worker")
         self.heartbeat_s = sim.heartbeat_s
         self.claim_wait_s = CLAIM_WAIT_S
+        self.lease_s = 0.0  # as the API last said
+        self.last_beat = 0.0  # when its last heartbeat was sent (monotonic), answered 200
+        self.tasks: list[asyncio.Task[None]] = []  # its heartbeats and polls
 
     @property
     def free(self) -> set[int]:
@@ -227,7 +232,7 @@ class Host:
         if status != 200:
             raise SystemExit(f"register {self.name}: {status} {data[:200]!r}")
         reply = orjson.loads(data)
-        self.heartbeat_s = reply["heartbeat_s"]
+        self.heartbeat_s, self.lease_s = reply["heartbeat_s"], reply["lease_s"]
         self.claim_wait_s = reply.get("claim_wait_s") or CLAIM_WAIT_S
 
     async def heartbeats(self) -> None:
@@ -240,7 +245,7 @@ class Host:
                 "identity": self.identity,
                 "running": [{"job_id": j, "attempt": a} for j, a in self.running.items()],
             }
-            t0 = time.perf_counter()
+            t0, sent = time.perf_counter(), time.monotonic()
             try:
                 status, data = await self.http.request("POST", "/workers/heartbeat", body)
             except (OSError, asyncio.IncompleteReadError):
@@ -251,6 +256,8 @@ class Host:
             else:  # the pace the API sets for the fleet's size (service.pace), as a worker
                 reply = orjson.loads(data)
                 self.heartbeat_s = reply.get("heartbeat_s") or self.heartbeat_s
+                self.lease_s = reply.get("lease_s") or self.lease_s
+                self.last_beat = sent
                 self.claim_wait_s = reply.get("claim_wait_s") or self.claim_wait_s
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.sim.stop.wait(), self.heartbeat_s)
@@ -562,7 +569,8 @@ async def simulate(api: Api, plan: Plan, db_url: str, profile: Path | None) -> d
     loop = asyncio.get_running_loop()
     tasks = [loop.create_task(watch(sim))]
     for h in sim.hosts:
-        tasks += [loop.create_task(h.heartbeats()), loop.create_task(h.claims())]
+        h.tasks = [loop.create_task(h.heartbeats()), loop.create_task(h.claims())]
+        tasks += h.tasks
     burst = int(plan.load * GPUS * plan.hosts / MEAN_SIZE)
     sim.burst_left = burst
     tasks.append(loop.create_task(submitter(sim, users, plan.rate, plan.job_s, burst)))
@@ -589,6 +597,7 @@ async def simulate(api: Api, plan: Plan, db_url: str, profile: Path | None) -> d
     sim_cpu0 = _self_cpu()
     t0 = time.monotonic()
     stats.measuring = True
+    killing = loop.create_task(kill_one(sim, admin))
     spy = None
     if profile is not None:
         profile.mkdir(parents=True, exist_ok=True)
@@ -623,6 +632,7 @@ async def simulate(api: Api, plan: Plan, db_url: str, profile: Path | None) -> d
     pg_cpu = sum(v - pg0.get(pid, 0.0) for pid, v in pg1.items())
     sim_cpu = _self_cpu() - sim_cpu0
     finished, queued = stats.finished, len(sim.pending)
+    killed = await killing  # waits out its lease, past the window
     after_tables = await asyncio.to_thread(db_tables, db_url)
     sim.stop.set()
     for h in sim.hosts:
@@ -684,7 +694,37 @@ async def simulate(api: Api, plan: Plan, db_url: str, profile: Path | None) -> d
         "db_bytes_per_1000_jobs": sum(g["bytes"] for g in growth.values()),
         "db_rows_per_1000_jobs": round(sum(g["rows"] for g in growth.values()), 1),
         "errors": stats.errors,
+        "killed": killed,
         "per_s": dict(sorted(mix.items(), key=lambda kv: -kv[1])),
+    }
+
+
+async def kill_one(sim: Sim, admin: Http) -> dict[str, Any]:
+    """A kill -9 of the busiest host as the window opens: its heartbeats, polls and jobs
+    stop at once, and it says nothing more. The API is to declare its attempts lost
+    once the lease it gave the host has run out since its last heartbeat (the sweeper
+    looks every few seconds), and queue their jobs again (a job's attempt moves on, or
+    it waits queued): how long after that heartbeat each was (seen within a second)."""
+    victim = max(sim.hosts, key=lambda h: len(h.running))
+    held, lease = dict(victim.running), victim.lease_s
+    for task in [*victim.tasks, *victim.jobs]:
+        task.cancel()
+    victim.http.close()
+    killed, last_beat = time.monotonic(), victim.last_beat
+    lost: dict[int, float] = {}
+    while len(lost) < len(held) and time.monotonic() - killed < 2 * lease + 30:
+        for job_id, attempt in held.items():
+            status, data = await admin.request("GET", f"/jobs/{job_id}")
+            job = orjson.loads(data) if status == 200 else {}
+            again = job.get("attempt", 0) > attempt or job.get("status") == "queued"
+            if job_id not in lost and again:
+                lost[job_id] = time.monotonic() - last_beat
+        await asyncio.sleep(1.0)  # past the window too: the lease may outlast it
+    return {
+        "jobs": len(held),
+        "lease_s": lease,
+        "requeued": len(lost),
+        "lost_after_max_s": round(max(lost.values()), 1) if lost else None,
     }
 
 
@@ -890,6 +930,13 @@ def main() -> None:
             print(table([r]), flush=True)
             if r["errors"]:
                 print("errors:", r["errors"], flush=True)
+            kill = r["killed"]
+            print(
+                f"a host killed as the window opened, holding {kill['jobs']} jobs: "
+                f"{kill['requeued']} queued again, the last {kill['lost_after_max_s']} s after "
+                f"its last heartbeat (its lease: {kill['lease_s']:g} s)",
+                flush=True,
+            )
             mix = ", ".join(f"{k} {v:g}" for k, v in r["per_s"].items() if v)
             print(f"filled in {r['fill_s']:g} s; per second: {mix}")
     print()

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import heapq
 import json
 import os
@@ -72,6 +73,10 @@ class Wake:
     nproc: int = 0
     nnodes: int = 1
     job: int | None = None
+    # This process woke a poll for each of its job's nodes: those claim it, and other
+    # polls' memory that nothing fits need not race them for it (queue.NothingFits).
+    # Kept in the history only; never sent.
+    woken: bool = False
 
     def payload(self) -> str:
         """The NOTIFY payload: this, and which process sent it."""
@@ -122,7 +127,7 @@ class Wakeup:
         self.fits = fits
         self._history: deque[tuple[int, Wake]] = deque(maxlen=HISTORY)
         self._own: dict[str, int] = {}
-        self._waiting: dict[str | None, dict[asyncio.Future[None], Room]] = {}
+        self._waiting: dict[str | None, dict[asyncio.Future[Wake], Room]] = {}
         self._seq = 0  # counts recorded frees: a poll adds those after its start
         self._freed: dict[str, list[tuple[int, float, int, tuple[int, ...]]]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -197,7 +202,6 @@ class Wakeup:
             self._freed[worker] = [*kept, (self._seq, now, wake.cpu, wake.gpus)]
         if wake.everyone:
             self.generation += 1
-            self._history.append((self.generation, wake))
             # Every gang's wait (no worker's: few, each a formed gang's start), and the
             # claims' long-polls that have room for it: a few of those it fits best.
             polls = [
@@ -207,7 +211,11 @@ class Wakeup:
                 for w in waiting.items()
                 if self.room_fits(wake, w[1])
             ]
-            woken = [*self._waiting.get(None, {}), *_chosen(wake, polls)]
+            chosen = _chosen(wake, polls)
+            if wake.device is not None and len(chosen) >= wake.nnodes:
+                wake = dataclasses.replace(wake, woken=True)
+            self._history.append((self.generation, wake))
+            woken = [*self._waiting.get(None, {}), *chosen]
         elif worker is not None:
             self._own[worker] = self._own.get(worker, 0) + 1
             woken = list(self._waiting.get(worker, {}))
@@ -215,7 +223,7 @@ class Wakeup:
             return
         for f in woken:
             if not f.done():
-                f.set_result(None)
+                f.set_result(wake)
 
     async def wait(
         self,
@@ -224,21 +232,23 @@ class Wakeup:
         worker: str | None = None,
         seen_own: int = 0,
         room: Room = (0, 0, None),
-    ) -> None:
+    ) -> Wake | None:
         """Until a wake-up for everyone after ``seen_generation`` or, given ``worker``, one
         for it after ``seen_own``, or ``timeout``. ``room``: the free GPUs and CPU slots
         of the long-poll waiting, which orders who a wake-up for everyone wakes first,
-        and its worker's kind, which a shaped one's fit is judged by."""
+        and its worker's kind, which a shaped one's fit is judged by. The wake-up that
+        woke it, if one did (None: it was due, or one came before it waited)."""
         if self.generation != seen_generation:
-            return
+            return None
         if worker is not None and self.own(worker) != seen_own:
-            return
-        f: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            return None
+        f: asyncio.Future[Wake] = asyncio.get_running_loop().create_future()
         waiting = self._waiting.setdefault(worker, {})
         waiting[f] = room
         try:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(f, timeout)
+                return await asyncio.wait_for(f, timeout)
+            return None
         finally:
             waiting.pop(f, None)
             if not waiting:
@@ -257,7 +267,7 @@ WAKE_AT_ONCE = 16
 WAKE_SPARE = 1
 
 
-def _chosen(wake: Wake, waiting: list[tuple[asyncio.Future[None], Room]]) -> list[Any]:
+def _chosen(wake: Wake, waiting: list[tuple[asyncio.Future[Wake], Room]]) -> list[Any]:
     """The polls a wake-up for everyone wakes. A submit's (shaped) goes to those with the
     least room that takes its job (best fit, as Slurm's and Kubernetes' GPU bin packing
     do): a 1-GPU job fills a gap rather than splitting a free host that an 8-GPU job
@@ -270,6 +280,6 @@ def _chosen(wake: Wake, waiting: list[tuple[asyncio.Future[None], Room]]) -> lis
     return [f for f, _ in heapq.nsmallest(n, waiting, key=_fit_key)]
 
 
-def _fit_key(w: tuple[asyncio.Future[None], Room]) -> tuple[bool, int, int]:
+def _fit_key(w: tuple[asyncio.Future[Wake], Room]) -> tuple[bool, int, int]:
     gpus, cpu, kind = w[1]
     return (kind is None, gpus, cpu)

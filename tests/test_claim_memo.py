@@ -175,3 +175,32 @@ def test_a_real_api_wakes_no_poll_for_jobs_it_has_no_room_for(db_url: str, tmp_p
         assert polled[0].json()["job_id"] == job.json()["id"]
     finally:
         stop_server(server)
+
+
+def test_a_job_whose_submit_woke_polls_for_it_is_theirs_the_others_memory_holds() -> None:
+    """A submit that woke a poll for its job: that poll learns it was chosen (it asks the
+    database whatever the memory says), and the memory of every other poll holds over it
+    (they do not race the chosen one for the job). A submit that found no poll to wake
+    breaks the memory as before: whoever looks next must ask."""
+
+    async def run() -> None:
+        wakeup = Wakeup(queue.room_fits)
+        wakeup.bind(asyncio.get_running_loop())
+        memo = queue.NothingFits(valid_s=60)
+        probe = queue.Probe(has_gpus=True, cpu=8, gpus=2, general=True)
+        memo.found_nothing("w", wakeup.generation, probe, began=0.0, since=wakeup.since)
+
+        def covers() -> bool:
+            return memo.covers("w", wakeup.generation, 8, 2, 1.0, wakeup.since)
+
+        wakeup._apply(Wake(device="cuda", nproc=1, job=1))  # nobody polls: nobody has it
+        assert not covers()
+        memo.found_nothing("w", wakeup.generation, probe, began=0.5, since=wakeup.since)
+        poll = asyncio.create_task(wakeup.wait(wakeup.generation, 30, "v", 0, (1, 8, True)))
+        await asyncio.sleep(0)
+        wakeup._apply(Wake(device="cuda", nproc=1, job=2))
+        woke = await asyncio.wait_for(poll, 5)
+        assert woke is not None and woke.woken and woke.job == 2
+        assert covers()
+
+    asyncio.run(run())

@@ -131,6 +131,7 @@ async def claim_job(
     memo: queue.NothingFits = request.app.state.nothing_fits
     stopping = request.app.state.stopping
     mark = wakeup.mark()
+    chosen = False  # woken by a submit for its job: the memo does not answer for it
     while True:
         seen, seen_own = wakeup.generation, wakeup.own(body.name)
         if stopping.is_set():  # uvicorn waits for open answers before it exits
@@ -153,9 +154,10 @@ async def claim_job(
             # again (even past wait_s: every request gets its claim, or the memo's no).
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asked.wait(), ASKED_WAIT_S)
+            chosen = False  # that claim answered for this wake-up: the memo knows now
             continue
         claimed = None
-        if not memo.covers(body.name, seen, *room, time.monotonic(), wakeup.since):
+        if chosen or not memo.covers(body.name, seen, *room, time.monotonic(), wakeup.since):
             if await gone(request)():
                 # The worker hung up (it died, or restarted and polls anew): a job claimed
                 # now would be held by nobody until its lease ran out. (Asked only before
@@ -171,7 +173,8 @@ async def claim_job(
         # Who a submit wakes first, and whether its job fits here (service.wakeup).
         poll_room = (len(body.free_gpus), body.free_cpu_slots, memo.kind(body.name))
         recheck = request.app.state.pace.recheck(settings.claim_recheck_s)
-        await wakeup.wait(seen, min(left, recheck), body.name, seen_own, poll_room)
+        woke = await wakeup.wait(seen, min(left, recheck), body.name, seen_own, poll_room)
+        chosen = woke is not None and woke.woken
 
 
 async def _claim(

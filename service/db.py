@@ -9,6 +9,7 @@ the write lock first and can never be upgraded into a deadlock.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -26,13 +27,21 @@ from sqlalchemy.sql import Executable
 
 from service.errors import ServiceError
 
+log = logging.getLogger("ddpq.service")
+
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 # A transaction that took this long found the database unavailable for a while (a
 # network partition that hangs queries, another process holding SQLite's lock), even
 # though it did not fail: it counts as an outage that ended when it did. A long query
-# taken for a stall costs only a later lease expiry.
+# taken for a stall costs a later lease expiry: a whole lease. So the bar is a quarter
+# of the lease, at least STALL_S and at most STALL_MAX_S: a stall shorter than that
+# delays no live worker's heartbeat past its lease (the lease leaves DDPQ_LEASE_S -
+# DDPQ_HEARTBEAT_S to spare, 28 s by default). With 2 s for every lease, transactions
+# slowed by load alone counted as stalls at 1,000 hosts, and a host killed there was
+# declared lost 33 s after its 48-s lease (bench/fleet.py).
 STALL_S = 2.0
+STALL_MAX_S = 10.0
 # What an unreachable or refusing database raises (a pool that cannot hand out a
 # connection in time, too).
 UNAVAILABLE = (OperationalError, InterfaceError, PoolTimeout)
@@ -294,7 +303,9 @@ class Database:
         except UNAVAILABLE:
             self.health.failed()
             raise
-        if time.monotonic() - started > STALL_S:
+        took = time.monotonic() - started
+        if took > min(max(STALL_S, self.policy.lease_s / 4), STALL_MAX_S):
+            log.warning("a transaction took %.1f s: counted as an outage of the database", took)
             self.health.stalled()
         else:
             self.health.succeeded()

@@ -151,6 +151,7 @@ bench: venv
 	$(BIN)/python bench/transitions.py
 	$(BIN)/python bench/recipes.py
 	$(BIN)/python bench/api.py
+	$(BIN)/python bench/jobcost.py
 	$(BIN)/python bench/code.py
 	$(BIN)/python bench/code.py --tree random
 	$(BIN)/python bench/slurm.py

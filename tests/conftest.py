@@ -1,7 +1,8 @@
 """Fixtures that build real things: a database per test, `ddpq serve` and
 `ddpq worker` as subprocesses on free ports.
 
-Postgres: every test gets its own database cloned from a migrated template.
+Postgres: every test gets its own database cloned from a migrated template; SQLite: a
+copy of a migrated file.
 Without a reachable Postgres those tests are skipped with the reason, unless
 DDPQ_REQUIRE_POSTGRES=1 (set by .ci/run), when they fail instead.
 
@@ -115,10 +116,26 @@ def pg_url(pg_template: str) -> Iterator[str]:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+@pytest.fixture(scope="session")
+def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A migrated SQLite file, made once a session: a test's database is a copy of it, as
+    a Postgres one is a clone of pg_template (migrating a new file waits on the disk for
+    each migration's commit, a second or more under load; a copy takes milliseconds)."""
+    path = tmp_path_factory.mktemp("sqlite-template") / "ddpq.db"
+    upgrade(f"sqlite:///{path}")
+    return path
+
+
+def _sqlite_copy(request: pytest.FixtureRequest, path: Path) -> str:
+    """A migrated SQLite database at ``path`` (a copy of sqlite_template), as a URL."""
+    shutil.copyfile(request.getfixturevalue("sqlite_template"), path)
+    return f"sqlite:///{path}"
+
+
 @pytest.fixture(params=["sqlite", "postgres"])
 def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'ddpq.db'}"
+        return _sqlite_copy(request, tmp_path / "ddpq.db")
     url: str = request.getfixturevalue("pg_url")
     return url
 
@@ -297,13 +314,14 @@ def module_database(
     """A database of a module's own (``request.param``: "sqlite" or "postgres"), and a
     directory beside it: the URL for the servers a module starts on it (module_server)."""
     where = tmp_path_factory.mktemp("server")
-    url = f"sqlite:///{where / 'ddpq.db'}"
     name = f"ddpq_t_{uuid.uuid4().hex[:12]}"
     if request.param == "postgres":
         template = request.getfixturevalue("pg_template")
         with _pg_admin() as conn:
             conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template}"')
         url = _pg_url(name)
+    else:
+        url = _sqlite_copy(request, where / "ddpq.db")
     try:
         yield url, where
     finally:
@@ -440,8 +458,17 @@ def start_worker(tmp_path: Path) -> Iterator[Callable[..., Worker]]:
         return w
 
     yield start
+    # All at once: each worker's stop waits out its open claim long-poll (up to 5 s),
+    # side by side.
     for w in workers:
-        stop_process(w.proc)
+        if w.proc.poll() is None:
+            w.proc.send_signal(signal.SIGTERM)
+    for w in workers:
+        try:
+            w.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            w.proc.kill()
+            w.proc.wait()
 
 
 def terminal(client: httpx.Client, job_id: int, timeout: float = 120) -> dict[str, Any]:

@@ -1,6 +1,11 @@
 """The API side of a Slurm bridge, driven by hand (no Slurm): whole-job claims, the Slurm
 job id and pending reason on heartbeats, re-adoption, node logs with the job token,
-and what worker/executors/slurm.py decides (pure)."""
+and what worker/executors/slurm.py decides (pure).
+
+A test that looks at its own jobs and its own bridge (a name of its own) runs on the
+module's server of its database (``api``: every job a test leaves active is ended after
+it, helpers.its_turn); one that looks at every worker, or at what every registered
+bridge could run (the reasons, the claims), has a server of its own (``server``)."""
 
 from __future__ import annotations
 
@@ -77,14 +82,15 @@ def test_a_bridge_claims_a_multi_node_job_whole_and_reports_its_slurm_id(server:
     assert w["cluster"]["partition"] == "gpu" and w["cluster"]["nodes"] == 4
 
 
-def test_a_restarted_bridge_is_handed_its_attempts_to_readopt(server: Server) -> None:
-    _register_bridge(server)
+def test_a_restarted_bridge_is_handed_its_attempts_to_readopt(api: Server) -> None:
+    server, name = api, "bridge-readopt"
+    _register_bridge(server, name)
     c = server.client()
     ids = [c.post("/jobs", json={"entrypoint": "t.py", "world_size": 2}).json()["id"] for _ in "ab"]
     for _ in ids:
-        assert _claim(server) is not None
-    _beat(server, [{"job_id": ids[0], "attempt": 1, "external_id": "7"}])
-    reply = _register_bridge(server)  # the bridge again, after a kill -9
+        assert _claim(server, name) is not None
+    _beat(server, [{"job_id": ids[0], "attempt": 1, "external_id": "7"}], name)
+    reply = _register_bridge(server, name)  # the bridge again, after a kill -9
     assert reply["held"] == [
         {"job_id": ids[0], "attempt": 1, "external_id": "7", "timeout_s": None},
         {"job_id": ids[1], "attempt": 1, "external_id": None, "timeout_s": None},
@@ -93,22 +99,23 @@ def test_a_restarted_bridge_is_handed_its_attempts_to_readopt(server: Server) ->
     assert [c.get(f"/jobs/{i}").json()["status"] for i in ids] == ["running", "running"]
 
 
-def test_an_attempt_slurm_ended_is_lost_and_retried_at_once(server: Server) -> None:
-    _register_bridge(server)
+def test_an_attempt_slurm_ended_is_lost_and_retried_at_once(api: Server) -> None:
+    server, name = api, "bridge-lost"
+    _register_bridge(server, name)
     c = server.client()
     spec = {"entrypoint": "t.py", "world_size": 2, "max_attempts": 2}
     job_id = c.post("/jobs", json=spec).json()["id"]
-    assert _claim(server) is not None
+    assert _claim(server, name) is not None
     why = "Slurm job 9 was cancelled in Slurm, outside ddpq"
     r = server.client("worker").post(
         f"/workers/jobs/{job_id}/finish",
-        json={"worker": "bridge", "attempt": 1, "outcome": "lost", "exit_code": 143, "reason": why},
+        json={"worker": name, "attempt": 1, "outcome": "lost", "exit_code": 143, "reason": why},
     )
     assert r.status_code == 200, r.text
     job = r.json()
     assert job["status"] == "queued" and f"({why}; requeued" in job["reason"]
     assert "requeued for attempt 2 (1 of 2 attempts used)" in job["reason"]
-    assert _claim(server) is not None  # no backoff: the program did not fail
+    assert _claim(server, name) is not None  # no backoff: the program did not fail
 
 
 def test_unschedulable_names_the_partition_and_fitting_jobs_wait_for_the_bridge(
@@ -133,11 +140,12 @@ def test_unschedulable_names_the_partition_and_fitting_jobs_wait_for_the_bridge(
     assert _claim(server) is None
 
 
-def test_each_node_ships_its_own_stream_with_the_job_token(server: Server) -> None:
-    _register_bridge(server)
+def test_each_node_ships_its_own_stream_with_the_job_token(api: Server) -> None:
+    server, name = api, "bridge-logs"
+    _register_bridge(server, name)
     c = server.client()
     job_id = c.post("/jobs", json={"entrypoint": "t.py", "world_size": 4, "nnodes": 2}).json()["id"]
-    claim = _claim(server)
+    claim = _claim(server, name)
     assert claim is not None
     ranks = server.client(claim["token"])
 
@@ -163,16 +171,17 @@ def test_each_node_ships_its_own_stream_with_the_job_token(server: Server) -> No
     # Once the attempt ended its token writes nothing more.
     server.client("worker").post(
         f"/workers/jobs/{job_id}/finish",
-        json={"worker": "bridge", "attempt": 1, "exit_code": 0},
+        json={"worker": name, "attempt": 1, "exit_code": 0},
     )
     assert send(0, 22, b"[rank0]: late\n").status_code == 403
     assert c.get(f"/jobs/{job_id}/logs").text.endswith("[rank1]: c\n")
 
 
-def test_a_workers_job_token_cannot_ship_a_node_log(server: Server) -> None:
+def test_a_workers_job_token_cannot_ship_a_node_log(api: Server) -> None:
     """A worker ships its attempts' output itself: its ranks' token writes no log."""
     from tests.helpers import submit_and_claim
 
+    server = api
     claim = submit_and_claim(server)
     r = server.client(claim["token"]).post(
         f"/jobs/{claim['job_id']}/logs",

@@ -3,7 +3,11 @@ both databases through the worker protocol driven by hand: a job waits, with its
 until what it waits for succeeds (ok) or ends (any); one that can never be met fails the
 job, and what waited for it in turn; a submit naming a job that does not exist, or one
 that can never be met, is refused; and a dependency recorded while its job ends is never
-left waiting for good (many rounds, the two released together)."""
+left waiting for good (many rounds, the two released together).
+
+Each test runs on the module's server of its database (``api``): it claims as `hand`,
+which takes the oldest queued job, and what the test before left active is ended after
+it (helpers.its_turn), so the only jobs queued are the test's own."""
 
 from __future__ import annotations
 
@@ -50,7 +54,8 @@ def job(server: Server, job_id: int) -> dict[str, Any]:
     return out
 
 
-def test_a_job_waits_for_a_success_and_fails_when_it_can_never_come(server: Server) -> None:
+def test_a_job_waits_for_a_success_and_fails_when_it_can_never_come(api: Server) -> None:
+    server = api
     register(server, "hand", cpu_slots=4)
     c = server.client()
     a = submit(c)["id"]
@@ -86,7 +91,8 @@ def test_a_job_waits_for_a_success_and_fails_when_it_can_never_come(server: Serv
     finish(server, then)
 
 
-def test_a_cancel_settles_what_waits_and_bad_dependencies_are_refused(server: Server) -> None:
+def test_a_cancel_settles_what_waits_and_bad_dependencies_are_refused(api: Server) -> None:
+    server = api
     register(server, "hand", cpu_slots=4)
     c = server.client()
     a = submit(c)["id"]
@@ -112,7 +118,8 @@ def test_a_cancel_settles_what_waits_and_bad_dependencies_are_refused(server: Se
     assert missing["loc"] == ["body", "after", 0, "job"], missing
 
 
-def test_a_dependency_recorded_as_its_job_ends_never_waits_for_good(server: Server) -> None:
+def test_a_dependency_recorded_as_its_job_ends_never_waits_for_good(api: Server) -> None:
+    server = api
     register(server, "hand", cpu_slots=4)
     c, c2 = server.client(), server.client()
     for client in (c, c2, server.client("worker")):

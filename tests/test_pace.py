@@ -62,7 +62,11 @@ def test_a_shrinking_fleet_keeps_the_longer_lease_until_every_worker_has_heard()
     assert pace.update(50, now=110.5) and pace.lease == pytest.approx(30.0)
 
 
-HEARTBEAT_S, LEASE_S, BUDGET = "0.5", "2.5", "1"  # slack 2 s; 4 workers: every 4 s, lease 6 s
+# Slack 1 s; 4 workers: every 4 s, lease 5 s. The configured lease is short (the test waits
+# out pauses past it, and the grown lease): a pause of 2.25 s is 0.75 s past it (more than
+# a sweeper round, 0.5 s) and 2.75 s within the grown one.
+HEARTBEAT_S, LEASE_S, BUDGET = "0.5", "1.5", "1"
+PAUSE_S = 2.25
 OTHERS = ("w1", "w2", "w3")
 
 
@@ -95,18 +99,18 @@ def test_past_its_budget_the_api_asks_for_slower_heartbeats_and_leases_grow(
 
         beating = threading.Thread(target=others, daemon=True)
         beating.start()
-        # Four live workers against one heartbeat a second: every 4 s, lost after 6 s.
+        # Four live workers against one heartbeat a second: every 4 s, lost after 5 s.
         reply = wait_for(
-            lambda: (r := _beat(server, "w0", mine))["lease_s"] == pytest.approx(6.0) and r,
+            lambda: (r := _beat(server, "w0", mine))["lease_s"] == pytest.approx(5.0) and r,
             30,
             "the lease to grow with the fleet",
         )
         assert 3.6 <= reply["heartbeat_s"] <= 4.0
         assert reply["claim_wait_s"] == 5.0  # the protocol's least, more than the interval
-        # Heartbeats at that pace, each 3.5 s after the last, longer than the configured
-        # lease: the attempt is not lost.
+        # Heartbeats slower than the configured lease allows, each PAUSE_S after the last:
+        # within the grown lease, the attempt is not lost.
         for _ in range(3):
-            stop.wait(3.5)
+            stop.wait(PAUSE_S)
             _beat(server, "w0", mine)
         job = server.client().get(f"/jobs/{claim['job_id']}").json()
         assert job["status"] == "running" and job["attempt"] == 1, job["reason"]
@@ -119,7 +123,7 @@ def test_past_its_budget_the_api_asks_for_slower_heartbeats_and_leases_grow(
             30,
             "the silent attempt to be lost",
         )
-        assert "worker w0 lost (no heartbeat for 6 s)" in job["reason"]
+        assert "worker w0 lost (no heartbeat for 5 s)" in job["reason"]
     finally:
         stop.set()
         if beating is not None:  # its last heartbeat answered before the API stops

@@ -30,7 +30,7 @@ def _in_models(obj: Any, name: str | None, kind: str, reflected: bool, other: An
 
 
 def test_migrations_match_models(db_url: str) -> None:
-    upgrade(db_url)  # a no-op on the Postgres template clone; creates the SQLite file
+    upgrade(db_url)  # a no-op on the copy of a migrated template (conftest.db_url)
     engine = create_engine(db_url)
     with engine.connect() as conn:
         opts = {"compare_type": True, "include_object": _in_models}

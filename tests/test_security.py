@@ -3,9 +3,10 @@ limits, what a job spec may ask of a worker, checkpoints that never run code, an
 the refusal to serve an open job launcher. Against a real `ddpq serve` on SQLite
 and Postgres where the database matters.
 
-A test that looks only at what it made (its job, its upload) runs on the module's server
-of its database (``api``: what a test leaves active is ended after it,
-helpers.its_turn); one that looks at every job has a server of its own (``server``)."""
+A test that looks only at what it made (its job, its upload, what its requests added to
+the list of jobs) runs on the module's server of its database (``api``: what a test leaves
+active is ended after it, helpers.its_turn); one that reads the database itself has a
+server of its own (``server``)."""
 
 from __future__ import annotations
 
@@ -145,7 +146,8 @@ def test_every_route_refuses_every_wrong_token_and_changes_nothing(still_server:
     assert server.client(None).get("/healthz").json()["status"] == "ok"
 
 
-def test_tokens_never_appear_in_answers_or_logs(server: Server) -> None:
+def test_tokens_never_appear_in_answers_or_logs(api: Server) -> None:
+    server = api  # the module's: its log holds every test's requests, all checked
     claim = submit_and_claim(server)
     token = claim["token"]
     rank0 = server.client(token)
@@ -186,8 +188,15 @@ def test_the_database_holds_only_token_hashes(server: Server, db_url: str) -> No
 # ---- limits --------------------------------------------------------------------------
 
 
-def test_bodies_over_1_mib_get_413_declared_or_streamed(server: Server) -> None:
+def _jobs(server: Server) -> Any:
+    """Every job on ``server`` (a module's: what the test before left is there too)."""
+    return server.client().get("/jobs", params={"limit": 500}).json()["items"]
+
+
+def test_bodies_over_1_mib_get_413_declared_or_streamed(api: Server) -> None:
+    server = api
     c = server.client()
+    before = _jobs(server)
     big = b'{"name": "' + b"x" * (1024 * 1024) + b'"}'
     r = c.post("/jobs", content=big, headers={"Content-Type": "application/json"})
     assert r.status_code == 413
@@ -198,14 +207,16 @@ def test_bodies_over_1_mib_get_413_declared_or_streamed(server: Server) -> None:
 
     r = c.post("/jobs", content=chunks(), headers={"Content-Type": "application/json"})
     assert r.status_code == 413, r.text
-    assert c.get("/jobs").json()["items"] == []
+    assert _jobs(server) == before
 
 
-def test_the_413_always_arrives_even_when_the_client_closes(server: Server) -> None:
+def test_the_413_always_arrives_even_when_the_client_closes(api: Server) -> None:
     """Issue 30: the API used to answer 413 and close before reading the rest of the
     body, so a client still sending (urllib says `Connection: close`) often saw
     `Connection reset by peer`. Now it reads and discards the rest (up to a bound) first:
     40 rounds of 2 MiB each, declared and chunked, every one gets the 413 and its detail."""
+    server = api
+    before = _jobs(server)
     host, port = server.url.removeprefix("http://").split(":")
     big = b" " * (2 * 1024 * 1024)
     headers = {
@@ -226,7 +237,7 @@ def test_the_413_always_arrives_even_when_the_client_closes(server: Server) -> N
             assert "larger than" in json.loads(r.read())["detail"], n
         finally:
             conn.close()
-    assert server.client().get("/jobs").json()["items"] == []
+    assert _jobs(server) == before
 
 
 def test_an_early_answer_always_arrives_while_the_client_is_still_sending(
@@ -316,8 +327,10 @@ def test_metrics_limits_non_finite_values_and_unicode_names(api: Server) -> None
         assert user.get(f"/jobs/{jid}/metrics", params={"name": q}).status_code == 422
 
 
-def test_ids_and_strings_out_of_range_get_4xx_never_500(server: Server) -> None:
+def test_ids_and_strings_out_of_range_get_4xx_never_500(api: Server) -> None:
+    server = api
     c = server.client()
+    before = len(_jobs(server))
     for bad in ("0", "-1", str(2**63), str(2**64), "1e3", "%00", "\uff11", "²", "abc", "1.5"):
         for method, suffix in (("GET", ""), ("POST", "/cancel"), ("GET", "/metrics")):
             r = c.request(method, f"/jobs/{bad}{suffix}")
@@ -339,7 +352,7 @@ def test_ids_and_strings_out_of_range_get_4xx_never_500(server: Server) -> None:
     r = c.post("/jobs", json={**GOOD, "name": "训练 🚀"})
     assert r.status_code == 201 and r.json()["name"] == "训练 🚀"
     assert c.get(f"/jobs/{r.json()['id']}").json()["name"] == "训练 🚀"
-    assert len(c.get("/jobs").json()["items"]) == 1
+    assert len(_jobs(server)) == before + 1
 
 
 # ---- what a job spec may ask of a worker --------------------------------------------

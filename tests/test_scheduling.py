@@ -195,6 +195,29 @@ def test_concurrent_claimers_take_each_job_exactly_once(server: Server) -> None:
     assert c.get("/jobs", params={"status": "queued"}).json()["items"] == []
 
 
+def _claim_behind_held_rows(
+    server: Server, pg_url: str, jobs: int
+) -> tuple[list[int], psycopg.Connection, threading.Thread, list[dict | None]]:
+    """``jobs`` CPU jobs queued, every queued row held by another transaction (as a share
+    refresh holds an owner's), and a claim of worker w waiting on those locks: the jobs,
+    the holding connection, the claim's thread and where its answer goes."""
+    register(server, "w", cpu_slots=8, gpus=[])
+    ids = [_submit(server, entrypoint="noop.py", device="cpu")["id"] for _ in range(jobs)]
+    holder = psycopg.connect(pg_url.replace("postgresql+psycopg://", "postgresql://", 1))
+    holder.execute("SELECT id FROM jobs WHERE status = 'queued' FOR UPDATE")
+    got: list[dict | None] = []
+    t = threading.Thread(target=lambda: got.append(_claim(server, "w", [])))
+    t.start()
+
+    def claim_waits_on_a_lock() -> bool:
+        q = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+        with psycopg.connect(holder.info.dsn, autocommit=True) as look:
+            return bool(look.execute(q).fetchone()[0])  # type: ignore[index]
+
+    wait_for(claim_waits_on_a_lock, 30, "the claim to wait on the held rows")
+    return ids, holder, t, got
+
+
 def test_a_claim_waits_out_a_transaction_holding_every_queued_row(
     pg_url: str, tmp_path: Path
 ) -> None:
@@ -204,20 +227,7 @@ def test_a_claim_waits_out_a_transaction_holding_every_queued_row(
     has no row locks, a writer there holds the whole database and every claim waits."""
     server = start_server(pg_url, tmp_path / "api")
     try:
-        register(server, "w", cpu_slots=8, gpus=[])
-        ids = {_submit(server, entrypoint="noop.py", device="cpu")["id"] for _ in range(3)}
-        holder = psycopg.connect(pg_url.replace("postgresql+psycopg://", "postgresql://", 1))
-        holder.execute("SELECT id FROM jobs WHERE status = 'queued' FOR UPDATE")
-        got: list[dict | None] = []
-        t = threading.Thread(target=lambda: got.append(_claim(server, "w", [])))
-        t.start()
-
-        def claim_waits_on_a_lock() -> bool:
-            q = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-            with psycopg.connect(holder.info.dsn, autocommit=True) as look:
-                return bool(look.execute(q).fetchone()[0])  # type: ignore[index]
-
-        wait_for(claim_waits_on_a_lock, 30, "the claim to wait on the held rows")
+        ids, holder, t, got = _claim_behind_held_rows(server, pg_url, 3)
         holder.commit()
         holder.close()
         t.join(timeout=30)
@@ -235,20 +245,7 @@ def test_a_waiting_claim_waits_for_the_best_row_alone_and_then_takes_the_next_fr
     as it waited, it takes the next free one at once. Postgres only (row locks)."""
     server = start_server(pg_url, tmp_path / "api")
     try:
-        register(server, "w", cpu_slots=8, gpus=[])
-        first, second = (_submit(server, entrypoint="noop.py", device="cpu")["id"] for _ in "ab")
-        holder = psycopg.connect(pg_url.replace("postgresql+psycopg://", "postgresql://", 1))
-        holder.execute("SELECT id FROM jobs WHERE status = 'queued' FOR UPDATE")
-        got: list[dict | None] = []
-        t = threading.Thread(target=lambda: got.append(_claim(server, "w", [])))
-        t.start()
-
-        def waiting_on_a_lock() -> bool:
-            q = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-            with psycopg.connect(holder.info.dsn, autocommit=True) as look:
-                return bool(look.execute(q).fetchone()[0])  # type: ignore[index]
-
-        wait_for(waiting_on_a_lock, 30, "the claim to wait on the held rows")
+        (first, second), holder, t, got = _claim_behind_held_rows(server, pg_url, 2)
         # Another worker's claim took the first job meanwhile (as its transaction would).
         holder.execute("UPDATE jobs SET status = 'running' WHERE id = %s", (first,))
         holder.commit()

@@ -27,7 +27,10 @@ PHASES = (
     "held",  # its uid is held and clean (walls), its directories made
     "prepared",  # its code directory, program, environment and interpreter are ready
     "spawned",  # the launcher (worker.launch, then worker.tee and torchrun) is started
-    "first_line",  # the first line of a rank's output is read
+    # the first line of a rank's output is read: by the output's reader, beside the
+    # supervisor, so a job that ends within the reader's quiet pause
+    # (worker.starting.logship.OUTPUT_QUIET_POLL_S) has it read, and marked, after "exited"
+    "first_line",
     "exited",  # the launcher has exited (torchrun and its ranks are gone)
     "drained",  # its output is read to the end
     "released",  # its uid is swept and its directories taken back
@@ -51,7 +54,9 @@ class Trace:
     def line(self, job_id: int, attempt: int) -> str:
         """The attempt's JSON line, its marks as wall-clock seconds."""
         anchor = time.time() - time.monotonic()
-        at = {name: round(anchor + t, 6) for name, t in self.marks}
+        # By time: two threads mark (the reader "first_line"), each stamp taken before its
+        # append, so the list's order may differ from the clock's by a thread switch.
+        at = {name: round(anchor + t, 6) for name, t in sorted(self.marks, key=lambda m: m[1])}
         return json.dumps({"job_id": job_id, "attempt": attempt, "at": at}) + "\n"
 
     def record(self, path: Path | None, job_id: int, attempt: int) -> None:
@@ -73,6 +78,7 @@ def read(path: Path) -> list[dict]:
 
 
 def steps(at: dict[str, float]) -> dict[str, float]:
-    """Each phase's duration: from the phase before it (in PHASES' order) to it."""
-    seen = [p for p in PHASES if p in at]
+    """Each phase's duration: from the phase reached just before it to it (the order they
+    happened, which for "first_line" need not be PHASES')."""
+    seen = sorted(at, key=at.__getitem__)
     return {b: at[b] - at[a] for a, b in itertools.pairwise(seen)}

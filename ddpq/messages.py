@@ -3,7 +3,7 @@
 The replies (the first half): the service answers with these models (they are the
 OpenAPI schema's shapes); the worker parses the answers into them and never handles the
 protocol as raw dicts. The requests (the second half, from ``Strict``: register, claim,
-gang, heartbeat, finish, and what they carry): the service's routes validate bodies with
+gang, heartbeat, finish, leave, and what they carry): the service's routes validate bodies with
 them (service.schemas re-exports them), and the worker's client (worker.edges.api) validates
 what it sends with the same models before it sends it, so the two cannot drift: a field
 added to the heartbeat is one edit here. ``Strict`` is every request body's base, the
@@ -13,6 +13,7 @@ API's other routes' too.
 from __future__ import annotations
 
 import re
+from datetime import datetime
 from typing import Annotated, Any, ClassVar, Literal, NamedTuple
 
 from pydantic import (
@@ -198,6 +199,15 @@ class WorkerRegistered(BaseModel):
     gpu_sample_s: float = 5.0
     # A bridge's attempts that have not ended (empty for a worker).
     held: list[HeldAttempt] = []
+
+
+class WorkerLeft(BaseModel):
+    """POST /workers/leave: from ``left_at`` on no job is claimed for this worker (its open
+    claim long-poll answers 204 at once) until it registers again; its attempts'
+    heartbeats and finish reports go on as before."""
+
+    name: str
+    left_at: datetime
 
 
 class CodeSnapshot(BaseModel):
@@ -494,3 +504,12 @@ class FinishBody(FinishRequest):
     """POST /workers/jobs/{id}/finish's body: how an attempt ended, and whose it was."""
 
     worker: WorkerName
+
+
+class WorkerLeave(Strict):
+    """A worker that stops says so: it claims nothing more, and its open claim long-poll
+    ends now rather than when it runs out (WorkerLeft)."""
+
+    name: WorkerName
+    # The process leaving: not one that has since taken the name over (WorkerRegister).
+    identity: WorkerIdentity | None = None

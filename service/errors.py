@@ -54,6 +54,15 @@ class UnknownWorker(NotFound):
         self.worker = worker
 
 
+class WorkerHasLeft(Conflict):
+    """A worker that left (POST /workers/leave) claimed: it is handed nothing until it
+    registers again (the claim route answers its long-poll 204)."""
+
+    def __init__(self, worker: str) -> None:
+        super().__init__(f"worker {worker} has left: it registers again to take jobs")
+        self.worker = worker
+
+
 class TooMany(DomainError):
     """Over a limit the user may lift by waiting (a quota of queued jobs)."""
 

@@ -340,8 +340,7 @@ class JobNode(Base):
     attempt: Mapped[int] = mapped_column(Integer)
     node_rank: Mapped[int] = mapped_column(Integer)
     worker: Mapped[str] = mapped_column(String(200))
-    # Where this node's worker can be reached by the other nodes, and the rendezvous
-    # port it offered (used when it is node 0).
+    # Where the other nodes reach this node's worker, and the rendezvous port it offered (node 0).
     addr: Mapped[str] = mapped_column(String(255))
     port: Mapped[int] = mapped_column(Integer)
     device: Mapped[str] = mapped_column(String(8))
@@ -378,6 +377,8 @@ class Worker(Base):
     checkpoint_root: Mapped[str] = mapped_column(Text)
     registered_at: Mapped[datetime] = mapped_column(default=utcnow)
     last_heartbeat: Mapped[datetime] = mapped_column(default=utcnow)
+    # When it left (POST /workers/leave): no job is claimed for it until it registers again.
+    left_at: Mapped[datetime | None]
     # The random id a worker keeps in its data dir (worker.files.datadir): a registration with
     # another one while this one heartbeats is a second process under the same name.
     identity: Mapped[str | None] = mapped_column(String(32), default=None)
@@ -499,8 +500,7 @@ class Checkpoint(Base):
     # asked to delete it. None for rows of jobs that had ended before retention existed
     # (migration 0015): those are never deleted by ddpq.
     worker: Mapped[str | None] = mapped_column(String(200))
-    # save_checkpoint(keep=True): never pruned by keep_last (only by the retention of
-    # an ended job).
+    # save_checkpoint(keep=True): never pruned by keep_last (only by an ended job's retention).
     keep: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     # The file as rank 0 saw it once written (size, and mtime as the worker's identity
     # check: a file written again under the same name since is not deleted); for a

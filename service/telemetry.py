@@ -82,7 +82,7 @@ class _QueueCollector:
             ),
             GaugeMetricFamily(
                 "ddpq_worker_up",
-                "1 if the worker has heartbeaten within the lease",
+                "1 if the worker has heartbeaten within the lease and has not left",
                 labels=["worker"],
             ),
             GaugeMetricFamily(

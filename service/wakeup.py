@@ -22,6 +22,13 @@ jobs it has no room for, or jobs claimed already (``since``). Every other wake-u
 everyone (a requeue, a limit lifted, a gang's slot freed) is unshaped: it wakes and
 resets as before.
 
+A worker that leaves (``queue.leave``) wakes its own long-polls with a wake-up that says
+so (``left``): whatever the memory of claims that found nothing says, they ask the
+database, whose answer (in the claim's transaction) is that this worker is handed
+nothing, and end. A process counts the leaves it heard per worker (``leaves``) and how
+many of them a claim found undone (``back``: the worker registered again), so a poll
+begun after a leave asks the database too, until a claim finds the worker back.
+
 A commit that may make something claimable says so once (``queue.notify_claimers``):
 this process's claimers are woken when it commits (``Database.on_commit``), the other
 API processes' through Postgres NOTIFY, each ignoring its own.
@@ -73,6 +80,8 @@ class Wake:
     nproc: int = 0
     nnodes: int = 1
     job: int | None = None
+    # ``worker`` left (queue.leave): its polls ask the database, which ends them.
+    left: bool = False
     # This process woke a poll for each of its job's nodes: those claim it, and other
     # polls' memory that nothing fits need not race them for it (queue.NothingFits).
     # Kept in the history only; never sent.
@@ -80,12 +89,12 @@ class Wake:
 
     def payload(self) -> str:
         """The NOTIFY payload: this, and which process sent it."""
-        return json.dumps(
-            {"p": process_tag(), "e": self.everyone, "w": self.worker, "c": self.cpu,
+        d = {"p": process_tag(), "e": self.everyone, "w": self.worker, "c": self.cpu,
              "g": list(self.gpus), "d": self.device, "n": self.nproc, "m": self.nnodes,
-             "j": self.job},
-            separators=(",", ":"),
-        )  # fmt: skip
+             "j": self.job}  # fmt: skip
+        if self.left:  # only then: an API of an earlier version reads what it knows
+            d["l"] = True
+        return json.dumps(d, separators=(",", ":"))
 
     @classmethod
     def heard(cls, payload: str) -> Wake | None:
@@ -102,6 +111,7 @@ class Wake:
                 bool(d["e"]), d["w"], int(d["c"]), gpus,
                 str(device) if device is not None else None, int(d.get("n", 0)),
                 int(d.get("m", 1)), int(job) if job is not None else None,
+                left=bool(d.get("l", False)) and d["w"] is not None,
             )  # fmt: skip
         except (ValueError, KeyError, TypeError):
             return EVERYONE
@@ -127,6 +137,9 @@ class Wakeup:
         self.fits = fits
         self._history: deque[tuple[int, Wake]] = deque(maxlen=HISTORY)
         self._own: dict[str, int] = {}
+        # Per worker: the leaves heard, and how many of them a claim found undone. Never
+        # reset: a poll compares the count it asked the database at with the count now.
+        self._left: dict[str, tuple[int, int]] = {}
         self._waiting: dict[str | None, dict[asyncio.Future[Wake], Room]] = {}
         self._seq = 0  # counts recorded frees: a poll adds those after its start
         self._freed: dict[str, list[tuple[int, float, int, tuple[int, ...]]]] = {}
@@ -137,6 +150,23 @@ class Wakeup:
 
     def own(self, worker: str) -> int:
         return self._own.get(worker, 0)
+
+    def leaves(self, worker: str) -> int:
+        """How many leaves of ``worker`` this process has heard: a poll that sees the count
+        move asks the database (not the memory of claims that found nothing)."""
+        return self._left.get(worker, (0, 0))[0]
+
+    def back(self, worker: str) -> int:
+        """How many of those a claim found undone (the worker registered again): a poll
+        begins as if it had asked the database at this count."""
+        return self._left.get(worker, (0, 0))[1]
+
+    def rejoined(self, worker: str, leaves: int) -> None:
+        """A claim of ``worker``, begun when this process had heard ``leaves`` of its
+        leaves, found it has not left: those are undone (one heard since is not)."""
+        heard, back = self._left.get(worker, (0, 0))
+        if leaves > back:
+            self._left[worker] = (heard, leaves)
 
     def since(self, generation: int) -> list[Wake] | None:
         """The wake-ups for everyone after ``generation``, or None if they are no longer
@@ -218,6 +248,9 @@ class Wakeup:
             woken = [*self._waiting.get(None, {}), *chosen]
         elif worker is not None:
             self._own[worker] = self._own.get(worker, 0) + 1
+            if wake.left:
+                heard, back = self._left.get(worker, (0, 0))
+                self._left[worker] = (heard + 1, back)
             woken = list(self._waiting.get(worker, {}))
         else:
             return

@@ -237,6 +237,7 @@ class Server:
     clients: list[httpx.Client] = field(default_factory=list)
     registered: set[str] = field(default_factory=set)  # worker names tests registered by hand
     shared: bool = False  # one server for a module's tests (module_server): workers of their own
+    db_url: str = ""  # the database it serves (a test that reads it, or starts a second process)
 
     def client(self, token: str | None = "user") -> httpx.Client:
         headers = {}
@@ -282,7 +283,9 @@ def start_server(
             stderr=subprocess.STDOUT,
             cwd=data_dir,
         )
-    server = Server(f"http://127.0.0.1:{port}", api_token, worker_token, data_dir, proc, log_path)
+    server = Server(
+        f"http://127.0.0.1:{port}", api_token, worker_token, data_dir, proc, log_path, db_url=db_url
+    )
 
     def healthy() -> bool:
         if proc.poll() is not None:
@@ -458,8 +461,8 @@ def start_worker(tmp_path: Path) -> Iterator[Callable[..., Worker]]:
         return w
 
     yield start
-    # All at once: each worker's stop waits out its open claim long-poll (up to 5 s),
-    # side by side.
+    # All at once: each worker's stop hands its jobs back (its claim long-poll ends at its
+    # leave; without an API to take the leave, it is waited out: up to 5 s), side by side.
     for w in workers:
         if w.proc.poll() is None:
             w.proc.send_signal(signal.SIGTERM)

@@ -299,3 +299,43 @@ def test_sqlite_refuses_several_api_processes(tmp_path: Path) -> None:
     )
     assert r.returncode != 0
     assert "--workers 2 needs Postgres" in r.stderr + r.stdout, r.stderr
+
+
+def test_a_leave_on_one_process_ends_the_worker_s_poll_on_the_other(
+    two: Server, pinned: list[Pinned]
+) -> None:
+    """A worker's open long-poll (on one process) ends as its leave lands on the other:
+    the NOTIFY carries the leave (the poll's recheck is an hour away, its wait a minute,
+    and the memory of claims that found nothing covers it). From then on nothing is
+    claimed for it through either process, though a job fits it; registered again, it
+    takes one."""
+    a, b = pinned
+    children = _children(two.proc.pid)
+    beside_a = next(p for p in pin_each(two) if p.process(children) == a.process(children))
+    _register(a, "w4")
+    before = _claims_asked(beside_a)
+    got: list[tuple[int, Any]] = []
+    # No free slot: nothing fits it, whatever other tests left queued.
+    poll = {"name": "w4", "free_cpu_slots": 0, "free_gpus": [], "wait_s": 60}
+    waiting = threading.Thread(
+        target=lambda: got.append(a.call("POST", "/workers/claim", two.worker_token, poll)),
+        daemon=True,
+    )
+    waiting.start()
+    wait_for(lambda: _claims_asked(beside_a) > before, 20, "the poll's first claim")
+    status, left = b.call("POST", "/workers/leave", two.worker_token, {"name": "w4"})
+    assert status == 200 and left["left_at"], left
+    waiting.join(timeout=20)
+    assert got and got[0][0] == 204, got
+    status, job = b.call("POST", "/jobs", two.api_token, JOB)
+    assert status == 201
+    room = {**poll, "free_cpu_slots": 4, "wait_s": 0}
+    for p in (a, b):
+        assert p.call("POST", "/workers/claim", two.worker_token, room)[0] == 204
+    assert b.call("GET", f"/jobs/{job['id']}", two.api_token)[1]["status"] == "queued"
+    _register(b, "w4")
+    status, claimed = a.call("POST", "/workers/claim", two.worker_token, room)
+    assert status == 200, claimed
+    done = {"worker": "w4", "attempt": claimed["attempt"], "exit_code": 0}
+    path = f"/workers/jobs/{claimed['job_id']}/finish"
+    assert b.call("POST", path, two.worker_token, done)[0] == 200

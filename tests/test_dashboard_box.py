@@ -32,6 +32,8 @@ def test_the_box_pages_show_the_queue_workers_usage_and_audit(sqlite_server: Ser
         json={"name": "box-w", "free_cpu_slots": 1, "free_gpus": [], "wait_s": 0},
     )
     assert claim.json()["job_id"] == running
+    register(server, "box-gone", cpu_slots=1)  # a worker that stopped
+    assert server.client("worker").post("/workers/leave", json={"name": "box-gone"}).is_success
     low = alice.post("/jobs", json={**CPU, "name": "low"}).json()["id"]
     high = admin.post("/jobs", json={**CPU, "name": "high", "priority": 3}).json()["id"]
     assert alice.post(f"/jobs/{low}/hold").status_code == 200
@@ -51,6 +53,7 @@ def test_the_box_pages_show_the_queue_workers_usage_and_audit(sqlite_server: Ser
         worker = page.locator('#workers tr[data-worker="box-w"]')
         expect(worker).to_contain_text(f"job {running} (admin)")
         expect(worker).to_contain_text("0/1")
+        expect(page.locator('#workers tr[data-worker="box-gone"]')).to_contain_text("left")
 
         assert admin.put("/quotas/alice", json={"max_gpus": 2}).status_code == 200
         page.click("#nav-usage")

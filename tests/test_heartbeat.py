@@ -1,4 +1,5 @@
 """A worker's heartbeat as the queue records it (service.queue.leases.record_heartbeat),
+and the soonest lease the sweeper waits for (service.queue.lost.lease_due),
 in process on both databases: it renews the worker's row only while the name is this
 process's (NameTaken once another took it over, UnknownWorker for a name never
 registered), whether the host is idle or runs attempts; and on Postgres an idle host's
@@ -12,11 +13,20 @@ from typing import Any
 import pytest
 from sqlalchemy import event, select, update
 
+from service import jobs
 from service.db import Database
 from service.errors import UnknownWorker
-from service.models import Worker, utcnow
-from service.queue import NameTaken, record_heartbeat, register_worker
+from service.models import Attempt, Worker, utcnow
+from service.queue import (
+    NameTaken,
+    claim_next_job,
+    expire_leases,
+    lease_due,
+    record_heartbeat,
+    register_worker,
+)
 from service.queue.rules import as_utc
+from service.schemas import JobSpec
 
 MINE, THEIRS = "a" * 32, "b" * 32
 
@@ -99,3 +109,46 @@ def test_an_idle_heartbeat_is_one_non_durable_statement_on_postgres(pg_url: str)
             raw.rollback()
     finally:
         db.dispose()
+
+
+def test_the_sweeper_knows_when_the_soonest_lease_runs_out(
+    db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """queue.lease_due: what the sweeper sleeps until (service.sweeper), so a host that
+    stops is lost as its lease ends, not a round later; heartbeats move it later, and an
+    attempt lost at it is no longer counted."""
+    lease = db.policy.lease_s
+    _register(db, None, "host-a")
+    assert lease_due(db, lease) is None  # nothing held: nothing to look at
+    for name in ("a.py", "b.py"):
+        spec = JobSpec(entrypoint=name, device="cpu")
+        jobs.submit_job(db, spec, None, owner="alice", admin=True)
+    first = claim_next_job(db, "w", 2, [], "1" * 64)
+    second = claim_next_job(db, "w", 2, [], "2" * 64)
+    assert first is not None and second is not None
+    due = lease_due(db, lease)
+    assert due is not None and lease - 5 < due <= lease
+    with db.write() as s:  # the first attempt silent for a lease less 10 s, the other 1 s
+        for claim, silent in ((first, lease - 10), (second, 1.0)):
+            s.execute(
+                update(Attempt)
+                .where(Attempt.job_id == claim.job_id, Attempt.number == claim.attempt)
+                .values(heartbeat_at=utcnow() - timedelta(seconds=silent))
+            )
+    due = lease_due(db, lease)
+    assert due is not None and 5 < due <= 10
+    record_heartbeat(db, "w", [(first.job_id, first.attempt), (second.job_id, second.attempt)])
+    due = lease_due(db, lease)
+    assert due is not None and lease - 5 < due <= lease  # renewed: later
+    with db.write() as s:
+        s.execute(
+            update(Attempt)
+            .where(Attempt.job_id == first.job_id)
+            .values(heartbeat_at=utcnow() - timedelta(seconds=lease + 1))
+        )
+    assert lease_due(db, lease) <= 0  # type: ignore[operator]
+    # As an API's that has reached the database for a lease already (service.db.Health).
+    monkeypatch.setattr(db.health, "up_for", lambda seconds: True)
+    assert expire_leases(db, lease) == [first.job_id]
+    due = lease_due(db, lease)  # the lost attempt's lease counts no more
+    assert due is not None and lease - 5 < due <= lease

@@ -28,6 +28,7 @@ ROUTES: dict[str, type[BaseModel]] = {
     "/workers/gang": messages.GangRequest,
     "/workers/heartbeat": messages.Heartbeat,
     "/workers/jobs/{job_id}/finish": messages.FinishBody,
+    "/workers/leave": messages.WorkerLeave,
 }
 
 
@@ -81,6 +82,8 @@ class Recorder:
             return httpx.Response(200, json={"state": "forming"})
         if path == "/workers/heartbeat":
             return httpx.Response(200, json={"cancel": [], "abandon": []})
+        if path == "/workers/leave":
+            return httpx.Response(200, json={"name": "w1", "left_at": "2026-11-30T00:00:00Z"})
         return httpx.Response(200, json={"id": 3})
 
 
@@ -104,6 +107,7 @@ def test_the_worker_sends_what_the_models_dump_and_refuses_what_they_refuse() ->
     running = [{"job_id": 3, "attempt": 1, "gpu_samples": [sample]}]
     api.heartbeat(running, kept=[3], caches=[])
     api.finish(3, {"attempt": 1, "exit_code": 0, "outcome": "exited", "reason": None})
+    assert api.leave(5.0).name == "w1"
     for path, model in ROUTES.items():
         sent_path = path.replace("{job_id}", "3")
         body = recorder.sent[sent_path]
@@ -111,6 +115,7 @@ def test_the_worker_sends_what_the_models_dump_and_refuses_what_they_refuse() ->
         again = model.model_validate(body).model_dump(mode="json", exclude_unset=True)
         assert again == body, (path, body)
     assert recorder.sent["/workers/register"]["identity"] == "0" * 32
+    assert recorder.sent["/workers/leave"] == {"name": "w1", "identity": "0" * 32}
     assert recorder.sent["/workers/heartbeat"]["caches"] == []  # sent: they changed
     # A body the service would refuse is refused here, naming the field, and not sent.
     recorder.sent.clear()

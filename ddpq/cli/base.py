@@ -365,8 +365,8 @@ STATUS_STYLE = {
     "failed": "red",
     "cancelled": "dim",
 }
-# Cells are coloured by their whole text: states, and a worker's ALIVE.
-CELL_STYLE = {**STATUS_STYLE, "alive": "green", "lost": "red"}
+# Cells are coloured by their whole text: states, and a worker's STATE.
+CELL_STYLE = {**STATUS_STYLE, "alive": "green", "lost": "red", "leaving": "yellow", "left": "dim"}
 
 
 def _program(job: dict[str, Any]) -> str:

@@ -23,7 +23,9 @@ from ddpq.cli.base import (
 def workers(as_json: JsonOpt = False) -> None:
     """List workers and what they have free.
 
-    CPU slots and GPUs (free of all), running jobs, last heartbeat.
+    CPU slots and GPUs (free of all), running jobs, last heartbeat. STATE: alive, lost (no
+    heartbeat within the lease), leaving (it stopped: its jobs are being handed back) or
+    left.
     """
     with _client() as c:
         items = c.workers()
@@ -34,7 +36,7 @@ def workers(as_json: JsonOpt = False) -> None:
         [
             w["name"],
             w["hostname"],
-            "alive" if w["alive"] else "lost",
+            _state(w),
             *_slots(w),
             f"{_age(w['last_heartbeat'])} ago",
             " ".join(
@@ -66,6 +68,14 @@ def workers(as_json: JsonOpt = False) -> None:
         headers = ["WORKER", "GPU", "NAME", "MEMORY", "JOB", "OWNER", "USE"]
         _say("")
         _print_table(_fit_table(headers, gpus, caps={"WORKER": 24, "NAME": 28}))
+
+
+def _state(w: dict[str, Any]) -> str:
+    """A worker that stopped says so (an API of an earlier version sends no ``left_at``);
+    a Slurm bridge's jobs go on running in Slurm without it."""
+    if w.get("left_at"):
+        return "leaving" if w["running"] and not w.get("cluster") else "left"
+    return "alive" if w["alive"] else "lost"
 
 
 def _slots(w: dict[str, Any]) -> list[str]:

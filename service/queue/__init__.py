@@ -3,7 +3,7 @@
 - ``rules``: what the claim, the books, the leases and the reasons share (device fit,
   node slot states, the claim order), each written once for SQL and Python.
 - ``books``: what each worker has and what of it is held.
-- ``claim``: hand a worker the best queued job that fits.
+- ``claim``: hand a worker the best queued job that fits; nothing once it left.
 - ``memo``: what idle long-polls need not ask the database again (NothingFits).
 - ``gangs``: multi-node jobs, claimed as gangs of node slots.
 - ``states``: the job state machine: every move a status may make, and what it does.
@@ -20,7 +20,7 @@ Other modules import this package and call what it re-exports below.
 from service.queue import plan
 from service.queue.books import Capacity, capacities, live_count, shapes
 from service.queue.books import overview as workers_overview
-from service.queue.claim import Claim, claim_next_job
+from service.queue.claim import Claim, claim_next_job, leave
 from service.queue.deps import check as dependencies_unmet
 from service.queue.deps import record as record_dependencies
 from service.queue.deps import unmet_of as dependencies_of
@@ -35,15 +35,13 @@ from service.queue.leases import (
     Elsewhere,
     NameTaken,
     end_attempt,
-    expire_leases,
-    expire_nodes,
     fenced,
     held_attempts,
     record_heartbeat,
     register_worker,
-    release_worker,
     workers_attempt,
 )
+from service.queue.lost import expire_leases, expire_nodes, lease_due, release_worker
 from service.queue.memo import NothingFits, Probe
 from service.queue.preempt import sweep as preempt_sweep
 from service.queue.quotas import DEFAULT as DEFAULT_QUOTA
@@ -97,6 +95,8 @@ __all__ = [
     "fork_source_of",
     "gang_status",
     "held_attempts",
+    "lease_due",
+    "leave",
     "leave_gang",
     "live_count",
     "lock_owner",

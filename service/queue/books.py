@@ -32,7 +32,7 @@ from sqlalchemy.orm import Session
 from service.db import Database
 from service.models import JobStatus, utcnow
 from service.queue.quotas import quotas_table
-from service.queue.rules import NODE_LIVE, SQL, is_active, j, jn, w, workers
+from service.queue.rules import NODE_LIVE, SQL, is_active, j, jn, live_worker, w, workers
 
 
 @dataclass(frozen=True)
@@ -103,12 +103,15 @@ _HERE = holdings(True)
 # The worker's row, the CPU slots held on it, the oldest queued job's wait (the
 # starvation probe runs only when that job has waited long enough), and whether any
 # multi-node job is queued (the gang pick runs only then), and whether any quota is set
-# (the quota flags' refresh runs only then).
+# (the quota flags' refresh runs only then), and whether it left (claim.leave: read with
+# no lock, which would cost every idle poll's claim a commit to disk on Postgres; a claim
+# that takes a job reads it again, locked: claim._still_here).
 _WORKER_BOOKS = select(
     w.cpu_slots,
     w.gpus,
     w.checkpoint_root,
     w.cluster,
+    w.left_at,
     select(func.coalesce(func.sum(_HERE.c.cpu), 0)).scalar_subquery().label("used_cpu"),
     select(func.min(j.queued_at)).where(j.status == JobStatus.QUEUED).scalar_subquery(),
     select(j.id).where(j.status == JobStatus.QUEUED, j.nnodes > 1).exists().label("gangs"),
@@ -127,6 +130,8 @@ class WorkerBooks:
     # owner's flags as it commits, not counting a start not yet committed: as when the
     # refresh ran and did not see that quota yet.
     quotas_set: bool
+    # It left (POST /workers/leave) and has not registered since: it is handed nothing.
+    left: bool = False
 
 
 def of_worker(conn: Connection, worker: str) -> WorkerBooks | None:
@@ -134,7 +139,7 @@ def of_worker(conn: Connection, worker: str) -> WorkerBooks | None:
     row = conn.execute(_WORKER_BOOKS, {"worker": worker}).first()
     if row is None:
         return None
-    cpu_slots, gpus, checkpoint_root, cluster, used_cpu, oldest_queued, gangs, quotas_set = row
+    cpu_slots, gpus, checkpoint_root, cluster, left_at, used_cpu, oldest, gangs, quotas = row
     held: set[int] = set()
     if gpus:  # a CPU-only worker holds no GPUs: skip the query on the hot path
         for (taken,) in conn.execute(_HELD_GPUS, {"worker": worker}):
@@ -143,7 +148,7 @@ def of_worker(conn: Connection, worker: str) -> WorkerBooks | None:
     capacity = Capacity(
         worker, cpu_slots, list(gpus), free_cpu, free_gpus, True, checkpoint_root, cluster
     )
-    return WorkerBooks(capacity, oldest_queued, bool(gangs), bool(quotas_set))
+    return WorkerBooks(capacity, oldest, bool(gangs), bool(quotas), left_at is not None)
 
 
 # ---- every worker ----------------------------------------------------------------------
@@ -162,7 +167,8 @@ def live_count(db: Database, lease_s: float) -> int:
 
 
 def capacities(s: Session, lease_s: float) -> list[Capacity]:
-    """Every worker's slots and what of them is free; live if it heartbeat within the lease."""
+    """Every worker's slots and what of them is free; live if it heartbeat within the lease
+    and has not left."""
     conn = s.connection()
     cutoff = utcnow() - timedelta(seconds=lease_s)
     # Live decided in SQL: turning every worker's last heartbeat into a datetime cost a
@@ -172,7 +178,7 @@ def capacities(s: Session, lease_s: float) -> list[Capacity]:
             w.name,
             w.cpu_slots,
             w.gpus,
-            (w.last_heartbeat >= cutoff).label("live"),
+            live_worker(cutoff).label("live"),
             w.checkpoint_root,
             w.cluster,
         )
@@ -293,7 +299,7 @@ def _summary_statement(dialect: str, with_books: bool) -> Any:
         free_cpu: Any = case((w.cpu_slots > used_cpu, w.cpu_slots - used_cpu), else_=0)
         held_gpus = func.coalesce(held.c.gpus, 0)
         free_gpus: Any = case((n_gpus > held_gpus, n_gpus - held_gpus), else_=0)
-        live: Any = w.last_heartbeat >= bindparam("cutoff")
+        live: Any = live_worker(bindparam("cutoff"))
         source: Any = workers.outerjoin(held, held.c.worker == w.name)
     else:
         free_cpu = free_gpus = literal_column("0", Integer)
@@ -348,7 +354,8 @@ def totals(s: Session) -> list[Shape]:
 
 
 def overview(db: Database) -> list[dict[str, Any]]:
-    """Each worker: its slots, what is free, what runs on it, its last heartbeat."""
+    """Each worker: its slots, what is free, what runs on it, its last heartbeat, when it
+    left (if it did)."""
     with db.read() as s:
         caps = {c.name: c for c in capacities(s, db.policy.lease_s)}
         running: dict[str, list[dict[str, Any]]] = {}
@@ -385,6 +392,7 @@ def overview(db: Database) -> list[dict[str, Any]]:
                 w.cpu_slots,
                 w.last_heartbeat,
                 w.registered_at,
+                w.left_at,
                 w.gpu_devices,
             )
             .select_from(workers)
@@ -402,6 +410,7 @@ def overview(db: Database) -> list[dict[str, Any]]:
                 "cluster": caps[r.name].cluster,
                 "last_heartbeat": r.last_heartbeat,
                 "registered_at": r.registered_at,
+                "left_at": r.left_at,
                 "running": running.get(r.name, []),
                 # As registered (service.gpus adds each one's holder and use).
                 "gpu_devices": r.gpu_devices or [],

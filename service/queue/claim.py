@@ -6,6 +6,15 @@ job token written alongside. On Postgres the pick is ``FOR UPDATE SKIP LOCKED`` 
 concurrent claimers pass over each other's rows; on SQLite the write transaction is
 ``BEGIN IMMEDIATE`` (see db.py), which serialises claimers.
 
+A worker that stops says so first (``leave``): from that commit on nothing is claimed
+for it until it registers again. The claim reads the mark with the worker's books; one
+that takes a job reads it again under a share lock on the worker's row (Postgres), which
+the leave's update waits for: either the leave committed first and the claim is undone,
+or the claim commits first and its long-poll, which the leaving worker keeps open until
+it answers, hands it the job (which it hands straight back). Only a claim that takes a
+job locks: a lock would make every idle poll's claim a transaction that commits to disk.
+SQLite's claims and leaves are serialised whole (``BEGIN IMMEDIATE``).
+
 Building a Core statement and its cache key cost more than running it on SQLite; the
 claim is every worker's hot path, so its statements are built once per shape and
 reused (a statement's cache key is memoised on the object).
@@ -19,12 +28,12 @@ from datetime import datetime, timedelta
 from typing import Any, Literal
 
 from pydantic import Field
-from sqlalchemy import JSON, bindparam, case, select, update
+from sqlalchemy import JSON, bindparam, case, func, or_, select, update
 from sqlalchemy.engine import Connection
 
 from ddpq.messages import ClaimedJob
 from service.db import Database
-from service.errors import ServiceError, UnknownWorker
+from service.errors import Conflict, ServiceError, UnknownWorker, WorkerHasLeft
 from service.models import JobStatus, UTCDateTime, utcnow
 from service.queue import books, gangs, quotas
 from service.queue.memo import Probe
@@ -40,13 +49,17 @@ from service.queue.rules import (
     j,
     jn,
     jobs,
+    notify_claimers,
     order_key,
     quota_free,
     ready,
     resolve,
     resume_from,
+    w,
+    workers,
 )
 from service.queue.states import Event, may, new_attempt, start_values
+from service.wakeup import Wake
 
 
 class Claim(ClaimedJob):
@@ -333,51 +346,77 @@ def _claim(
         mine = books.of_worker(conn, worker)
         if mine is None:
             raise UnknownWorker(worker)
-        cap = mine.capacity
-        if cap.partition is not None:
-            return _claim_whole(conn, db, cap, token_hash, now, mine.quotas_set)
-        has_gpus = bool(cap.gpus)
-        # The worker's view may lag (a job it is still stopping); the books may too
-        # (a finish in flight). Only slots free in both are offered.
-        reported = set(free_gpus)
-        cap.free_gpus = [g for g in cap.free_gpus if g in reported]
-        cap.free_cpu = min(cap.free_cpu, free_cpu_slots)
-        params: dict[str, Any] = {
-            "worker": worker,
-            "now": now,
-            "free_cpu": cap.free_cpu,
-            "free_gpus": len(cap.free_gpus),
-            "no_gpus": None if has_gpus else [],
-        }
-        head = _head(conn, db, mine, now)
-        if db.policy.preemption != "off":
-            # Room is being made here for a job: nothing behind it starts here meanwhile.
-            making = conn.execute(_making_room(has_gpus), {"worker": worker}).first()
-            if making is not None and (
-                head is None
-                or order_key(making.priority, making.share, making.id)
-                < order_key(head.priority, head.share, head.id)
-            ):
-                head = making
-        gang = None
-        if mine.gangs_queued and advertise_addr and rdzv_port:
-            gang = gangs.pick(conn, db, has_gpus, params, head)
-            if gang is not None:
-                head = gang  # a single-node job may start here only if it is ahead of it
-        if head is not None:
-            params.update(head_id=head.id, head_priority=head.priority, head_share=head.share)
-        probe.has_gpus, probe.cpu, probe.gpus = has_gpus, cap.free_cpu, len(cap.free_gpus)
-        probe.general = head is None and not mine.gangs_queued
-        row = conn.execute(_take(db.dialect, has_gpus, head is not None), params).first()
-        if row is None and db.dialect == "postgresql":
-            row = _take_waiting(conn, db, has_gpus, head is not None, gang is None, params, probe)
-        if row is not None:
-            return _start(conn, row, cap, token_hash, now, mine.quotas_set)
-        if gang is None:
-            return None
-        assert advertise_addr is not None and rdzv_port is not None
-        offer = gangs.Offer(worker, cap, token_hash, advertise_addr, rdzv_port, now)
-        return _node_of(gang, gangs.take_node(conn, gang, offer))
+        if mine.left:
+            raise WorkerHasLeft(worker)
+        if mine.capacity.partition is not None:
+            claim = _claim_whole(conn, db, mine.capacity, token_hash, now, mine.quotas_set)
+        else:
+            claim = _claim_here(
+                conn, db, mine, free_cpu_slots, free_gpus, token_hash, advertise_addr,
+                rdzv_port, now, probe,
+            )  # fmt: skip
+        if claim is not None and db.dialect == "postgresql":
+            _still_here(conn, worker)
+        return claim
+
+
+def _claim_here(
+    conn: Connection,
+    db: Database,
+    mine: books.WorkerBooks,
+    free_cpu_slots: int,
+    free_gpus: list[int],
+    token_hash: str,
+    advertise_addr: str | None,
+    rdzv_port: int | None,
+    now: datetime,
+    probe: Probe,
+) -> Claim | None:
+    """A worker's claim, in its transaction: a single-node job that fits its room, or a
+    node slot of a gang."""
+    cap, worker = mine.capacity, mine.capacity.name
+    has_gpus = bool(cap.gpus)
+    # The worker's view may lag (a job it is still stopping); the books may too
+    # (a finish in flight). Only slots free in both are offered.
+    reported = set(free_gpus)
+    cap.free_gpus = [g for g in cap.free_gpus if g in reported]
+    cap.free_cpu = min(cap.free_cpu, free_cpu_slots)
+    params: dict[str, Any] = {
+        "worker": worker,
+        "now": now,
+        "free_cpu": cap.free_cpu,
+        "free_gpus": len(cap.free_gpus),
+        "no_gpus": None if has_gpus else [],
+    }
+    head = _head(conn, db, mine, now)
+    if db.policy.preemption != "off":
+        # Room is being made here for a job: nothing behind it starts here meanwhile.
+        making = conn.execute(_making_room(has_gpus), {"worker": worker}).first()
+        if making is not None and (
+            head is None
+            or order_key(making.priority, making.share, making.id)
+            < order_key(head.priority, head.share, head.id)
+        ):
+            head = making
+    gang = None
+    if mine.gangs_queued and advertise_addr and rdzv_port:
+        gang = gangs.pick(conn, db, has_gpus, params, head)
+        if gang is not None:
+            head = gang  # a single-node job may start here only if it is ahead of it
+    if head is not None:
+        params.update(head_id=head.id, head_priority=head.priority, head_share=head.share)
+    probe.has_gpus, probe.cpu, probe.gpus = has_gpus, cap.free_cpu, len(cap.free_gpus)
+    probe.general = head is None and not mine.gangs_queued
+    row = conn.execute(_take(db.dialect, has_gpus, head is not None), params).first()
+    if row is None and db.dialect == "postgresql":
+        row = _take_waiting(conn, db, has_gpus, head is not None, gang is None, params, probe)
+    if row is not None:
+        return _start(conn, row, cap, token_hash, now, mine.quotas_set)
+    if gang is None:
+        return None
+    assert advertise_addr is not None and rdzv_port is not None
+    offer = gangs.Offer(worker, cap, token_hash, advertise_addr, rdzv_port, now)
+    return _node_of(gang, gangs.take_node(conn, gang, offer))
 
 
 def _take_waiting(
@@ -470,3 +509,47 @@ def _claimed(
         nnodes=nnodes,
         owner=owner,
     )
+
+
+# ---- a worker that leaves ----------------------------------------------------------------
+
+# The mark a claim that takes a job reads again, the worker's row share-locked until the
+# claim commits (a leave's update waits for it; heartbeats, which touch the row, too).
+_LEFT_LOCKED = select(w.left_at).where(w.name == bindparam("worker")).with_for_update(read=True)
+# Marked only while no other process has taken the name over (as heartbeats: queue.leases);
+# a leave said again keeps the first one's time.
+_LEAVE = (
+    update(workers)
+    .where(w.name == bindparam("b_worker"))
+    .values(left_at=func.coalesce(w.left_at, bindparam("b_now", type_=UTCDateTime)))
+    .returning(w.left_at)
+)
+_LEAVE_MINE = _LEAVE.where(or_(w.identity.is_(None), w.identity == bindparam("b_identity")))
+_HOLDER = select(w.hostname).where(w.name == bindparam("b_worker"))
+
+
+def _still_here(conn: Connection, worker: str) -> None:
+    """WorkerHasLeft, which undoes the claim, if ``worker`` left while it ran (Postgres)."""
+    if conn.execute(_LEFT_LOCKED, {"worker": worker}).scalar() is not None:
+        raise WorkerHasLeft(worker)
+
+
+def leave(db: Database, worker: str, identity: str | None) -> datetime:
+    """``worker`` stops: from this commit on nothing is claimed for it until it registers
+    again (queue.leases.register_worker clears the mark), and its open long-polls, woken,
+    end (service.wakeup). Its attempts' heartbeats and finish reports go on while they
+    stop. When it left. UnknownWorker; Conflict if another process has taken the name
+    over since (the mark is that one's to make)."""
+    params = {"b_worker": worker, "b_identity": identity, "b_now": utcnow()}
+    with db.write_conn() as conn:
+        left_at = conn.execute(_LEAVE_MINE if identity else _LEAVE, params).scalar()
+        if left_at is None:
+            holder = conn.execute(_HOLDER, params).scalar()
+            if holder is None:
+                raise UnknownWorker(worker)
+            raise Conflict(
+                f"worker name {worker} was taken over by another process (host {holder}); "
+                "this one's leave changes nothing"
+            )
+        notify_claimers(conn, Wake(everyone=False, worker=worker, left=True))
+    return as_utc(left_at)

@@ -4,7 +4,7 @@ Each claim by a worker that advertises an address takes one slot (``job_nodes``)
 the attempt being formed; the claim that takes the last slot starts the attempt.
 Until then the job stays queued and its slots hold their workers' CPU slots or GPUs.
 Slots not all held within the gang timeout are released (``expire_gangs``). Each node
-has its own lease (leases.expire_nodes); losing any node, or any node's failure, ends
+has its own lease (lost.expire_nodes); losing any node, or any node's failure, ends
 the attempt for all of them.
 """
 
@@ -34,6 +34,7 @@ from service.queue.rules import (
     j,
     jn,
     jobs,
+    live_worker,
     nodes,
     notify_claimers,
     order_key,
@@ -63,7 +64,7 @@ def _pick(dialect: str, worker_has_gpus: bool) -> Any:
         select(func.count())
         .select_from(workers)
         .where(
-            w.last_heartbeat >= bindparam("live_since", type_=UTCDateTime),
+            live_worker(bindparam("live_since", type_=UTCDateTime)),
             w.cluster.is_(None),  # a bridge is no node: it takes whole jobs
         )
         .scalar_subquery()

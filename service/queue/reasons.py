@@ -248,7 +248,7 @@ def _no_worker(view: _View) -> str | None:
         return "waiting for a worker: none has registered"
     if not view.live:
         lease = view.policy.lease_s
-        return f"waiting for a worker: none has sent a heartbeat in the last {lease:g} s"
+        return f"waiting for a worker: each has left or sent no heartbeat in the last {lease:g} s"
     return None
 
 

@@ -195,6 +195,13 @@ NODE_LIVE = and_(
 )
 
 
+def live_worker(since: Any) -> Any:
+    """SQL: a worker that may take jobs: it heartbeat at or after ``since`` (a lease ago)
+    and has not left (POST /workers/leave: a leaving worker heartbeats while its attempts
+    stop, but takes nothing)."""
+    return and_(w.last_heartbeat >= since, w.left_at.is_(None))
+
+
 # A single-node job that may be claimed (a multi-node one is claimed by node slots).
 QUEUED_SINGLE = and_(j.status == JobStatus.QUEUED, j.nnodes == 1)
 

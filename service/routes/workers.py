@@ -1,4 +1,5 @@
-"""The worker protocol, with the worker token: register, claim, heartbeat, logs, finish."""
+"""The worker protocol, with the worker token: register, claim, heartbeat, logs, finish,
+leave."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from ddpq.messages import (
     HandBack,
     HeartbeatReply,
     HeldAttempt,
+    WorkerLeft,
     WorkerRegistered,
 )
 from service import caches, checkpoints, jobs, logs, outputs, queue, secrets, sweeps
@@ -36,7 +38,7 @@ from service.deps import (
     gone,
     log_chunk,
 )
-from service.errors import responses
+from service.errors import WorkerHasLeft, responses
 from service.models import TERMINAL, JobStatus
 from service.schemas import (
     ClaimRequest,
@@ -47,6 +49,7 @@ from service.schemas import (
     LogAppended,
     OutputsIn,
     OutputsLimits,
+    WorkerLeave,
     WorkerName,
     WorkerRegister,
 )
@@ -119,7 +122,7 @@ def register_worker(
     "/claim",
     response_model=ClaimedJob,
     responses={
-        204: {"description": "no job fitted before wait_s ran out"},
+        204: {"description": "no job fitted before wait_s ran out, or the worker left"},
         **responses(NOT_REGISTERED),
     },
 )
@@ -132,8 +135,12 @@ async def claim_job(
     stopping = request.app.state.stopping
     mark = wakeup.mark()
     chosen = False  # woken by a submit for its job: the memo does not answer for it
+    # The count of this worker's leaves heard here that its claims have answered for: one
+    # heard since sends the poll to the database, which ends it (service.wakeup).
+    asked_leaves = wakeup.back(body.name)
     while True:
         seen, seen_own = wakeup.generation, wakeup.own(body.name)
+        leaves = wakeup.leaves(body.name)
         if stopping.is_set():  # uvicorn waits for open answers before it exits
             return Response(status_code=204)
         # The slots of this worker's attempts that ended since the poll was sent are free
@@ -148,7 +155,8 @@ async def claim_job(
             )
             mark = wakeup.mark()
         room = (body.free_cpu_slots, len(body.free_gpus))
-        asked = memo.asked(body.name, seen, *room)
+        leaving = leaves != asked_leaves
+        asked = None if leaving else memo.asked(body.name, seen, *room)
         if asked is not None:
             # A claim of as much room runs for this wake-up: its answer first, then look
             # again (even past wait_s: every request gets its claim, or the memo's no).
@@ -157,13 +165,22 @@ async def claim_job(
             chosen = False  # that claim answered for this wake-up: the memo knows now
             continue
         claimed = None
-        if chosen or not memo.covers(body.name, seen, *room, time.monotonic(), wakeup.since):
+        if (
+            leaving
+            or chosen
+            or not memo.covers(body.name, seen, *room, time.monotonic(), wakeup.since)
+        ):
             if await gone(request)():
                 # The worker hung up (it died, or restarted and polls anew): a job claimed
                 # now would be held by nobody until its lease ran out. (Asked only before
                 # a claim: asking costs more than a claim the memo answers.)
                 return Response(status_code=204)
-            claimed = await _claim(body, request, db, memo, seen, room)
+            try:
+                claimed = await _claim(body, request, db, memo, seen, room)
+            except WorkerHasLeft:  # it said it stops (leave_worker): it is handed nothing
+                return Response(status_code=204)
+            asked_leaves = leaves
+            wakeup.rejoined(body.name, leaves)  # registered again since those leaves
         if claimed is not None:  # a gang's slot taken woke its waiters as it committed
             # Serialised here, once: a returned model would be validated a second time.
             return Response(claimed.model_dump_json(), media_type="application/json")
@@ -223,6 +240,16 @@ async def _claim(
     if wired.spec.from_checkpoint is not None:  # a fork: the checkpoint it starts from
         wired = await run_in_threadpool(checkpoints.for_claim, db, wired)
     return wired
+
+
+@router.post(
+    "/leave", response_model=WorkerLeft, responses=responses({**NOT_REGISTERED, **NAME_TAKEN})
+)
+def leave_worker(body: WorkerLeave, db: DB) -> WorkerLeft:
+    """Say this worker is stopping: from now on nothing is claimed for it until it
+    registers again, and its open claim long-poll answers 204 at once (on whichever API
+    process holds it). Its attempts' heartbeats and finish reports go on while they stop."""
+    return WorkerLeft(name=body.name, left_at=queue.leave(db, body.name, body.identity))
 
 
 @router.post("/gang", response_model=GangReply)

@@ -55,6 +55,7 @@ from ddpq.messages import (
     Strict,
     WaitS,
     WorkerIdentity,
+    WorkerLeave,
     WorkerName,
     WorkerRegister,
 )
@@ -303,6 +304,7 @@ __all__ = [
     "WorkerGpu",
     "WorkerIdentity",
     "WorkerJob",
+    "WorkerLeave",
     "WorkerName",
     "WorkerPublic",
     "WorkerRegister",

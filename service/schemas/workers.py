@@ -1,5 +1,5 @@
 """The views of workers. The worker protocol itself, its requests (register, claim, gang,
-heartbeat, finish) and its replies, is ddpq.messages', defined once for the service and
+heartbeat, finish, leave) and its replies, is ddpq.messages', defined once for the service and
 the worker (service.schemas re-exports the requests for the routes)."""
 
 from __future__ import annotations
@@ -30,9 +30,12 @@ class WorkerPublic(BaseModel):
     gpus: list[int]
     free_cpu_slots: int
     free_gpus: list[int]
-    alive: bool  # heart-beaten within the lease
+    alive: bool  # heart-beaten within the lease, and not left
     last_heartbeat: datetime
     registered_at: datetime
+    # When it left (POST /workers/leave, as it stopped): it claims nothing until it registers
+    # again; its attempts still in ``running`` are stopping. None while it takes jobs.
+    left_at: datetime | None = None
     running: list[WorkerJob]
     # A Slurm bridge: the partition it hands jobs to.
     cluster: ClusterShape | None = None

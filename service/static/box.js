@@ -130,6 +130,13 @@ export function usageView() {
   });
 }
 
+// A worker that stopped: leaving while its jobs are handed back, then left (a Slurm
+// bridge's go on running in Slurm without it).
+function leftBadge(w) {
+  const words = w.running.length && !w.cluster ? "leaving" : "left";
+  return el("span", { class: "status s-cancelled", title: `left ${w.left_at}` }, words);
+}
+
 export function workersView() {
   return view("workers-view", "workers", async (gone) => {
     const data = await api("/workers");
@@ -142,7 +149,7 @@ export function workersView() {
         "tr",
         { "data-worker": w.name },
         el("td", { class: "name" }, w.name),
-        el("td", {}, statusBadge(w.alive ? "running" : "failed")),
+        el("td", {}, w.left_at ? leftBadge(w) : statusBadge(w.alive ? "running" : "failed")),
         el("td", { class: "num" }, `${w.free_cpu_slots}/${w.cpu_slots}`),
         el("td", { class: "num" }, `${w.free_gpus.length}/${w.gpus.length}`),
         el("td", { class: "reason", title: held }, held),

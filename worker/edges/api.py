@@ -1,7 +1,7 @@
 """The worker's HTTP client of the service, with retries for what must not be lost.
 
 Each request's body is validated, before it is sent, by the model the service's route
-validates it with (ddpq.messages: register, claim, gang, heartbeat, finish): one
+validates it with (ddpq.messages: register, claim, gang, heartbeat, finish, leave): one
 definition for both sides, so what the worker sends cannot drift from what the service
 takes, and a body the service would refuse is refused here as the service would, 422
 naming the field (ApiRefused), without a request."""
@@ -28,6 +28,8 @@ from ddpq.messages import (
     GangRequest,
     Heartbeat,
     HeartbeatReply,
+    WorkerLeave,
+    WorkerLeft,
     WorkerRegister,
     WorkerRegistered,
 )
@@ -92,6 +94,15 @@ class WorkerAPI:
         if r.status_code == 204:
             return None
         return ClaimedJob.model_validate_json(r.content)
+
+    def leave(self, timeout: float) -> WorkerLeft:
+        """Say this worker is stopping: the API claims nothing more for it and answers its
+        open claim long-poll now. Once: a stop does not wait for an API that is away."""
+        body: dict[str, Any] = {"name": self.name}
+        if self.identity:
+            body["identity"] = self.identity
+        r = self._send("/workers/leave", WorkerLeave, body, timeout=timeout)
+        return WorkerLeft.model_validate_json(r.content)
 
     def gang(self, job_id: int, attempt: int, wait_s: float, leave: bool = False) -> GangReply:
         """Wait on a held node slot: forming, ready (with the rendezvous) or released."""

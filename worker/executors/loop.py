@@ -38,6 +38,9 @@ from worker.walled.walls import Walls
 log = logging.getLogger("ddpq.worker")
 
 CLAIM_HANDBACK_WAIT_S = 30.0
+# How long a stopping worker waits for the API to take its leave before it waits out its
+# claim long-poll instead (the API away or hung).
+LEAVE_TIMEOUT_S = 5.0
 MAX_KEPT = 10_000  # job directories a heartbeat asks about (the API's limit)
 
 
@@ -284,6 +287,18 @@ class Loop:
     def finish(self, job_id: int, attempt: int, result: Outcome, why: str | None = None) -> None:
         finish(self.api, job_id, attempt, result, why, self.claimer_done)
 
+    def leave(self) -> None:
+        """Tell the API this worker stops (POST /workers/leave): nothing more is claimed
+        for it, and its open claim long-poll is answered now rather than when it runs out.
+        Its attempts' heartbeats and finish reports go on while they stop. Asked once,
+        briefly: if the API does not take it, the poll is waited out as before."""
+        try:
+            self.api.leave(LEAVE_TIMEOUT_S)
+        except Exception as exc:  # a refusal, no answer, or one unread: the stop goes on
+            log.warning("leave: %s; waiting for the open claim long-poll to end", exc)
+            return
+        log.info("%s: left the queue: no job is claimed for it until it starts again", self.name)
+
     # ---- the threads ---------------------------------------------------------------------
 
     def _round(self, step: Callable[[], None], what: str, pause_s: float = 0.0) -> None:
@@ -338,9 +353,9 @@ class Loop:
             self.claimer_done.set()
 
     def run(self, first: Callable[[], None] = lambda: None) -> None:
-        """Serve until SIGTERM or SIGINT, then stop: an executor's attempts in this
-        process are handed back to the queue, a detached one's go on running. ``first``
-        runs before registering (once a signal already stops the loop)."""
+        """Serve until SIGTERM or SIGINT, then stop: leave the queue (``leave``), and an
+        executor's attempts in this process are handed back to it, a detached one's go on
+        running. ``first`` runs before registering (once a signal already stops the loop)."""
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self.stopping.set())
         first()
@@ -358,6 +373,7 @@ class Loop:
         for t in threads:
             t.start()
         self.stopping.wait()
+        self.leave()
         attempts = self.executor.attempts()
         if self.executor.detached:
             log.info(
@@ -369,8 +385,10 @@ class Loop:
             log.info("worker %s: shutting down; stopping %d job(s)", self.name, len(attempts))
             for item in attempts:
                 self.executor.stop(item["job_id"], item["attempt"], "shutdown")
-        # A claim answered during the stop is handed straight back (the executor's start).
-        # A large fleet's longer poll (service.pace) is not waited out past this: the
+        # The leave ended the claim's open long-poll: the claimer returns now. A claim the
+        # API committed before the leave is answered first, and handed straight back (the
+        # executor's start). Without the leave (the API away) the poll runs out; a large
+        # fleet's longer one (service.pace) is not waited out past this bound: the
         # process's exit closes it, and the API claims nothing for a poll whose worker
         # hung up (routes.workers).
         claimer.join(timeout=CLAIM_WAIT_S + 20)

@@ -36,7 +36,8 @@ Per N (after a warm-up that first fills the fleet), over the measured window:
   - database rows and bytes (pg_total_relation_size of each table) per 1,000 jobs
     submitted in the window;
   - a host killed (kill -9: it stops without a word) as the window opens: when its
-    jobs were queued again, after its last heartbeat, against the lease it was given.
+    jobs were queued again, after their last sign of life (its last heartbeat, or a
+    later claim), against the lease it was given.
 
     PYTHONPATH=. .venv/bin/python bench/fleet.py [--hosts 10,100,500,1000] [--quick]
         [--backend postgres|sqlite] [--api-procs N] [--profile DIR] [--out docs/img/fleet.png]
@@ -210,7 +211,12 @@ class Host:
         self.heartbeat_s = sim.heartbeat_s
         self.claim_wait_s = CLAIM_WAIT_S
         self.lease_s = 0.0  # as the API last said
-        self.last_beat = 0.0  # when its last heartbeat was sent (monotonic), answered 200
+        # Wall-clock times, to compare with the API's stamps (one host, one clock):
+        self.last_beat = 0.0  # when its last heartbeat answered 200 was sent
+        self.last_answer = 0.0  # and when that answer came: the API stamped it between
+        # When each running job's claim was answered: the API stamps the new attempt's
+        # lease as it claims, a sign of life its heartbeats have not renewed yet.
+        self.claimed_at: dict[int, float] = {}
         self.tasks: list[asyncio.Task[None]] = []  # its heartbeats and polls
 
     @property
@@ -245,7 +251,7 @@ class Host:
                 "identity": self.identity,
                 "running": [{"job_id": j, "attempt": a} for j, a in self.running.items()],
             }
-            t0, sent = time.perf_counter(), time.monotonic()
+            t0, sent = time.perf_counter(), time.time()
             try:
                 status, data = await self.http.request("POST", "/workers/heartbeat", body)
             except (OSError, asyncio.IncompleteReadError):
@@ -257,7 +263,7 @@ class Host:
                 reply = orjson.loads(data)
                 self.heartbeat_s = reply.get("heartbeat_s") or self.heartbeat_s
                 self.lease_s = reply.get("lease_s") or self.lease_s
-                self.last_beat = sent
+                self.last_beat, self.last_answer = sent, time.time()
                 self.claim_wait_s = reply.get("claim_wait_s") or self.claim_wait_s
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.sim.stop.wait(), self.heartbeat_s)
@@ -297,6 +303,7 @@ class Host:
                 st.error("claim gave busy GPUs")
             self.gpus_of[job_id] = set(gpus)
             self.running[job_id] = attempt
+            self.claimed_at[job_id] = time.time()
             self.jobs.add(
                 asyncio.get_running_loop().create_task(self.run(job_id, attempt, gpus, duration))
             )
@@ -327,6 +334,7 @@ class Host:
             st.error(f"finish {status}")
             await asyncio.sleep(1.0)
         self.running.pop(job_id, None)
+        self.claimed_at.pop(job_id, None)
         self.gpus_of.pop(job_id, None)
         self.finishing.discard(job_id)
         self.jobs.discard(asyncio.current_task())  # type: ignore[arg-type]
@@ -597,7 +605,7 @@ async def simulate(api: Api, plan: Plan, db_url: str, profile: Path | None) -> d
     sim_cpu0 = _self_cpu()
     t0 = time.monotonic()
     stats.measuring = True
-    killing = loop.create_task(kill_one(sim, admin))
+    killing = loop.create_task(kill_one(sim, admin, db_url))
     spy = None
     if profile is not None:
         profile.mkdir(parents=True, exist_ok=True)
@@ -634,6 +642,7 @@ async def simulate(api: Api, plan: Plan, db_url: str, profile: Path | None) -> d
     finished, queued = stats.finished, len(sim.pending)
     killed = await killing  # waits out its lease, past the window
     after_tables = await asyncio.to_thread(db_tables, db_url)
+    killed["lost_elsewhere"] = await asyncio.to_thread(lost_elsewhere, db_url, killed["host"])
     sim.stop.set()
     for h in sim.hosts:
         for job in h.jobs:
@@ -699,33 +708,72 @@ async def simulate(api: Api, plan: Plan, db_url: str, profile: Path | None) -> d
     }
 
 
-async def kill_one(sim: Sim, admin: Http) -> dict[str, Any]:
+async def kill_one(sim: Sim, admin: Http, db_url: str) -> dict[str, Any]:
     """A kill -9 of the busiest host as the window opens: its heartbeats, polls and jobs
     stop at once, and it says nothing more. The API is to declare its attempts lost
-    once the lease it gave the host has run out since its last heartbeat (the sweeper
-    looks every few seconds), and queue their jobs again (a job's attempt moves on, or
-    it waits queued): how long after that heartbeat each was (seen within a second)."""
+    once the lease it gave the host has run out since the attempt's last sign of life
+    (the host's last heartbeat, or the claim that started it if that came later), and
+    queue their jobs again (a job's attempt moves on, or it waits queued): how long
+    after that sign each was, by the attempts' end stamps (on Postgres; else as seen
+    here, within a poll)."""
     victim = max(sim.hosts, key=lambda h: len(h.running))
     held, lease = dict(victim.running), victim.lease_s
     for task in [*victim.tasks, *victim.jobs]:
         task.cancel()
     victim.http.close()
-    killed, last_beat = time.monotonic(), victim.last_beat
-    lost: dict[int, float] = {}
-    while len(lost) < len(held) and time.monotonic() - killed < 2 * lease + 30:
+    killed = time.time()
+    # The API stamped the last heartbeat between its sending and its answer: the lease
+    # ran from then, so the time lost is given from both ends.
+    sent = {j: max(victim.last_beat, victim.claimed_at.get(j, 0.0)) for j in held}
+    answered = {j: max(victim.last_answer, victim.claimed_at.get(j, 0.0)) for j in held}
+    seen: dict[int, float] = {}
+    while len(seen) < len(held) and time.time() - killed < 2 * lease + 30:
         for job_id, attempt in held.items():
+            if job_id in seen or time.time() - sent[job_id] < lease - 1:
+                continue  # not due yet: no reads spent on it
             status, data = await admin.request("GET", f"/jobs/{job_id}")
             job = orjson.loads(data) if status == 200 else {}
-            again = job.get("attempt", 0) > attempt or job.get("status") == "queued"
-            if job_id not in lost and again:
-                lost[job_id] = time.monotonic() - last_beat
-        await asyncio.sleep(1.0)  # past the window too: the lease may outlast it
+            if job.get("attempt", 0) > attempt or job.get("status") == "queued":
+                seen[job_id] = time.time()
+        await asyncio.sleep(0.2)  # past the window too: the lease may outlast it
+    ended = {**seen, **await asyncio.to_thread(lost_at, db_url, victim.name)}
+    lost = {j: (ended[j] - answered[j], ended[j] - sent[j]) for j in seen}
     return {
+        "host": victim.name,
         "jobs": len(held),
         "lease_s": lease,
         "requeued": len(lost),
-        "lost_after_max_s": round(max(lost.values()), 1) if lost else None,
+        "lost_after_max_s": round(max(a for a, _ in lost.values()), 1) if lost else None,
+        "lost_after_max_sent_s": round(max(b for _, b in lost.values()), 1) if lost else None,
     }
+
+
+def lost_at(db_url: str, host: str) -> dict[int, float]:
+    """When the API declared each of ``host``'s attempts lost (its end stamp)."""
+    if not db_url.startswith("postgresql"):
+        return {}
+    import psycopg
+
+    with psycopg.connect(db_url.replace("postgresql+psycopg", "postgresql")) as conn:
+        rows = conn.execute(
+            "SELECT job_id, ended_at FROM attempts WHERE outcome = 'lost' AND worker = %s",
+            (host,),
+        ).fetchall()
+    return {int(job_id): ended.timestamp() for job_id, ended in rows}
+
+
+def lost_elsewhere(db_url: str, victim: str) -> list[str]:
+    """The reasons of attempts lost on hosts that were never killed: a live host's job
+    declared lost is work thrown away (none is the goal)."""
+    if not db_url.startswith("postgresql"):
+        return []
+    import psycopg
+
+    with psycopg.connect(db_url.replace("postgresql+psycopg", "postgresql")) as conn:
+        rows = conn.execute(
+            "SELECT reason FROM attempts WHERE outcome = 'lost' AND worker <> %s", (victim,)
+        ).fetchall()
+    return [str(r[0]) for r in rows]
 
 
 async def request_mix(http: Http) -> dict[str, float]:
@@ -934,9 +982,12 @@ def main() -> None:
             print(
                 f"a host killed as the window opened, holding {kill['jobs']} jobs: "
                 f"{kill['requeued']} queued again, the last {kill['lost_after_max_s']} s after "
-                f"its last heartbeat (its lease: {kill['lease_s']:g} s)",
+                f"its last sign of life ({kill['lost_after_max_sent_s']} s after it was sent; "
+                f"its lease: {kill['lease_s']:g} s)",
                 flush=True,
             )
+            elsewhere = kill["lost_elsewhere"]
+            print(f"attempts lost on live hosts: {len(elsewhere)}", *elsewhere[:5], sep="\n  ")
             mix = ", ".join(f"{k} {v:g}" for k, v in r["per_s"].items() if v)
             print(f"filled in {r['fill_s']:g} s; per second: {mix}")
     print()

@@ -84,15 +84,25 @@ def finish(
     return result
 
 
+def claims_asked(server: Server) -> float:
+    """Claims the API has run against the database so far (both outcomes)."""
+    total = 0.0
+    for line in server.client().get("/metrics").text.splitlines():
+        if line.startswith("ddpq_claim_latency_seconds_count"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
 def settle_all(server: Server) -> None:
     """End every job left active on ``server`` (a module's shared one, after a test): a
-    queued one cancelled, a running one cancelled and its cancel confirmed as its worker
-    would. The next test then finds no job of another's to claim, nor one that changes
-    under it (a hand-driven worker never heartbeats: its attempts would be lost)."""
+    queued or held one cancelled, a running one cancelled and its cancel confirmed as its
+    worker would. The next test then finds no job of another's to claim or in the queue,
+    nor one that changes under it (a hand-driven worker never heartbeats: its attempts
+    would be lost)."""
     c, w = server.client(), server.client("worker")
-    for status in ("queued", "running", "cancelling"):
+    for status in ("queued", "held", "running", "cancelling"):
         for job in c.get("/jobs", params={"status": status, "limit": 500}).json()["items"]:
-            if job["status"] in ("queued", "running"):
+            if job["status"] in ("queued", "held", "running"):
                 r = c.post(f"/jobs/{job['id']}/cancel")
                 assert r.status_code == 202, r.text
                 job = r.json()

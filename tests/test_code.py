@@ -1,7 +1,12 @@
 """Code sent with a job: the upload protocol, its limits and hostile manifests (both
 databases), what of a directory is sent, how a worker writes a job's directory, and real
 jobs run from a user's directory (a helper module, a requirements file naming a wheel
-built here, one-line re-submits, private working directories, two nodes)."""
+built here, one-line re-submits, private working directories, two nodes).
+
+A test of the upload protocol that looks only at what it sent (contents no other test here
+sends, what its requests added to the lists) runs on the module's server of its database
+(``api``: what a test leaves active is ended after it, helpers.its_turn); one with limits
+of its own, a database changed by hand, or a worker has a server of its own (``server``)."""
 
 from __future__ import annotations
 
@@ -74,9 +79,11 @@ def rows(db_url: str, table: Any) -> int:
 # ---- the upload protocol -----------------------------------------------------------------
 
 
-def test_only_missing_contents_are_sent_and_a_snapshot_is_its_manifest(server: Server) -> None:
+def test_only_missing_contents_are_sent_and_a_snapshot_is_its_manifest(api: Server) -> None:
+    server = api
     c = server.client()
-    files = {"train.py": b"print('hi')\n", "lib/helper.py": b"X = 1\n"}
+    # Contents no other test on the module's server sends (the store is by content).
+    files = {"train.py": b"print('hi')\n", "lib/helper.py": b"HELPER = 1\n"}
     digests = sorted(sha(d) for d in files.values())
     assert c.post("/code/missing", json={"digests": digests}).json()["missing"] == digests
     first = snapshot(server, files)
@@ -84,9 +91,9 @@ def test_only_missing_contents_are_sent_and_a_snapshot_is_its_manifest(server: S
     assert c.post("/code/missing", json={"digests": digests}).json()["missing"] == []
     assert snapshot(server, files)["id"] == first["id"], "the same tree is the same snapshot"
 
-    changed = {**files, "lib/helper.py": b"X = 2\n"}
+    changed = {**files, "lib/helper.py": b"HELPER = 2\n"}
     missing = c.post("/code/missing", json={"digests": [sha(d) for d in changed.values()]})
-    assert missing.json()["missing"] == [sha(b"X = 2\n")], "one line changed: one content"
+    assert missing.json()["missing"] == [sha(b"HELPER = 2\n")], "one line changed: one content"
     second = snapshot(server, changed)
     assert second["id"] != first["id"]
 
@@ -95,8 +102,8 @@ def test_only_missing_contents_are_sent_and_a_snapshot_is_its_manifest(server: S
     assert c.get(f"/code/blobs/{sha(files['train.py'])}").content == files["train.py"]
     w = server.client("worker")
     assert w.get(f"/workers/code/snapshots/{first['id']}").json()["id"] == first["id"]
-    helper = sha(b"X = 1\n")
-    assert w.get(f"/workers/code/blobs/{helper}").content == b"X = 1\n"
+    helper = sha(b"HELPER = 1\n")
+    assert w.get(f"/workers/code/blobs/{helper}").content == b"HELPER = 1\n"
 
     job = c.post("/jobs", json={"entrypoint": "train.py", "code": first["id"]})
     assert job.status_code == 201, job.text
@@ -105,7 +112,8 @@ def test_only_missing_contents_are_sent_and_a_snapshot_is_its_manifest(server: S
     assert listed["code"]["id"] == first["id"]
 
 
-def test_a_damaged_upload_is_refused_and_stores_nothing(server: Server) -> None:
+def test_a_damaged_upload_is_refused_and_stores_nothing(api: Server) -> None:
+    server = api
     data = b"the real content\n"
     r = server.client().put(f"/code/blobs/{sha(b'something else')}", content=data)
     assert r.status_code == 422 and "sha256" in r.text, r.text
@@ -163,16 +171,16 @@ def _wire(entries: list[dict[str, Any]], data: bytes) -> list[dict[str, Any]]:
     return out
 
 
-def test_hostile_manifests_are_refused_by_name_and_change_nothing(
-    server: Server, db_url: str
-) -> None:
+def test_hostile_manifests_are_refused_by_name_and_change_nothing(api: Server) -> None:
+    server, db_url = api, api.db_url
+    before = rows(db_url, CodeSnapshot)  # the module's other tests' snapshots
     data = b"x = 1\n"
     assert put(server, data) == 204
     for case, entries in HOSTILE.items():
         r = server.client().post("/code/snapshots", json={"files": _wire(entries, data)})
         assert r.status_code == 422, (case, r.status_code, r.text)
         assert "files" in r.text, (case, r.text)
-    assert rows(db_url, CodeSnapshot) == 0
+    assert rows(db_url, CodeSnapshot) == before
 
 
 def test_download_writes_links_refuses_what_breaks_a_rule_and_says_a_write_error_in_a_line(
@@ -286,8 +294,10 @@ def test_limits_are_named_with_the_largest_files(db_url: str, tmp_path: Path) ->
         stop_server(server)
 
 
-def test_a_job_naming_unknown_code_or_an_entrypoint_outside_it_is_refused(server: Server) -> None:
+def test_a_job_naming_unknown_code_or_an_entrypoint_outside_it_is_refused(api: Server) -> None:
+    server = api
     c = server.client()
+    before = c.get("/jobs", params={"limit": 500}).json()["items"]
     r = c.post("/jobs", json={"entrypoint": "train.py", "code": "0" * 64})
     assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "code"], r.text
     snap = snapshot(server, {"train.py": b"pass\n"})
@@ -297,7 +307,7 @@ def test_a_job_naming_unknown_code_or_an_entrypoint_outside_it_is_refused(server
         "/jobs", json={"entrypoint": "train.py", "code": snap["id"], "pip": ["--index-url=x"]}
     )
     assert r.status_code == 422 and "pip" in r.text, r.text
-    assert c.get("/jobs").json()["items"] == []
+    assert c.get("/jobs", params={"limit": 500}).json()["items"] == before
 
 
 def test_collection_keeps_what_a_queued_job_needs(db_url: str, tmp_path: Path) -> None:
@@ -597,8 +607,9 @@ def test_what_stays_home_is_said_largest_first_with_why_and_names_in_the_source(
 
 
 def test_submit_says_what_stayed_home_and_warns_when_the_program_names_it(
-    server: Server, tmp_path: Path
+    api: Server, tmp_path: Path
 ) -> None:
+    server = api
     proj = _new_users_project(tmp_path / "proj")
     env = {"DDPQ_URL": server.url, "DDPQ_TOKEN": server.api_token}
     out = run_ddpq("submit", "--entrypoint", "train.py", env=env, cwd=proj, timeout=60)

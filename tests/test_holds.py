@@ -3,7 +3,11 @@ databases, through a real `ddpq serve`: a held job keeps its id and its place an
 takes it; illegal moves are refused (409) naming the state; a member acts only on their own
 jobs and releases only their own holds, within their priority cap; a held job counts
 against the queued limit; each act and each refusal is audited; a hold racing a claim,
-many rounds, leaves one winner."""
+many rounds, leaves one winner.
+
+Each test runs on the module's server of its database (``api``), with users and workers
+of its own: what the test before left queued, held or running is ended after it
+(helpers.its_turn), so the queue and what a claim may take are the test's own jobs."""
 
 from __future__ import annotations
 
@@ -26,7 +30,8 @@ def _queue(client: Any) -> list[int]:
     return [q["job_id"] for q in client.get("/queue").json()["items"]]
 
 
-def test_hold_release_and_update(server: Server) -> None:
+def test_hold_release_and_update(api: Server) -> None:
+    server = api
     admin, alice, bob = server.client(), _user(server, "alice"), _user(server, "bob")
     a, b, c = (alice.post("/jobs", json=CPU).json()["id"] for _ in range(3))
     held = alice.post(f"/jobs/{b}/hold")
@@ -97,7 +102,8 @@ def test_hold_release_and_update(server: Server) -> None:
     assert run_ddpq("update", str(e), env=env).returncode == 2
 
 
-def test_a_held_job_counts_against_the_queued_limit(server: Server) -> None:
+def test_a_held_job_counts_against_the_queued_limit(api: Server) -> None:
+    server = api
     admin, carol = server.client(), _user(server, "carol")
     assert admin.put("/quotas/carol", json={"max_queued": 2}).status_code == 200
     first, _ = (carol.post("/jobs", json=CPU).json()["id"] for _ in range(2))
@@ -105,10 +111,11 @@ def test_a_held_job_counts_against_the_queued_limit(server: Server) -> None:
     assert carol.post("/jobs", json=CPU).status_code == 429
 
 
-def test_a_hold_racing_a_claim_has_one_winner(server: Server) -> None:
+def test_a_hold_racing_a_claim_has_one_winner(api: Server) -> None:
     """20 rounds: a hold and a claim of the one queued job at once. Either the hold won
     (the job is held, the claim found nothing) or the claim did (the job runs, the hold
     is refused 409): never both, never neither."""
+    server = api
     admin, worker = server.client(), server.client("worker")
     register(server, "racer", cpu_slots=8)
     for _ in range(20):

@@ -22,20 +22,11 @@ from service.db import Database
 from service.errors import Conflict, UnknownWorker, WorkerHasLeft
 from service.wakeup import Wake, Wakeup
 from tests.conftest import Server, run_ddpq, stop_server, terminal, wait_for
-from tests.helpers import together
+from tests.helpers import claims_asked, together
 
 NOOP = {"entrypoint": "noop.py", "device": "cpu", "world_size": 1}
 # Enough rounds to see a race that one round in ten hits.
 ROUNDS = 30
-
-
-def _claims_asked(server: Server) -> float:
-    """Claims the API has run against the database so far (both outcomes)."""
-    total = 0.0
-    for line in server.client().get("/metrics").text.splitlines():
-        if line.startswith("ddpq_claim_latency_seconds_count"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def _worker(c: httpx.Client, name: str) -> dict[str, Any] | None:
@@ -70,10 +61,10 @@ def test_a_worker_stopped_mid_poll_leaves_and_a_later_job_runs_on_another(
     api: Server, start_worker: Any, tmp_path: Path
 ) -> None:
     user, w = api.client(), api.client("worker")
-    before = _claims_asked(api)
+    before = claims_asked(api)
     a = start_worker(api, cpu_slots=1)
     # Its long-poll is open once its first claim has asked the database (and found nothing).
-    wait_for(lambda: _worker(user, a.name) and _claims_asked(api) > before, 90, "a's first poll")
+    wait_for(lambda: _worker(user, a.name) and claims_asked(api) > before, 90, "a's first poll")
     a.proc.send_signal(signal.SIGTERM)
     assert a.proc.wait(timeout=60) == 0
     assert "left the queue" in a.log(), a.log()
@@ -105,9 +96,9 @@ def test_a_worker_stopped_mid_poll_leaves_and_a_later_job_runs_on_another(
 def test_a_worker_whose_leave_finds_no_api_still_stops(server: Server, start_worker: Any) -> None:
     """The API gone before the worker stops: its leave is not taken, and it stops the old
     way (its claim loop, told the API is away, ends with the stop), never hanging."""
-    before = _claims_asked(server)
+    before = claims_asked(server)
     a = start_worker(server, cpu_slots=1)
-    wait_for(lambda: _claims_asked(server) > before, 90, "a's first poll")
+    wait_for(lambda: claims_asked(server) > before, 90, "a's first poll")
     stop_server(server)
     a.proc.send_signal(signal.SIGTERM)
     assert a.proc.wait(timeout=60) == 0
@@ -143,11 +134,11 @@ def test_a_leave_racing_a_submit_never_leaves_the_job_with_the_worker_that_left(
 
     for n in range(ROUNDS):
         _register(for_l, leaver)  # again each round: it takes jobs again
-        asked = _claims_asked(api)
+        asked = claims_asked(api)
         got: list[httpx.Response] = []
         poll = _poll(for_l, leaver, 30, got)
         # Parked once its first claim (its registration made the poll ask) found nothing.
-        wait_for(lambda: _claims_asked(api) > asked, 20, "the leaver's poll parked", 0.01)
+        wait_for(lambda: claims_asked(api) > asked, 20, "the leaver's poll parked", 0.01)
         if n % 2:
             both = together(submit, leave)
             assert not [r for r in both if isinstance(r, Exception)], (n, both)

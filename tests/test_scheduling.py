@@ -2,6 +2,12 @@
 
 Most of these drive the worker protocol by hand against a real `ddpq serve` (no
 torchrun needed to hold a slot); one runs real jobs on a worker told it has 4 GPUs.
+
+A test that looks at its own jobs, claimed by a worker that only it registers or runs,
+runs on the module's server of its database (``api``: what the test before left active is
+ended after it, helpers.its_turn, so the only jobs queued are the test's own); one whose
+reasons or counts read every worker (the most GPUs free, none registered, the server's
+claims), or that leaves workers behind, has a server of its own (``server``).
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import psycopg
 import pytest
 
 from tests.conftest import Server, launcher_env, start_server, stop_server, terminal, wait_for
-from tests.helpers import register
+from tests.helpers import claims_asked, register
 
 GPU = {"entrypoint": "probe.py", "device": "cuda"}
 
@@ -82,7 +88,8 @@ def test_gpu_claims_are_disjoint_and_held_until_finish(server: Server) -> None:
     assert cc and cc["job_id"] == c["id"] and cc["gpus"] == [0, 1, 2, 3]
 
 
-def test_priority_first_then_submission_order_with_backfill(server: Server) -> None:
+def test_priority_first_then_submission_order_with_backfill(api: Server) -> None:
+    server = api
     register(server, "gpu", cpu_slots=8, gpus=[0, 1, 2, 3])
     hold = _submit(server, **GPU, world_size=2)
     held = _claim(server)
@@ -256,8 +263,10 @@ def test_a_waiting_claim_waits_for_the_best_row_alone_and_then_takes_the_next_fr
         stop_server(server)
 
 
-def test_concurrent_requests_with_one_idempotency_key_make_one_job(server: Server) -> None:
+def test_concurrent_requests_with_one_idempotency_key_make_one_job(api: Server) -> None:
+    server = api
     n = 12
+    before = len(server.client().get("/jobs", params={"limit": 500}).json()["items"])
     results: list[httpx.Response] = []
     lock = threading.Lock()
     start = threading.Barrier(n)
@@ -281,7 +290,7 @@ def test_concurrent_requests_with_one_idempotency_key_make_one_job(server: Serve
         r.text for r in results if r.status_code != 201
     ]
     assert len({r.json()["id"] for r in results}) == 1
-    assert len(server.client().get("/jobs").json()["items"]) == 1
+    assert len(server.client().get("/jobs", params={"limit": 500}).json()["items"]) == before + 1
 
 
 PROBE = r"""
@@ -340,8 +349,9 @@ def test_gpu_jobs_on_a_four_gpu_worker(server: Server, start_worker, tmp_path: P
 
 @pytest.mark.torchrun
 def test_timeout_kills_the_attempt_and_fails_the_job(
-    server: Server, start_worker, launcher: str
+    api: Server, start_worker, launcher: str
 ) -> None:
+    server = api
     worker = start_worker(server, "--kill-grace-s", "2", env=launcher_env(launcher))
     (worker.workspace / "forever.py").write_text("import time\nwhile True:\n    time.sleep(0.1)\n")
     job = _submit(server, entrypoint="forever.py", world_size=2, timeout_s=3)
@@ -369,15 +379,6 @@ def test_submit_and_finish_notify_other_api_processes(pg_url: str, tmp_path: Pat
     stop_server(server)
 
 
-def _claims_asked(server: Server) -> float:
-    """Claims the API has run against the database so far (both outcomes)."""
-    total = 0.0
-    for line in server.client().get("/metrics").text.splitlines():
-        if line.startswith("ddpq_claim_latency_seconds_count"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 def test_an_open_poll_takes_the_slots_its_own_worker_s_finish_frees(server: Server) -> None:
     """A worker's long-poll carries the GPUs free when it was sent; when one of its own
     attempts ends meanwhile, the job that needs the freed GPUs starts from that poll,
@@ -388,7 +389,7 @@ def test_an_open_poll_takes_the_slots_its_own_worker_s_finish_frees(server: Serv
     assert held and held["job_id"] == a["id"]
     rest = sorted({0, 1, 2, 3} - set(held["gpus"]))
     whole = _submit(server, **GPU, world_size=4)
-    before = _claims_asked(server)
+    before = claims_asked(server)
     got: list[httpx.Response] = []
     poll = {"name": "gpu", "free_cpu_slots": 8, "free_gpus": rest, "wait_s": 30}
     waiting = threading.Thread(
@@ -397,7 +398,7 @@ def test_an_open_poll_takes_the_slots_its_own_worker_s_finish_frees(server: Serv
     )
     waiting.start()
     # Parked once it has asked the database (and found the 4-GPU job does not fit).
-    wait_for(lambda: _claims_asked(server) > before, 20, "the poll's first claim")
+    wait_for(lambda: claims_asked(server) > before, 20, "the poll's first claim")
     _finish(server, held)
     waiting.join(timeout=25)
     assert got and got[0].status_code == 200, got and got[0].text

@@ -1,6 +1,11 @@
 """People (issue 27): users with roles and their own tokens, who owns a job, who may
 cancel it, revocation that holds on every API process at once, and the audit trail.
-Both databases."""
+Both databases.
+
+A test that looks at users and jobs of its own (names no other test here uses; what its
+requests added to the lists) runs on the module's server of its database (``api``: what
+the test before left active is ended after it, helpers.its_turn); one that revokes the
+first admin, or reads the whole list of users, has a server of its own (``server``)."""
 
 from __future__ import annotations
 
@@ -27,19 +32,18 @@ def as_user(server: Server, token: str) -> httpx.Client:
     return server.client(token)
 
 
-def test_the_api_token_is_the_first_admins_and_users_get_their_own(
-    server: Server, db_url: str
-) -> None:
+def test_the_api_token_is_the_first_admins_and_users_get_their_own(api: Server) -> None:
+    server = api
     admin = server.client()
     assert admin.get("/whoami").json() == {"name": "admin", "role": "admin"}
-    token = add(server, "alice")
+    token = add(server, "ann")
     assert token.startswith("ddpqu_") and len(token) == len("ddpqu_") + 43, token
-    assert as_user(server, token).get("/whoami").json() == {"name": "alice", "role": "member"}
+    assert as_user(server, token).get("/whoami").json() == {"name": "ann", "role": "member"}
     listed = {u["name"]: u for u in admin.get("/users").json()["items"]}
-    assert listed["alice"]["role"] == "member" and listed["alice"]["revoked_at"] is None
-    assert listed["alice"]["token_hint"] == token[:10] and "token" not in listed["alice"]
+    assert listed["ann"]["role"] == "member" and listed["ann"]["revoked_at"] is None
+    assert listed["ann"]["token_hint"] == token[:10] and "token" not in listed["ann"]
     # Stored as its sha256, never itself (nor the API token).
-    engine = create_engine(db_url)
+    engine = create_engine(server.db_url)
     try:
         with engine.connect() as conn:
             rows = [tuple(r) for r in conn.execute(text("SELECT * FROM users"))]
@@ -50,7 +54,12 @@ def test_the_api_token_is_the_first_admins_and_users_get_their_own(
     assert hashlib.sha256(token.encode()).hexdigest() in dumped
 
 
-def test_a_member_cancels_only_its_own_jobs_and_an_admin_any(server: Server) -> None:
+def test_a_member_cancels_only_its_own_jobs_and_an_admin_any(api: Server) -> None:
+    server = api
+    # The module's server: the other tests' jobs are there too (every member sees them).
+    before = [
+        j["owner"] for j in server.client().get("/jobs", params={"limit": 500}).json()["items"]
+    ]
     alice, bob = as_user(server, add(server, "alice")), as_user(server, add(server, "bob"))
     a = alice.post("/jobs", json=JOB).json()
     b = bob.post("/jobs", json=JOB).json()
@@ -67,14 +76,15 @@ def test_a_member_cancels_only_its_own_jobs_and_an_admin_any(server: Server) -> 
     def owners(**params: Any) -> list[str]:
         return [j["owner"] for j in bob.get("/jobs", params=params).json()["items"]]
 
-    assert owners() == ["bob", "alice"], "every member sees every job"
+    assert owners(limit=500) == ["bob", "alice", *before], "every member sees every job"
     assert owners(mine="true") == ["bob"] and owners(user="alice") == ["alice"]
     assert owners(user="nobody") == []
     assert bob.get("/jobs", params={"mine": "true", "user": "alice"}).status_code == 422
 
 
-def test_an_idempotency_key_is_no_replay_of_another_users_job(server: Server) -> None:
-    alice, bob = as_user(server, add(server, "alice")), as_user(server, add(server, "bob"))
+def test_an_idempotency_key_is_no_replay_of_another_users_job(api: Server) -> None:
+    server = api
+    alice, bob = as_user(server, add(server, "cleo")), as_user(server, add(server, "dan"))
     key = {"Idempotency-Key": "nightly-sweep-1"}
     first = alice.post("/jobs", json=JOB, headers=key)
     assert first.status_code == 201
@@ -84,12 +94,15 @@ def test_an_idempotency_key_is_no_replay_of_another_users_job(server: Server) ->
 
 
 def test_revoked_and_rotated_tokens_are_refused_at_once_by_every_api_process(
-    server: Server, db_url: str, tmp_path: Path
+    api: Server, tmp_path: Path
 ) -> None:
     """Nothing is cached: what one API process changes, the other refuses on the very
     next request. Ten users, each revoked or rotated on one process and tried at once on
     the other, alternately."""
-    other = start_server(db_url, tmp_path / "api2", tokens=(server.api_token, server.worker_token))
+    server = api  # the module's, and a second process of its own on the same database
+    other = start_server(
+        server.db_url, tmp_path / "api2", tokens=(server.api_token, server.worker_token)
+    )
     try:
         processes = (server, other)
         for i in range(10):
@@ -140,24 +153,28 @@ def test_only_admins_manage_users_and_mistakes_change_nothing(server: Server) ->
     assert admin.get("/whoami").status_code == 401
 
 
-def test_the_audit_trail_says_who_did_what(server: Server) -> None:
+def test_the_audit_trail_says_who_did_what(api: Server) -> None:
+    server = api
     admin = server.client()
-    alice = as_user(server, add(server, "alice"))
-    job = alice.post("/jobs", json=JOB).json()
-    alice.post(f"/jobs/{job['id']}/cancel")
-    admin.post("/users/alice/rotate")
-    admin.post("/users/alice/revoke")
+    dora = as_user(server, add(server, "dora"))
+    job = dora.post("/jobs", json=JOB).json()
+    dora.post(f"/jobs/{job['id']}/cancel")
+    admin.post("/users/dora/rotate")
+    admin.post("/users/dora/revoke")
     events = admin.get("/audit").json()["items"]
     said = [(e["actor"], e["action"], e["target"]) for e in events]
     assert said[:5] == [
-        ("admin", "user.deactivate", "user alice"),
-        ("admin", "user.rotate", "user alice"),
-        ("alice", "cancel", f"job {job['id']}"),
-        ("alice", "submit", f"job {job['id']}"),
-        ("admin", "user.add", "user alice"),
+        ("admin", "user.deactivate", "user dora"),
+        ("admin", "user.rotate", "user dora"),
+        ("dora", "cancel", f"job {job['id']}"),
+        ("dora", "submit", f"job {job['id']}"),
+        ("admin", "user.add", "user dora"),
     ], said
     assert events[3]["detail"] == {"program": "toy-regression"}
     page = admin.get("/audit", params={"limit": 2}).json()
     rest = admin.get("/audit", params={"cursor": page["next_cursor"]}).json()["items"]
-    assert [e["id"] for e in page["items"] + rest] == [e["id"] for e in events]
+    # The module's server holds the other tests' events too, older: the pages continue
+    # the trail as far as the first read saw it (past its 100, the older ones follow).
+    paged = [e["id"] for e in page["items"] + rest]
+    assert paged[: len(events)] == [e["id"] for e in events]
     assert admin.get("/audit", params={"cursor": "x"}).status_code == 422

@@ -80,15 +80,16 @@ class SweepTurn:
         self.db = db
         self._conn: Any = None  # a psycopg connection, autocommit
         self._held = False
-        self.held = False  # as the last round found (mine): read by the leases' sweep
+
+    @property
+    def held(self) -> bool:
+        """As the last round found (mine): read by the leases' sweep."""
+        return self._held
 
     def mine(self) -> bool:
         """Blocking (run it on a thread)."""
-        self.held = self._mine()
-        return self.held
-
-    def _mine(self) -> bool:
         if self.db.dialect != "postgresql":
+            self._held = True
             return True
         import psycopg  # here: an API on SQLite never loads the Postgres driver
 
@@ -118,7 +119,6 @@ class SweepTurn:
                 self._conn.close()
         self._conn = None
         self._held = False
-        self.held = False
 
 
 async def run(app: FastAPI) -> None:
@@ -154,8 +154,8 @@ async def run(app: FastAPI) -> None:
                 now = asyncio.get_running_loop().time()
                 if now >= retention_at:
                     async with steps:
-                        outputs = settings.outputs_limits()
-                        retention_at = now + await _retention_round(db, outputs)
+                        limits = settings.outputs_limits()
+                        retention_at = now + await _retention_round(db, limits)
                 code_swept = await _sweep_once(app, code_swept, code_every, steps)
                 async with steps:
                     await _sweeps_round(db)

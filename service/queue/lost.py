@@ -21,13 +21,13 @@ from service.queue.gangs import release_nodes
 from service.queue.leases import lost
 from service.queue.rules import NODE_LIVE, as_utc, j, jn, started
 
-# The soonest lease of a current attempt or a live node slot: the rows the sweeps below
+# A job's current attempt, still running: what a lease sweep may lose.
+_CURRENT = and_(Attempt.job_id == Job.id, Attempt.number == Job.attempt)
+_HELD = (Job.status.in_(list(ACTIVE)), Attempt.ended_at.is_(None))
+# The soonest lease of such an attempt or of a live node slot: the rows the sweeps below
 # look at (_FIND_CURRENT, expire_nodes).
 _SOONEST = (
-    select(func.min(Attempt.heartbeat_at))
-    .join(Job, and_(Attempt.job_id == Job.id, Attempt.number == Job.attempt))
-    .where(Job.status.in_(list(ACTIVE)), Attempt.ended_at.is_(None))
-    .scalar_subquery(),
+    select(func.min(Attempt.heartbeat_at)).join(Job, _CURRENT).where(*_HELD).scalar_subquery(),
     select(func.min(jn.heartbeat_at)).where(NODE_LIVE).scalar_subquery(),
 )
 
@@ -97,8 +97,8 @@ def expire_nodes(db: Database, lease_s: float, now: datetime | None = None) -> l
 
 _FIND_CURRENT = (
     select(Job.id, Job.attempt, Attempt.worker, Attempt.id)
-    .join(Attempt, and_(Attempt.job_id == Job.id, Attempt.number == Job.attempt))
-    .where(Job.status.in_(list(ACTIVE)), Attempt.ended_at.is_(None))
+    .join(Attempt, _CURRENT)
+    .where(*_HELD)
     .order_by(Job.id)  # the lock order: job rows by ascending id
 )
 

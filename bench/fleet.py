@@ -53,6 +53,7 @@ import math
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -643,6 +644,10 @@ async def simulate(api: Api, plan: Plan, db_url: str, profile: Path | None) -> d
     killed = await killing  # waits out its lease, past the window
     after_tables = await asyncio.to_thread(db_tables, db_url)
     killed["lost_elsewhere"] = await asyncio.to_thread(lost_elsewhere, db_url, killed["host"])
+    # The API stops before the hosts do: hosts that stopped first would have their leases
+    # run out while it lived on, and its log name their jobs lost (work thrown away is
+    # what lost_elsewhere counts, above, while every host still lives).
+    os.kill(api.pid, signal.SIGTERM)
     sim.stop.set()
     for h in sim.hosts:
         for job in h.jobs:

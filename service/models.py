@@ -260,6 +260,7 @@ class UserUsage(Base):
 
     owner: Mapped[str] = mapped_column(String(64), primary_key=True)
     usage: Mapped[float] = mapped_column(Float)
+    shared: Mapped[float | None] = mapped_column(Float)  # its queued jobs' (shares.SHARE_STEP)
     updated_at: Mapped[datetime]
 
 

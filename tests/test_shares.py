@@ -13,8 +13,9 @@ from sqlalchemy import select, update
 
 from service import jobs, queue
 from service.db import Database
-from service.models import FairshareEpoch, Job, JobStatus, UserUsage, utcnow
+from service.models import Attempt, FairshareEpoch, Job, JobStatus, UserUsage, utcnow
 from service.queue import shares
+from service.queue.rules import as_utc
 from service.schemas import JobSpec
 
 QUEUED = 3
@@ -66,3 +67,28 @@ def test_a_share_is_rewritten_only_once_usage_grows_past_it_by_a_step(db: Databa
         assert shares.rebase(s, utcnow())
     usage, shared, carried = _state(db)
     assert shared is not None and shared < grown and carried == {shared}
+
+
+def test_the_sweep_counts_each_running_attempt_once_per_its_period(db: Database) -> None:
+    """count_running's ``every_s``: an attempt counted (or started) less than that long
+    ago is left for a later sweep, so a large fleet's sweep rewrites a bounded number of
+    attempt rows a second (shares.COUNTS_PER_S); none of its use is lost, only counted
+    later."""
+    queue.register_worker(db, "w", None, "host", 1, [], "/c")
+    jobs.submit_job(db, JobSpec(entrypoint="x.py", device="cpu"), None, owner="alice", admin=True)
+    claim = queue.claim_next_job(db, "w", 1, [], "0" * 64)
+    assert claim is not None
+    with db.read() as s:
+        started = s.scalars(select(Job.started_at).where(Job.id == claim.job_id)).one()
+
+    def count(after_s: float, every_s: float) -> int:
+        with db.write() as s:
+            return queue.count_running(s, started + timedelta(seconds=after_s), every_s)
+
+    assert count(10, every_s=60) == 0  # started 10 s before: not due
+    assert count(70, every_s=60) == 1  # 70 s of use, counted
+    assert count(100, every_s=60) == 0  # counted 30 s before
+    assert count(100, every_s=0) == 1  # every sweep: the 30 s since
+    with db.read() as s:  # every second up to the last count, once
+        until = s.scalars(select(Attempt.counted_until).where(Attempt.job_id == claim.job_id))
+        assert as_utc(until.one()) == as_utc(started) + timedelta(seconds=100)

@@ -50,6 +50,21 @@ REQUIRE_SLURM = os.environ.get("DDPQ_REQUIRE_SLURM") == "1"
 REPO = Path(__file__).resolve().parent.parent
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """The checkout's bytecode, written once before any test (by the one process that
+    starts pytest's others): where PYTHONDONTWRITEBYTECODE is set (container images often
+    set it), every `ddpq serve`, worker, CLI call and rank would otherwise compile the
+    checkout's modules from source again (0.1-0.2 s of CPU each, hundreds of times a run).
+    compileall writes in spite of the variable, skips what is up to date, and its files
+    are the ones a plain interpreter writes (__pycache__, ignored by git)."""
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: its controller did it
+        return
+    import compileall
+
+    for package in ("ddpq", "service", "worker", "recipes", "migrations"):
+        compileall.compile_dir(REPO / package, quiet=2)
+
+
 def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.1) -> Any:
     """Poll ``predicate`` until it returns something truthy; fail after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
@@ -184,6 +199,12 @@ def _child_env(extra: dict[str, str]) -> dict[str, str]:
     # the default: DDPQ_TEST_LAUNCHER=torchrun.
     if os.environ.get("DDPQ_TEST_LAUNCHER"):
         env["DDPQ_LAUNCHER"] = os.environ["DDPQ_TEST_LAUNCHER"]
+    # A worker's 1-rank jobs get one thread each, as torchrun gives each rank of a larger
+    # job: then one warm process serves all of a worker's jobs (without it a 1-rank job's
+    # environment differs from the one the worker starts ahead, and its own warm process
+    # imports torch again: about 3 s of CPU a worker), and a 2-core machine running three
+    # tests at once is not oversubscribed by a rank's thread pool.
+    env.setdefault("OMP_NUM_THREADS", "1")
     env.update(extra)
     env["PYTHONUNBUFFERED"] = "1"
     return env
@@ -418,6 +439,11 @@ def launcher(request: pytest.FixtureRequest) -> str:
 
 def launcher_env(launcher: str) -> dict[str, str]:
     return {"DDPQ_LAUNCHER": launcher}
+
+
+# For a worker that runs no job (``env=NO_JOBS``): it starts no warm process, whose import
+# of torch (about 3 s of CPU) such a test would pay for and never use.
+NO_JOBS = launcher_env("torchrun")
 
 
 @pytest.fixture

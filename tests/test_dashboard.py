@@ -23,7 +23,7 @@ from sqlalchemy import update
 
 from service.db import Database
 from service.models import Job
-from tests.conftest import Server, start_server, stop_server, wait_for
+from tests.conftest import Server, _sqlite_copy, start_server, stop_server, wait_for
 from tests.helpers import finish, register, report, submit_and_claim
 
 CHROMIUM = os.environ.get("DDPQ_CHROMIUM", "/usr/bin/chromium")
@@ -55,8 +55,8 @@ STATIC = [
 
 
 @pytest.fixture
-def sqlite_server(tmp_path: Path) -> Iterator[Server]:
-    s = start_server(f"sqlite:///{tmp_path / 'ddpq.db'}", tmp_path / "api")
+def sqlite_server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Server]:
+    s = start_server(_sqlite_copy(request, tmp_path / "ddpq.db"), tmp_path / "api")
     yield s
     stop_server(s)
 
@@ -576,10 +576,10 @@ def test_the_pages_put_data_in_as_text_only() -> None:
 
 
 @pytest.fixture
-def sweep_server(tmp_path: Path) -> Iterator[Server]:
+def sweep_server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Server]:
     # The sweeper's round every 0.5 s (a third of the gang timeout): a sweep decides at once.
     s = start_server(
-        f"sqlite:///{tmp_path / 'ddpq.db'}", tmp_path / "api", DDPQ_GANG_TIMEOUT_S="1.5"
+        _sqlite_copy(request, tmp_path / "ddpq.db"), tmp_path / "api", DDPQ_GANG_TIMEOUT_S="1.5"
     )
     yield s
     stop_server(s)

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +20,12 @@ import httpx
 import pytest
 
 from tests.conftest import (
+    NO_JOBS,
     Server,
     _child_env,
     free_port,
     launcher_env,
+    module_server,
     start_server,
     stop_process,
     stop_server,
@@ -30,7 +33,7 @@ from tests.conftest import (
     wait_for,
     worker_argv,
 )
-from tests.helpers import finish, records, register, submit_and_claim
+from tests.helpers import finish, its_turn, records, register, submit_and_claim
 from tests.test_outage import HOLD
 from worker.edges.procs import find_by_launch_id
 
@@ -53,11 +56,18 @@ def _finish(server: Server, claim: dict[str, Any], name: str = "hand", **body: A
     )
 
 
+@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+def retry_api(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    """One server per database with a 1 s retry backoff for the retry policy's tests: each
+    claims only its own jobs (the one before it left none active)."""
+    yield from module_server(request, tmp_path_factory, DDPQ_RETRY_BACKOFF_S="1")
+
+
 @pytest.fixture
-def retry_server(db_url: str, tmp_path: Path) -> Any:
-    s = start_server(db_url, tmp_path / "api", DDPQ_RETRY_BACKOFF_S="1")
-    yield s
-    stop_server(s)
+def retry_server(retry_api: Server) -> Iterator[Server]:
+    yield from its_turn(retry_api)
 
 
 def test_signals_are_retried_with_backoff_until_attempts_run_out(retry_server: Server) -> None:
@@ -521,7 +531,7 @@ def _bare_worker(server: Server, name: str, data: Path, tmp_path: Path) -> subpr
     with open(tmp_path / f"{name}-{n}.log", "wb") as out:
         return subprocess.Popen(
             worker_argv(server, name, workspace, data, "--gpus", "none"),
-            env=_child_env({"DDPQ_WORKER_TOKEN": server.worker_token}),
+            env=_child_env({"DDPQ_WORKER_TOKEN": server.worker_token, **NO_JOBS}),
             stdout=out,
             stderr=subprocess.STDOUT,
         )

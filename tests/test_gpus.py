@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import (
+    NO_JOBS,
     REPO,
     Server,
     Worker,
@@ -62,13 +63,13 @@ def test_the_worker_finds_its_gpus_through_nvml_without_torch(
     server: Server, start_worker: Any, tmp_path: Path
 ) -> None:
     fake = fake_gpus(tmp_path / "nvml.json", 4)
-    worker = start_worker(server, name="gpu-host", gpus=None, env=nvml_env(fake))
+    worker = start_worker(server, name="gpu-host", gpus=None, env={**nvml_env(fake), **NO_JOBS})
     assert registered(server, "gpu-host")["gpus"] == [0, 1, 2, 3]
     assert not loaded(worker, "libtorch"), "the agent imported torch"
 
 
 def test_without_nvml_a_worker_has_no_gpus_quietly(server: Server, start_worker: Any) -> None:
-    worker = start_worker(server, name="cpu-host", gpus=None)
+    worker = start_worker(server, name="cpu-host", gpus=None, env=NO_JOBS)
     assert registered(server, "cpu-host")["gpus"] == []
     assert "NVML" not in worker.log() and "Traceback" not in worker.log()
     assert not loaded(worker, "libtorch")

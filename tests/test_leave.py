@@ -21,7 +21,7 @@ from service import queue
 from service.db import Database
 from service.errors import Conflict, UnknownWorker, WorkerHasLeft
 from service.wakeup import Wake, Wakeup
-from tests.conftest import Server, run_ddpq, stop_server, terminal, wait_for
+from tests.conftest import NO_JOBS, Server, run_ddpq, stop_server, terminal, wait_for
 from tests.helpers import claims_asked, together
 
 NOOP = {"entrypoint": "noop.py", "device": "cpu", "world_size": 1}
@@ -62,7 +62,7 @@ def test_a_worker_stopped_mid_poll_leaves_and_a_later_job_runs_on_another(
 ) -> None:
     user, w = api.client(), api.client("worker")
     before = claims_asked(api)
-    a = start_worker(api, cpu_slots=1)
+    a = start_worker(api, cpu_slots=1, env=NO_JOBS)
     # Its long-poll is open once its first claim has asked the database (and found nothing).
     wait_for(lambda: _worker(user, a.name) and claims_asked(api) > before, 90, "a's first poll")
     a.proc.send_signal(signal.SIGTERM)
@@ -97,7 +97,7 @@ def test_a_worker_whose_leave_finds_no_api_still_stops(server: Server, start_wor
     """The API gone before the worker stops: its leave is not taken, and it stops the old
     way (its claim loop, told the API is away, ends with the stop), never hanging."""
     before = claims_asked(server)
-    a = start_worker(server, cpu_slots=1)
+    a = start_worker(server, cpu_slots=1, env=NO_JOBS)
     wait_for(lambda: claims_asked(server) > before, 90, "a's first poll")
     stop_server(server)
     a.proc.send_signal(signal.SIGTERM)

@@ -32,6 +32,7 @@ import pytest
 
 from ddpq import config
 from tests.conftest import (
+    NO_JOBS,
     Server,
     _child_env,
     free_port,
@@ -575,7 +576,7 @@ def test_up_logs_in_keeps_a_login_made_for_its_url_and_sends_its_token_only_ther
         with open(log, "wb") as f:
             proc = subprocess.Popen(
                 up_argv(port, "--cpu-slots", "1"),
-                env=_child_env({**home.env(), "DDPQ_DATA_DIR": str(var)}),
+                env=_child_env({**home.env(), "DDPQ_DATA_DIR": str(var), **NO_JOBS}),
                 stdout=f,
                 stderr=subprocess.STDOUT,
                 cwd=tmp_path,

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from service.pace import Pace
-from tests.conftest import Server, Worker, start_server, stop_server, wait_for
+from tests.conftest import NO_JOBS, Server, Worker, start_server, stop_server, wait_for
 from tests.helpers import register, submit_and_claim
 from worker import health
 
@@ -139,7 +139,7 @@ def test_a_real_worker_heartbeats_at_the_pace_the_api_sets(
     # One worker against half a heartbeat a second: every 2 s, not the settings' 0.5 s.
     server = start_server(db_url, tmp_path / "api", DDPQ_MAX_HEARTBEATS_PER_S="0.5")
     try:
-        w = start_worker(server)
+        w = start_worker(server, env=NO_JOBS)
 
         def recorded() -> float | None:
             try:

@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import Server, start_server, stop_server
+from tests.conftest import Server, _sqlite_copy, start_server, stop_server
 from tests.helpers import register, together
 
 ROUNDS = 30
@@ -42,7 +42,7 @@ JOB = {"entrypoint": "train.py", "world_size": 1, "device": "cpu"}
 def api(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Server]:
     backend, processes = request.param
     if backend == "sqlite":
-        url = f"sqlite:///{tmp_path / 'ddpq.db'}"
+        url = _sqlite_copy(request, tmp_path / "ddpq.db")
     else:
         url = request.getfixturevalue("pg_url")
     s = start_server(url, tmp_path / "api", DDPQ_API_WORKERS=str(processes))

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.conftest import REPO, Server, _child_env, terminal
+from tests.conftest import REPO, Server, _child_env, _sqlite_copy, terminal
 
 CATALOG = REPO / "recipes" / "catalog.json"
 RECIPES = ["toy-regression", "mlp-classifier", "resnet-cifar10", "char-gpt"]
@@ -31,8 +31,8 @@ LOSS_LINE = re.compile(r"epoch \d+ \| step (\d+) \| loss ([\d.e+-]+)")
 
 
 @pytest.fixture
-def db_url(tmp_path: Path) -> str:
-    return f"sqlite:///{tmp_path / 'ddpq.db'}"
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    return _sqlite_copy(request, tmp_path / "ddpq.db")
 
 
 def _catalog() -> dict[str, Any]:

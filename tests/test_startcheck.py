@@ -17,7 +17,7 @@ import pytest
 
 from ddpq.errors import WallsError
 from tests import test_walls
-from tests.conftest import Server, _child_env, stop_process, wait_for, worker_argv
+from tests.conftest import NO_JOBS, Server, _child_env, stop_process, wait_for, worker_argv
 from tests.test_gpus import fake_gpus, nvml_env
 from worker.edges import nvml
 from worker.walled import startcheck
@@ -85,7 +85,7 @@ def test_a_walled_worker_with_gpus_but_no_nvidia_nodes_starts(api: Server, host_
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             ["setpriv", f"--bounding-set={caps}", "--inh-caps=-all", "--", *argv],
-            env=_child_env({"DDPQ_WORKER_TOKEN": api.worker_token, **nvml_env(fake)}),
+            env=_child_env({"DDPQ_WORKER_TOKEN": api.worker_token, **nvml_env(fake), **NO_JOBS}),
             stdout=out,
             stderr=subprocess.STDOUT,
         )

@@ -398,10 +398,15 @@ def test_a_steady_run_is_sent_less_and_less_often(monkeypatch: pytest.MonkeyPatc
             sender.add_point({"step": step, "epoch": None, "values": {"loss": 1.0}})
             step += 1
 
+    def at_the_cap() -> bool:
+        return len(sent) > 1 and sent[-1] - sent[-2] > 0.3
+
     feeder = threading.Thread(target=steady)
     feeder.start()
-    time.sleep(2.5)
-    stop.set()
+    try:
+        wait_for(at_the_cap, 10, "the batches' interval to reach its cap", interval=0.05)
+    finally:
+        stop.set()
     feeder.join()
     gaps = [b - a for a, b in itertools.pairwise(sent)]
     assert gaps[-1] > 0.3, gaps  # at the cap

@@ -7,7 +7,7 @@ databases.
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from sqlalchemy import select, update
 
@@ -33,16 +33,23 @@ def _state(db: Database) -> tuple[float, float | None, set[float]]:
     return usage, shared, set(carried)
 
 
-def test_a_share_is_rewritten_only_once_usage_grows_past_it_by_a_step(db: Database) -> None:
+def _one_running(db: Database, queued: int = 0) -> tuple[int, datetime]:
+    """One job of Alice's running on a 1-slot worker, ``queued`` more behind it: its id
+    and when it started."""
     queue.register_worker(db, "w", None, "host", 1, [], "/c")
     spec = JobSpec(entrypoint="x.py", device="cpu")
     jobs.submit_job(db, spec, None, owner="alice", admin=True)
     claim = queue.claim_next_job(db, "w", 1, [], "0" * 64)
     assert claim is not None
-    for _ in range(QUEUED):
+    for _ in range(queued):
         jobs.submit_job(db, spec, None, owner="alice", admin=True)
     with db.read() as s:
         started = s.scalars(select(Job.started_at).where(Job.id == claim.job_id)).one()
+    return claim.job_id, started
+
+
+def test_a_share_is_rewritten_only_once_usage_grows_past_it_by_a_step(db: Database) -> None:
+    _, started = _one_running(db, QUEUED)
 
     def count(after_s: float) -> tuple[float, float | None, set[float]]:
         with db.write() as s:
@@ -74,12 +81,7 @@ def test_the_sweep_counts_each_running_attempt_once_per_its_period(db: Database)
     ago is left for a later sweep, so a large fleet's sweep rewrites a bounded number of
     attempt rows a second (shares.COUNTS_PER_S); none of its use is lost, only counted
     later."""
-    queue.register_worker(db, "w", None, "host", 1, [], "/c")
-    jobs.submit_job(db, JobSpec(entrypoint="x.py", device="cpu"), None, owner="alice", admin=True)
-    claim = queue.claim_next_job(db, "w", 1, [], "0" * 64)
-    assert claim is not None
-    with db.read() as s:
-        started = s.scalars(select(Job.started_at).where(Job.id == claim.job_id)).one()
+    job_id, started = _one_running(db)
 
     def count(after_s: float, every_s: float) -> int:
         with db.write() as s:
@@ -90,5 +92,5 @@ def test_the_sweep_counts_each_running_attempt_once_per_its_period(db: Database)
     assert count(100, every_s=60) == 0  # counted 30 s before
     assert count(100, every_s=0) == 1  # every sweep: the 30 s since
     with db.read() as s:  # every second up to the last count, once
-        until = s.scalars(select(Attempt.counted_until).where(Attempt.job_id == claim.job_id))
+        until = s.scalars(select(Attempt.counted_until).where(Attempt.job_id == job_id))
         assert as_utc(until.one()) == as_utc(started) + timedelta(seconds=100)

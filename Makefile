@@ -68,16 +68,16 @@ test: venv browser
 	$(BIN)/pytest -n 3 --dist worksteal --durations=25 -m 'not exclusive and not learning and not slurm and not gpu and not teardown and not launchers and not walls and not long and not frameworks'
 	$(BIN)/pytest -m exclusive
 
-# The two launchers against each other (issue 34): the warm launcher's probe against a cold
-# torchrun, and the cold side of every test that runs both ways (cancel, timeout, kill -9,
-# restart, multi-node, walls; `make test` runs their warm side, the default). Its own
-# target, which CI runs after `make test` (inside it they took 2 of its 15 minutes).
+# The two launchers against each other (tests/test_warm.py): the warm launcher's probe
+# against a cold torchrun, and the cold side of every test that runs both ways (cancel,
+# timeout, kill -9, restart, multi-node, walls; `make test` runs their warm side, the
+# default). Its own target, which CI runs after `make test` (inside it they took 2 minutes).
 test-launchers: venv
 	$(BIN)/pytest -n 3 --dist worksteal -m 'launchers and not slurm and not gpu and not frameworks'
 
-# The walls between jobs (issue 26): a hostile job's attacks on a walled worker (real uids)
-# and an unwalled one, each launcher. Its own target, which CI runs after `make test`
-# (inside it they took about a minute of its 15).
+# The walls between jobs (tests/test_walls.py, docs/security.md): a hostile job's attacks
+# on a walled worker (real uids) and an unwalled one, each launcher. Its own target, which
+# CI runs after `make test` (inside it they took about a minute).
 test-walls: venv
 	$(BIN)/pytest -n 3 --dist worksteal -m 'walls and not launchers'
 
@@ -98,7 +98,7 @@ test-frameworks: venv
 
 # The Slurm executor against a real one-node cluster (tests/slurmcluster.py). The tests
 # share that cluster, so they run one at a time: their own target, which CI runs after
-# `make test` (inside it they took 2.5 of its 15 minutes).
+# `make test` (inside it they took 2.5 minutes).
 test-slurm: venv slurm
 	$(BIN)/pytest -m slurm
 
@@ -126,9 +126,10 @@ docs: venv
 	$(BIN)/python docs/gen_reference.py
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
-# torch's abort in the interpreter's teardown, counted over many torchrun runs (issue 31:
-# minutes of CPU, both databases): through worker.entry it never happens; bare, the control
-# sees it (or skips, saying so: how often torch aborts depends on the machine and its load).
+# torch's abort in the interpreter's teardown, counted over many torchrun runs
+# (tests/test_entry_rounds.py: minutes of CPU, both databases): through worker.entry it
+# never happens; bare, the control sees it (or skips, saying so: how often torch aborts
+# depends on the machine and its load).
 test-teardown: venv
 	$(BIN)/pytest -n 2 --dist worksteal -m teardown
 

@@ -35,6 +35,7 @@ import pytest
 
 from service.db import Database, upgrade
 from tests import slurmcluster
+from tests.ddpqfork import Forked
 from worker.edges.procs import launch_prefix
 
 # No test reads or writes the config file of whoever runs them (`ddpq login` and `ddpq up`
@@ -81,6 +82,12 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: 
         f"timed out after {timeout}s waiting for {what}"
         + (f" (last error: {last_exc})" if last_exc else "")
     )
+
+
+# The TLS context of every client the tests make: httpx builds one per client unless given
+# one (loading the CA bundle: 24 ms of CPU), and a run makes thousands of clients, for
+# servers it reaches over plain HTTP.
+TLS = httpx.create_ssl_context()
 
 
 def free_port() -> int:
@@ -189,6 +196,11 @@ def slurm_clean(slurm: slurmcluster.Cluster) -> Iterator[slurmcluster.Cluster]:
 # ---- processes --------------------------------------------------------------------------
 
 
+# `ddpq serve` and the CLI calls run_ddpq makes are forked from a zygote (_zygote), unless
+# DDPQ_TEST_FORK=off: then each starts a new interpreter, as they did before.
+FORK = os.environ.get("DDPQ_TEST_FORK") != "off"
+
+
 def _child_env(extra: dict[str, str]) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DDPQ_")}
     # Tests run as root, where a worker would wall its jobs under uids of their own; the
@@ -218,16 +230,24 @@ def run_ddpq(
     input: str | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """Run the `ddpq` command to its end, with ``env`` over this environment's non-DDPQ
-    variables; its output is text."""
-    return subprocess.run(
-        [sys.executable, "-m", "ddpq.cli", *args],
-        env=_child_env(env),
-        capture_output=True,
-        text=True,
-        input=input,
-        timeout=timeout,
-        cwd=cwd,
-    )
+    variables; its output is text. Forked from the zygote (_zygote): its output in files."""
+    argv = [sys.executable, "-m", "ddpq.cli", *args]
+    if not FORK:
+        return subprocess.run(
+            argv, env=_child_env(env), capture_output=True, text=True, input=input,
+            timeout=timeout, cwd=cwd,
+        )  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="ddpq-run-") as where:
+        out, err, given = (Path(where) / name for name in ("stdout", "stderr", "stdin"))
+        given.write_text(input or "")
+        proc = Forked(_zygote(), list(args), _child_env(env), cwd or Path.cwd(), out, err, given)
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+        return subprocess.CompletedProcess(argv, code, out.read_text(), err.read_text())
 
 
 def serve_on_a_reachable_address(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -236,7 +256,7 @@ def serve_on_a_reachable_address(env: dict[str, str]) -> subprocess.CompletedPro
 
 
 def stop_process(
-    proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: float = 60
+    proc: subprocess.Popen[bytes] | Forked, sig: int = signal.SIGTERM, timeout: float = 60
 ) -> None:
     if proc.poll() is None:
         proc.send_signal(sig)
@@ -253,7 +273,7 @@ class Server:
     api_token: str
     worker_token: str
     data_dir: Path
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[bytes] | Forked  # forked from the zygote (_zygote)
     log_path: Path
     clients: list[httpx.Client] = field(default_factory=list)
     registered: set[str] = field(default_factory=set)  # worker names tests registered by hand
@@ -268,12 +288,49 @@ class Server:
             headers["Authorization"] = f"Bearer {self.worker_token}"
         elif token:
             headers["Authorization"] = f"Bearer {token}"
-        c = httpx.Client(base_url=self.url, headers=headers, timeout=30)
+        c = httpx.Client(base_url=self.url, headers=headers, timeout=30, verify=TLS)
         self.clients.append(c)
         return c
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+
+_ZYGOTE: list[subprocess.Popen[bytes]] = []  # this process's, started at its first use
+
+
+def _zygote() -> str:
+    """The socket of this pytest process's zygote (tests/ddpqfork.py), started at its
+    first `ddpq serve` or CLI call: every one after is forked from it (0.2 s of CPU for a
+    server's start against 1 s in a new interpreter, a few hundred starts a run)."""
+    path = str(Path(_CONFIG_HOME) / f"zygote-{os.getpid()}.sock")
+    if not _ZYGOTE or _ZYGOTE[0].poll() is not None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        zygote = subprocess.Popen(
+            [sys.executable, "-m", "tests.ddpqfork", path],
+            env=_child_env({}),
+            stdin=subprocess.PIPE,  # its end: this process's (the pipe closes with it)
+            stdout=subprocess.PIPE,
+            cwd=REPO,
+        )
+        assert zygote.stdout is not None and zygote.stdout.readline() == b"ready\n"
+        _ZYGOTE[:] = [zygote]
+        atexit.register(_stop_zygote, zygote)
+    return path
+
+
+def _stop_zygote(zygote: subprocess.Popen[bytes]) -> None:
+    """At this process's exit: the zygote's stdin closed, it ends (and kills any server
+    a failed test left running)."""
+    for pipe in (zygote.stdin, zygote.stdout):
+        if pipe is not None:
+            pipe.close()
+    try:
+        zygote.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        zygote.kill()
+        zygote.wait()
 
 
 def start_server(
@@ -287,23 +344,27 @@ def start_server(
     api_token, worker_token = tokens or (secrets.token_urlsafe(24), secrets.token_urlsafe(24))
     log_path = data_dir / f"serve-{port}.log"
     data_dir.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "ddpq.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
-            env=_child_env(
-                {
-                    "DDPQ_DATABASE_URL": db_url,
-                    "DDPQ_DATA_DIR": str(data_dir),
-                    "DDPQ_API_TOKEN": api_token,
-                    "DDPQ_WORKER_TOKEN": worker_token,
-                    "DDPQ_HEARTBEAT_S": "0.5",
-                    **env,
-                }
-            ),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=data_dir,
-        )
+    argv = ["serve", "--host", "127.0.0.1", "--port", str(port)]
+    server_env = _child_env(
+        {
+            "DDPQ_DATABASE_URL": db_url,
+            "DDPQ_DATA_DIR": str(data_dir),
+            "DDPQ_API_TOKEN": api_token,
+            "DDPQ_WORKER_TOKEN": worker_token,
+            "DDPQ_HEARTBEAT_S": "0.5",
+            **env,
+        }
+    )
+    log_path.write_bytes(b"")
+    proc: subprocess.Popen[bytes] | Forked
+    if not FORK:
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "ddpq.cli", *argv],
+                env=server_env, stdout=log, stderr=subprocess.STDOUT, cwd=data_dir,
+            )  # fmt: skip
+    else:
+        proc = Forked(_zygote(), argv, server_env, data_dir, log_path)
     server = Server(
         f"http://127.0.0.1:{port}", api_token, worker_token, data_dir, proc, log_path, db_url=db_url
     )
@@ -311,7 +372,7 @@ def start_server(
     def healthy() -> bool:
         if proc.poll() is not None:
             raise AssertionError(f"ddpq serve exited {proc.returncode}:\n{server.log()}")
-        return httpx.get(f"{server.url}/healthz", timeout=2).status_code == 200
+        return httpx.get(f"{server.url}/healthz", timeout=2, verify=TLS).status_code == 200
 
     wait_for(healthy, 60, "ddpq serve to answer /healthz")
     return server

@@ -5,9 +5,10 @@ Starting `ddpq serve` spends most of its CPU importing (FastAPI, SQLAlchemy, pyd
 uvicorn, alembic, the service's modules: about a second of CPU each start, hundreds of
 starts a run), a CLI call most of its 0.3 s. The zygote imports them once, then on each
 request forks a child that runs the very command line the test gave, with the test's
-environment, working directory, input and output files: the same code from
-``ddpq.cli.main()`` on, in a process of its own that tests signal, kill -9 and wait for
-as they would a subprocess (Forked).
+environment, working directory, input and output files: ``ddpq.cli`` run as `python -m
+ddpq.cli` runs it (runpy), in a process of its own that tests signal, kill -9 and wait
+for as they would a subprocess (Forked). tests/test_serve_and_cli.py holds a forked
+command's output, errors and exit code to a new interpreter's.
 
 What differs from a new interpreter, and why no test minds: the child's
 /proc/PID/environ is the zygote's (os.environ is set after the fork; the kernel keeps the
@@ -28,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import runpy
 import select
 import signal
 import socket
@@ -68,10 +70,8 @@ def _child(request: dict[str, Any], zygotes: list[int]) -> None:
             os.close(opened)
         os.environ.clear()
         os.environ.update(request["env"])
-        sys.argv = ["ddpq", *request["argv"]]
-        from ddpq.cli import main
-
-        main()
+        sys.argv = ["-m", *request["argv"]]  # runpy sets argv[0], as `python -m` does
+        runpy.run_module("ddpq.cli", run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as exc:
         if exc.code is None:
@@ -124,11 +124,11 @@ def serve(path: str) -> None:
                     break
                 if pid == 0:
                     break
-                conn = waiting.pop(pid, None)
-                if conn is not None:
+                told = waiting.pop(pid, None)
+                if told is not None:
                     with contextlib.suppress(OSError):  # nobody waits for it any more
-                        conn.sendall(json.dumps({"status": _status(raw)}).encode() + b"\n")
-                    conn.close()
+                        told.sendall(json.dumps({"status": _status(raw)}).encode() + b"\n")
+                    told.close()
     finally:
         for pid in waiting:
             with contextlib.suppress(ProcessLookupError):
@@ -162,16 +162,35 @@ class Forked:
             "stderr": str(stderr or stdout),
         }
         self.conn.sendall(json.dumps(request).encode() + b"\n")
-        self.reader = self.conn.makefile("rb")
-        self.pid: int = json.loads(self.reader.readline())["pid"]
+        self.received = (
+            b""  # both answers may arrive in one read: kept here, not in a file's buffer
+        )
+        first = self._line(None)
+        assert first is not None
+        self.pid: int = first["pid"]
+
+    def _line(self, timeout: float | None) -> dict[str, int] | None:
+        """The zygote's next answer; None at a timeout, EOFError if the zygote is gone."""
+        while b"\n" not in self.received:
+            if timeout is not None and not select.select([self.conn], [], [], timeout)[0]:
+                return None
+            chunk = self.conn.recv(4096)
+            if not chunk:
+                raise EOFError("the zygote closed the connection")
+            self.received += chunk
+        line, self.received = self.received.split(b"\n", 1)
+        answer: dict[str, int] = json.loads(line)
+        return answer
 
     def _read_status(self, timeout: float | None) -> int | None:
         if self.returncode is None:
-            if timeout is not None and not select.select([self.conn], [], [], timeout)[0]:
+            try:
+                answer = self._line(timeout)
+            except EOFError:  # no status at all: the zygote is gone, and killed it going
+                answer = {"status": -signal.SIGKILL}
+            if answer is None:
                 return None
-            line = self.reader.readline()
-            self.returncode = json.loads(line)["status"] if line else -signal.SIGKILL
-            self.reader.close()
+            self.returncode = answer["status"]
             self.conn.close()
         return self.returncode
 

@@ -25,6 +25,31 @@ from tests.conftest import (
 )
 
 
+@pytest.mark.parametrize(
+    ("args", "given"),
+    [
+        (("--help",), None),
+        (("submit", "--world-size", "0", "train.py"), None),  # a usage error: exit 2
+        (("jobs",), None),  # no API to reach: its error, exit 1
+        (("login", "http://127.0.0.1:9", "--token-stdin"), "a token\n"),  # unreachable: exit 3
+    ],
+)
+def test_a_forked_ddpq_answers_as_a_new_interpreter_would(
+    tmp_path: Path, args: tuple[str, ...], given: str | None
+) -> None:
+    # The tests' `ddpq` calls are forked from a zygote that imported ddpq ahead
+    # (tests/ddpqfork.py): the same output, errors and exit code as a new interpreter's.
+    env = {"DDPQ_URL": "http://127.0.0.1:9", "XDG_CONFIG_HOME": str(tmp_path)}
+    forked = run_ddpq(*args, env=env, cwd=tmp_path, input=given)
+    new = subprocess.run(
+        [sys.executable, "-m", "ddpq.cli", *args],
+        env=_child_env(env), capture_output=True, text=True, input=given, cwd=tmp_path,
+    )  # fmt: skip
+    assert (forked.returncode, forked.stdout, forked.stderr) == (
+        new.returncode, new.stdout, new.stderr,
+    ), (forked, new)  # fmt: skip
+
+
 def test_serve_refuses_a_reachable_address_without_tokens(tmp_path: Path) -> None:
     r = serve_on_a_reachable_address(
         {"DDPQ_DATA_DIR": str(tmp_path)},

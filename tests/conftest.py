@@ -244,8 +244,7 @@ def run_ddpq(
         try:
             code = proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            stop_process(proc, signal.SIGKILL)
             raise
         return subprocess.CompletedProcess(argv, code, out.read_text(), err.read_text())
 

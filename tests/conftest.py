@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -230,23 +230,40 @@ def run_ddpq(
     input: str | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """Run the `ddpq` command to its end, with ``env`` over this environment's non-DDPQ
-    variables; its output is text. Forked from the zygote (_zygote): its output in files."""
-    argv = [sys.executable, "-m", "ddpq.cli", *args]
-    if not FORK:
-        return subprocess.run(
-            argv, env=_child_env(env), capture_output=True, text=True, input=input,
-            timeout=timeout, cwd=cwd,
-        )  # fmt: skip
+    variables; its output is text (spawn_ddpq: forked, unless DDPQ_TEST_FORK=off)."""
     with tempfile.TemporaryDirectory(prefix="ddpq-run-") as where:
         out, err, given = (Path(where) / name for name in ("stdout", "stderr", "stdin"))
         given.write_text(input or "")
-        proc = Forked(_zygote(), list(args), _child_env(env), cwd or Path.cwd(), out, err, given)
+        proc = spawn_ddpq(args, _child_env(env), cwd or Path.cwd(), out, err, given)
         try:
             code = proc.wait(timeout)
         except subprocess.TimeoutExpired:
             stop_process(proc, signal.SIGKILL)
             raise
-        return subprocess.CompletedProcess(argv, code, out.read_text(), err.read_text())
+        return subprocess.CompletedProcess(list(args), code, out.read_text(), err.read_text())
+
+
+def spawn_ddpq(
+    args: Sequence[str],
+    env: dict[str, str],
+    cwd: Path,
+    stdout: Path,
+    stderr: Path | None = None,
+    stdin: Path | None = None,
+) -> subprocess.Popen[bytes] | Forked:
+    """`python -m ddpq.cli *args`, its output in files (``stderr`` None: into ``stdout``):
+    forked from the zygote (_zygote), or a new interpreter if DDPQ_TEST_FORK=off."""
+    if FORK:
+        return Forked(_zygote(), list(args), env, cwd, stdout, stderr, stdin)
+    with contextlib.ExitStack() as files:
+        return subprocess.Popen(
+            [sys.executable, "-m", "ddpq.cli", *args],
+            env=env,
+            cwd=cwd,
+            stdin=files.enter_context(open(stdin or os.devnull, "rb")),
+            stdout=files.enter_context(open(stdout, "ab")),
+            stderr=files.enter_context(open(stderr, "ab")) if stderr else subprocess.STDOUT,
+        )
 
 
 def serve_on_a_reachable_address(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -355,15 +372,7 @@ def start_server(
         }
     )
     log_path.write_bytes(b"")
-    proc: subprocess.Popen[bytes] | Forked
-    if not FORK:
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "ddpq.cli", *argv],
-                env=server_env, stdout=log, stderr=subprocess.STDOUT, cwd=data_dir,
-            )  # fmt: skip
-    else:
-        proc = Forked(_zygote(), argv, server_env, data_dir, log_path)
+    proc = spawn_ddpq(argv, server_env, data_dir, log_path)
     server = Server(
         f"http://127.0.0.1:{port}", api_token, worker_token, data_dir, proc, log_path, db_url=db_url
     )

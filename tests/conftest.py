@@ -515,49 +515,43 @@ def launcher_env(launcher: str) -> dict[str, str]:
 NO_JOBS = launcher_env("torchrun")
 
 
-@pytest.fixture
-def start_worker(tmp_path: Path) -> Iterator[Callable[..., Worker]]:
-    workers: list[Worker] = []
+def launch_worker(
+    server: Server,
+    base: Path,
+    name: str,
+    *args: str,
+    cpu_slots: int = 4,
+    gpus: str | None = "none",
+    env: dict[str, str] | None = None,
+) -> Worker:
+    """A `ddpq worker` for ``server``, its files under ``base``; ``gpus=None`` lets it find
+    its GPUs (NVML). Tests start theirs with start_worker, or share one (module_worker)."""
+    workspace = base / "workspace"
+    workspace.mkdir(parents=True, exist_ok=True)
+    log_path = base / "worker.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            worker_argv(
+                server,
+                name,
+                workspace,
+                base / "data",
+                "--cpu-slots",
+                str(cpu_slots),
+                *(["--gpus", gpus] if gpus is not None else []),
+                *args,
+            ),
+            env=_child_env({"DDPQ_WORKER_TOKEN": server.worker_token, **(env or {})}),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=base,
+        )
+    return Worker(name, workspace, base / "data", proc, log_path)
 
-    def start(
-        server: Server,
-        *args: str,
-        name: str | None = None,
-        cpu_slots: int = 4,
-        gpus: str | None = "none",
-        env: dict[str, str] | None = None,
-    ) -> Worker:
-        """A `ddpq worker` for ``server``; ``gpus=None`` lets it find its GPUs (NVML)."""
-        # On a server shared by a module's tests, a name no other test's worker had.
-        name = name or f"w{len(workers)}" + (f"-{uuid.uuid4().hex[:8]}" if server.shared else "")
-        base = tmp_path / f"worker-{name}"
-        workspace = base / "workspace"
-        workspace.mkdir(parents=True, exist_ok=True)
-        log_path = base / "worker.log"
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(
-                worker_argv(
-                    server,
-                    name,
-                    workspace,
-                    base / "data",
-                    "--cpu-slots",
-                    str(cpu_slots),
-                    *(["--gpus", gpus] if gpus is not None else []),
-                    *args,
-                ),
-                env=_child_env({"DDPQ_WORKER_TOKEN": server.worker_token, **(env or {})}),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=base,
-            )
-        w = Worker(name, workspace, base / "data", proc, log_path)
-        workers.append(w)
-        return w
 
-    yield start
-    # All at once: each worker's stop hands its jobs back (its claim long-poll ends at its
-    # leave; without an API to take the leave, it is waited out: up to 5 s), side by side.
+def stop_workers(workers: list[Worker]) -> None:
+    """All at once: each worker's stop hands its jobs back (its claim long-poll ends at its
+    leave; without an API to take the leave, it is waited out: up to 5 s), side by side."""
     for w in workers:
         if w.proc.poll() is None:
             w.proc.send_signal(signal.SIGTERM)
@@ -567,6 +561,42 @@ def start_worker(tmp_path: Path) -> Iterator[Callable[..., Worker]]:
         except subprocess.TimeoutExpired:
             w.proc.kill()
             w.proc.wait()
+
+
+@pytest.fixture
+def start_worker(tmp_path: Path) -> Iterator[Callable[..., Worker]]:
+    workers: list[Worker] = []
+
+    def start(server: Server, *args: str, name: str | None = None, **kw: Any) -> Worker:
+        """launch_worker's, named for this test (``cpu_slots``, ``gpus``, ``env``)."""
+        # On a server shared by a module's tests, a name no other test's worker had.
+        name = name or f"w{len(workers)}" + (f"-{uuid.uuid4().hex[:8]}" if server.shared else "")
+        w = launch_worker(server, tmp_path / f"worker-{name}", name, *args, **kw)
+        workers.append(w)
+        return w
+
+    yield start
+    stop_workers(workers)
+
+
+def module_worker(
+    server: Server, tmp_path_factory: pytest.TempPathFactory, *args: str
+) -> Iterator[Worker]:
+    """One worker for a module's tests on its module_server, where each test's jobs are its
+    own but the worker is not: a warm worker's start is about 4 s of CPU (torch imported).
+    Each test runs its jobs to their end; a test that needs a worker set up otherwise starts
+    its own on a server of its own, or this one would take its jobs. A module defines it as::
+
+        @pytest.fixture(scope="module")
+        def worker(server, tmp_path_factory):
+            yield from module_worker(server, tmp_path_factory)
+    """
+    name = f"shared-{uuid.uuid4().hex[:8]}"
+    w = launch_worker(server, tmp_path_factory.mktemp("worker"), name, *args)
+    try:
+        yield w
+    finally:
+        stop_workers([w])
 
 
 def terminal(client: httpx.Client, job_id: int, timeout: float = 120) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """The whole path with real processes: ddpq serve, ddpq worker, torchrun (gloo, CPU).
 
-One `ddpq serve` per database for the module (module_server): each test runs its jobs on
-a worker of its own, and looks only at those jobs."""
+One `ddpq serve` per database for the module (module_server), and one worker on it
+(module_worker): each test runs its jobs to their end and looks only at those jobs."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Server, launcher_env, module_server, terminal, wait_for
+from tests.conftest import Server, Worker, module_server, module_worker, terminal, wait_for
 from worker.edges.procs import find_by_launch_id
 from worker.executors import trace
 
@@ -27,11 +27,28 @@ def server(
     yield from module_server(request, tmp_path_factory)
 
 
+@pytest.fixture(scope="module")
+def traced(server: Server, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The worker's --trace file: every test's jobs in one, each read by its job's id."""
+    return tmp_path_factory.mktemp("trace") / "trace.jsonl"
+
+
+@pytest.fixture(scope="module")
+def worker(
+    server: Server, traced: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Worker]:
+    # --kill-grace-s 2: a rank that ignores SIGTERM is killed 2 s after it (the cancel test).
+    args = ("--trace", str(traced), "--kill-grace-s", "2")
+    yield from module_worker(server, tmp_path_factory, *args)
+
+
+def traced_lines(traced: Path, job_id: int) -> list[dict]:
+    return [item for item in trace.read(traced) if item["job_id"] == job_id]
+
+
 def test_toy_regression_runs_to_success_and_reports_one_series(
-    server: Server, start_worker, tmp_path: Path
+    server: Server, worker: Worker, traced: Path
 ) -> None:
-    traced = tmp_path / "trace.jsonl"
-    worker = start_worker(server, "--trace", str(traced))
     c = server.client()
     r = c.post(
         "/jobs",
@@ -93,7 +110,7 @@ def test_toy_regression_runs_to_success_and_reports_one_series(
     # --trace: the attempt's phases, every one reached, in order, within the job's own
     # stamps (the worker's clock is the API's here: one host). The first line is read
     # beside the supervisor: after the spawn and before the drain, maybe after the exit.
-    at = wait_for(lambda: [t["at"] for t in trace.read(traced)], 30, "the trace line")[0]
+    at = wait_for(lambda: [t["at"] for t in traced_lines(traced, job["id"])], 30, "the trace")[0]
     assert sorted(at) == sorted(trace.PHASES)
     ordered = [p for p in trace.PHASES if p != "first_line"]
     assert [p for p in at if p != "first_line"] == ordered
@@ -117,15 +134,20 @@ while True:
 
 
 def test_cancel_running_job_leaves_no_process_behind(
-    server: Server, start_worker, tmp_path: Path, launcher: str
+    server: Server, worker: Worker, tmp_path: Path, launcher: str
 ) -> None:
-    worker = start_worker(server, "--kill-grace-s", "2", env=launcher_env(launcher))
     (worker.workspace / "stubborn.py").write_text(CANCEL_PROBE)
     out = tmp_path / "pids"
     out.mkdir()
     c = server.client()
     job = c.post(
-        "/jobs", json={"entrypoint": "stubborn.py", "world_size": 2, "args": [str(out)]}
+        "/jobs",
+        json={
+            "entrypoint": "stubborn.py",
+            "world_size": 2,
+            "args": [str(out)],
+            "launcher": launcher,
+        },
     ).json()
     wait_for(lambda: len(list(out.glob("rank*.pid"))) == 2, 60, "both ranks to start")
     pids = [int(p.read_text()) for p in out.glob("rank*.pid")]
@@ -168,8 +190,7 @@ if rank == "0" and "--fail" in sys.argv:
 """
 
 
-def test_entrypoint_gets_literal_args_and_ddpq_environment(server: Server, start_worker) -> None:
-    worker = start_worker(server)
+def test_entrypoint_gets_literal_args_and_ddpq_environment(server: Server, worker: Worker) -> None:
     (worker.workspace / "echo.py").write_text(ECHO_PROGRAM)
     c = server.client()
     args = ["; rm -rf /", "$(id)", "`id`", 'it\'s "quoted"', "two\nlines", "--flag=1"]
@@ -193,8 +214,7 @@ def test_entrypoint_gets_literal_args_and_ddpq_environment(server: Server, start
         assert os.path.realpath(seen["cwd"]) == os.path.realpath(worker.workspace)
 
 
-def test_failed_program_says_why(server: Server, start_worker) -> None:
-    worker = start_worker(server)
+def test_failed_program_says_why(server: Server, worker: Worker) -> None:
     (worker.workspace / "echo.py").write_text(ECHO_PROGRAM)
     c = server.client()
     job = c.post(
@@ -206,16 +226,14 @@ def test_failed_program_says_why(server: Server, start_worker) -> None:
     assert "ValueError: the data directory is empty" in final["reason"]
 
 
-def test_missing_entrypoint_fails_with_reason(server: Server, start_worker, tmp_path: Path) -> None:
-    traced = tmp_path / "trace.jsonl"
-    start_worker(server, "--trace", str(traced))
+def test_missing_entrypoint_fails_with_reason(server: Server, worker: Worker, traced: Path) -> None:
     c = server.client()
     job = c.post("/jobs", json={"entrypoint": "nope/train.py", "world_size": 1}).json()
     final = terminal(c, job["id"], timeout=30)
     assert final["status"] == "failed"
     assert "nope/train.py" in final["reason"] and "workspace" in final["reason"]
     # Traced as far as it went: it never got its program, so no process ran.
-    [item] = wait_for(lambda: trace.read(traced), 30, "the trace line")
+    [item] = wait_for(lambda: traced_lines(traced, job["id"]), 30, "the trace line")
     assert (item["job_id"], item["attempt"]) == (job["id"], 1)
     assert list(item["at"]) == ["claimed", "started", "held", "released", "kept", "shipped",
                                 "reported"]  # fmt: skip
@@ -230,13 +248,12 @@ dist.barrier()  # rank 0 waits here until rank 1's failure ends the group
 """
 
 
-def test_a_failure_after_init_names_the_exception(server: Server, start_worker) -> None:
+def test_a_failure_after_init_names_the_exception(server: Server, worker: Worker) -> None:
     # Most real failures happen after init_process_group, where PyTorch's excepthook
     # prefixes a traceback's lines with "[rank1]: " as torchrun's tail does, and the
     # other rank fails too, of the broken connection: the reason names the rank that
     # failed first and its error (issue 30), and the log shows each line once with one
     # prefix, without torchrun's ChildFailedError traceback.
-    worker = start_worker(server)
     (worker.workspace / "after_init.py").write_text(AFTER_INIT)
     c = server.client()
     job = c.post(
@@ -268,10 +285,9 @@ while True:
 """
 
 
-def test_a_cancelled_job_says_so_in_one_line(server: Server, start_worker) -> None:
+def test_a_cancelled_job_says_so_in_one_line(server: Server, worker: Worker) -> None:
     # torchrun answers SIGTERM with a 30-line SignalException traceback and exit code 1;
     # the log ends instead with one [ddpq] line, and the exit status is SIGTERM's.
-    worker = start_worker(server)
     (worker.workspace / "polite.py").write_text(POLITE)
     c = server.client()
     job = c.post("/jobs", json={"entrypoint": "polite.py", "world_size": 2, "device": "cpu"}).json()
@@ -302,8 +318,7 @@ sys.stdout.flush()
 """
 
 
-def test_rank_lines_arrive_whole_each_with_its_rank(server: Server, start_worker) -> None:
-    worker = start_worker(server)
+def test_rank_lines_arrive_whole_each_with_its_rank(server: Server, worker: Worker) -> None:
     (worker.workspace / "pieces.py").write_text(PIECES)
     c = server.client()
     job = c.post("/jobs", json={"entrypoint": "pieces.py", "world_size": 2}).json()

@@ -51,6 +51,12 @@ REQUIRE_SLURM = os.environ.get("DDPQ_REQUIRE_SLURM") == "1"
 REPO = Path(__file__).resolve().parent.parent
 
 
+# The test modules as pytest rewrites them (for its assert messages), cached in __pycache__
+# as a plain run caches them: where PYTHONDONTWRITEBYTECODE is set, each of a run's pytest
+# processes (four in `make test`) rewrote every one of them again, about 4 s of CPU each.
+sys.dont_write_bytecode = False
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """The checkout's bytecode, written once before any test (by the one process that
     starts pytest's others): where PYTHONDONTWRITEBYTECODE is set (container images often

@@ -590,8 +590,9 @@ def module_worker(
 ) -> Iterator[Worker]:
     """One worker for a module's tests on its module_server, where each test's jobs are its
     own but the worker is not: a warm worker's start is about 4 s of CPU (torch imported).
-    Each test runs its jobs to their end; a test that needs a worker set up otherwise starts
-    its own on a server of its own, or this one would take its jobs. A module defines it as::
+    Each test runs its jobs to their end (end_jobs_left, for one that fails midway); a test
+    that needs a worker set up otherwise starts its own on a server of its own, or this one
+    would take its jobs. A module defines it as::
 
         @pytest.fixture(scope="module")
         def worker(server, tmp_path_factory):
@@ -603,6 +604,18 @@ def module_worker(
         yield w
     finally:
         stop_workers([w])
+
+
+def end_jobs_left(server: Server) -> None:
+    """Cancel every job of ``server`` that has not ended, and wait for their ends: after a
+    test that failed midway, on a worker the next test shares (module_worker)."""
+    c = server.client()
+    left = c.get("/jobs", params={"status": "queued,held,running,cancelling", "limit": 500})
+    ids = [job["id"] for job in left.json()["items"]]
+    for job_id in ids:
+        c.post(f"/jobs/{job_id}/cancel")
+    for job_id in ids:
+        terminal(c, job_id, timeout=60)
 
 
 def terminal(client: httpx.Client, job_id: int, timeout: float = 120) -> dict[str, Any]:

@@ -13,7 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Server, Worker, module_server, module_worker, terminal, wait_for
+from tests.conftest import (
+    Server,
+    Worker,
+    end_jobs_left,
+    module_server,
+    module_worker,
+    terminal,
+    wait_for,
+)
 from worker.edges.procs import find_by_launch_id
 from worker.executors import trace
 
@@ -40,6 +48,12 @@ def worker(
     # --kill-grace-s 2: a rank that ignores SIGTERM is killed 2 s after it (the cancel test).
     args = ("--trace", str(traced), "--kill-grace-s", "2")
     yield from module_worker(server, tmp_path_factory, *args)
+
+
+@pytest.fixture(autouse=True)
+def _jobs_end_with_their_test(server: Server) -> Iterator[None]:
+    yield
+    end_jobs_left(server)
 
 
 def traced_lines(traced: Path, job_id: int) -> list[dict]:

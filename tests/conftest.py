@@ -435,7 +435,8 @@ def module_server(
     """One `ddpq serve` on a database of its own (``request.param``: "sqlite" or
     "postgres"), for a module's tests that need nothing else of a server (its start is
     most of such a test's time): each test uses jobs and workers of its own (start_worker
-    names them apart). A module defines it as its ``server``::
+    names them apart), or a worker the module shares (module_worker). A module defines it
+    as its ``server``::
 
         @pytest.fixture(scope="module", params=["sqlite", "postgres"])
         def server(request, tmp_path_factory):
@@ -606,16 +607,22 @@ def module_worker(
         stop_workers([w])
 
 
-def end_jobs_left(server: Server) -> None:
+def end_jobs_left(server: Server, timeout: float = 60) -> None:
     """Cancel every job of ``server`` that has not ended, and wait for their ends: after a
     test that failed midway, on a worker the next test shares (module_worker)."""
     c = server.client()
     left = c.get("/jobs", params={"status": "queued,held,running,cancelling", "limit": 500})
+    assert left.status_code == 200, left.text
     ids = [job["id"] for job in left.json()["items"]]
     for job_id in ids:
-        c.post(f"/jobs/{job_id}/cancel")
-    for job_id in ids:
-        terminal(c, job_id, timeout=60)
+        r = c.post(f"/jobs/{job_id}/cancel")
+        assert r.status_code in (202, 409), r.text  # 409: it ended meanwhile
+
+    def ended() -> bool:
+        jobs = c.get("/jobs", params={"status": "queued,held,running,cancelling"}).json()
+        return not {job["id"] for job in jobs["items"]} & set(ids)
+
+    wait_for(ended, timeout, f"jobs {ids} a test left to end")
 
 
 def terminal(client: httpx.Client, job_id: int, timeout: float = 120) -> dict[str, Any]:

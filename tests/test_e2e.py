@@ -45,13 +45,14 @@ def traced(server: Server, tmp_path_factory: pytest.TempPathFactory) -> Path:
 def worker(
     server: Server, traced: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Worker]:
-    # --kill-grace-s 2: a rank that ignores SIGTERM is killed 2 s after it (the cancel test).
-    args = ("--trace", str(traced), "--kill-grace-s", "2")
-    yield from module_worker(server, tmp_path_factory, *args)
+    # The default kill grace (10 s): a polite job's torchrun must have time to stop its
+    # ranks on SIGTERM (test_a_cancelled_job_says_so_in_one_line).
+    yield from module_worker(server, tmp_path_factory, "--trace", str(traced))
 
 
 @pytest.fixture(autouse=True)
-def _jobs_end_with_their_test(server: Server) -> Iterator[None]:
+def _jobs_end_with_their_test(server: Server, worker: Worker) -> Iterator[None]:
+    assert worker.proc.poll() is None, worker.log()[-3000:]  # else every test times out
     yield
     end_jobs_left(server)
 

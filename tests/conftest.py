@@ -591,7 +591,7 @@ def module_worker(
 ) -> Iterator[Worker]:
     """One worker for a module's tests on its module_server, where each test's jobs are its
     own but the worker is not: a warm worker's start is about 4 s of CPU (torch imported).
-    Each test runs its jobs to their end (end_jobs_left, for one that fails midway); a test
+    Each test runs its jobs to their end (helpers.end_jobs_left, for one that fails midway); a test
     that needs a worker set up otherwise starts its own on a server of its own, or this one
     would take its jobs. A module defines it as::
 
@@ -605,24 +605,6 @@ def module_worker(
         yield w
     finally:
         stop_workers([w])
-
-
-def end_jobs_left(server: Server, timeout: float = 60) -> None:
-    """Cancel every job of ``server`` that has not ended, and wait for their ends: after a
-    test that failed midway, on a worker the next test shares (module_worker)."""
-    c = server.client()
-    left = c.get("/jobs", params={"status": "queued,held,running,cancelling", "limit": 500})
-    assert left.status_code == 200, left.text
-    ids = [job["id"] for job in left.json()["items"]]
-    for job_id in ids:
-        r = c.post(f"/jobs/{job_id}/cancel")
-        assert r.status_code in (202, 409), r.text  # 409: it ended meanwhile
-
-    def ended() -> bool:
-        jobs = c.get("/jobs", params={"status": "queued,held,running,cancelling"}).json()
-        return not {job["id"] for job in jobs["items"]} & set(ids)
-
-    wait_for(ended, timeout, f"jobs {ids} a test left to end")
 
 
 def terminal(client: httpx.Client, job_id: int, timeout: float = 120) -> dict[str, Any]:

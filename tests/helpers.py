@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import Server
+from tests.conftest import Server, wait_for
 
 
 def together(*calls: Callable[[], Any]) -> list[Any]:
@@ -93,6 +93,17 @@ def claims_asked(server: Server) -> float:
     return total
 
 
+ACTIVE = ("queued", "held", "running", "cancelling")  # a job's states before its end
+
+
+def active_jobs(c: Any) -> list[dict[str, Any]]:
+    """The jobs not ended yet on the server ``c`` (an httpx client) talks to."""
+    items: list[dict[str, Any]] = c.get(
+        "/jobs", params={"status": ",".join(ACTIVE), "limit": 500}
+    ).json()["items"]
+    return items
+
+
 def settle_all(server: Server) -> None:
     """End every job left active on ``server`` (a module's shared one, after a test): a
     queued or held one cancelled, a running one cancelled and its cancel confirmed as its
@@ -100,24 +111,39 @@ def settle_all(server: Server) -> None:
     nor one that changes under it (a hand-driven worker never heartbeats: its attempts
     would be lost)."""
     c, w = server.client(), server.client("worker")
-    for status in ("queued", "held", "running", "cancelling"):
-        for job in c.get("/jobs", params={"status": status, "limit": 500}).json()["items"]:
-            if job["status"] in ("queued", "held", "running"):
-                r = c.post(f"/jobs/{job['id']}/cancel")
-                assert r.status_code == 202, r.text
-                job = r.json()
-            if job["status"] == "cancelling":
-                r = w.post(
-                    f"/workers/jobs/{job['id']}/finish",
-                    json={
-                        "worker": job["worker"],
-                        "attempt": job["attempt"],
-                        "outcome": "cancelled",
-                    },
-                )
-                assert r.status_code == 200, r.text
-            status_now = c.get(f"/jobs/{job['id']}").json()["status"]
-            assert status_now in ("succeeded", "failed", "cancelled"), (job, status_now)
+    for job in active_jobs(c):
+        if job["status"] in ("queued", "held", "running"):
+            r = c.post(f"/jobs/{job['id']}/cancel")
+            assert r.status_code == 202, r.text
+            job = r.json()
+        if job["status"] == "cancelling":
+            r = w.post(
+                f"/workers/jobs/{job['id']}/finish",
+                json={
+                    "worker": job["worker"],
+                    "attempt": job["attempt"],
+                    "outcome": "cancelled",
+                },
+            )
+            assert r.status_code == 200, r.text
+        status_now = c.get(f"/jobs/{job['id']}").json()["status"]
+        assert status_now in ("succeeded", "failed", "cancelled"), (job, status_now)
+
+
+def end_jobs_left(server: Server, timeout: float = 60) -> None:
+    """settle_all's for a real worker: every job left active on ``server`` cancelled, and
+    waited for while that worker stops it (after a test that failed midway, on a worker
+    the next test shares: conftest.module_worker)."""
+    c = server.client()
+    ids = {job["id"] for job in active_jobs(c)}
+    for job_id in ids:
+        r = c.post(f"/jobs/{job_id}/cancel")
+        assert r.status_code in (202, 409), r.text  # 409: it ended meanwhile
+    wait_for(
+        lambda: not {job["id"] for job in active_jobs(c)} & ids,
+        timeout,
+        f"jobs {sorted(ids)} a test left to end",
+    )
 
 
 def its_turn(server: Server) -> Iterator[Server]:

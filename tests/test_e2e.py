@@ -13,15 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import (
-    Server,
-    Worker,
-    end_jobs_left,
-    module_server,
-    module_worker,
-    terminal,
-    wait_for,
-)
+from tests.conftest import Server, Worker, module_server, module_worker, terminal, wait_for
+from tests.helpers import end_jobs_left
 from worker.edges.procs import find_by_launch_id
 from worker.executors import trace
 

@@ -162,9 +162,8 @@ class Forked:
             "stderr": str(stderr or stdout),
         }
         self.conn.sendall(json.dumps(request).encode() + b"\n")
-        self.received = (
-            b""  # both answers may arrive in one read: kept here, not in a file's buffer
-        )
+        # Both answers may arrive in one read: kept here, not in a file's buffer.
+        self.received = b""
         first = self._line(None)
         assert first is not None
         self.pid: int = first["pid"]
